@@ -1,0 +1,37 @@
+"""Exit codes and the errors that carry them to the command line."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    ALIGNED = 0  # the engine agrees with the reference (under the threshold)
+    DIVERGED = 1  # diverged (with `run`: culprits named)
+    USAGE = 2  # usage or input error
+    BACKEND = 3  # backend or load error; a failed swap self-check
+    NO_CULPRIT = 4  # diverged, but no culprit set found within --max-trials
+    INTERRUPTED = 130  # Ctrl-C
+
+
+class NumbisectError(Exception):
+    """An error the user can act on: one line, no traceback."""
+
+    code = ExitCode.USAGE
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class InputError(NumbisectError):
+    """Bad user input: a trace, an option, a checkpoint directory."""
+
+    code = ExitCode.USAGE
+
+
+class BackendError(NumbisectError):
+    """A backend could not load or run."""
+
+    code = ExitCode.BACKEND
