@@ -1,0 +1,59 @@
+"""Architecture maps: per model family, where each canonical unit lives in each backend.
+
+One file per family, mostly data (like a state-dict name map): `hf` and `vllm` map a
+unit pattern to a module path; `{i}` is the layer index. How a module's output is read
+into canonical form is set by the unit kind (see `backends.base.READERS`), with
+per-family overrides in `hf_readers` / `vllm_readers`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from numbisect.errors import InputError
+from numbisect.units import Unit, build_units
+
+
+@dataclass(frozen=True)
+class ArchMap:
+    name: str  # family name, e.g. "qwen3_moe"
+    architectures: tuple[str, ...]  # config.json `architectures` values it covers
+    hf: dict[str, str]  # unit pattern -> module path in the transformers model
+    vllm: dict[str, str]  # unit pattern -> module path in the vLLM model
+    ffn_kind: Callable[[Any, int], str]  # (config, layer) -> "moe" or "mlp"
+    moe_sub_units: tuple[str, ...] = ()  # sub-units of a moe block, in execution order
+    hf_readers: dict[str, str] = field(default_factory=dict)  # unit pattern -> reader override
+    vllm_readers: dict[str, str] = field(default_factory=dict)
+
+    def units(self, config) -> list[Unit]:
+        n = config.num_hidden_layers
+        return build_units(n, [self.ffn_kind(config, i) for i in range(n)], self.moe_sub_units)
+
+    def path(self, backend: str, unit: Unit) -> str | None:
+        table = self.hf if backend == "hf" else self.vllm
+        pattern = table.get(unit.pattern)
+        return None if pattern is None else pattern.format(i=unit.layer)
+
+
+def _registry() -> dict[str, ArchMap]:
+    from numbisect.arch import glm4_moe, mixtral, qwen3, qwen3_moe
+
+    maps = [qwen3_moe.ARCH, qwen3.ARCH, glm4_moe.ARCH, mixtral.ARCH]
+    return {a: m for m in maps for a in m.architectures}
+
+
+def supported() -> list[str]:
+    return sorted(_registry())
+
+
+def arch_for(config) -> ArchMap:
+    archs = list(getattr(config, "architectures", None) or [])
+    reg = _registry()
+    for a in archs:
+        if a in reg:
+            return reg[a]
+    raise InputError(
+        f"unsupported architecture {', '.join(archs) or '(none in config.json)'}; "
+        f"supported: {', '.join(supported())}"
+    )

