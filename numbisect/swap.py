@@ -207,7 +207,12 @@ def _swap_vllm(engine, donor, unit, ref: nn.Module) -> None:
     if unit.kind in ("router", "experts"):
         _patch_vllm_moe(engine, donor, unit, ref)
         return
-    engine.replace(unit.name, VLLM_ADAPTERS[unit.kind](ref, donor, engine.dtype))
+    adapter = VLLM_ADAPTERS[unit.kind](ref, donor, engine.dtype)
+    engine.replace(unit.name, adapter)
+    if unit.kind == "shared_expert":  # the MoE runner holds its own reference to the shared expert
+        shared = getattr(_runner(engine, unit), "_shared_experts", None)
+        if shared is not None and hasattr(shared, "_layer"):
+            _patch(engine, shared, "_layer", adapter)
 
 
 # -- vLLM MoE runner patches ----------------------------------------------------------------
@@ -218,18 +223,27 @@ def _runner(engine, unit):
     return engine.module(unit.parent).experts  # the MoE block's FusedMoE runner
 
 
-def _patch(engine, obj, attr: str, fn) -> None:
-    setattr(obj, attr, fn)
-    patched = engine.__dict__.setdefault(_PATCHED, [])
-    patched.append((obj, attr))
+_MISSING = object()
+
+
+def _patch(engine, obj, attr: str, value) -> None:
+    """Set `obj.attr`, remembering what was there (an instance attribute or a submodule)."""
+    own = obj.__dict__.get(attr, _MISSING)
+    if own is _MISSING and isinstance(obj, nn.Module):
+        own = obj._modules.get(attr, _MISSING)
+    engine.__dict__.setdefault(_PATCHED, []).append((obj, attr, own))
+    setattr(obj, attr, value)
 
 
 def unpatch(engine) -> None:
-    for obj, attr in engine.__dict__.pop(_PATCHED, []):
-        try:
-            delattr(obj, attr)  # back to the class's method
-        except AttributeError:
-            pass
+    for obj, attr, old in reversed(engine.__dict__.pop(_PATCHED, [])):
+        if old is _MISSING:
+            try:
+                delattr(obj, attr)  # back to the class's method
+            except AttributeError:
+                pass
+        else:
+            setattr(obj, attr, old)
 
 
 def _patch_vllm_moe(engine, donor, unit, ref: nn.Module) -> None:

@@ -129,11 +129,19 @@ class VLLMBackend(Backend):
                     if name in want:
                         seen[name].append(_canonical_output(kind, out).detach().to("cpu", copy=True))
 
-                register(self.module(name), handles, pre=pre, post=post)
+                mod = self.module(name)
+                if kind == "experts" and name in want:
+                    # The runner's output may include a fused shared expert: read the routed sum.
+                    handles.append(_wrap_routed(mod.routed_experts, seen[name]))
+                    register(mod, handles, pre=pre)
+                else:
+                    register(mod, handles, pre=pre, post=post)
             outs = self.llm.generate([self._prompt(prompt_token_ids=list(sample.ids))], self._sp, use_tqdm=False)
         except BackendError:
             raise
         except Exception as e:
+            if os.environ.get("NUMBISECT_DEBUG"):
+                raise
             raise fail(e, f"vLLM failed on sample {index}") from None
         finally:
             for h in handles:
@@ -159,10 +167,31 @@ class VLLMBackend(Backend):
                 res.inputs[name].append(calls[-1])
 
 
-def _residual(args: list, kwargs: dict):
-    if "residual" in kwargs:
-        return kwargs["residual"]
-    return None
+class _Undo:
+    def __init__(self, fn):
+        self.remove = fn
+
+
+def _wrap_routed(routed, sink: list) -> _Undo:
+    """Record the output of `routed_experts.forward_modular` (the routed weighted sum)."""
+    own = routed.__dict__.get("forward_modular")
+    inner = routed.forward_modular
+
+    def forward_modular(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            sink.append(out.detach().to("cpu", copy=True))
+        return out
+
+    routed.forward_modular = forward_modular
+
+    def undo():
+        if own is None:
+            del routed.forward_modular
+        else:
+            routed.forward_modular = own
+
+    return _Undo(undo)
 
 
 def _canonical_input(kind: str, args: list, kwargs: dict) -> torch.Tensor | None:
@@ -180,7 +209,14 @@ def _canonical_input(kind: str, args: list, kwargs: dict) -> torch.Tensor | None
 
 
 def _feed(kind: str, args: list, kwargs: dict, fed: torch.Tensor) -> None:
-    """Replace a unit's canonical input in place by the reference's (teacher forcing)."""
+    """Replace a unit's canonical input in place by the reference's (teacher forcing).
+
+    Calls whose row count differs from the fed tensor (the logits of the sampled token)
+    are left alone.
+    """
+    x = _canonical_input(kind, args, kwargs)
+    if x is None or x.shape[0] != fed.shape[0]:
+        return
     if kind == "norm":
         x = args[0] if args else kwargs["x"]
         fed = fed.to(x.dtype)

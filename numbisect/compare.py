@@ -1,0 +1,261 @@
+"""The comparison pipeline: one trace through the reference and the engine.
+
+1. Open both backends from their specs (`hf:DIR`, `vllm:DIR`, `rollout`) and check
+   that their configs agree and the trace fits the vocabulary.
+2. Run the reference once, keeping its token log-probs, full log-probs and every
+   unit's input and output.
+3. Run the engine (or any trial: the engine with a set of units swapped) and turn
+   the two sides into token metrics: k1/k2/k3, full-vocabulary KL, top-1 agreement,
+   RL cost, per group.
+4. Per unit: propagated error (each side on its own inputs) and local error (the
+   engine unit fed the reference's input), with bitwise equality and ulps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from numbisect import metrics as M
+from numbisect.backends.base import Backend, ForwardResult, check_checkpoint
+from numbisect.errors import InputError
+from numbisect.trace import Sample, Trace
+
+METRICS = ("k3-mean", "k3-p99", "kl-mean")
+
+
+@dataclass
+class Settings:
+    """Everything that decides a verdict; recorded in the report."""
+
+    threshold: float = 1e-3  # judged metric at or under this: aligned
+    metric: str = "k3-mean"  # k3-mean, k3-p99 or kl-mean
+    group: str = "completion"  # token group the verdict is judged on
+    unit_tol: float = 1e-2  # relative L2 error above which a unit counts as diverged
+    rl: M.RLThresholds = field(default_factory=M.RLThresholds)
+
+    def to_dict(self) -> dict:
+        return {"threshold": self.threshold, "metric": self.metric, "group": self.group, "unit_tol": self.unit_tol}
+
+
+# -- backends ---------------------------------------------------------------------------------
+def parse_spec(spec: str, what: str) -> tuple[str, str | None]:
+    if spec == "rollout":
+        return "rollout", None
+    kind, sep, path = spec.partition(":")
+    if not sep or kind not in ("hf", "vllm") or not path:
+        raise InputError(f"bad {what} {spec!r}: expected hf:DIR, vllm:DIR" + (" or rollout" if what == "--engine" else ""))
+    return kind, path
+
+
+def parse_opts(pairs: list[str] | tuple[str, ...], what: str) -> dict:
+    out = {}
+    for p in pairs:
+        k, sep, v = p.partition("=")
+        if not sep or not k:
+            raise InputError(f"bad {what} {p!r}: expected KEY=VALUE")
+        out[k] = _value(v)
+    return out
+
+
+def _value(v: str):
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(v.lower(), v)
+
+
+def open_backend(kind: str, path: str, dtype: str, opts: dict) -> Backend:
+    if kind == "hf":
+        from numbisect.backends.hf import HFBackend
+
+        allowed = {"attn_implementation", "experts_implementation", "batch_size"}
+        bad = set(opts) - allowed
+        if bad:
+            raise InputError(f"unknown hf option {', '.join(sorted(bad))}; known: {', '.join(sorted(allowed))}")
+        return HFBackend(path, dtype, **opts)
+    from numbisect.backends.vllm import VLLMBackend
+
+    return VLLMBackend(path, dtype, **opts)
+
+
+def check_pair(ref: Backend, eng: Backend) -> None:
+    """Refuse a pair whose configs cannot be compared unit by unit."""
+    rc, ec = ref.config.get_text_config(), eng.config.get_text_config()
+    for key in ("vocab_size", "num_hidden_layers", "hidden_size"):
+        a, b = getattr(rc, key, None), getattr(ec, key, None)
+        if a != b:
+            raise InputError(f"ref and engine configs disagree on {key}: {a} vs {b}")
+    if ref.arch.name != eng.arch.name:
+        raise InputError(f"ref and engine architectures differ: {ref.arch.name} vs {eng.arch.name}")
+
+
+def checkpoint_digest(path: str) -> dict:
+    check_checkpoint(path)
+    out = {}
+    for f in sorted(Path(path).iterdir()):
+        if f.suffix == ".safetensors" or f.name == "config.json":
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+            out[f.name] = h.hexdigest()
+    return out
+
+
+# -- token metrics ---------------------------------------------------------------------------
+def rollout_result(trace: Trace) -> ForwardResult:
+    """The engine side from the trace's own `rollout_logprobs` (NaN on prompt positions)."""
+    out = []
+    for s in trace.samples:
+        if s.rollout_logprobs is None:
+            raise InputError(f"{trace.path}:{s.line}: --engine rollout needs rollout_logprobs on every sample")
+        lp = torch.full((len(s.ids) - 1,), math.nan, dtype=torch.float32)
+        lp[len(s.prompt_ids) - 1 :] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        out.append(lp)
+    return ForwardResult(token_logprobs=out)
+
+
+def group_names(trace: Trace) -> list[str]:
+    return ["completion", "prompt"] + trace.group_names()
+
+
+def token_report(samples: list[Sample], ref: ForwardResult, eng: ForwardResult, settings: Settings, groups: list[str]) -> dict:
+    """Aggregates per group, RL cost and worst tokens over completion tokens."""
+    per = [M.token_metrics(a, b) for a, b in zip(ref.token_logprobs, eng.token_logprobs)]
+    kl = None
+    if ref.full_logprobs is not None and eng.full_logprobs is not None:
+        kl = [M.full_kl(e, r) for r, e in zip(ref.full_logprobs, eng.full_logprobs)]
+        top1 = [(r.argmax(-1) == e.argmax(-1)) for r, e in zip(ref.full_logprobs, eng.full_logprobs)]
+    out_groups = {}
+    for g in groups:
+        masks = [s.position_mask(g) & ~torch.isnan(p["k3"]) for s, p in zip(samples, per)]
+        n = int(sum(int(m.sum()) for m in masks))
+        entry: dict = {"tokens": n}
+        for key in ("k1", "k2", "k3"):
+            entry[key] = M.aggregate(torch.cat([p[key][m] for p, m in zip(per, masks)])) if n else M.aggregate(torch.zeros(0))
+        entry["kl"] = M.aggregate(torch.cat([k[m] for k, m in zip(kl, masks)])) if (kl and n) else None
+        entry["top1_agree"] = (
+            float(torch.cat([t[m] for t, m in zip(top1, masks)]).double().mean()) if (kl and n) else None
+        )
+        out_groups[g] = entry
+    judged = [s.position_mask(settings.group) & ~torch.isnan(p["k3"]) for s, p in zip(samples, per)]
+    index, vals = [], []
+    for i, (s, p, m) in enumerate(zip(samples, per, judged)):
+        for j in torch.nonzero(m).flatten().tolist():
+            index.append((i, j + 1, s.ids[j + 1]))
+            vals.append(float(p["k3"][j]))
+    per_sample = []
+    for i, (s, p) in enumerate(zip(samples, per)):
+        k3 = p["k3"]
+        per_sample.append(
+            {
+                "sample": i,
+                "line": s.line,
+                "prompt_len": len(s.prompt_ids),
+                "k3": [None if math.isnan(v) else _round(v) for v in k3.tolist()],
+            }
+        )
+    report = {
+        "groups": out_groups,
+        "rl_cost": M.rl_cost([p["log_r"][m] for p, m in zip(per, judged)], settings.rl),
+        "worst_tokens": M.worst_tokens(torch.tensor(vals, dtype=torch.float64), index, k=10) if vals else [],
+        "per_sample": per_sample,
+    }
+    report["value"] = judged_value(report, settings)
+    return report
+
+
+def judged_value(tokens: dict, settings: Settings) -> float:
+    g = tokens["groups"].get(settings.group)
+    if g is None or not g["tokens"]:
+        raise InputError(f"no tokens in group {settings.group!r} to judge on")
+    if settings.metric == "k3-mean":
+        return float(g["k3"]["mean"])
+    if settings.metric == "k3-p99":
+        return float(g["k3"]["p99"])
+    if g["kl"] is None:
+        raise InputError("--metric kl-mean needs full logits on both sides (not available with --engine rollout)")
+    return float(g["kl"]["mean"])
+
+
+def _round(v: float) -> float:
+    return float(f"{v:.4g}")
+
+
+# -- unit metrics ----------------------------------------------------------------------------
+def unit_report(units, ref: ForwardResult, prop: ForwardResult | None, local: ForwardResult | None, engine_dtype, settings) -> list[dict]:
+    rows = []
+    for u in units:
+        row = {"name": u.name, "kind": u.kind, "layer": u.layer, "parent": u.parent, "propagated": None, "local": None}
+        if prop is not None and prop.captures.get(u.name) and ref.captures.get(u.name):
+            row["propagated"] = _unit_error(ref.captures[u.name], prop.captures[u.name], engine_dtype)
+        if local is not None and local.captures.get(u.name) and ref.captures.get(u.name):
+            row["local"] = _unit_error(ref.captures[u.name], local.captures[u.name], engine_dtype)
+        rows.append(row)
+    return rows
+
+
+def _unit_error(refs: list[torch.Tensor], engs: list[torch.Tensor], engine_dtype) -> dict:
+    err = M.activation_error_multi([r.double() for r in refs], [e.double() for e in engs])
+    ref_all = torch.cat([r.reshape(r.shape[0], -1).float() for r in refs])
+    eng_all = torch.cat([e.reshape(e.shape[0], -1).float() for e in engs])
+    err["ulps"] = M.ulp_stats(ref_all, eng_all, engine_dtype)
+    return err
+
+
+def first_divergence(rows: list[dict], settings: Settings, key: str = "propagated") -> dict:
+    bitwise = next((r["name"] for r in rows if r[key] and not r[key]["ulps"]["bitwise_equal"]), None)
+    above = next((r["name"] for r in rows if r[key] and _num(r[key]["rel_l2"]) > settings.unit_tol), None)
+    return {"bitwise": bitwise, "above_tol": above}
+
+
+def _num(x) -> float:
+    return float("inf") if x is None else float(x)
+
+
+def local_ranking(rows: list[dict]) -> dict[str, int]:
+    """Units ranked by their own (teacher-forced) relative error, 1 = largest."""
+    scored = [(r["local"]["rel_l2"], r["name"]) for r in rows if r["local"] and r["kind"] != "layer"]
+    scored.sort(key=lambda t: (-_num(t[0]), t[1]))
+    return {name: i + 1 for i, (_, name) in enumerate(scored)}
+
+
+def capture_names(backend: Backend) -> list[str]:
+    return [u.name for u in backend.units]
+
+
+def local_feed_names(backend: Backend) -> list[str]:
+    """Units whose input is a hidden state (so they can be teacher-forced)."""
+    return [u.name for u in backend.units if u.kind != "embed"]
+
+
+def env_threads() -> int:
+    return torch.get_num_threads()
+
+
+def sanitize(obj):
+    """JSON-safe: inf/nan floats become strings, tuples lists."""
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "nan"
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): sanitize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [sanitize(v) for v in obj]
+    return obj
+
+
+def environ_flags() -> dict:
+    keys = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG")
+    return {k: os.environ[k] for k in keys if k in os.environ}

@@ -1,0 +1,150 @@
+"""A debugging session: one trace, one reference, one engine, and the trials run on them.
+
+The reference runs once (captures kept); the engine runs once per trial. `compare()`
+gives the baseline report body; `trial(swapped)` is the evaluator the search calls.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from numbisect import compare as C
+from numbisect.backends.base import Backend, ForwardResult
+from numbisect.errors import BackendError, InputError
+from numbisect.faults import apply_faults, check_fault, parse_fault
+from numbisect.swap import apply_swaps, unpatch
+from numbisect.trace import Trace, check_vocab, load_trace
+
+
+@dataclass
+class Spec:
+    """What the user asked to compare (recorded in the report as `inputs`)."""
+
+    ref: str  # "hf:DIR"
+    engine: str  # "hf:DIR", "vllm:DIR" or "rollout"
+    trace: str  # JSONL path
+    ref_dtype: str = "bfloat16"
+    engine_dtype: str = "bfloat16"
+    ref_opts: dict = field(default_factory=dict)
+    engine_opts: dict = field(default_factory=dict)
+    faults: list[str] = field(default_factory=list)  # planted engine faults, e.g. "weight_noise=1e-2@layers.0.attn"
+
+
+class Session:
+    def __init__(self, spec: Spec, settings: C.Settings, progress=None):
+        self.spec = spec
+        self.settings = settings
+        self.say = progress or (lambda msg: None)
+        self.trace: Trace = load_trace(spec.trace)
+        ref_kind, ref_path = C.parse_spec(spec.ref, "--ref")
+        if ref_kind != "hf":
+            raise InputError(f"--ref must be hf:DIR (got {spec.ref!r})")
+        eng_kind, eng_path = C.parse_spec(spec.engine, "--engine")
+        self.engine_kind = eng_kind
+        self.faults = [parse_fault(f) for f in spec.faults]
+        if self.faults and eng_kind == "rollout":
+            raise InputError("--engine-fault needs an engine that runs (hf: or vllm:), not rollout")
+        if settings.group not in C.group_names(self.trace):
+            raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}")
+        if eng_kind != "rollout":
+            C.check_checkpoint(eng_path)  # fail fast before the (slow) reference load
+        self.say(f"loading reference {ref_path} ({spec.ref_dtype})")
+        self.ref: Backend = C.open_backend("hf", ref_path, spec.ref_dtype, dict(spec.ref_opts))
+        check_vocab(self.trace, self.ref.vocab_size)
+        self.engine: Backend | None = None
+        if eng_kind != "rollout":
+            from numbisect.backends.base import load_config
+
+            load_config(eng_path)
+            self.say(f"starting engine {eng_kind}:{eng_path} ({spec.engine_dtype})")
+            self.engine = C.open_backend(eng_kind, eng_path, spec.engine_dtype, dict(spec.engine_opts))
+            C.check_pair(self.ref, self.engine)
+            for f in self.faults:
+                check_fault(self.engine, f)
+        self.samples = self.trace.samples
+        self.groups = C.group_names(self.trace)
+        self._ref_result: ForwardResult | None = None
+        self.digests = {"ref": C.checkpoint_digest(ref_path), "trace": self.trace.sha256}
+        if eng_kind != "rollout":
+            self.digests["engine"] = C.checkpoint_digest(eng_path)
+
+    # -- the reference ------------------------------------------------------------------
+    def reference(self) -> ForwardResult:
+        if self._ref_result is None:
+            self.say("running the reference")
+            names = C.capture_names(self.ref)
+            self._ref_result = self.ref.forward(
+                self.samples, full_logits=True, capture=names, capture_inputs=C.local_feed_names(self.ref)
+            )
+        return self._ref_result
+
+    # -- the engine -----------------------------------------------------------------------
+    def engine_forward(self, swapped=(), capture=(), feed=None) -> ForwardResult:
+        """The engine with its planted faults, then `swapped` units replaced by the reference's."""
+        if self.engine is None:
+            return C.rollout_result(self.trace)
+        planted = apply_faults(self.engine, self.faults)
+        try:
+            apply_swaps(self.engine, self.ref, list(swapped))
+            return self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed)
+        finally:
+            unpatch(self.engine)
+            self.engine.restore()
+            planted.undo()
+
+    def compare(self, local: bool = True) -> dict:
+        """Token metrics, RL cost and per-unit divergence of the unswapped engine."""
+        ref = self.reference()
+        self.say("running the engine")
+        units = self.engine.units if self.engine else []
+        prop = self.engine_forward(capture=[u.name for u in units])
+        tokens = C.token_report(self.samples, ref, prop, self.settings, self.groups)
+        loc = None
+        if local and self.engine is not None:
+            self.say("teacher-forced pass (local error)")
+            feed = {n: ref.inputs[n] for n in C.local_feed_names(self.engine) if ref.inputs.get(n)}
+            loc = self.engine_forward(capture=[u.name for u in units], feed=feed)
+        rows = C.unit_report(units, ref, prop if self.engine else None, loc, self.engine.dtype if self.engine else None, self.settings)
+        body = {
+            "baseline": tokens,
+            "units": rows,
+            "first_divergence": C.first_divergence(rows, self.settings),
+            "verdict": "aligned" if tokens["value"] <= self.settings.threshold else "diverged",
+        }
+        if loc is not None:
+            body["local_ranking"] = C.local_ranking(rows)
+        return body
+
+    def trial(self, swapped) -> tuple[float, dict]:
+        """One engine forward with `swapped` units replaced: (judged value, summary)."""
+        ref = self.reference()
+        t0 = time.perf_counter()
+        res = self.engine_forward(swapped)
+        tokens = C.token_report(self.samples, ref, res, self.settings, self.groups)
+        summary = {
+            "groups": {g: {"k3_mean": v["k3"]["mean"], "k3_p99": v["k3"]["p99"], "kl_mean": (v["kl"] or {}).get("mean")} for g, v in tokens["groups"].items()},
+            "seq_frac_rejected": tokens["rl_cost"]["seq_frac_rejected"],
+            "forward_s": round(time.perf_counter() - t0, 4),
+        }
+        return tokens["value"], summary
+
+    def self_check(self, tol: float = 1e-7) -> dict:
+        """Swap every unit: the engine must then reproduce the reference."""
+        if self.engine is None:
+            raise InputError("swaps need an engine that runs (hf: or vllm:), not rollout")
+        names = [u.name for u in self.engine.units if u.parent == "model" and u.kind != "layer"]
+        names += [u.name for u in self.engine.units if u.kind == "layer"]
+        value, summary = self.trial(names)
+        k3 = summary["groups"]["completion"]["k3_mean"]
+        same_dtype = self.spec.ref_dtype == self.spec.engine_dtype
+        ok = (k3 is not None and k3 <= tol) if same_dtype else True
+        return {"k3_mean": k3, "tolerance": tol, "dtypes_match": same_dtype, "passed": ok, "swapped": names}
+
+    def close(self) -> None:
+        for b in (self.engine, self.ref):
+            if b is not None:
+                try:
+                    b.close()
+                except BackendError:
+                    pass
