@@ -150,8 +150,9 @@ def token_report(samples: list[Sample], ref: ForwardResult, eng: ForwardResult, 
     index, vals = [], []
     for i, (s, p, m) in enumerate(zip(samples, per, judged)):
         for j in torch.nonzero(m).flatten().tolist():
-            index.append((i, j + 1, s.ids[j + 1]))
-            vals.append(float(p["k3"][j]))
+            if float(p["k3"][j]) > 0:
+                index.append((i, j + 1, s.ids[j + 1]))
+                vals.append(float(p["k3"][j]))
     per_sample = []
     for i, (s, p) in enumerate(zip(samples, per)):
         k3 = p["k3"]
@@ -223,7 +224,11 @@ def _num(x) -> float:
 
 def local_ranking(rows: list[dict]) -> dict[str, int]:
     """Units ranked by their own (teacher-forced) relative error, 1 = largest."""
-    scored = [(r["local"]["rel_l2"], r["name"]) for r in rows if r["local"] and r["kind"] != "layer"]
+    scored = [
+        (r["local"]["rel_l2"], r["name"])
+        for r in rows
+        if r["local"] and r["kind"] != "layer" and _num(r["local"]["rel_l2"]) > 0
+    ]
     scored.sort(key=lambda t: (-_num(t[0]), t[1]))
     return {name: i + 1 for i, (_, name) in enumerate(scored)}
 

@@ -148,3 +148,23 @@ class Session:
                     b.close()
                 except BackendError:
                     pass
+
+    def inputs(self) -> dict:
+        """What went in, with digests: enough to tell whether two reports are comparable."""
+        eng = (
+            {**self.engine.describe(), "sha256": self.digests["engine"]}
+            if self.engine is not None
+            else {"backend": "rollout", "path": self.trace.path, "dtype": None}
+        )
+        return {
+            "ref": {**self.ref.describe(), "sha256": self.digests["ref"]},
+            "engine": eng,
+            "trace": {
+                "path": self.trace.path,
+                "sha256": self.trace.sha256,
+                "samples": len(self.samples),
+                "completion_tokens": sum(len(s.completion_ids) for s in self.samples),
+                "groups": self.groups,
+            },
+            "faults": [f.to_dict() for f in self.faults],
+        }

@@ -92,7 +92,7 @@ class HFBackend(Backend):
         def pad(xs: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
             out = torch.zeros((B, T) + tuple(xs[0].shape[1:]), dtype=like.dtype)
             for b, x in enumerate(xs):
-                out[b, : lens[b]] = x.to(like.dtype)
+                out[b, : x.shape[0]] = x.to(like.dtype)
             return out.view(like.shape)
 
         handles: list = []

@@ -1,0 +1,233 @@
+"""The `bisect` command: argument parsing and output only; the work lives in the core.
+
+Exit codes: 0 aligned, 1 diverged (run: culprits named), 2 usage or input error,
+3 backend or load error (and a failed swap self-check), 4 diverged but no culprit set
+found within --max-trials, 130 interrupted. NUMBISECT_DEBUG=1 shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import traceback
+
+import click
+
+from numbisect import __version__
+from numbisect.errors import ExitCode, InputError, NumbisectError
+
+EPILOG = """\b
+Exit codes:
+  0    aligned (under the threshold)
+  1    diverged (run: culprits named)
+  2    usage or input error
+  3    backend or load error; failed swap self-check
+  4    diverged, but no culprit set found within --max-trials
+  130  interrupted
+Set NUMBISECT_DEBUG=1 to see tracebacks."""
+
+
+class DefaultRun(click.Group):
+    """`bisect --swap moe ...` (options, no subcommand) means `bisect run ...`."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0].startswith("-") and args[0] not in ("--help", "-h", "--version"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=DefaultRun, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="numbisect")
+def cli():
+    """numbisect: find the module that makes a rollout engine disagree with its reference.
+
+    Bare options run a search: `bisect --swap moe --ref hf:DIR --engine vllm:DIR --trace T`.
+    """
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+
+
+class Progress:
+    """Status lines on stderr: a spinner on a terminal, plain lines otherwise."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self._status = None
+        if not quiet and sys.stderr.isatty():
+            from rich.console import Console
+
+            self._status = Console(stderr=True).status("starting")
+
+    def __enter__(self):
+        if self._status is not None:
+            self._status.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._status is not None:
+            self._status.__exit__(*exc)
+
+    def __call__(self, msg: str) -> None:
+        if self.quiet:
+            return
+        if self._status is not None:
+            self._status.update(msg)
+        else:
+            print(f"bisect: {msg}", file=sys.stderr, flush=True)
+
+
+def session_options(f):
+    opts = [
+        click.option("--ref", required=True, metavar="hf:DIR", help="Reference model (transformers checkpoint directory)."),
+        click.option("--engine", required=True, metavar="SPEC", help="Engine: vllm:DIR, hf:DIR or rollout (the trace's rollout_logprobs)."),
+        click.option("--trace", required=True, type=click.Path(), help="Token trace, JSONL (prompt_ids, completion_ids, ...)."),
+        click.option("--ref-dtype", default="bfloat16", show_default=True, help="float32, bfloat16 or float16."),
+        click.option("--engine-dtype", default="bfloat16", show_default=True),
+        click.option("--ref-opt", multiple=True, metavar="KEY=VALUE", help="hf options: attn_implementation, experts_implementation, batch_size."),
+        click.option("--engine-opt", multiple=True, metavar="KEY=VALUE", help="Backend options (hf as above; vllm: any LLM() argument)."),
+        click.option("--engine-fault", multiple=True, metavar="SPEC", help="Plant a fault in the engine, e.g. moe_combine_bf16@layers.2.moe (repeatable)."),
+        click.option("--threshold", default=1e-3, show_default=True, type=float, help="Aligned when the metric is at or under this."),
+        click.option("--metric", default="k3-mean", show_default=True, type=click.Choice(["k3-mean", "k3-p99", "kl-mean"])),
+        click.option("--group", default="completion", show_default=True, help="Token group judged: completion, prompt, all or a trace group (e.g. image)."),
+        click.option("--out", type=click.Path(), help="Write the JSON report here (atomically)."),
+        click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of the summary."),
+        click.option("-q", "--quiet", is_flag=True, help="No progress on stderr."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _spec_settings(kw):
+    from numbisect.compare import Settings, parse_opts
+    from numbisect.session import Spec
+
+    spec = Spec(
+        ref=kw["ref"],
+        engine=kw["engine"],
+        trace=kw["trace"],
+        ref_dtype=kw["ref_dtype"],
+        engine_dtype=kw["engine_dtype"],
+        ref_opts=parse_opts(kw["ref_opt"], "--ref-opt"),
+        engine_opts=parse_opts(kw["engine_opt"], "--engine-opt"),
+        faults=list(kw["engine_fault"]),
+    )
+    settings = Settings(threshold=kw["threshold"], metric=kw["metric"], group=kw["group"])
+    return spec, settings
+
+
+def _emit(report: dict, kw) -> None:
+    from numbisect.render import render
+    from numbisect.report import write_json_atomic
+
+    if kw.get("out"):
+        write_json_atomic(kw["out"], report)
+    if kw.get("as_json"):
+        sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    else:
+        sys.stdout.write(render(report))
+        if kw.get("out"):
+            sys.stdout.write(f"report: {kw['out']}\n")
+    sys.stdout.flush()
+
+
+def _check_out(kw) -> None:
+    out = kw.get("out")
+    if out:
+        d = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(d):
+            raise InputError(f"cannot write {out}: directory {d} does not exist")
+
+
+@cli.command(epilog=EPILOG)
+@session_options
+@click.option("--local/--no-local", default=True, show_default=True, help="Also feed each engine unit the reference's input (local error).")
+def compare(**kw):
+    """Run the trace through both models: k3, KL, RL cost and per-unit divergence."""
+    from numbisect.report import command_line, new_report
+    from numbisect.session import Session
+
+    _check_out(kw)
+    spec, settings = _spec_settings(kw)
+    with Progress(kw["quiet"]) as say:
+        session = Session(spec, settings, progress=say)
+        try:
+            body = session.compare(local=kw["local"])
+            report = new_report("compare", command_line(), session.inputs(), settings.to_dict(), body)
+        finally:
+            session.close()
+    _emit(report, kw)
+    return ExitCode.ALIGNED if report["verdict"] == "aligned" else ExitCode.DIVERGED
+
+
+@cli.group()
+def report():
+    """Work with report files (show, validate)."""
+
+
+@report.command("show")
+@click.argument("file", type=click.Path())
+def report_show(file):
+    """Print the summary of a report, from the file alone."""
+    from numbisect.render import render
+    from numbisect.report import load_report
+
+    r = load_report(file)
+    sys.stdout.write(render(r))
+    return ExitCode.ALIGNED if r["verdict"] == "aligned" else ExitCode.DIVERGED
+
+
+@report.command("validate")
+@click.argument("file", type=click.Path())
+def report_validate(file):
+    """Check a report against the JSON Schema of its version."""
+    from numbisect.report import load_report
+
+    r = load_report(file)
+    click.echo(f"{file}: valid numbisect report, schema version {r['schema_version']}")
+    return ExitCode.ALIGNED
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
+    debug = bool(os.environ.get("NUMBISECT_DEBUG"))
+    try:
+        rv = cli.main(args=argv, prog_name="bisect", standalone_mode=False)
+        return int(rv) if isinstance(rv, int) else 0
+    except NumbisectError as e:
+        if debug:
+            traceback.print_exc()
+        hint = f" ({e.hint})" if e.hint else ""
+        print(f"bisect: error: {e.message}{hint}", file=sys.stderr)
+        return int(e.code)
+    except click.exceptions.Abort:
+        print("bisect: interrupted", file=sys.stderr)
+        return int(ExitCode.INTERRUPTED)
+    except KeyboardInterrupt:
+        print("bisect: interrupted", file=sys.stderr)
+        return int(ExitCode.INTERRUPTED)
+    except click.ClickException as e:
+        print(f"bisect: error: {e.format_message()}", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    except click.exceptions.Exit as e:
+        return int(e.exit_code)
+    except Exception as e:  # a bug: still one line unless debugging
+        if debug:
+            raise
+        print(f"bisect: internal error: {type(e).__name__}: {e} (set NUMBISECT_DEBUG=1 for the traceback)", file=sys.stderr)
+        return int(ExitCode.BACKEND)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""Plain-text summaries of a report, for stdout and `bisect report show`.
+
+Everything here reads the report dict alone, so a summary can be regenerated on a
+machine without the models. Verdicts carry words and symbols, not only colour.
+"""
+
+from __future__ import annotations
+
+
+def fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    if x == 0:
+        return "0"
+    return f"{x:.{digits}e}" if abs(x) < 1e-2 or abs(x) >= 1e4 else f"{x:.{digits + 2}g}"
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def header(r: dict) -> list[str]:
+    inp = r["inputs"]
+    eng = inp["engine"]
+    eng_s = "rollout log-probs" if eng["backend"] == "rollout" else f"{eng['backend']}:{eng['path']} ({eng['dtype']})"
+    ref = inp["ref"]
+    tr = inp["trace"]
+    th = r["threshold"]
+    lines = [
+        f"numbisect {r['kind']} | {ref.get('arch', '?')} | ref hf:{ref['path']} ({ref['dtype']}) vs engine {eng_s}",
+        f"trace {tr['path']}: {tr['samples']} samples, {tr['completion_tokens']} completion tokens",
+    ]
+    if inp.get("faults"):
+        lines.append("planted faults: " + ", ".join(f["spec"] for f in inp["faults"]))
+    b = r["baseline"]
+    mark = "OK ALIGNED" if r["verdict"] == "aligned" else "!! DIVERGED"
+    cmp_ = "<=" if r["verdict"] == "aligned" else ">"
+    lines.append(f"verdict: {mark}  {th['metric']} {fmt(b['value'])} {cmp_} threshold {fmt(th['threshold'])} (group {th['group']})")
+    return lines
+
+
+def token_table(b: dict) -> list[str]:
+    out = [f"{'tokens':<12}{'count':>7}{'k3 mean':>10}{'k3 p99':>10}{'k3 max':>10}{'KL mean':>10}{'top-1':>8}"]
+    for g, v in b["groups"].items():
+        kl = v["kl"]["mean"] if v.get("kl") else None
+        out.append(
+            f"{g:<12}{v['tokens']:>7}{fmt(v['k3']['mean']):>10}{fmt(v['k3']['p99']):>10}{fmt(v['k3']['max']):>10}"
+            f"{fmt(kl):>10}{pct(v.get('top1_agree')):>8}"
+        )
+    return out
+
+
+def rl_lines(b: dict) -> list[str]:
+    c = b["rl_cost"]
+    t = c["thresholds"]
+    return [
+        f"RL cost: sequences rejected {pct(c['seq_frac_rejected'])} of {c['sequences']}"
+        f" (TIS>{t['tis_cap']}: {pct(c['seq_frac_tis'])}, IcePop [{t['icepop_low']}, {t['icepop_high']}]: {pct(c['seq_frac_icepop'])},"
+        f" geo-mean [{t['geo_low']}, {t['geo_high']}]: {pct(c['seq_frac_geo'])}, seq k3>{t['seq_k3_max']}: {pct(c['seq_frac_k3'])});"
+        f" tokens over TIS cap {pct(c['token_frac_tis'])}, outside IcePop {pct(c['token_frac_icepop'])}"
+    ]
+
+
+def unit_table(r: dict) -> list[str]:
+    rows = r.get("units") or []
+    if not rows:
+        return []
+    culprits = {c["unit"] for c in r.get("culprits") or []}
+    out = [f"{'unit':<28}{'prop rel-L2':>12}{'local rel-L2':>13}{'bitwise':>9}{'max ulps':>9}{'rank':>6}"]
+    rank = r.get("local_ranking") or {}
+    for u in rows:
+        p, loc = u.get("propagated"), u.get("local")
+        ul = (loc or p or {}).get("ulps") or {}
+        eq = "-" if not ul else ("=" if ul.get("bitwise_equal") else "!=")
+        mark = "  << culprit" if u["name"] in culprits else ""
+        indent = "  " * (u["name"].count(".") - (1 if u["name"].startswith("layers.") else 0))
+        out.append(
+            f"{indent + u['name']:<28}{fmt((p or {}).get('rel_l2')):>12}{fmt((loc or {}).get('rel_l2')):>13}"
+            f"{eq:>9}{fmt(ul.get('max_ulps'), 0) if ul.get('max_ulps') is not None else '-':>9}{rank.get(u['name'], '-'):>6}{mark}"
+        )
+    fd = r.get("first_divergence") or {}
+    out.append(
+        f"first divergence: {fd.get('bitwise') or 'none'} (first unit not bitwise equal); "
+        f"{fd.get('above_tol') or 'none'} (first above rel-L2 {fmt(r['threshold'].get('unit_tol'))})"
+    )
+    return out
+
+
+def worst_lines(b: dict, n: int = 5) -> list[str]:
+    w = b.get("worst_tokens") or []
+    if not w:
+        return []
+    return ["worst tokens: " + "; ".join(f"sample {t['sample']} pos {t['position']} id {t['token_id']} k3 {fmt(t['value'])}" for t in w[:n])]
+
+
+def search_lines(r: dict) -> list[str]:
+    s = r.get("search")
+    if not s:
+        return []
+    out = []
+    sw = r.get("swap")
+    if sw:
+        for line in sw.get("lines", []):
+            out.append(line)
+        return out
+    out.append(f"search ({s['strategy']}): {s['trials_used']} trials; {s['stop_reason']}")
+    for c in r.get("culprits") or []:
+        rank = f", local-error rank {c['local_rank']}" if c.get("local_rank") else ""
+        out.append(
+            f"culprit {c['unit']} ({c['kind']}): swapping it alone takes {r['threshold']['metric']} "
+            f"from {fmt(s['baseline'])} to {fmt(c['alone'])}; with every other unit swapped it is {fmt(c['complement'])}{rank}"
+        )
+    if s.get("verdict") == "diffuse":
+        out.append("diffuse: no set smaller than every layer reaches the threshold; per-layer contributions:")
+        for name, v in (s.get("contributions") or {}).items():
+            out.append(f"  {name:<12} alone {fmt(v.get('alone'))}  all others swapped {fmt(v.get('complement'))}")
+    return out
+
+
+def render(r: dict) -> str:
+    b = r["baseline"]
+    parts = header(r) + [""] + token_table(b) + rl_lines(b)
+    ut = unit_table(r)
+    if ut:
+        parts += [""] + ut
+    parts += worst_lines(b)
+    sl = search_lines(r)
+    if sl:
+        parts += [""] + sl
+    return "\n".join(parts) + "\n"
