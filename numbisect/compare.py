@@ -86,15 +86,24 @@ def open_backend(kind: str, path: str, dtype: str, opts: dict) -> Backend:
     return VLLMBackend(path, dtype, **opts)
 
 
-def check_pair(ref: Backend, eng: Backend) -> None:
+def check_configs(ref_cfg, eng_cfg) -> None:
     """Refuse a pair whose configs cannot be compared unit by unit."""
-    rc, ec = ref.config.get_text_config(), eng.config.get_text_config()
+    from numbisect.arch import arch_for
+
+    rc, ec = ref_cfg.get_text_config(), eng_cfg.get_text_config()
     for key in ("vocab_size", "num_hidden_layers", "hidden_size"):
         a, b = getattr(rc, key, None), getattr(ec, key, None)
         if a != b:
             raise InputError(f"ref and engine configs disagree on {key}: {a} vs {b}")
-    if ref.arch.name != eng.arch.name:
-        raise InputError(f"ref and engine architectures differ: {ref.arch.name} vs {eng.arch.name}")
+    ra, ea = arch_for(ref_cfg), arch_for(eng_cfg)
+    if ra.name != ea.name:
+        raise InputError(f"ref and engine architectures differ: {ra.name} vs {ea.name}")
+    if [u.name for u in ra.units(ref_cfg)] != [u.name for u in ea.units(eng_cfg)]:
+        raise InputError("ref and engine configs give different units (dense/MoE layers differ)")
+
+
+def check_pair(ref: Backend, eng: Backend) -> None:
+    check_configs(ref.config, eng.config)
 
 
 def checkpoint_digest(path: str) -> dict:

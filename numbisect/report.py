@@ -71,6 +71,9 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
         raise InputError(f"cannot write {path}: directory {p.parent} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
         with os.fdopen(fd, "w") as fh:
             json.dump(obj, fh, indent=1, allow_nan=False)
             fh.write("\n")
@@ -110,7 +113,7 @@ def load_report(path: str | os.PathLike) -> dict:
     if not isinstance(obj, dict) or "schema_version" not in obj:
         raise InputError(f"{path}: not a numbisect report (no schema_version)")
     ver = obj["schema_version"]
-    if not isinstance(ver, int) or ver < 1 or ver > SCHEMA_VERSION:
+    if isinstance(ver, bool) or not isinstance(ver, int) or ver < 1 or ver > SCHEMA_VERSION:
         raise InputError(
             f"{path}: report schema version {ver!r} is not supported (this numbisect {__version__} reads 1..{SCHEMA_VERSION})"
         )

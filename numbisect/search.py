@@ -269,7 +269,8 @@ class _Search:
         self.all_swapped: float | None = None
         self.found: list[str] = []  # the current best answer, for a "budget" result
         self._item_costs: dict[str, _Cost] = {}
-        self._plans: dict[tuple, tuple[int, int, tuple, tuple]] = {}
+        self._planners: list[_Planner] = []
+        self._top: tuple[str, ...] | None = None
         kinds_seen: list[str] = []
         for c in candidates:
             if self.g.nodes[c]["kind"] not in kinds_seen:
@@ -301,7 +302,7 @@ class _Search:
             found = self._ddmin(self._ordered(self.cands))
             verified = True
         else:
-            found, verified = self._minimise(self._ordered(self.cands), frozenset(), True, lazy=True)
+            found, verified = self._minimise(self._top_order(), frozenset(), True, lazy=True)
         self.found = list(found)
         refined: dict[str, list[str] | None] = {}  # unit -> its sub-units, None: the unit itself
         if not verified:
@@ -312,7 +313,7 @@ class _Search:
             refined[c] = sub
             if sub is None and not self._fixes({c}, "probe"):
                 refined = {}
-                found, _ = self._minimise(self._ordered(self.cands), frozenset(), True)
+                found, _ = self._minimise(self._top_order(), frozenset(), True)
                 self.found = list(found)
         if self._is_diffuse(found):
             reason = (
@@ -461,8 +462,9 @@ class _Search:
     def _order(self, name: str) -> int:
         return self.g.nodes[name]["order"]
 
-    def _ordered(self, names) -> tuple[str, ...]:
-        """By kind (in order of first appearance), then layer, then execution order."""
+    def _ordered(self, names, by_kind: bool = True) -> tuple[str, ...]:
+        """By kind (in order of first appearance), then layer, then execution order;
+        or, with `by_kind=False`, in execution order."""
 
         def key(n):
             d = self.g.nodes[n]
@@ -471,7 +473,19 @@ class _Search:
                 layer = -1 if d["order"] < self._first_layer else 1 << 30
             return (self._kind_rank.get(d["kind"], len(self._kind_rank)), layer, d["order"])
 
-        return tuple(sorted(names, key=key))
+        return tuple(sorted(names, key=key if by_kind else self._order))
+
+    def _top_order(self) -> tuple[str, ...]:
+        """The candidates in (kind, layer) order, unless execution order needs fewer
+        trials in the worst case (it can, when sub-units make some units costly)."""
+        if self._top is None:
+            by_kind = self._ordered(self.cands)
+            by_exec = self._ordered(self.cands, by_kind=False)
+            if len(by_kind) > 1 and self._seg(by_exec).worst_v < self._seg(by_kind).worst_v:
+                self._top = by_exec
+            else:
+                self._top = by_kind
+        return self._top
 
     def _item(self, name: str) -> _Cost:
         """Cost of finding a single fault inside one unit (itself or a sub-unit), as the
@@ -484,7 +498,8 @@ class _Search:
         elif len(kids) == 1:
             k = self._item(kids[0])
             worst = 1 + k.worst_v
-            cost = _Cost(worst, worst + 1, 1 + k.answers, k.answers + k.total_v + 1, k.answers + k.total_v + 2)
+            total = k.answers + k.total_v + 1
+            cost = _Cost(worst, worst + 1, 1 + k.answers, total, total + 1)
         else:
             a = self._seg(tuple(kids[:-1]))
             last = self._item(kids[-1])
@@ -495,51 +510,26 @@ class _Search:
         self._item_costs[name] = cost
         return cost
 
+    def _planner(self, items: tuple) -> tuple["_Planner", int, int]:
+        for p in self._planners:
+            i = p.pos.get(items[0])
+            if i is not None and p.base[i : i + len(items)] == items:
+                return p, i, i + len(items)
+        p = _Planner(self, items)
+        self._planners.append(p)
+        return p, 0, len(items)
+
     def _seg(self, items: tuple) -> _Cost:
         if len(items) == 1:
             return self._item(items[0])
-        worst, total = self._plan(items)[:2]
-        answers = sum(self._item(i).answers for i in items)
-        return _Cost(worst, worst, answers, total, total)
+        p, i, j = self._planner(items)
+        return p.seg(i, j)
 
     def _split(self, items: tuple) -> tuple[tuple, tuple]:
         """(a, b): a is tried next, b is assumed if a does not fix."""
-        return self._plan(items)[2:]
-
-    def _plan(self, items: tuple) -> tuple[int, int, tuple, tuple]:
-        """Best split of `items` by (worst-case trials, summed trials), then preferring
-        kind boundaries, then layer boundaries, then the half holding the unit with the
-        largest local error first."""
-        if items in self._plans:
-            return self._plans[items]
-        n = len(items)
-        if n <= 40:
-            points = range(1, n)
-        else:  # near the weighted middle only, to stay fast on deep models
-            weights = [2 ** self._item(i).worst_u for i in items]
-            half, acc, mid = sum(weights) / 2, 0, 1
-            for i, w in enumerate(weights):
-                acc += w
-                if acc >= half:
-                    mid = max(1, min(n - 1, i + 1))
-                    break
-            points = range(max(1, mid - 4), min(n - 1, mid + 4) + 1)
-        best = None
-        for s in points:
-            left, right = items[:s], items[s:]
-            kind_edge = self._kind(left[-1]) != self._kind(right[0])
-            layer_edge = self.g.nodes[left[-1]]["layer"] != self.g.nodes[right[0]]["layer"]
-            for a, b in ((left, right), (right, left)):
-                ca, cb = self._seg(a), self._seg(b)
-                worst = 1 + max(ca.worst_v, cb.worst_u)
-                total = ca.answers + ca.total_v + cb.answers + cb.total_u
-                rank = min((self.local_rank.get(u, math.inf) for u in a), default=math.inf)
-                other = min((self.local_rank.get(u, math.inf) for u in b), default=math.inf)
-                key = (worst, total, not kind_edge, not layer_edge, not rank < other, a is right)
-                if best is None or key < best[0]:
-                    best = (key, (worst, total, a, b))
-        self._plans[items] = best[1]
-        return best[1]
+        p, i, j = self._planner(items)
+        (ai, aj), (bi, bj) = p.plan(i, j)[2:]
+        return p.base[ai:aj], p.base[bi:bj]
 
     def _kind(self, name: str) -> str:
         return self.g.nodes[name]["kind"]
@@ -633,6 +623,77 @@ class _Search:
             )
         reason = f"no single unit brings {self.metric} under {self.thr:g} alone; swapping every candidate does"
         return self._diffuse(list(self.cands), reason)
+
+
+class _Planner:
+    """Best splits of the segments of one ordered list of units (dynamic programming).
+
+    A segment's cost is the worst-case number of trials to find and confirm a single
+    faulty unit in it; it is the same whether the segment is known to fix or only
+    assumed to, once it holds two units or more.
+    """
+
+    FULL = 40  # up to this many units every split point is tried; beyond, the middle ones
+
+    def __init__(self, search: "_Search", base: tuple):
+        self.s = search
+        self.base = base
+        self.pos = {u: i for i, u in enumerate(base)}
+        self.items = [search._item(u) for u in base]
+        self.answers = [0]
+        for c in self.items:
+            self.answers.append(self.answers[-1] + c.answers)
+        g = search.g
+        self.kind = [g.nodes[u]["kind"] for u in base]
+        self.layer = [g.nodes[u]["layer"] for u in base]
+        self.rank = [search.local_rank.get(u, math.inf) for u in base]
+        self.weight = [2 ** c.worst_u for c in self.items]
+        self.memo: dict[tuple[int, int], tuple] = {}
+        self.rmin: dict[tuple[int, int], float] = {}
+
+    def seg(self, i: int, j: int) -> _Cost:
+        if j - i == 1:
+            return self.items[i]
+        worst, total = self.plan(i, j)[:2]
+        return _Cost(worst, worst, self.answers[j] - self.answers[i], total, total)
+
+    def min_rank(self, i: int, j: int) -> float:
+        if (i, j) not in self.rmin:
+            self.rmin[(i, j)] = min(self.rank[i:j])
+        return self.rmin[(i, j)]
+
+    def plan(self, i: int, j: int) -> tuple[int, int, tuple[int, int], tuple[int, int]]:
+        """(worst, total, a, b) for segment [i, j): split into a (tried first) and b, by
+        (worst-case trials, summed trials), then preferring kind boundaries, then layer
+        boundaries, then the half holding the unit with the largest local error first."""
+        if (i, j) in self.memo:
+            return self.memo[(i, j)]
+        n = j - i
+        if n <= self.FULL:
+            points = range(i + 1, j)
+        else:  # near the weighted middle only, to stay fast on deep models
+            half, acc, mid = sum(self.weight[i:j]) / 2, 0, i + 1
+            for k in range(i, j):
+                acc += self.weight[k]
+                if acc >= half:
+                    mid = min(max(k + 1, i + 1), j - 1)
+                    break
+            points = range(max(i + 1, mid - 4), min(j - 1, mid + 4) + 1)
+        ranked = bool(self.s.local_rank)
+        best = None
+        for k in points:
+            kind_edge = self.kind[k - 1] != self.kind[k]
+            layer_edge = self.layer[k - 1] != self.layer[k]
+            for a, b in (((i, k), (k, j)), ((k, j), (i, k))):
+                ca, cb = self.seg(*a), self.seg(*b)
+                worst = 1 + max(ca.worst_v, cb.worst_u)
+                total = ca.answers + ca.total_v + cb.answers + cb.total_u
+                first = ranked and self.min_rank(*a) < self.min_rank(*b)
+                key = (worst, total, not kind_edge, not layer_edge, not first, a[0] != i)
+                if best is None or key < best[0]:
+                    best = (key, (worst, total, a, b))
+        self.memo[(i, j)] = best[1]
+        return best[1]
 
 
 def _parent(g: nx.DiGraph, name: str) -> str | None:

@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass, field
 
 from numbisect import compare as C
-from numbisect.backends.base import Backend, ForwardResult
+from numbisect.arch import arch_for
+from numbisect.backends.base import Backend, ForwardResult, load_config
 from numbisect.errors import BackendError, InputError
 from numbisect.faults import apply_faults, check_fault, parse_fault
 from numbisect.swap import apply_swaps, unpatch
@@ -32,10 +33,12 @@ class Spec:
 
 
 class Session:
-    def __init__(self, spec: Spec, settings: C.Settings, progress=None):
+    def __init__(self, spec: Spec, settings: C.Settings, progress=None, backends: dict | None = None):
+        """`backends` may hold already-open "ref" / "engine" backends (tests share engines)."""
         self.spec = spec
         self.settings = settings
         self.say = progress or (lambda msg: None)
+        backends = backends or {}
         self.trace: Trace = load_trace(spec.trace)
         ref_kind, ref_path = C.parse_spec(spec.ref, "--ref")
         if ref_kind != "hf":
@@ -45,29 +48,36 @@ class Session:
         self.faults = [parse_fault(f) for f in spec.faults]
         if self.faults and eng_kind == "rollout":
             raise InputError("--engine-fault needs an engine that runs (hf: or vllm:), not rollout")
-        if settings.group not in C.group_names(self.trace):
+        if settings.group not in C.group_names(self.trace) + ["all"]:
             raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}")
+        # Cheap checks first: configs, architectures, vocabulary; then the slow loads.
+        ref_cfg = load_config(ref_path)
+        arch_for(ref_cfg)
+        check_vocab(self.trace, ref_cfg.get_text_config().vocab_size)
         if eng_kind != "rollout":
-            C.check_checkpoint(eng_path)  # fail fast before the (slow) reference load
-        self.say(f"loading reference {ref_path} ({spec.ref_dtype})")
-        self.ref: Backend = C.open_backend("hf", ref_path, spec.ref_dtype, dict(spec.ref_opts))
-        check_vocab(self.trace, self.ref.vocab_size)
+            eng_cfg = load_config(eng_path)
+            arch_for(eng_cfg)
+            C.check_configs(ref_cfg, eng_cfg)
+        self.ref: Backend = backends.get("ref") or self._open("hf", ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
         self.engine: Backend | None = None
         if eng_kind != "rollout":
-            from numbisect.backends.base import load_config
-
-            load_config(eng_path)
-            self.say(f"starting engine {eng_kind}:{eng_path} ({spec.engine_dtype})")
-            self.engine = C.open_backend(eng_kind, eng_path, spec.engine_dtype, dict(spec.engine_opts))
+            self.engine = backends.get("engine") or self._open(
+                eng_kind, eng_path, spec.engine_dtype, spec.engine_opts, "starting engine"
+            )
             C.check_pair(self.ref, self.engine)
             for f in self.faults:
                 check_fault(self.engine, f)
+        self._owned = [b for k, b in (("ref", self.ref), ("engine", self.engine)) if b is not None and k not in backends]
         self.samples = self.trace.samples
-        self.groups = C.group_names(self.trace)
+        self.groups = C.group_names(self.trace) + (["all"] if settings.group == "all" else [])
         self._ref_result: ForwardResult | None = None
         self.digests = {"ref": C.checkpoint_digest(ref_path), "trace": self.trace.sha256}
         if eng_kind != "rollout":
             self.digests["engine"] = C.checkpoint_digest(eng_path)
+
+    def _open(self, kind, path, dtype, opts, what) -> Backend:
+        self.say(f"{what} {kind}:{path} ({dtype})")
+        return C.open_backend(kind, path, dtype, dict(opts))
 
     # -- the reference ------------------------------------------------------------------
     def reference(self) -> ForwardResult:
@@ -142,12 +152,13 @@ class Session:
         return {"k3_mean": k3, "tolerance": tol, "dtypes_match": same_dtype, "passed": ok, "swapped": names}
 
     def close(self) -> None:
-        for b in (self.engine, self.ref):
-            if b is not None:
-                try:
-                    b.close()
-                except BackendError:
-                    pass
+        """Close the backends this session opened (not the ones it was given)."""
+        for b in self._owned:
+            try:
+                b.close()
+            except BackendError:
+                pass
+        self._owned = []
 
     def inputs(self) -> dict:
         """What went in, with digests: enough to tell whether two reports are comparable."""
