@@ -10,7 +10,8 @@ Kinds:
 - `moe_combine_bf16@L.moe` (also `moe_combine_fp16`, `moe_combine_fp8`): each expert's
   weighted contribution is rounded to that dtype and the sum accumulated in it, as in
   the Qwen3.5-MoE case (the weighted sum of expert outputs in low precision).
-- `router_logits_fp16@L.moe.router` (also `_bf16`, `_fp8`): router logits rounded.
+- `router_logits_fp16@L.moe.router` (also `_bf16`, `_fp8`): the router GEMM in low
+  precision: its input and its logits rounded to that dtype.
 - `rmsnorm_no_upcast@NORM` (optionally `=DTYPE`): RMSNorm computed without the float32
   upcast, in bfloat16 unless given.
 Noise is seeded from the unit name, so a fault is the same in every trial and run.
@@ -62,8 +63,8 @@ def parse_fault(spec: str) -> Fault:
             return Fault(kind, unit, dtype=dt, spec=spec)
     if name == "rmsnorm_no_upcast":
         dt = val or "bf16"
-        if dt not in LOWP:
-            raise InputError(f"bad fault {spec!r}: dtype must be one of {', '.join(LOWP)}")
+        if dt not in ("bf16", "fp16"):
+            raise InputError(f"bad fault {spec!r}: rmsnorm_no_upcast runs in bf16 or fp16")
         return Fault(name, unit, dtype=dt, spec=spec)
     if name in ("weight_noise", "output_noise"):
         try:
@@ -126,7 +127,8 @@ def apply_faults(engine, faults: list[Fault]) -> Planted:
                     p.data.mul_(1 + f.value * torch.randn(p.shape, generator=g))
         elif f.kind == "output_noise":
             planted._hooks.append(mod.register_forward_hook(_output_noise(f)))
-        elif f.kind == "router_logits":
+        elif f.kind == "router_logits":  # the router GEMM in low precision: input and logits rounded
+            planted._hooks.append(mod.register_forward_pre_hook(_round_input(LOWP[f.dtype])))
             planted._hooks.append(mod.register_forward_hook(_round_logits(LOWP[f.dtype])))
         elif f.kind == "rmsnorm_no_upcast":
             path = engine.module_path(f.unit)
@@ -146,6 +148,15 @@ def _output_noise(f: Fault):
         rms = t.float().pow(2).mean().sqrt()
         noisy = (t.float() + f.value * rms * torch.randn(t.shape, generator=g)).to(t.dtype)
         return (noisy,) + tuple(out[1:]) if isinstance(out, tuple) else noisy
+
+    return hook
+
+
+def _round_input(dtype: torch.dtype):
+    def hook(m, args):
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            return (args[0].to(dtype).to(args[0].dtype),) + tuple(args[1:])
+        return None
 
     return hook
 
@@ -181,17 +192,17 @@ class LowpNorm(nn.Module):
 
 
 def lowp_experts(x, idx, w, gate_up, down, dtype: torch.dtype) -> torch.Tensor:
-    """Expert MLPs (SiLU-gated) with each weighted contribution rounded to `dtype` and summed in it."""
-    acc_dtype = torch.float32 if dtype == torch.float8_e4m3fn else dtype
-    out = torch.zeros(x.shape, dtype=acc_dtype)
+    """Expert MLPs (SiLU-gated) with each weighted contribution rounded to `dtype` and
+    accumulated in it (fp8 has no addition on CPU: its sum is rounded after each add)."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
     for k in range(idx.shape[1]):
         for e in idx[:, k].unique().tolist():
             rows = (idx[:, k] == e).nonzero().flatten()
             gu = x[rows] @ gate_up[e].T.to(x.dtype)
             g, u = gu.chunk(2, dim=-1)
             y = (torch.nn.functional.silu(g) * u) @ down[e].T.to(x.dtype)
-            contrib = (y * w[rows, k, None].to(y.dtype)).to(dtype)
-            out[rows] = (out[rows].to(dtype) + contrib).to(acc_dtype)
+            contrib = (y * w[rows, k, None].to(y.dtype)).to(dtype).float()
+            out[rows] = (out[rows] + contrib).to(dtype).float()
     return out.to(x.dtype)
 
 

