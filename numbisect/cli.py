@@ -171,6 +171,42 @@ def compare(**kw):
     return ExitCode.ALIGNED if report["verdict"] == "aligned" else ExitCode.DIVERGED
 
 
+@cli.command(epilog=EPILOG)
+@session_options
+@click.option("--swap", multiple=True, metavar="KIND[,KIND]", help="Swap every unit of these kinds (moe, attn, norm, mlp, router, experts, embed, lm_head, layer) in one trial.")
+@click.option("--strategy", default="hierarchical", show_default=True, type=click.Choice(["hierarchical", "linear", "ddmin"]))
+@click.option("--max-trials", type=int, default=None, help="Stop the search after this many trials (exit 4).")
+@click.option("--log", "log_path", type=click.Path(), help="Append each trial to this JSONL log as it ends.")
+@click.option("--resume", type=click.Path(), help="Continue from a trial log of an interrupted run (no trial repeated).")
+def run(**kw):
+    """Swap reference modules into the engine and search for the culprit units."""
+    from numbisect.report import command_line, new_report
+    from numbisect.run import run as do_run
+    from numbisect.session import Session
+
+    _check_out(kw)
+    if kw["max_trials"] is not None and kw["max_trials"] < 1:
+        raise InputError("--max-trials must be at least 1")
+    spec, settings = _spec_settings(kw)
+    with Progress(kw["quiet"]) as say:
+        session = Session(spec, settings, progress=say)
+        try:
+            body, code = do_run(
+                session,
+                swap=list(kw["swap"]),
+                strategy=kw["strategy"],
+                max_trials=kw["max_trials"],
+                log=kw["log_path"],
+                resume=kw["resume"],
+                progress=say,
+            )
+            report = new_report("run", command_line(), session.inputs(), settings.to_dict(), body)
+        finally:
+            session.close()
+    _emit(report, kw)
+    return code
+
+
 @cli.group()
 def report():
     """Work with report files (show, validate)."""
