@@ -9,25 +9,32 @@ The hierarchical strategy (the default):
 
 1. Baseline trial (nothing swapped); already under the threshold -> "aligned".
 2. Every candidate swapped; still over the threshold -> "unreachable".
-3. Find a minimal set of candidates whose swap fixes it: bisection over the candidates
-   ordered by (kind, layer), so the first splits separate kinds and later ones layer
-   ranges. When half A does not fix, half B is assumed to and recursed into without a
-   trial of its own; only if that optimistic path ends in a unit that does not fix does
-   the search fall back to the several-culprit path (minimise one half with the other
-   held swapped, then the other with the found part held), as in ddmin / QuickXplain.
-   Split points come from a small dynamic programme over worst-case trial counts, so a
-   single faulty unit among n (candidates plus their sub-units) costs at most
-   ceil(log2 n) + 4 trials in all, evidence included.
-4. Descend into the sub-units of each culprit (router / experts / shared_expert of a
-   moe), with the rest of the found set held swapped; if no proper subset of the
-   children fixes it, the parent itself is the culprit.
+3. Find a 1-minimal set of units whose swap fixes it, by bisection over one list: the
+   candidates ordered by (kind, layer), each preceded by its sub-units (router, experts,
+   shared_expert before their moe). Only prefixes of a range are tried, so a parent is
+   never swapped without its children, and the splits go kinds first, then layer
+   ranges, then units, then sub-units. A half that does not fix stays swapped while
+   the other half is bisected, so that half needs no trial of its own (a single unit
+   is tried alone, unless some unit has three or more sub-units); the unit found is
+   then tried alone, and only if that does not fix are the failed halves minimised
+   in turn with it held swapped (several culprits; group testing as in ddmin /
+   QuickXplain). Under a monotone metric the result is 1-minimal: leaving any one
+   culprit in the engine breaks the fix.
+4. Sub-units: a parent all of whose (two or more) children were found is named
+   instead of them; a parent found whole is replaced by a proper subset of its
+   children that fixes in its place, if one does (usually settled by trials already
+   run, at no cost).
 5. Evidence per culprit: the value with only it swapped ("alone") and with every other
    candidate swapped ("complement": what it contributes on its own).
 6. A minimal set that needs a unit from every layer (or every candidate) is "diffuse":
    no culprit is named and each layer's contribution is measured instead.
 
-"linear" swaps one unit at a time (the benchmark baseline); "ddmin" is Zeller's
-delta debugging over the candidates, followed by steps 4-6.
+A single faulty unit among n (candidates plus their sub-units) costs at most
+ceil(log2 n) + 1 trials in step 3 (the split sizes come from `_plan_lengths`), so
+ceil(log2 n) + 4 in all, evidence included.
+
+"linear" swaps one unit at a time (the benchmark baseline); "ddmin" is Zeller's delta
+debugging over the same list, followed by steps 4-6.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ class Trial:
     value: float  # the judged metric (lower is better)
     metrics: dict  # everything the trial measured
     duration_s: float
-    role: str  # baseline, all-swapped, probe, descent, evidence-alone, evidence-complement, contribution
+    role: str  # baseline, all-swapped, probe, evidence-alone, evidence-complement, contribution
     resumed: bool = False  # came from a resume log, not re-run
 
     def to_dict(self) -> dict:
@@ -105,11 +112,16 @@ class TrialRunner:
         self.on_trial = on_trial
         self.trials: list[Trial] = []
         self._cache: dict[frozenset, Trial] = {}
-        self.new_count = 0
+        self._new = 0
         for t in resumed:
             t = replace(t, resumed=True)
             self.trials.append(t)
             self._cache.setdefault(frozenset(t.swapped), t)
+
+    @property
+    def new_count(self) -> int:
+        """Trials run by this runner (not resumed)."""
+        return self._new
 
     @property
     def used(self) -> int:
@@ -139,7 +151,7 @@ class TrialRunner:
         )
         self.trials.append(trial)
         self._cache[key] = trial
-        self.new_count += 1
+        self._new += 1
         if self.on_trial is not None:
             self.on_trial(trial)
         return trial
@@ -175,10 +187,6 @@ class SearchResult:
     stop_reason: str  # one human sentence
     contributions: dict[str, dict] = field(default_factory=dict)  # group -> {"alone", "complement"}
 
-    def __bool__(self) -> bool:
-        """True when an answer was established (aligned or culprits named)."""
-        return self.verdict in ("aligned", "culprits")
-
     def to_dict(self) -> dict:
         return {
             "verdict": self.verdict,
@@ -204,7 +212,7 @@ def _json_float(v: float | None) -> float | None:
 
 def default_candidates(graph: nx.DiGraph) -> list[str]:
     """Top-level swappable units in execution order: the children of the model and of
-    each layer, but not the layers themselves nor sub-units (reached by descent)."""
+    each layer, but not the layers themselves nor sub-units (the search reaches those)."""
     out = []
     for name, d in graph.nodes(data=True):
         if name == "model" or d["kind"] == "layer":
@@ -241,25 +249,36 @@ def search(
     return _Search(graph, list(candidates), runner, threshold, strategy, local_rank, metric).run()
 
 
-class _NotFixing(Exception):
-    """Internal: an optimistic branch ended in a set that does not fix."""
+def _plan_lengths(n_max: int, alone_singles: bool) -> dict[bool, list[list[tuple[int, int, int]]]]:
+    """For each segment length n, the sizes a of the part to try next, with their
+    (worst-case, summed) trial counts for finding and confirming a single fault;
+    `options[True]` when some earlier part already failed.
 
-
-@dataclass
-class _Cost:
-    """Worst-case and summed trial counts of finding a single fault within some units."""
-
-    worst_v: int  # when the set is known to fix
-    worst_u: int  # when it is only assumed to
-    answers: int  # distinct single-fault answers (the unit and its sub-units)
-    total_v: int  # trials summed over those answers, known to fix
-    total_u: int  # ... assumed to
+    A unit found by elimination still needs its trial alone, one more. With
+    `alone_singles` a single unit is tried alone, so when it fixes it needs no more;
+    otherwise (see `_Search._minimise`) every unit found after a failed part does.
+    """
+    worst = {False: [0, 0], True: [0, 1]}
+    total = {False: [0, 0], True: [0, 1]}
+    options: dict[bool, list] = {False: [[], []], True: [[], []]}
+    for n in range(2, n_max + 1):
+        for failed in (False, True):
+            fa = failed and not alone_singles
+            row = []
+            for a in range(1, n):
+                w = 1 + max(worst[fa][a], worst[True][n - a])
+                row.append((a, w, n + total[fa][a] + total[True][n - a]))
+            w = min(r[1] for r in row)
+            row = [r for r in row if r[1] == w]
+            worst[failed].append(w)
+            total[failed].append(min(r[2] for r in row))
+            options[failed].append(row)
+    return options
 
 
 class _Search:
     def __init__(self, graph, candidates, runner, threshold, strategy, local_rank, metric):
         self.g = graph
-        self.cands = candidates
         self.runner = runner
         self.thr = threshold
         self.strategy = strategy
@@ -267,17 +286,78 @@ class _Search:
         self.metric = metric
         self.baseline: float | None = None
         self.all_swapped: float | None = None
-        self.found: list[str] = []  # the current best answer, for a "budget" result
-        self._item_costs: dict[str, _Cost] = {}
-        self._planners: list[_Planner] = []
-        self._top: tuple[str, ...] | None = None
-        kinds_seen: list[str] = []
-        for c in candidates:
-            if self.g.nodes[c]["kind"] not in kinds_seen:
-                kinds_seen.append(self.g.nodes[c]["kind"])
-        self._kind_rank = {k: i for i, k in enumerate(kinds_seen)}
-        layered = [d["order"] for _, d in graph.nodes(data=True) if d.get("layer") is not None]
-        self._first_layer = min(layered, default=0)
+        self.found: list[str] = []  # culprits established so far, for a "budget" result
+        self.best: list[str] | None = None  # the smallest set seen to fix, ditto
+        # A candidate inside another candidate is searched as part of it.
+        cands = list(dict.fromkeys(candidates))
+        self.cands = [c for c in cands if not any(a in cands for a in self._ancestors(c))]
+        self.top: dict[str, str] = {}  # unit searched -> the candidate it belongs to
+        self.units = self._unit_list()
+        self.pos = {u: i for i, u in enumerate(self.units)}
+        # Trying single units alone saves trials, but a moe with three or more sub-units
+        # then needs failing trials that cover all but one of them (see `_refine`).
+        self.alone_singles = all(len(children(self.g, u)) <= 2 for u in self.units)
+        self.options = _plan_lengths(len(self.units), self.alone_singles)
+
+    # -- units --------------------------------------------------------------------------
+
+    def _ancestors(self, name: str) -> list[str]:
+        out, node = [], _parent(self.g, name)
+        while node is not None and node != "model":
+            out.append(node)
+            node = _parent(self.g, node)
+        return out
+
+    def _unit_list(self) -> tuple[str, ...]:
+        """Every unit the search can name: each candidate preceded by its sub-units
+        (children before their parent, so a tried prefix never swaps a parent without
+        its children); candidates ordered by kind (in order of first appearance), then
+        layer, so the first splits separate kinds and later ones layer ranges."""
+        kind_rank: dict[str, int] = {}
+        for c in sorted(self.cands, key=self._order):
+            kind_rank.setdefault(self._kind(c), len(kind_rank))
+        layered = [d["order"] for _, d in self.g.nodes(data=True) if d.get("layer") is not None]
+        first_layer = min(layered, default=0)
+
+        def key(c):
+            layer = self.g.nodes[c]["layer"]
+            if layer is None:
+                layer = -1 if self._order(c) < first_layer else 1 << 30
+            return (kind_rank[self._kind(c)], layer, self._order(c))
+
+        def post_order(u):
+            out = []
+            for k in children(self.g, u):
+                out += post_order(k)
+            return out + [u]
+
+        units: list[str] = []
+        for c in sorted(self.cands, key=key):
+            for u in post_order(c):
+                self.top[u] = c
+                units.append(u)
+        return tuple(units)
+
+    def _swap_set(self, units) -> frozenset:
+        """The units to swap, less any whose ancestor is swapped too."""
+        s = set(units)
+        return frozenset(u for u in s if not any(a in s for a in self._ancestors(u)))
+
+    def _run(self, units, role: str) -> Trial:
+        return self.runner.run(self._swap_set(units), role)
+
+    def _fixes(self, units, role: str = "probe") -> bool:
+        trial = self._run(units, role)
+        fixed = trial.value <= self.thr
+        if fixed and (self.best is None or len(trial.swapped) < len(self.best)):
+            self.best = list(trial.swapped)
+        return fixed
+
+    def _order(self, name: str) -> int:
+        return self.g.nodes[name]["order"]
+
+    def _kind(self, name: str) -> str:
+        return self.g.nodes[name]["kind"]
 
     # -- driving ------------------------------------------------------------------------
 
@@ -285,73 +365,24 @@ class _Search:
         try:
             if self.strategy == "linear":
                 return self._linear()
-            return self._minimal(ddmin=self.strategy == "ddmin")
+            return self._minimal()
         except BudgetExhausted:
-            found = self.found
-            culprits = [self._culprit(u, run=False) for u in found]
-            what = f"; best set so far: {', '.join(found)}" if found else ""
-            return self._result(
-                "budget", culprits, f"max trials ({self.runner.max_trials}) reached before an answer{what}"
-            )
-
-    def _minimal(self, ddmin: bool) -> SearchResult:
-        early = self._start()
-        if early is not None:
-            return early
-        if ddmin:
-            found = self._ddmin(self._ordered(self.cands))
-            verified = True
-        else:
-            found, verified = self._minimise(self._top_order(), frozenset(), True, lazy=True)
-        self.found = list(found)
-        refined: dict[str, list[str] | None] = {}  # unit -> its sub-units, None: the unit itself
-        if not verified:
-            # A single unit reached optimistically: its sub-units' trials can prove it
-            # (and name the sub-unit) before a trial of the unit alone is spent.
-            (c,) = found
-            sub = self._descend(c, frozenset()) if children(self.g, c) else None
-            refined[c] = sub
-            if sub is None and not self._fixes({c}, "probe"):
-                refined = {}
-                found, _ = self._minimise(self._top_order(), frozenset(), True)
-                self.found = list(found)
-        if self._is_diffuse(found):
-            reason = (
-                f"no set smaller than one touching every layer ({len(found)} units) brings "
-                f"{self.metric} under {self.thr:g}: the divergence is spread out"
-            )
-            return self._diffuse(found, reason)
-        final: list[str] = []
-        current = list(found)
-        for c in found:
-            if c in refined:
-                sub = refined[c]
-            else:
-                held = frozenset(current) - {c}
-                sub = self._descend(c, held) if children(self.g, c) else None
-            if sub is not None:
-                current = [u for u in current if u != c] + sub
-                self.found = list(current)
-            final += sub if sub is not None else [c]
-        final = sorted(final, key=self._order)
-        self.found = final
-        culprits = [self._culprit(u) for u in final]
-        if len(final) == 1:
-            reason = f"swapping {final[0]} alone brings {self.metric} under {self.thr:g}"
-        else:
-            reason = (
-                f"swapping {', '.join(final)} together brings {self.metric} under {self.thr:g}; "
-                "leaving any one of them in the engine does not"
-            )
-        return self._result("culprits", culprits, reason)
+            culprits = [self._culprit(u, run=False) for u in self.found]
+            reason = f"max trials ({self.runner.max_trials}) reached before an answer"
+            if self.found:
+                reason += f"; culprits found so far: {', '.join(self.found)}"
+            elif self.best is not None and len(self.best) < len(self.cands):
+                reason += f"; smallest set seen to fix it: {', '.join(self.best)}"
+            return self._result("budget", culprits, reason)
 
     def _start(self) -> SearchResult | None:
         """Baseline and all-swapped trials; the result if they settle it."""
-        base = self.runner.run((), "baseline").value
+        base = self._run((), "baseline").value
         self.baseline = base
         if base <= self.thr:
-            return self._result("aligned", [], f"baseline {self.metric} {base:.3g} is already under {self.thr:g}")
-        full = self.runner.run(self.cands, "all-swapped").value
+            reason = f"baseline {self.metric} {base:.3g} is already under {self.thr:g}"
+            return self._result("aligned", [], reason)
+        full = self._run(self.cands, "all-swapped").value
         self.all_swapped = full
         if not full <= self.thr:
             return self._result(
@@ -360,6 +391,34 @@ class _Search:
                 f"swapping every candidate still leaves {self.metric} at {full:.3g} (threshold {self.thr:g})",
             )
         return None
+
+    def _minimal(self) -> SearchResult:
+        early = self._start()
+        if early is not None:
+            return early
+        if self.strategy == "ddmin":
+            found = self._ddmin(self.units)
+        else:
+            found = self._minimise(self.units, frozenset())
+        found = self._merge(found)
+        if self._is_diffuse(found):
+            reason = (
+                f"no set smaller than one touching every layer ({len(found)} units) brings "
+                f"{self.metric} under {self.thr:g}: the divergence is spread out"
+            )
+            return self._diffuse(found, reason)
+        self.found = found
+        found = self._refine(found)
+        self.found = found
+        culprits = [self._culprit(u) for u in found]
+        if len(found) == 1:
+            reason = f"swapping {found[0]} alone brings {self.metric} under {self.thr:g}"
+        else:
+            reason = (
+                f"swapping {', '.join(found)} together brings {self.metric} under {self.thr:g}; "
+                "leaving any one of them in the engine does not"
+            )
+        return self._result("culprits", culprits, reason)
 
     def _result(self, verdict, culprits, reason, contributions=None) -> SearchResult:
         return SearchResult(
@@ -374,62 +433,122 @@ class _Search:
             contributions=contributions or {},
         )
 
-    def _fixes(self, swapped, role: str) -> bool:
-        return self.runner.run(swapped, role).value <= self.thr
-
     # -- minimising ---------------------------------------------------------------------
 
-    def _minimise(self, items, held: frozenset, verified: bool, lazy: bool = False, top=None):
+    def _minimise(self, items: tuple, held: frozenset) -> list[str]:
         """A 1-minimal subset M of `items` such that held + M fixes.
 
-        Precondition: held + items fixes, known (`verified`) or assumed. An assumed set
-        that turns out not to fix raises `_NotFixing`. With `lazy`, a single unit reached
-        optimistically is returned untested, as (M, False). `top` forces the first split.
+        Precondition: held + items fixes and held alone does not. A part that fails
+        stays swapped (in `failed`) while the rest is bisected, so the rest never needs
+        a trial of its own to confirm it, and failing trials cover every unit ruled out
+        so far. A single unit is tried alone when `self.alone_singles` (then a fix names
+        it at once). The unit found last is tried alone; only if that does not fix are
+        the failed parts minimised in turn (several culprits).
         """
-        items = tuple(items)
-        if len(items) == 1:
-            if not verified and not lazy:
-                if not self._fixes(held | set(items), "probe"):
-                    raise _NotFixing
-                verified = True
-            return list(items), verified
-        a, b = top if top is not None else self._split(items)
-        if self._fixes(held | set(a), "probe"):
-            return self._minimise(a, held, True, lazy)
-        try:
-            return self._minimise(b, held, False, lazy)
-        except _NotFixing:
-            if not verified:
-                raise
-        # held + a does not fix, and b's optimistic path failed somewhere below.
-        if self._fixes(held | set(b), "probe"):
-            return self._minimise(b, held, True)  # cached trials make the re-walk free
-        found_a, _ = self._minimise(a, held | set(b), True)
-        found_b, _ = self._minimise(b, held | set(found_a), True)
-        return found_a + found_b, True
+        failed: list[str] = []
+        unsure = False  # a unit tried alone failed: held + failed may fix without `part`
+        part = tuple(items)
+        while len(part) > 1:
+            a, b = self._split(part, bool(failed))
+            alone = self.alone_singles and len(a) == 1
+            if self._fixes(held | set(a) if alone else held | set(failed) | set(a)):
+                if alone:
+                    return list(a)
+                part = a
+            else:
+                failed += a
+                part = b
+                unsure |= alone
+        # held + failed + part fixes.
+        if not failed or self._fixes(held | set(part)):
+            return list(part)
+        found = self._minimise(tuple(sorted(failed, key=self.pos.__getitem__)), held | set(part))
+        if unsure and self._fixes(held | set(found)):
+            return found
+        return found + list(part)
 
-    def _descend(self, parent: str, held: frozenset) -> list[str] | None:
-        """The sub-units of `parent` that fix it with `held` swapped, or None if no proper
-        subset of its children does (the parent itself is then the culprit)."""
-        kids = children(self.g, parent)
-        if not kids:
-            return None
-        top = (tuple(kids[:-1]), (kids[-1],)) if len(kids) > 1 else None
-        try:
-            found, _ = self._minimise(kids, held, False, top=top)
-        except _NotFixing:
-            # Every maximal proper subset already failed (true when <= 2 children), or
-            # all children together fail: by monotonicity, no proper subset fixes.
-            if len(kids) <= 2 or not self._fixes(held | set(kids), "descent"):
-                return None
-            found, _ = self._minimise(kids, held, True, top=top)
-        if set(found) == set(kids):
-            return None
-        out: list[str] = []
-        for s in found:
-            sub = self._descend(s, held | (set(found) - {s})) if children(self.g, s) else None
-            out += sub if sub is not None else [s]
+    def _split(self, items: tuple, failed: bool) -> tuple[tuple, tuple]:
+        """(a, b): a (a prefix) is tried next; b is kept if a does not fix.
+
+        The size of a keeps the worst case and then the sum of trials least (see
+        `_plan_lengths`); among equal sizes the cut prefers a kind boundary, then a
+        layer boundary, then a candidate boundary, then the half holding the unit with
+        the largest local error first.
+        """
+        n, i = len(items), self.pos.get(items[0], -1)
+        if self.units[i : i + n] != items:  # not a run of the unit list (not expected)
+            return items[: n // 2], items[n // 2 :]
+        options = self.options[failed][n]
+        best_total = min(t for _, _, t in options)
+
+        def key(option):
+            a, _, t = option
+            left, right = self.units[i + a - 1], self.units[i + a]
+            lt, rt = self.top[left], self.top[right]
+            rank_a = min((self.local_rank.get(u, math.inf) for u in items[:a]), default=math.inf)
+            rank_b = min((self.local_rank.get(u, math.inf) for u in items[a:]), default=math.inf)
+            return (
+                t > best_total,
+                self._kind(lt) == self._kind(rt),
+                self.g.nodes[lt]["layer"] == self.g.nodes[rt]["layer"],
+                lt == rt,
+                not rank_a < rank_b,
+                abs(2 * a - n),
+            )
+
+        a = min(options, key=key)[0]
+        return items[:a], items[a:]
+
+    def _merge(self, found) -> list[str]:
+        """Name a parent instead of all of its (two or more) children: no proper subset
+        of them fixes."""
+        found = set(found)
+        changed = True
+        while changed:
+            changed = False
+            for u in list(found):
+                p = _parent(self.g, u)
+                kids = set(children(self.g, p)) if p in self.pos else set()
+                if len(kids) > 1 and kids <= found:
+                    found = (found - kids) | {p}
+                    changed = True
+                    break
+        return sorted(found, key=self._order)
+
+    def _refine(self, found) -> list[str]:
+        """Step 4 for a parent found whole: if a proper subset of its children fixes in
+        its place (the rest of the found set held swapped), name that subset instead.
+
+        Usually free: failing trials already run often prove that no proper subset of
+        the children fixes (each maximal one lies inside a failing trial).
+        """
+        out = list(found)
+        todo = [u for u in out if children(self.g, u)]
+        while todo:
+            c = todo.pop(0)
+            kids = children(self.g, c)
+            held = frozenset(out) - {c}
+            if all(self._known_to_fail(held | (set(kids) - {k})) for k in kids):
+                continue
+            if not self._fixes(held | set(kids)):
+                continue
+            sub = self._minimise(tuple(kids), held)
+            sub = self._merge(sub)
+            if sub == [c]:
+                continue
+            out = sorted([u for u in out if u != c] + sub, key=self._order)
+            todo += [u for u in sub if children(self.g, u)]
         return out
+
+    def _known_to_fail(self, units) -> bool:
+        """Some trial already run swapped all of `units` (or their parents) and did not fix."""
+        need = [[u] + self._ancestors(u) for u in units]
+        for t in self.runner.trials:
+            if not t.value <= self.thr:
+                swapped = set(t.swapped)
+                if all(swapped.intersection(chain) for chain in need):
+                    return True
+        return False
 
     def _ddmin(self, items) -> list[str]:
         """Zeller's ddmin: a 1-minimal subset of `items` that fixes (all of them do)."""
@@ -440,99 +559,20 @@ class _Search:
             chunks = [current[i * size // n : (i + 1) * size // n] for i in range(n)]
             chunks = [c for c in chunks if c]
             for chunk in chunks:
-                if self._fixes(chunk, "probe"):
+                if self._fixes(chunk):
                     current, n = chunk, 2
                     break
             else:
                 for chunk in chunks if n > 2 else []:
                     rest = [u for u in current if u not in chunk]
-                    if self._fixes(rest, "probe"):
+                    if self._fixes(rest):
                         current, n = rest, max(n - 1, 2)
                         break
                 else:
                     if n >= size:
                         break
                     n = min(size, 2 * n)
-                    continue
-            self.found = list(current)
         return current
-
-    # -- planning the splits ------------------------------------------------------------
-
-    def _order(self, name: str) -> int:
-        return self.g.nodes[name]["order"]
-
-    def _ordered(self, names, by_kind: bool = True) -> tuple[str, ...]:
-        """By kind (in order of first appearance), then layer, then execution order;
-        or, with `by_kind=False`, in execution order."""
-
-        def key(n):
-            d = self.g.nodes[n]
-            layer = d["layer"]
-            if layer is None:
-                layer = -1 if d["order"] < self._first_layer else 1 << 30
-            return (self._kind_rank.get(d["kind"], len(self._kind_rank)), layer, d["order"])
-
-        return tuple(sorted(names, key=key if by_kind else self._order))
-
-    def _top_order(self) -> tuple[str, ...]:
-        """The candidates in (kind, layer) order, unless execution order needs fewer
-        trials in the worst case (it can, when sub-units make some units costly)."""
-        if self._top is None:
-            by_kind = self._ordered(self.cands)
-            by_exec = self._ordered(self.cands, by_kind=False)
-            if len(by_kind) > 1 and self._seg(by_exec).worst_v < self._seg(by_kind).worst_v:
-                self._top = by_exec
-            else:
-                self._top = by_kind
-        return self._top
-
-    def _item(self, name: str) -> _Cost:
-        """Cost of finding a single fault inside one unit (itself or a sub-unit), as the
-        descent in `_descend` does it."""
-        if name in self._item_costs:
-            return self._item_costs[name]
-        kids = children(self.g, name)
-        if not kids:
-            cost = _Cost(0, 1, 1, 0, 1)
-        elif len(kids) == 1:
-            k = self._item(kids[0])
-            worst = 1 + k.worst_v
-            total = k.answers + k.total_v + 1
-            cost = _Cost(worst, worst + 1, 1 + k.answers, total, total + 1)
-        else:
-            a = self._seg(tuple(kids[:-1]))
-            last = self._item(kids[-1])
-            parent = 2 + (len(kids) > 2)
-            worst = max(1 + a.worst_v, 1 + last.worst_u, parent)
-            total = a.answers + a.total_v + last.answers + last.total_u + parent
-            cost = _Cost(worst, worst + 1, 1 + a.answers + last.answers, total, total + 1)
-        self._item_costs[name] = cost
-        return cost
-
-    def _planner(self, items: tuple) -> tuple["_Planner", int, int]:
-        for p in self._planners:
-            i = p.pos.get(items[0])
-            if i is not None and p.base[i : i + len(items)] == items:
-                return p, i, i + len(items)
-        p = _Planner(self, items)
-        self._planners.append(p)
-        return p, 0, len(items)
-
-    def _seg(self, items: tuple) -> _Cost:
-        if len(items) == 1:
-            return self._item(items[0])
-        p, i, j = self._planner(items)
-        return p.seg(i, j)
-
-    def _split(self, items: tuple) -> tuple[tuple, tuple]:
-        """(a, b): a is tried next, b is assumed if a does not fix."""
-        p, i, j = self._planner(items)
-        (ai, aj), (bi, bj) = p.plan(i, j)[2:]
-        return p.base[ai:aj], p.base[bi:bj]
-
-    def _kind(self, name: str) -> str:
-        return self.g.nodes[name]["kind"]
 
     # -- verdicts and evidence ----------------------------------------------------------
 
@@ -542,23 +582,24 @@ class _Search:
     def _is_diffuse(self, found) -> bool:
         if len(found) < 2:
             return False
-        if set(found) >= set(self.cands):
+        tops = {self.top[u] for u in found}
+        if tops >= set(self.cands):
             return True
         all_layers = self._layers(self.cands)
-        return len(all_layers) >= 2 and self._layers(found) >= all_layers
+        return len(all_layers) >= 2 and self._layers(tops) >= all_layers
 
     def _diffuse(self, found, reason: str) -> SearchResult:
         groups: dict[str, list[str]] = {}
         for layer in sorted(self._layers(self.cands)):
             groups[f"layers.{layer}"] = [c for c in self.cands if self.g.nodes[c]["layer"] == layer]
-        for c in found:
+        for c in sorted({self.top[u] for u in found}, key=self._order):
             if self.g.nodes[c]["layer"] is None:
                 groups[c] = [c]
         contributions = {}
         for name, units in groups.items():
-            alone = self.runner.run(units, "contribution").value
+            alone = self._run(units, "contribution").value
             rest = [c for c in self.cands if c not in units]
-            contributions[name] = {"alone": alone, "complement": self.runner.run(rest, "contribution").value}
+            contributions[name] = {"alone": alone, "complement": self._run(rest, "contribution").value}
         return self._result("diffuse", [], reason, contributions)
 
     def _complement_set(self, unit: str) -> list[str]:
@@ -567,16 +608,17 @@ class _Search:
         node = unit
         while node not in self.cands:
             parent = _parent(self.g, node)
-            if parent is None or parent == "model":
-                break
             swapped += [k for k in children(self.g, parent) if k != node]
             node = parent
         return [c for c in self.cands if c != node] + swapped
 
     def _culprit(self, unit: str, run: bool = True) -> Culprit:
-        get = self.runner.run if run else (lambda s, role: self.runner.peek(s))
-        alone = get([unit], "evidence-alone")
-        comp = get(self._complement_set(unit), "evidence-complement")
+        if run:
+            alone = self._run([unit], "evidence-alone")
+            comp = self._run(self._complement_set(unit), "evidence-complement")
+        else:
+            alone = self.runner.peek(self._swap_set([unit]))
+            comp = self.runner.peek(self._swap_set(self._complement_set(unit)))
         return Culprit(
             unit=unit,
             kind=self._kind(unit),
@@ -588,32 +630,24 @@ class _Search:
     # -- linear -------------------------------------------------------------------------
 
     def _linear(self) -> SearchResult:
-        base = self.runner.run((), "baseline").value
+        base = self._run((), "baseline").value
         self.baseline = base
         if base <= self.thr:
-            return self._result("aligned", [], f"baseline {self.metric} {base:.3g} is already under {self.thr:g}")
-        fixing: list[str] = []
-
-        def visit(unit):
-            if self._fixes([unit], "probe"):
-                fixing.append(unit)
+            reason = f"baseline {self.metric} {base:.3g} is already under {self.thr:g}"
+            return self._result("aligned", [], reason)
+        fixing = []
+        for u in sorted(self.units, key=self._order):
+            if self._fixes([u]):
+                fixing.append(u)
                 self.found = list(fixing)
-            for k in children(self.g, unit):
-                visit(k)
-
-        for c in sorted(self.cands, key=self._order):
-            visit(c)
         # Name the most specific units: drop a unit when one of its sub-units fixes too.
-        found = [u for u in fixing if not any(v != u and _contains(self.g, u, v) for v in fixing)]
+        found = [u for u in fixing if not any(u in self._ancestors(v) for v in fixing)]
         self.found = found
         if found:
             culprits = [self._culprit(u) for u in found]
-            return self._result(
-                "culprits",
-                culprits,
-                f"swapping {' or '.join(found)} alone brings {self.metric} under {self.thr:g}",
-            )
-        full = self.runner.run(self.cands, "all-swapped").value
+            reason = f"swapping {' or '.join(found)} alone brings {self.metric} under {self.thr:g}"
+            return self._result("culprits", culprits, reason)
+        full = self._run(self.cands, "all-swapped").value
         self.all_swapped = full
         if not full <= self.thr:
             return self._result(
@@ -621,79 +655,10 @@ class _Search:
                 [],
                 f"swapping every candidate still leaves {self.metric} at {full:.3g} (threshold {self.thr:g})",
             )
-        reason = f"no single unit brings {self.metric} under {self.thr:g} alone; swapping every candidate does"
+        reason = (
+            f"no single unit brings {self.metric} under {self.thr:g} alone; swapping every candidate does"
+        )
         return self._diffuse(list(self.cands), reason)
-
-
-class _Planner:
-    """Best splits of the segments of one ordered list of units (dynamic programming).
-
-    A segment's cost is the worst-case number of trials to find and confirm a single
-    faulty unit in it; it is the same whether the segment is known to fix or only
-    assumed to, once it holds two units or more.
-    """
-
-    FULL = 40  # up to this many units every split point is tried; beyond, the middle ones
-
-    def __init__(self, search: "_Search", base: tuple):
-        self.s = search
-        self.base = base
-        self.pos = {u: i for i, u in enumerate(base)}
-        self.items = [search._item(u) for u in base]
-        self.answers = [0]
-        for c in self.items:
-            self.answers.append(self.answers[-1] + c.answers)
-        g = search.g
-        self.kind = [g.nodes[u]["kind"] for u in base]
-        self.layer = [g.nodes[u]["layer"] for u in base]
-        self.rank = [search.local_rank.get(u, math.inf) for u in base]
-        self.weight = [2 ** c.worst_u for c in self.items]
-        self.memo: dict[tuple[int, int], tuple] = {}
-        self.rmin: dict[tuple[int, int], float] = {}
-
-    def seg(self, i: int, j: int) -> _Cost:
-        if j - i == 1:
-            return self.items[i]
-        worst, total = self.plan(i, j)[:2]
-        return _Cost(worst, worst, self.answers[j] - self.answers[i], total, total)
-
-    def min_rank(self, i: int, j: int) -> float:
-        if (i, j) not in self.rmin:
-            self.rmin[(i, j)] = min(self.rank[i:j])
-        return self.rmin[(i, j)]
-
-    def plan(self, i: int, j: int) -> tuple[int, int, tuple[int, int], tuple[int, int]]:
-        """(worst, total, a, b) for segment [i, j): split into a (tried first) and b, by
-        (worst-case trials, summed trials), then preferring kind boundaries, then layer
-        boundaries, then the half holding the unit with the largest local error first."""
-        if (i, j) in self.memo:
-            return self.memo[(i, j)]
-        n = j - i
-        if n <= self.FULL:
-            points = range(i + 1, j)
-        else:  # near the weighted middle only, to stay fast on deep models
-            half, acc, mid = sum(self.weight[i:j]) / 2, 0, i + 1
-            for k in range(i, j):
-                acc += self.weight[k]
-                if acc >= half:
-                    mid = min(max(k + 1, i + 1), j - 1)
-                    break
-            points = range(max(i + 1, mid - 4), min(j - 1, mid + 4) + 1)
-        ranked = bool(self.s.local_rank)
-        best = None
-        for k in points:
-            kind_edge = self.kind[k - 1] != self.kind[k]
-            layer_edge = self.layer[k - 1] != self.layer[k]
-            for a, b in (((i, k), (k, j)), ((k, j), (i, k))):
-                ca, cb = self.seg(*a), self.seg(*b)
-                worst = 1 + max(ca.worst_v, cb.worst_u)
-                total = ca.answers + ca.total_v + cb.answers + cb.total_u
-                first = ranked and self.min_rank(*a) < self.min_rank(*b)
-                key = (worst, total, not kind_edge, not layer_edge, not first, a[0] != i)
-                if best is None or key < best[0]:
-                    best = (key, (worst, total, a, b))
-        self.memo[(i, j)] = best[1]
-        return best[1]
 
 
 def _parent(g: nx.DiGraph, name: str) -> str | None:
@@ -701,12 +666,3 @@ def _parent(g: nx.DiGraph, name: str) -> str | None:
         if d["rel"] == "contains":
             return u
     return None
-
-
-def _contains(g: nx.DiGraph, outer: str, inner: str) -> bool:
-    node = _parent(g, inner)
-    while node is not None:
-        if node == outer:
-            return True
-        node = _parent(g, node)
-    return False
