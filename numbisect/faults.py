@@ -214,8 +214,9 @@ def _plant_combine(engine, planted: Planted, f: Fault) -> None:
         routed = get_module(engine.root, engine.module_path(block)).experts.routed_experts
 
         def forward_modular(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
-            if shared_experts is not None and shared_experts_input is not None:
-                shared_experts(shared_experts_input)
+            from numbisect.swap import run_shared_experts
+
+            run_shared_experts(shared_experts, shared_experts_input)
             return lowp_experts(x, topk_ids.long(), topk_weights, routed.w13_weight, routed.w2_weight, dtype)
 
         setattr(routed, "forward_modular", forward_modular)

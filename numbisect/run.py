@@ -32,10 +32,11 @@ def check_swaps(session, progress=lambda m: None) -> dict:
     progress("self-check: every unit swapped must reproduce the reference")
     sc = session.self_check()
     if not sc["passed"]:
+        bad = [c for c in sc["checks"] if not c["passed"]][0]
         raise SelfCheckFailed(
-            f"swap self-check failed: with every unit swapped ({', '.join(sc['swapped'])}) mean k3 against the "
-            f"reference is {fmt(sc['k3_mean'])} (must be <= {fmt(sc['tolerance'])}); a swap that does not reproduce "
-            "the reference cannot localise anything"
+            f"swap self-check failed: with every unit swapped as {bad['swapped']} ({', '.join(bad['kinds'])}) mean k3 "
+            f"against the reference is {fmt(bad['k3_mean'])} (must be <= {fmt(sc['tolerance'])}); a swap that does "
+            "not reproduce the reference cannot localise anything"
         )
     return sc
 

@@ -140,16 +140,34 @@ class Session:
         return tokens["value"], summary
 
     def self_check(self, tol: float = 1e-7) -> dict:
-        """Swap every unit: the engine must then reproduce the reference."""
+        """Swap every unit: the engine must then reproduce the reference.
+
+        Two trials cover every adapter the search uses: the finest units (MoE sub-units,
+        norms, attention, dense MLPs, embed, lm_head), then whole MoE blocks.
+        """
         if self.engine is None:
             raise InputError("swaps need an engine that runs (hf: or vllm:), not rollout")
-        names = [u.name for u in self.engine.units if u.parent == "model" and u.kind != "layer"]
-        names += [u.name for u in self.engine.units if u.kind == "layer"]
-        value, summary = self.trial(names)
-        k3 = summary["groups"]["completion"]["k3_mean"]
+        fine = ("embed", "norm", "attn", "mlp", "router", "experts", "shared_expert", "lm_head")
+        coarse = ("embed", "norm", "attn", "mlp", "moe", "lm_head")
         same_dtype = self.spec.ref_dtype == self.spec.engine_dtype
-        ok = (k3 is not None and k3 <= tol) if same_dtype else True
-        return {"k3_mean": k3, "tolerance": tol, "dtypes_match": same_dtype, "passed": ok, "swapped": names}
+        checks = []
+        for label, kinds in (("sub-units", fine), ("blocks", coarse)):
+            names = [u.name for u in self.engine.units if u.kind in kinds]
+            if label == "blocks" and not any(u.kind == "moe" for u in self.engine.units):
+                continue
+            _, summary = self.trial(names)
+            k3 = summary["groups"]["completion"]["k3_mean"]
+            checks.append({"swapped": label, "kinds": sorted({self.engine.unit(n).kind for n in names}), "k3_mean": k3,
+                           "passed": (k3 is not None and k3 <= tol) if same_dtype else True})
+        worst = max(c["k3_mean"] or 0.0 for c in checks)
+        return {
+            "k3_mean": worst,
+            "tolerance": tol,
+            "dtypes_match": same_dtype,
+            "passed": all(c["passed"] for c in checks),
+            "checks": checks,
+            "swapped": [c["swapped"] for c in checks if not c["passed"]] or [c["swapped"] for c in checks],
+        }
 
     def close(self) -> None:
         """Close the backends this session opened (not the ones it was given)."""

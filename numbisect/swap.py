@@ -246,6 +246,17 @@ def unpatch(engine) -> None:
             setattr(obj, attr, old)
 
 
+def run_shared_experts(shared_experts, shared_input) -> None:
+    """What the fused kernel does with vLLM's shared experts: run them in whichever order
+    they were planned for (the runner already ran the NO_OVERLAP ones)."""
+    if shared_experts is None or shared_input is None:
+        return
+    from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
+
+    for order in (SharedExpertsOrder.MK_INTERNAL_OVERLAPPED, SharedExpertsOrder.MULTI_STREAM_OVERLAPPED):
+        shared_experts(shared_input, order)
+
+
 def _patch_vllm_moe(engine, donor, unit, ref: nn.Module) -> None:
     runner = _runner(engine, unit)
     rdt = donor.dtype
@@ -262,9 +273,9 @@ def _patch_vllm_moe(engine, donor, unit, ref: nn.Module) -> None:
     else:
 
         def forward_modular(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
-            out = ref(x.to(rdt), topk_ids.long(), topk_weights.to(rdt)).to(x.dtype)
-            if shared_experts is not None and shared_experts_input is not None:
-                shared_experts(shared_experts_input)  # the engine still runs its shared expert
+            # Weights stay as routed (transformers routers differ: bf16 or float32 weights).
+            out = ref(x.to(rdt), topk_ids.long(), topk_weights).to(x.dtype)
+            run_shared_experts(shared_experts, shared_experts_input)  # still the engine's
             return out
 
         _patch(engine, runner.routed_experts, "forward_modular", forward_modular)

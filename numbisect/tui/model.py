@@ -1,0 +1,397 @@
+"""What the TUI shows, computed from a report dict alone (no textual, no torch).
+
+1. `verdict_line` and `culprit_lines`: the answer in a sentence or two, with evidence.
+2. `unit_rows` / `unit_severity`: the unit tree (containment, execution order) with a
+   symbol and a number per unit, for the propagated or the local error.
+3. `trials_with` / `abbreviate`: the search log, per unit and per trial.
+4. `TokenData`: per-sample per-token k3 (baseline.per_sample), group masks (completion,
+   prompt, all, and trace groups when the trace file is at hand), heat-strip cells and
+   the worst tokens of a group.
+
+Every verdict carries a word or a symbol, never only a colour.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from numbisect.render import fmt, pct
+from numbisect.units import Unit, children, unit_graph
+
+METRIC_WORDS = {"k3-mean": "mean k3", "k3-p99": "p99 k3", "kl-mean": "mean KL"}
+
+# Severity of a unit's relative L2 error against the report's unit tolerance.
+SEVERITY = {
+    # symbol, style, meaning
+    "none": ("-", "dim", "not measured"),
+    "equal": ("=", "green", "bitwise identical"),
+    "ok": (".", "green", "under the unit tolerance"),
+    "over": ("!", "yellow", "over the unit tolerance"),
+    "far": ("!!", "bold red", "over 10x the unit tolerance"),
+}
+CULPRIT_MARK = "◆"
+
+
+def metric_words(metric: str) -> str:
+    return METRIC_WORDS.get(metric, metric)
+
+
+def _num(x) -> float | None:
+    """A report number (floats may be stored as "inf"/"nan" strings)."""
+    if x is None:
+        return None
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return float(x)
+
+
+# -- verdict and culprit -------------------------------------------------------------------
+def verdict_line(r: dict) -> tuple[str, str, str]:
+    """(mark, style, text): the verdict with the judged value against the threshold."""
+    th = r["threshold"]
+    b = r["baseline"]
+    aligned = r["verdict"] == "aligned"
+    mark, style = ("OK ALIGNED", "bold green") if aligned else ("!! DIVERGED", "bold red")
+    ratio = ""
+    if th["threshold"] and b["value"] is not None:
+        ratio = f", {b['value'] / th['threshold']:.3g}x the threshold"
+    cmp_ = "<=" if aligned else ">"
+    text = (
+        f"{metric_words(th['metric'])} {fmt(b['value'])} {cmp_} {fmt(th['threshold'])}"
+        f" ({th['group']} tokens{ratio})"
+    )
+    rl = b.get("rl_cost") or {}
+    if rl.get("seq_frac_rejected") is not None:
+        text += f"; RL: {pct(rl['seq_frac_rejected'])} of sequences rejected"
+    return mark, style, text
+
+
+def culprit_lines(r: dict) -> list[tuple[str, str]]:
+    """(style, sentence) lines: the answer with its evidence."""
+    th = r["threshold"]
+    words = metric_words(th["metric"])
+    s = r.get("search")
+    if not s:
+        if r["verdict"] == "aligned":
+            return [("green", "aligned: the engine agrees with the reference; nothing to bisect")]
+        rank = r.get("local_ranking") or {}
+        top = min(rank, key=rank.get) if rank else None
+        fd = (r.get("first_divergence") or {}).get("above_tol")
+        hint = "no search in this report (kind compare): run `bisect run`, or live mode, to name a culprit"
+        out = [("yellow", hint)]
+        clues = []
+        if top:
+            clues.append(f"largest local error: {top}")
+        if fd:
+            clues.append(f"first unit over rel-L2 {fmt(th.get('unit_tol'))}: {fd}")
+        if clues:
+            out.append(("", "; ".join(clues)))
+        return out
+    sw = r.get("swap")
+    if sw:
+        return [("bold" if sw.get("fixed") else "yellow", sw["lines"][0])]
+    verdict = s["verdict"]
+    culprits = r.get("culprits") or []
+    if verdict == "culprits" and culprits:
+        out = []
+        for c in culprits:
+            out.append(
+                ("bold magenta", f"{CULPRIT_MARK} {c['unit']}: swapping it alone takes {words} from {fmt(s['baseline'])} to {fmt(c['alone'])}")
+            )
+        ev = [f"threshold {fmt(th['threshold'])}"]
+        if len(culprits) == 1:
+            c = culprits[0]
+            ev.append(f"with every other unit swapped it stays {fmt(c['complement'])}")
+            if c.get("local_rank"):
+                ev.append(f"local-error rank {c['local_rank']}")
+        ev.append(f"{s['trials_used']} trials ({s['strategy']})")
+        out.append(("", "evidence: " + "; ".join(ev)))
+        return out
+    if verdict == "aligned":
+        return [("green", f"aligned: {words} {fmt(s['baseline'])} <= {fmt(th['threshold'])} before any swap")]
+    if verdict == "diffuse":
+        return [("yellow", "diffuse: no set smaller than every layer reaches the threshold; see the per-layer contributions (Trials)")]
+    return [("yellow", f"{verdict}: {s['stop_reason']}")]
+
+
+# -- units ---------------------------------------------------------------------------------
+def unit_metrics(u: dict, view: str) -> dict | None:
+    """A unit's error block for `view` ("propagated" or "local")."""
+    return u.get(view)
+
+
+def unit_severity(u: dict, view: str, tol: float) -> tuple[str, str, float | None]:
+    """(severity key, value string, value) of a unit's relative L2 error."""
+    m = unit_metrics(u, view)
+    if not m:
+        return "none", "-", None
+    v = _num(m.get("rel_l2"))
+    if v is None:
+        return "none", "-", None
+    ul = m.get("ulps") or {}
+    if ul.get("bitwise_equal") or v == 0:
+        key = "equal"
+    elif v <= tol:
+        key = "ok"
+    elif v <= 10 * tol:
+        key = "over"
+    else:
+        key = "far"
+    return key, fmt(v), v
+
+
+def legend(tol: float) -> str:
+    return (
+        f"= identical  . <= {fmt(tol)}  ! > {fmt(tol)}  !! > {fmt(10 * tol)}  {CULPRIT_MARK} culprit  (rel-L2)"
+    )
+
+
+@dataclass
+class UnitRow:
+    name: str
+    label: str  # short name under its parent
+    depth: int
+    kind: str
+    data: dict | None  # the report's unit entry (None for the model root)
+
+
+def _units(r: dict) -> list[Unit]:
+    out = []
+    for i, u in enumerate(r.get("units") or []):
+        out.append(Unit(u["name"], u["kind"], u.get("layer"), u.get("parent") or "model", i))
+    return out
+
+
+def unit_rows(r: dict) -> list[UnitRow]:
+    """Depth-first rows: model > layers > attn / moe > router / experts, in execution order."""
+    by_name = {u["name"]: u for u in r.get("units") or []}
+    g = unit_graph(_units(r))
+    rows: list[UnitRow] = []
+
+    def walk(name: str, parent: str, depth: int) -> None:
+        u = by_name.get(name)
+        label = name[len(parent) + 1 :] if parent != "model" and name.startswith(parent + ".") else name
+        rows.append(UnitRow(name, label, depth, u["kind"] if u else "model", u))
+        for c in children(g, name):
+            walk(c, name, depth + 1)
+
+    for c in children(g, "model"):
+        walk(c, "model", 1)
+    return rows
+
+
+def ancestors(r: dict, name: str) -> list[str]:
+    parents = {u["name"]: u.get("parent") or "model" for u in r.get("units") or []}
+    out = []
+    p = parents.get(name)
+    while p and p != "model":
+        out.append(p)
+        p = parents.get(p)
+    return out
+
+
+def visible_units(r: dict, text: str) -> set[str] | None:
+    """Units matching a filter (name or kind contains the text), plus their ancestors.
+
+    None when the filter is empty (everything shows)."""
+    text = text.strip().lower()
+    if not text:
+        return None
+    keep = set()
+    for u in r.get("units") or []:
+        if text in u["name"].lower() or text == u["kind"].lower():
+            keep.add(u["name"])
+            keep.update(ancestors(r, u["name"]))
+    return keep
+
+
+def culprit_names(r: dict) -> set[str]:
+    return {c["unit"] for c in r.get("culprits") or []}
+
+
+# -- trials --------------------------------------------------------------------------------
+def trials_with(trials: list[dict], r: dict, name: str) -> list[tuple[dict, str]]:
+    """Trials in which `name` was swapped: (trial, "itself" or "via PARENT")."""
+    ups = ancestors(r, name)
+    out = []
+    for t in trials:
+        sw = set(t["swapped"])
+        if name in sw:
+            out.append((t, "itself"))
+        else:
+            via = next((a for a in ups if a in sw), None)
+            if via:
+                out.append((t, f"via {via}"))
+    return out
+
+
+def _ranges(nums: list[int]) -> str:
+    nums = sorted(set(nums))
+    parts, start = [], None
+    for i, n in enumerate(nums):
+        if start is None:
+            start = n
+        if i + 1 == len(nums) or nums[i + 1] != n + 1:
+            parts.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ",".join(parts)
+
+
+def _compact(names) -> str:
+    per_rest: dict[str, list[int]] = {}
+    top: list[str] = []
+    for name in names:
+        if name.startswith("layers."):
+            _, idx, *rest = name.split(".")
+            per_rest.setdefault(".".join(rest) or "layer", []).append(int(idx))
+        else:
+            top.append(name)
+    return " ".join([f"{k}[{_ranges(v)}]" for k, v in per_rest.items()] + top)
+
+
+def candidate_universe(r: dict) -> list[str]:
+    """The search's candidates: children of the model and of each layer (not layers)."""
+    kinds = {u["name"]: u["kind"] for u in r.get("units") or []}
+    out = []
+    for u in r.get("units") or []:
+        parent = u.get("parent") or "model"
+        if u["kind"] != "layer" and (parent == "model" or kinds.get(parent) == "layer"):
+            out.append(u["name"])
+    return out
+
+
+def abbreviate(swapped: list[str], universe: list[str] | None = None, width: int = 48) -> str:
+    """A swapped set in few characters: `moe.experts[2]`, `attn[0-3] moe[0,1] embed`,
+    or `all 19 but moe[2]` when that is shorter."""
+    if not swapped:
+        return "nothing (baseline)"
+    text = _compact(swapped)
+    sw = set(swapped)
+    if universe and sw <= set(universe) | sw:
+        rest = [u for u in universe if u not in sw]
+        if set(universe) <= sw:
+            alt = f"all {len(universe)} candidates" + ("" if sw == set(universe) else " +" + _compact(sorted(sw - set(universe))))
+        elif sw <= set(universe):
+            alt = f"all {len(universe)} but {_compact(rest)}"
+        else:
+            alt = text
+        if len(alt) < len(text):
+            text = alt
+    if len(text) > width:
+        text = text[: width - 1] + "…"
+    return text
+
+
+def value_mark(value, threshold: float) -> str:
+    v = _num(value)
+    if v is None or math.isnan(v):
+        return "?"
+    return "fixed" if v <= threshold else ""
+
+
+# -- tokens --------------------------------------------------------------------------------
+HEAT_CHARS = "▁▂▃▄▅▆▇█"
+
+
+@dataclass
+class TokenData:
+    """Per-token k3 of every sample, and the masks of the token groups."""
+
+    per_sample: list[dict]
+    threshold: float
+    trace_groups: dict[str, list[list[int]]] = field(default_factory=dict)  # group -> per sample 0/1 per token
+    token_ids: list[list[int]] | None = None
+    note: str = ""  # why trace groups are missing, if they are
+
+    @property
+    def groups(self) -> list[str]:
+        return ["completion", "prompt", "all", *sorted(self.trace_groups)]
+
+    def mask(self, i: int, group: str) -> list[bool]:
+        """Over the predicted positions j (token j+1) of sample i."""
+        ps = self.per_sample[i]
+        n, p = len(ps["k3"]), ps["prompt_len"]
+        if group == "completion":
+            return [j + 1 >= p for j in range(n)]
+        if group == "prompt":
+            return [j + 1 < p for j in range(n)]
+        if group == "all":
+            return [True] * n
+        flags = self.trace_groups.get(group)
+        if flags is None:
+            return [False] * n
+        f = flags[i][1:]
+        return [bool(f[j]) if j < len(f) else False for j in range(n)]
+
+    def values(self, i: int, group: str) -> list[float]:
+        return [v for v, m in zip(self.per_sample[i]["k3"], self.mask(i, group)) if m and v is not None]
+
+    def level(self, v: float) -> int:
+        """0..7 by decade around the threshold t: level L < t*10**(L-3); 7 is >= 1000 t."""
+        if v <= 0 or self.threshold <= 0:
+            return 0
+        return max(0, min(7, math.floor(math.log10(v / self.threshold)) + 4))
+
+    def scale(self) -> str:
+        t = self.threshold
+        parts = [f"{HEAT_CHARS[L]}<{fmt(t * 10.0 ** (L - 3), 0)}" for L in range(7)]
+        return " ".join(parts + [f"{HEAT_CHARS[7]}>={fmt(t * 1e3, 0)}", "·=not in group"])
+
+    def worst(self, group: str, k: int = 10) -> list[dict]:
+        rows = []
+        for i, ps in enumerate(self.per_sample):
+            for j, (v, m) in enumerate(zip(ps["k3"], self.mask(i, group))):
+                if m and v is not None:
+                    tid = self.token_ids[i][j + 1] if self.token_ids and j + 1 < len(self.token_ids[i]) else None
+                    rows.append({"sample": ps["sample"], "position": j + 1, "token_id": tid, "value": v})
+        rows.sort(key=lambda d: (-d["value"], d["sample"], d["position"]))
+        return rows[:k]
+
+
+def _resolve(path: str, report_path: str | None) -> Path | None:
+    p = Path(path)
+    cands = [p]
+    if report_path and not p.is_absolute():
+        base = Path(report_path).resolve().parent
+        cands += [base / p, base.parent / p, base.parent.parent / p]
+    return next((c for c in cands if c.is_file()), None)
+
+
+def token_data(r: dict, report_path: str | None = None) -> TokenData:
+    """The report's per-token k3; trace groups when the trace file (same sha256) is found."""
+    b = r["baseline"]
+    td = TokenData(per_sample=b.get("per_sample") or [], threshold=float(r["threshold"]["threshold"]))
+    tr = r["inputs"]["trace"]
+    want = [g for g in tr.get("groups") or [] if g not in ("completion", "prompt", "all")]
+    found = _resolve(tr["path"], report_path)
+    if found is None:
+        if want:
+            td.note = f"trace {tr['path']} not found: groups {', '.join(want)} unavailable"
+        return td
+    data = found.read_bytes()
+    if hashlib.sha256(data).hexdigest() != tr.get("sha256"):
+        td.note = f"trace {found} differs from the one in the report: trace groups not shown"
+        return td
+    rows = []
+    for line in data.decode("utf-8-sig").splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                td.note = f"trace {found}: unreadable line; trace groups not shown"
+                return td
+    if len(rows) != len(td.per_sample):
+        return td
+    names = sorted({g for row in rows for g in (row.get("groups") or {})})
+    ids = [list(row.get("prompt_ids", [])) + list(row.get("completion_ids", [])) for row in rows]
+    td.token_ids = ids
+    for g in names:
+        td.trace_groups[g] = [list((row.get("groups") or {}).get(g) or [0] * len(i)) for row, i in zip(rows, ids)]
+    return td
