@@ -235,6 +235,110 @@ def report_validate(file):
     return ExitCode.ALIGNED
 
 
+@report.command("diff")
+@click.argument("before", type=click.Path())
+@click.argument("after", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the diff as JSON on stdout instead of text.")
+def report_diff(before, after, as_json):
+    """Did the fix work? Compare report BEFORE with AFTER; exit 0 when AFTER is aligned, 1 otherwise."""
+    from numbisect.compare import sanitize
+    from numbisect.report import load_report
+    from numbisect.reporttools import diff, render_diff
+
+    d = diff(load_report(before), load_report(after), labels=(before, after))
+    if as_json:
+        sys.stdout.write(json.dumps(sanitize(d), indent=1) + "\n")
+    else:
+        sys.stdout.write(render_diff(d))
+    return ExitCode.ALIGNED if d["aligned"] else ExitCode.DIVERGED
+
+
+@report.command("md")
+@click.argument("file", type=click.Path())
+def report_md(file):
+    """Print a Markdown summary of a report, to paste into a GitHub issue."""
+    from numbisect.report import load_report
+    from numbisect.reporttools import markdown
+
+    sys.stdout.write(markdown(load_report(file)))
+    return ExitCode.ALIGNED
+
+
+@cli.command(epilog=EPILOG)
+@click.argument("report_file", required=False, type=click.Path(), metavar="[REPORT.json]")
+@click.option("--ref", metavar="hf:DIR", help="Live mode: reference model (transformers checkpoint directory).")
+@click.option("--engine", metavar="SPEC", help="Live mode: engine, vllm:DIR or hf:DIR.")
+@click.option("--trace", type=click.Path(), help="Live mode: token trace, JSONL.")
+@click.option("--ref-dtype", default="bfloat16", show_default=True, help="float32, bfloat16 or float16.")
+@click.option("--engine-dtype", default="bfloat16", show_default=True)
+@click.option("--ref-opt", multiple=True, metavar="KEY=VALUE", help="hf options: attn_implementation, experts_implementation, batch_size.")
+@click.option("--engine-opt", multiple=True, metavar="KEY=VALUE", help="Backend options (hf as above; vllm: any LLM() argument).")
+@click.option("--engine-fault", multiple=True, metavar="SPEC", help="Plant a fault in the engine, e.g. moe_combine_bf16@layers.2.moe (repeatable).")
+@click.option("--threshold", default=1e-3, show_default=True, type=float, help="Aligned when the metric is at or under this.")
+@click.option("--metric", default="k3-mean", show_default=True, type=click.Choice(["k3-mean", "k3-p99", "kl-mean"]))
+@click.option("--group", default="completion", show_default=True, help="Token group judged: completion, prompt, all or a trace group.")
+@click.option("--strategy", default="hierarchical", show_default=True, type=click.Choice(["hierarchical", "linear", "ddmin"]))
+@click.option("--max-trials", type=int, default=None, help="Stop the search after this many trials.")
+def tui(report_file, **kw):
+    """Terminal UI: explore REPORT.json, or run the search live (--ref, --engine, --trace).
+
+    Live mode runs what `bisect run` runs, in the background, while the trials table
+    fills in; its exported report is the one `bisect run` writes. Press ? for keys.
+    """
+    from numbisect.report import command_line, load_report
+
+    live_opts = [k for k in ("ref", "engine", "trace") if kw[k]]
+    if report_file and live_opts:
+        raise InputError("give either REPORT.json or --ref/--engine/--trace (live mode), not both")
+    report, config = None, None
+    if report_file:
+        report = load_report(report_file)
+    elif len(live_opts) < 3:
+        raise InputError("bisect tui needs REPORT.json, or --ref, --engine and --trace for a live run")
+    else:
+        from numbisect.tui.live import LiveConfig, check_live, run_argv
+
+        spec, settings = _spec_settings(kw)
+        config = LiveConfig(spec, settings, strategy=kw["strategy"], max_trials=kw["max_trials"], argv=run_argv(command_line()))
+        check_live(config)
+    from numbisect.tui.app import BisectApp  # textual is imported only here
+
+    BisectApp(report=report, report_path=report_file, live=config).run()
+    return ExitCode.ALIGNED
+
+
+@cli.command(epilog=EPILOG)
+@click.option("--ref", required=True, metavar="hf:DIR", help="Reference model (transformers checkpoint directory).")
+@click.option("--engine", metavar="SPEC", help="vllm:DIR or hf:DIR [default: hf on the --ref directory, both in float32].")
+@click.option("--trace", type=click.Path(), help="Token trace [default: fixtures/traces/NAME.jsonl when --ref is a fixture].")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the planted units' choice.")
+@click.option("--rounds", default=1, show_default=True, type=int, help="Each round plants every fault kind once.")
+@click.option("--fault", "faults", multiple=True, metavar="NAME[=VALUE]", help="Plant these fault kinds instead of the engine profile's (repeatable).")
+@click.option("--threshold", type=float, default=None, help="Override the engine profile's threshold.")
+@click.option("--local-rank/--no-local-rank", default=True, show_default=True, help="Order the search by local error, as `run` does.")
+@click.option("--out", type=click.Path(), help="Write the results as JSON here (atomically).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+def selftest(**kw):
+    """Plant known faults at random units and check that the search names them (exit 0: all found)."""
+    from numbisect import selftest as ST
+    from numbisect.report import write_json_atomic
+
+    _check_out(kw)
+    engine, trace, profile = ST.resolve(kw["ref"], kw["engine"], kw["trace"])
+    with Progress(kw["quiet"]) as say:
+        session = ST.open_session(kw["ref"], engine, trace, profile, kw["threshold"], progress=say)
+        try:
+            res = ST.selftest(session, profile, rounds=kw["rounds"], seed=kw["seed"], templates=list(kw["faults"]) or None,
+                              local_rank=kw["local_rank"], progress=say)
+        finally:
+            session.close()
+    if kw["out"]:
+        write_json_atomic(kw["out"], res)
+    sys.stdout.write(ST.render(res) + (f"results: {kw['out']}\n" if kw["out"] else ""))
+    sys.stdout.flush()
+    return ExitCode.ALIGNED if res["passed"] else ExitCode.DIVERGED
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     debug = bool(os.environ.get("NUMBISECT_DEBUG"))

@@ -142,12 +142,17 @@ def apply_faults(engine, faults: list[Fault]) -> Planted:
 
 
 def _output_noise(f: Fault):
-    def hook(m, args, out):
-        t = first(out)
-        g = _gen(f.unit)
+    """Noise on every float output (a router's logits and, in transformers, its weights)."""
+
+    def noisy(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
         rms = t.float().pow(2).mean().sqrt()
-        noisy = (t.float() + f.value * rms * torch.randn(t.shape, generator=g)).to(t.dtype)
-        return (noisy,) + tuple(out[1:]) if isinstance(out, tuple) else noisy
+        return (t.float() + f.value * rms * torch.randn(t.shape, generator=g)).to(t.dtype)
+
+    def hook(m, args, out):
+        g = _gen(f.unit)
+        if isinstance(out, tuple):
+            return tuple(noisy(t, g) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out)
+        return noisy(out, g)
 
     return hook
 

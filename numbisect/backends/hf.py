@@ -28,6 +28,9 @@ class HFBackend(Backend):
         super().__init__(path, dtype)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # stderr is for numbisect's own progress
 
         kwargs = {}
         if attn_implementation:

@@ -61,15 +61,13 @@ def verdict_line(r: dict) -> tuple[str, str, str]:
     mark, style = ("OK ALIGNED", "bold green") if aligned else ("!! DIVERGED", "bold red")
     ratio = ""
     if th["threshold"] and b["value"] is not None:
-        ratio = f", {b['value'] / th['threshold']:.3g}x the threshold"
+        x = b["value"] / th["threshold"]
+        ratio = f" ({x:.0f}x)" if x >= 100 else f" ({x:.2g}x)"
     cmp_ = "<=" if aligned else ">"
-    text = (
-        f"{metric_words(th['metric'])} {fmt(b['value'])} {cmp_} {fmt(th['threshold'])}"
-        f" ({th['group']} tokens{ratio})"
-    )
+    text = f"{metric_words(th['metric'])} {fmt(b['value'])} {cmp_} {fmt(th['threshold'])}{ratio}"
     rl = b.get("rl_cost") or {}
     if rl.get("seq_frac_rejected") is not None:
-        text += f"; RL: {pct(rl['seq_frac_rejected'])} of sequences rejected"
+        text += f" · {pct(rl['seq_frac_rejected'])} of sequences rejected"
     return mark, style, text
 
 
@@ -103,16 +101,17 @@ def culprit_lines(r: dict) -> list[tuple[str, str]]:
         out = []
         for c in culprits:
             out.append(
-                ("bold magenta", f"{CULPRIT_MARK} {c['unit']}: swapping it alone takes {words} from {fmt(s['baseline'])} to {fmt(c['alone'])}")
+                ("bold magenta", f"{c['unit']}: swapping it alone takes {words} from {fmt(s['baseline'])} to {fmt(c['alone'])}")
             )
-        ev = [f"threshold {fmt(th['threshold'])}"]
+        ev = [f"{CULPRIT_MARK} culprit" + ("s" if len(culprits) > 1 else ""), f"threshold {fmt(th['threshold'])}"]
         if len(culprits) == 1:
             c = culprits[0]
-            ev.append(f"with every other unit swapped it stays {fmt(c['complement'])}")
+            ev.append(f"all others swapped: {fmt(c['complement'])}")
             if c.get("local_rank"):
-                ev.append(f"local-error rank {c['local_rank']}")
-        ev.append(f"{s['trials_used']} trials ({s['strategy']})")
-        out.append(("", "evidence: " + "; ".join(ev)))
+                ev.append(f"local rank {c['local_rank']}")
+        else:
+            ev.append(f"{s['trials_used']} trials")
+        out.append(("", " · ".join(ev)))
         return out
     if verdict == "aligned":
         return [("green", f"aligned: {words} {fmt(s['baseline'])} <= {fmt(th['threshold'])} before any swap")]
@@ -148,9 +147,7 @@ def unit_severity(u: dict, view: str, tol: float) -> tuple[str, str, float | Non
 
 
 def legend(tol: float) -> str:
-    return (
-        f"= identical  . <= {fmt(tol)}  ! > {fmt(tol)}  !! > {fmt(10 * tol)}  {CULPRIT_MARK} culprit  (rel-L2)"
-    )
+    return f"rel-L2: =same .<={fmt(tol)} !>{fmt(tol)} !!>{fmt(10 * tol)} {CULPRIT_MARK}culprit"
 
 
 @dataclass
@@ -273,15 +270,11 @@ def abbreviate(swapped: list[str], universe: list[str] | None = None, width: int
     if not swapped:
         return "nothing (baseline)"
     text = _compact(swapped)
-    sw = set(swapped)
-    if universe and sw <= set(universe) | sw:
+    if universe:
+        sw, uni = set(swapped), set(universe)
         rest = [u for u in universe if u not in sw]
-        if set(universe) <= sw:
-            alt = f"all {len(universe)} candidates" + ("" if sw == set(universe) else " +" + _compact(sorted(sw - set(universe))))
-        elif sw <= set(universe):
-            alt = f"all {len(universe)} but {_compact(rest)}"
-        else:
-            alt = text
+        extra = sorted(sw - uni)
+        alt = f"all {len(universe)}" + (f" but {_compact(rest)}" if rest else "") + (f" + {_compact(extra)}" if extra else "")
         if len(alt) < len(text):
             text = alt
     if len(text) > width:

@@ -1,0 +1,502 @@
+"""Reports for bug tickets: `bisect report diff` (did the fix work?) and `bisect report md`.
+
+Everything here reads report dicts alone (as `load_report` returns them): no model, no
+torch, no vLLM, so it runs on the machine of whoever reads the ticket.
+
+1. `diff(a, b)`: A is "before", B is "after". The judged metric and k3 per token group
+   before and after, RL cost, per-unit deltas (propagated and local rel-L2), which
+   culprits were resolved, appeared or persist, and every input that differs between
+   the two runs as a "not comparable: ..." line. `d["aligned"]` is B's verdict.
+2. `render_diff(d)`: the same as text for a terminal.
+3. `markdown(r)`: a Markdown summary to paste into a GitHub issue: verdict, culprit with
+   its evidence, a small per-layer table, token groups, RL cost, environment and the
+   command that reproduces the run.
+
+Non-finite numbers arrive as the strings "inf", "-inf", "nan" (the report's encoding);
+`num()` turns them back into floats.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+
+from numbisect.render import fmt, pct
+
+MAX_DIFF_UNITS = 25  # unit rows shown by render_diff before the rest are summarised
+
+
+# -- small helpers ----------------------------------------------------------------------------
+def num(x) -> float | None:
+    """A report number as a float: None stays None, "inf"/"-inf"/"nan" become floats."""
+    if x is None or isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return None
+
+
+def _delta(before, after) -> float | None:
+    a, b = num(before), num(after)
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return None
+    return b - a
+
+
+def _get(d, *keys):
+    """d[k1][k2]... or None when any level is missing or not a dict."""
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def _short(h) -> str:
+    return h[:12] if isinstance(h, str) else "-"
+
+
+def _fmt_signed(x) -> str:
+    if x is None:
+        return "-"
+    return "0" if x == 0 else ("+" if x > 0 else "-") + fmt(abs(x))
+
+
+def _opts(side: dict) -> dict:
+    """A backend's options without the unset (None) ones: unset and absent mean the same."""
+    o = side.get("options")
+    return {k: v for k, v in o.items() if v is not None} if isinstance(o, dict) else {}
+
+
+def _kv(d) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items()) if isinstance(d, dict) else str(d)
+
+
+def _eq(bitwise) -> str:
+    return "-" if bitwise is None else ("=" if bitwise else "!=")
+
+
+def _culprits(r: dict) -> list[dict]:
+    return [c for c in (r.get("culprits") or []) if isinstance(c, dict) and c.get("unit")]
+
+
+def _searched(r: dict) -> bool:
+    """Whether the report named culprits by a search (a `run` that was not a plain swap)."""
+    s = r.get("search") or {}
+    return r.get("kind") == "run" and bool(s) and s.get("strategy") != "swap"
+
+
+def _unit_map(r: dict) -> dict[str, dict]:
+    return {u["name"]: u for u in (r.get("units") or []) if isinstance(u, dict) and "name" in u}
+
+
+def _rel(u: dict | None, side: str) -> float | None:
+    return num(_get(u, side, "rel_l2"))
+
+
+def _bitwise(u: dict | None, side: str):
+    return _get(u, side, "ulps", "bitwise_equal")
+
+
+# -- diff -------------------------------------------------------------------------------------
+def _side(r: dict, label: str) -> dict:
+    th = r.get("threshold") or {}
+    return {
+        "label": label,
+        "kind": r.get("kind"),
+        "created": r.get("created"),
+        "verdict": r.get("verdict"),
+        "value": num(_get(r, "baseline", "value")),
+        "metric": th.get("metric"),
+        "group": th.get("group"),
+        "threshold": num(th.get("threshold")),
+        "search_verdict": _get(r, "search", "verdict"),
+    }
+
+
+def _incomparable(a: dict, b: dict) -> list[str]:
+    """One "not comparable: ..." line per input that differs between the two runs."""
+    out = []
+    ia, ib = a.get("inputs") or {}, b.get("inputs") or {}
+
+    def sha_line(what: str, sa, sb) -> None:
+        if sa == sb:
+            return
+        if isinstance(sa, dict) and isinstance(sb, dict):
+            files = sorted(set(sa) | set(sb))
+            parts = [f"{f} {_short(sa.get(f))} vs {_short(sb.get(f))}" for f in files if sa.get(f) != sb.get(f)]
+            out.append(f"not comparable: {what} checkpoint differs (sha256 {'; '.join(parts)})")
+        else:
+            out.append(f"not comparable: {what} checkpoint differs (sha256 {_short(sa)} vs {_short(sb)})")
+
+    for side, what in (("ref", "reference"), ("engine", "engine")):
+        sa, sb = ia.get(side) or {}, ib.get(side) or {}
+        if sa.get("backend") != sb.get("backend"):
+            out.append(f"not comparable: {what} backend differs ({sa.get('backend')} vs {sb.get('backend')})")
+        if sa.get("arch") != sb.get("arch"):
+            out.append(f"not comparable: {what} architecture differs ({sa.get('arch')} vs {sb.get('arch')})")
+        sha_line(what, sa.get("sha256"), sb.get("sha256"))
+        if sa.get("dtype") != sb.get("dtype"):
+            out.append(f"not comparable: {what} dtype differs ({sa.get('dtype')} vs {sb.get('dtype')})")
+        oa, ob = _opts(sa), _opts(sb)
+        if oa != ob:
+            keys = sorted(set(oa) | set(ob), key=str)
+            parts = [f"{k} {oa.get(k)!r} vs {ob.get(k)!r}" for k in keys if oa.get(k) != ob.get(k)]
+            out.append(f"not comparable: {what} options differ ({'; '.join(parts)})")
+    ta, tb = ia.get("trace") or {}, ib.get("trace") or {}
+    if ta.get("sha256") != tb.get("sha256"):
+        out.append(f"not comparable: trace differs (sha256 {_short(ta.get('sha256'))} vs {_short(tb.get('sha256'))})")
+    fa = [f.get("spec") for f in ia.get("faults") or [] if isinstance(f, dict)]
+    fb = [f.get("spec") for f in ib.get("faults") or [] if isinstance(f, dict)]
+    if fa != fb:
+        out.append(f"not comparable: planted faults differ ({', '.join(fa) or 'none'} vs {', '.join(fb) or 'none'})")
+    sa, sb = a.get("threshold") or {}, b.get("threshold") or {}
+    if sa != sb:
+        keys = sorted(set(sa) | set(sb))
+        parts = [f"{k} {sa.get(k)!r} vs {sb.get(k)!r}" for k in keys if sa.get(k) != sb.get(k)]
+        out.append(f"not comparable: verdict settings differ ({'; '.join(parts)})")
+    if a.get("tool_version") != b.get("tool_version"):
+        out.append(f"not comparable: numbisect version differs ({a.get('tool_version')} vs {b.get('tool_version')})")
+    ea, eb = a.get("environment") or {}, b.get("environment") or {}
+    for key in ("torch", "transformers", "vllm", "python", "machine", "device", "threads", "seeds"):
+        if ea.get(key) != eb.get(key):
+            out.append(f"not comparable: {key} differs ({ea.get(key)} vs {eb.get(key)})")
+    return out
+
+
+def _groups(a: dict, b: dict) -> dict:
+    ga, gb = _get(a, "baseline", "groups") or {}, _get(b, "baseline", "groups") or {}
+    out = {}
+    for g in list(ga) + [g for g in gb if g not in ga]:
+        va, vb = ga.get(g) or {}, gb.get(g) or {}
+        row = {"tokens": [va.get("tokens"), vb.get("tokens")]}
+        for key, path in (("k3_mean", ("k3", "mean")), ("k3_p99", ("k3", "p99")), ("k3_max", ("k3", "max")), ("kl_mean", ("kl", "mean"))):
+            before, after = num(_get(va, *path)), num(_get(vb, *path))
+            row[key] = {"before": before, "after": after, "delta": _delta(before, after)}
+        out[g] = row
+    return out
+
+
+def _units(a: dict, b: dict) -> list[dict]:
+    ua, ub = _unit_map(a), _unit_map(b)
+    names = list(ua) + [n for n in ub if n not in ua]
+    rows = []
+    for n in names:
+        x, y = ua.get(n), ub.get(n)
+        row = {"name": n, "kind": (x or y).get("kind"), "in": "both" if x and y else ("a" if x else "b")}
+        for side in ("propagated", "local"):
+            before, after = _rel(x, side), _rel(y, side)
+            row[side] = {"before": before, "after": after, "delta": _delta(before, after)}
+        row["bitwise"] = {"before": _bitwise(x, "local") if _get(x, "local") else _bitwise(x, "propagated"),
+                          "after": _bitwise(y, "local") if _get(y, "local") else _bitwise(y, "propagated")}
+        rows.append(row)
+    return rows
+
+
+def _culprit_changes(a: dict, b: dict) -> list[dict]:
+    """Each culprit of either side with its status: resolved, persists, appeared or unknown."""
+    ca, cb = {c["unit"]: c for c in _culprits(a)}, {c["unit"]: c for c in _culprits(b)}
+    b_aligned = b.get("verdict") == "aligned"
+    ub = _unit_map(b)
+    out = []
+    for name, c in ca.items():
+        if name in cb:
+            status = "persists"
+        elif b_aligned or _searched(b):
+            status = "resolved"  # B is aligned, or B's search did not name it
+        else:
+            status = "unknown"  # B diverged but was not searched: cannot tell
+        out.append({
+            "unit": name, "kind": c.get("kind"), "status": status,
+            "alone_before": num(c.get("alone")), "complement_before": num(c.get("complement")),
+            "local_rel_l2_after": _rel(ub.get(name), "local"),
+        })
+    for name, c in cb.items():
+        if name not in ca:
+            out.append({
+                "unit": name, "kind": c.get("kind"),
+                "status": "appeared" if (_searched(a) or a.get("verdict") == "aligned") else "named",
+                "alone_after": num(c.get("alone")), "complement_after": num(c.get("complement")),
+            })
+    return out
+
+
+def diff(a: dict, b: dict, labels: tuple[str, str] = ("A", "B")) -> dict:
+    """Compare report A (before) with report B (after). JSON-safe except for non-finite floats."""
+    ra, rb = _get(a, "baseline", "rl_cost") or {}, _get(b, "baseline", "rl_cost") or {}
+    before, after = _side(a, labels[0]), _side(b, labels[1])
+    return {
+        "a": before,
+        "b": after,
+        "judged": {
+            "metric": after["metric"] or before["metric"],
+            "group": after["group"] or before["group"],
+            "before": before["value"],
+            "after": after["value"],
+            "delta": _delta(before["value"], after["value"]),
+            "threshold": after["threshold"],
+        },
+        "groups": _groups(a, b),
+        "rl_cost": {
+            k: {"before": num(ra.get(k)), "after": num(rb.get(k)), "delta": _delta(ra.get(k), rb.get(k))}
+            for k in ("seq_frac_rejected", "token_frac_tis", "token_frac_icepop")
+        },
+        "units": _units(a, b),
+        "culprits": _culprit_changes(a, b),
+        "not_comparable": _incomparable(a, b),
+        "aligned": b.get("verdict") == "aligned",
+    }
+
+
+def _verdict_word(v) -> str:
+    return "OK ALIGNED" if v == "aligned" else ("!! DIVERGED" if v == "diverged" else str(v))
+
+
+def render_diff(d: dict) -> str:
+    a, b, j = d["a"], d["b"], d["judged"]
+    lines = [
+        f"numbisect diff | before {a['label']} ({a['kind']}, {a['created']}) -> after {b['label']} ({b['kind']}, {b['created']})",
+        f"verdict: {_verdict_word(a['verdict'])} -> {_verdict_word(b['verdict'])}  {j['metric']} (group {j['group']}) "
+        f"{fmt(j['before'])} -> {fmt(j['after'])}, threshold {fmt(j['threshold'])}",
+    ]
+    nc = d["not_comparable"]
+    lines += nc if nc else ["inputs: same checkpoints, trace, dtypes, options, faults, settings and versions"]
+    lines += ["", f"{'tokens':<12}{'k3 mean':>10}{'->':>4}{'after':>10}{'k3 p99':>10}{'->':>4}{'after':>10}{'KL mean':>10}{'->':>4}{'after':>10}"]
+    for g, v in d["groups"].items():
+        m, p, k = v["k3_mean"], v["k3_p99"], v["kl_mean"]
+        lines.append(
+            f"{g:<12}{fmt(m['before']):>10}{'->':>4}{fmt(m['after']):>10}{fmt(p['before']):>10}{'->':>4}{fmt(p['after']):>10}"
+            f"{fmt(k['before']):>10}{'->':>4}{fmt(k['after']):>10}"
+        )
+    rc = d["rl_cost"]
+    lines.append(
+        f"RL cost: sequences rejected {pct(rc['seq_frac_rejected']['before'])} -> {pct(rc['seq_frac_rejected']['after'])};"
+        f" tokens over TIS cap {pct(rc['token_frac_tis']['before'])} -> {pct(rc['token_frac_tis']['after'])};"
+        f" outside IcePop {pct(rc['token_frac_icepop']['before'])} -> {pct(rc['token_frac_icepop']['after'])}"
+    )
+    if d["culprits"]:
+        lines.append("")
+        for c in d["culprits"]:
+            if c["status"] == "resolved":
+                extra = f"; its local rel-L2 is now {fmt(c['local_rel_l2_after'])}" if c.get("local_rel_l2_after") is not None else ""
+                lines.append(f"resolved: {c['unit']} ({c['kind']}), culprit in {a['label']} (swapped alone: {fmt(c['alone_before'])}){extra}")
+            elif c["status"] == "persists":
+                lines.append(f"persists: {c['unit']} ({c['kind']}) is a culprit in both")
+            elif c["status"] == "appeared":
+                lines.append(f"appeared: {c['unit']} ({c['kind']}), a culprit in {b['label']} only (swapped alone: {fmt(c.get('alone_after'))})")
+            elif c["status"] == "named":
+                lines.append(f"named: {c['unit']} ({c['kind']}), a culprit in {b['label']} ({a['label']} was not searched)")
+            else:
+                lines.append(f"unknown: {c['unit']} ({c['kind']}), a culprit in {a['label']}; {b['label']} diverged but was not searched")
+    changed = [u for u in d["units"] if any(u[s]["before"] != u[s]["after"] for s in ("propagated", "local")) or u["in"] != "both"]
+    if d["units"]:
+        lines += ["", f"units: {len(changed)} of {len(d['units'])} changed (rel-L2, before -> after)"]
+    if changed:
+        shown = changed
+        if len(changed) > MAX_DIFF_UNITS:
+            def size(u):
+                return max(abs(u[s]["delta"]) if u[s]["delta"] is not None else math.inf for s in ("propagated", "local"))
+            keep = {u["name"] for u in sorted(changed, key=size, reverse=True)[:MAX_DIFF_UNITS]}
+            shown = [u for u in changed if u["name"] in keep]
+        lines.append(f"{'unit':<28}{'propagated':>10}{'->':>4}{'after':>10}{'delta':>11}{'local':>10}{'->':>4}{'after':>10}{'delta':>11}{'bitwise':>11}")
+        for u in shown:
+            p, loc, bw = u["propagated"], u["local"], u["bitwise"]
+            eq = f"{_eq(bw['before'])} -> {_eq(bw['after'])}"
+            note = "" if u["in"] == "both" else f"  (only in {a['label'] if u['in'] == 'a' else b['label']})"
+            lines.append(
+                f"{u['name']:<28}{fmt(p['before']):>10}{'->':>4}{fmt(p['after']):>10}{_fmt_signed(p['delta']):>11}"
+                f"{fmt(loc['before']):>10}{'->':>4}{fmt(loc['after']):>10}{_fmt_signed(loc['delta']):>11}{eq:>11}{note}"
+            )
+        if len(shown) < len(changed):
+            lines.append(f"(+{len(changed) - len(shown)} more changed units; --json lists all)")
+    return "\n".join(lines) + "\n"
+
+
+# -- markdown ---------------------------------------------------------------------------------
+def _md(s) -> str:
+    """Text safe inside a Markdown table cell."""
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _code(s) -> str:
+    s = str(s).replace("\n", " ")
+    fence = "``" if "`" in s else "`"
+    return f"{fence}{s}{fence}"
+
+
+def _engine_words(inp: dict) -> str:
+    eng = inp.get("engine") or {}
+    if eng.get("backend") == "rollout":
+        return "the trace's rollout log-probs"
+    return f"{eng.get('backend')} {eng.get('dtype')}"
+
+
+def _evidence(r: dict, c: dict) -> str:
+    th = r.get("threshold") or {}
+    s = r.get("search") or {}
+    u = _unit_map(r).get(c["unit"])
+    ranking = r.get("local_ranking") or {}
+    text = (
+        f"Swapping {_code(c['unit'])} ({c.get('kind')}) alone for the reference's module takes {th.get('metric')} "
+        f"from {fmt(num(s.get('baseline')))} to {fmt(num(c.get('alone')))} (threshold {fmt(num(th.get('threshold')))}); "
+        f"with every other unit swapped and this one left in, it is {fmt(num(c.get('complement')))}."
+    )
+    loc = _rel(u, "local")
+    if loc is not None:
+        rank = f", rank {c['local_rank']} of {len(ranking)} by own error" if c.get("local_rank") else ""
+        text += f" Fed the reference's input, its output differs by rel-L2 {fmt(loc)}{rank}."
+    return text
+
+
+def _title(r: dict) -> str:
+    inp = r.get("inputs") or {}
+    arch = _get(inp, "ref", "arch") or "?"
+    s = r.get("search") or {}
+    culprits = _culprits(r)
+    if r.get("verdict") == "aligned":
+        what = "aligned"
+    elif culprits:
+        what = "diverges, culprit " + ", ".join(_code(c["unit"]) for c in culprits)
+    elif s.get("verdict") == "diffuse":
+        what = "diverges, diffuse (no single culprit)"
+    else:
+        what = "diverges"
+    return f"numbisect {r.get('kind')}: {arch}, engine {_engine_words(inp)} vs reference {_get(inp, 'ref', 'backend')} {_get(inp, 'ref', 'dtype')}: {what}"
+
+
+def _layer_table(r: dict) -> list[str]:
+    units = [u for u in (r.get("units") or []) if isinstance(u, dict) and "name" in u]
+    layers = sorted({u["layer"] for u in units if isinstance(u.get("layer"), int)})
+    if not layers:
+        return []
+    has_local = any(u.get("local") for u in units)
+    side = "local" if has_local else "propagated"
+    culprits = [c["unit"] for c in _culprits(r)]
+    faults = [f for f in _get(r, "inputs", "faults") or [] if isinstance(f, dict)]
+    out = [
+        f"| layer | attn ({side}) | MoE / MLP ({side}) | layer output (propagated) | first unit not bitwise equal ({side}) | note |",
+        "|---:|---:|---:|---:|---|---|",
+    ]
+    for i in layers:
+        mine = [u for u in units if u.get("layer") == i]
+        attn = next((u for u in mine if u.get("kind") == "attn"), None)
+        ffn = next((u for u in mine if u.get("kind") in ("moe", "mlp")), None)
+        out_u = next((u for u in mine if u.get("kind") == "layer"), None)
+        first_ne = next((u["name"] for u in mine if _bitwise(u, side) is False), None)
+        prefix = f"layers.{i}"
+        notes = [f"**culprit** {_code(c)}" for c in culprits if c == prefix or c.startswith(prefix + ".")]
+        notes += [f"planted fault {_code(f.get('spec'))}" for f in faults if str(f.get("unit", "")).startswith(prefix + ".") or f.get("unit") == prefix]
+        out.append(
+            f"| {i} | {fmt(_rel(attn, side))} | {fmt(_rel(ffn, side))} | {fmt(_rel(out_u, 'propagated'))} | "
+            f"{_code(first_ne) if first_ne else '-'} | {'; '.join(notes)} |"
+        )
+    return out
+
+
+def _groups_table(r: dict) -> list[str]:
+    groups = _get(r, "baseline", "groups") or {}
+    if not groups:
+        return []
+    out = ["| tokens | count | k3 mean | k3 p99 | k3 max | KL mean | top-1 agree |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for g, v in groups.items():
+        out.append(
+            f"| {_md(g)} | {v.get('tokens')} | {fmt(num(_get(v, 'k3', 'mean')))} | {fmt(num(_get(v, 'k3', 'p99')))} | "
+            f"{fmt(num(_get(v, 'k3', 'max')))} | {fmt(num(_get(v, 'kl', 'mean')))} | {pct(num(v.get('top1_agree')))} |"
+        )
+    return out
+
+
+def _rl_line(r: dict) -> str | None:
+    c = _get(r, "baseline", "rl_cost")
+    if not c:
+        return None
+    t = c.get("thresholds") or {}
+    return (
+        f"**RL cost:** {pct(num(c.get('seq_frac_rejected')))} of {c.get('sequences')} sequences would be rejected "
+        f"(TIS > {t.get('tis_cap')}: {pct(num(c.get('seq_frac_tis')))}, IcePop [{t.get('icepop_low')}, {t.get('icepop_high')}]: "
+        f"{pct(num(c.get('seq_frac_icepop')))}, geometric-mean ratio outside [{t.get('geo_low')}, {t.get('geo_high')}]: "
+        f"{pct(num(c.get('seq_frac_geo')))}, sequence k3 > {t.get('seq_k3_max')}: {pct(num(c.get('seq_frac_k3')))}); "
+        f"tokens over the TIS cap {pct(num(c.get('token_frac_tis')))}, outside IcePop {pct(num(c.get('token_frac_icepop')))}."
+    )
+
+
+def _search_lines(r: dict) -> list[str]:
+    s = r.get("search")
+    if not isinstance(s, dict):
+        return []
+    sw = r.get("swap")
+    if isinstance(sw, dict):
+        return [f"**Swap:** {_md(line.strip())}  " for line in sw.get("lines") or []]
+    out = [f"**Search** ({s.get('strategy')}): {s.get('trials_used')} trials; {s.get('stop_reason')}."]
+    for c in _culprits(r):
+        out += ["", f"**Culprit {_code(c['unit'])}:** {_evidence(r, c)}"]
+    if s.get("verdict") == "diffuse":
+        out += ["", "**Diffuse:** no set smaller than every layer reaches the threshold. Per-layer contributions:", "",
+                "| layer | swapped alone | all others swapped |", "|---|---:|---:|"]
+        for name, v in (s.get("contributions") or {}).items():
+            out.append(f"| {_code(name)} | {fmt(num(_get(v, 'alone')))} | {fmt(num(_get(v, 'complement')))} |")
+    return out
+
+
+def _env_lines(r: dict) -> list[str]:
+    e = r.get("environment") or {}
+    inp = r.get("inputs") or {}
+    out = [
+        f"- numbisect {r.get('tool_version')} (report schema v{r.get('schema_version')}), created {r.get('created')}",
+        f"- python {e.get('python')}, torch {e.get('torch')}, transformers {e.get('transformers')}, vllm {e.get('vllm')}",
+        f"- {e.get('platform')} ({e.get('machine')}), device {e.get('device')}, {e.get('threads')} threads, seeds {_kv(e.get('seeds'))}",
+    ]
+    for side, what in (("ref", "reference"), ("engine", "engine")):
+        v = inp.get(side) or {}
+        sha = v.get("sha256") or {}
+        digest = ", ".join(f"{k} {_short(h)}" for k, h in sha.items()) if isinstance(sha, dict) else _short(sha)
+        opts = _opts(v)
+        out.append(
+            f"- {what}: {v.get('backend')}:{_code(v.get('path'))} {v.get('dtype') or ''}"
+            + (f", options {_code(_kv(opts))}" if opts else "") + (f", sha256 {digest}" if digest else "")
+        )
+    tr = inp.get("trace") or {}
+    out.append(f"- trace: {_code(tr.get('path'))}, {tr.get('samples')} samples, {tr.get('completion_tokens')} completion tokens, sha256 {_short(tr.get('sha256'))}")
+    faults = [f.get("spec") for f in inp.get("faults") or [] if isinstance(f, dict)]
+    if faults:
+        out.append("- planted faults: " + ", ".join(_code(f) for f in faults))
+    return out
+
+
+def markdown(r: dict) -> str:
+    """A Markdown summary of one report, to paste into a GitHub issue."""
+    th = r.get("threshold") or {}
+    b = r.get("baseline") or {}
+    aligned = r.get("verdict") == "aligned"
+    verdict = (
+        f"**Verdict: {'aligned' if aligned else 'DIVERGED'}.** {th.get('metric')} over {th.get('group')} tokens is "
+        f"{fmt(num(b.get('value')))}, {'at or under' if aligned else 'above'} the threshold {fmt(num(th.get('threshold')))}."
+    )
+    parts = [f"### {_title(r)}", "", verdict]
+    sl = _search_lines(r)
+    if sl:
+        parts += [""] + sl
+    lt = _layer_table(r)
+    if lt:
+        parts += ["", "Per layer, relative L2 error of the engine against the reference "
+                      "(local: the engine unit fed the reference's input; propagated: each side on its own inputs):", ""] + lt
+        fd = r.get("first_divergence") or {}
+        if fd:
+            parts += ["", f"First unit not bitwise equal: {_code(fd.get('bitwise')) if fd.get('bitwise') else 'none'}; "
+                          f"first above rel-L2 {fmt(num(th.get('unit_tol')))}: {_code(fd.get('above_tol')) if fd.get('above_tol') else 'none'}."]
+    gt = _groups_table(r)
+    if gt:
+        parts += [""] + gt
+    rl = _rl_line(r)
+    if rl:
+        parts += ["", rl]
+    parts += ["", "<details><summary>Environment and inputs</summary>", ""] + _env_lines(r) + ["", "</details>"]
+    cmd = r.get("command") or []
+    if cmd:
+        parts += ["", "To reproduce:", "", "```sh", shlex.join(str(x) for x in cmd), "```"]
+    return "\n".join(parts) + "\n"

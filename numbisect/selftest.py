@@ -1,0 +1,351 @@
+"""`bisect selftest`: plant known faults in the engine and check that the search finds them.
+
+1. Open one session: the reference, the engine, the trace. The engine kind picks a
+   profile (`PROFILES`): the dtypes of both sides, the threshold, and the fault kinds
+   and magnitudes that were measured to stand well above that pair's noise floor.
+2. Measure the noise floor (no fault, nothing swapped); it must be under the threshold.
+   Run the swap self-check once (every unit swapped reproduces the reference).
+3. Each round plants each fault kind in turn at a unit of the right kind, chosen by a
+   seeded RNG, and runs the hierarchical search with a fresh trial runner. The session
+   (models, cached reference result) is reused: only `session.faults` changes.
+4. A round is *found* when the search names culprits and they are, exactly, the planted
+   unit P ("exact"), one or more sub-units of P ("sub-unit": a fault in a moe block
+   lives in its experts), or P's parent unit when that is not a layer ("parent": a
+   fault in moe.router may be named as its moe). Anything else, including P named
+   together with an innocent unit, is missed. Trials are compared with the bound
+   ceil(log2 n) + 4, n = candidates plus their sub-units (`numbisect.search`).
+5. A table on stdout, and a JSON document (`--out`). Exit 0 when every round found its
+   fault, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from numbisect import search as S
+from numbisect.compare import Settings, parse_spec
+from numbisect.errors import InputError
+from numbisect.faults import KINDS as FAULT_UNIT_KINDS
+from numbisect.faults import check_fault, parse_fault
+from numbisect.render import fmt
+from numbisect.units import children, unit_graph
+
+SELFTEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PlantedKind:
+    template: str  # fault spec without the unit, e.g. "weight_noise=1e-1"
+    unit_kinds: tuple[str, ...]  # kinds of unit it is planted at
+    weakest: str  # the weakest strength measured over the fixtures (mean k3), for the output
+
+
+@dataclass(frozen=True)
+class Profile:
+    engine: str  # "hf" or "vllm"
+    dtype: str  # reference and engine dtype
+    threshold: float  # between the noise floor and the weakest planted fault
+    why: str  # how the threshold was chosen (printed and recorded)
+    faults: tuple[PlantedKind, ...]
+    not_planted: tuple[tuple[str, str], ...]  # (fault, measured reason) for kinds too weak here
+
+
+# Chosen from `benchmarks/fault_strength.py` on the four fixtures (see benchmarks/README.md).
+PROFILES = {
+    "hf": Profile(
+        engine="hf",
+        dtype="float32",
+        threshold=1e-10,
+        why=(
+            "hf float32 engine vs hf float32 reference: the noise floor is 0 (at most 1.5e-13 seen); "
+            "the weakest planted fault is about 1e-8, so 1e-10 sits two decades from each"
+        ),
+        faults=(
+            PlantedKind("weight_noise=1e-1", ("attn", "mlp", "router", "experts", "shared_expert", "norm", "embed", "lm_head"), "TBD"),
+            PlantedKind("output_noise=1e-1", ("attn", "mlp", "moe", "router", "experts", "shared_expert", "norm", "embed", "lm_head"), "TBD"),
+            PlantedKind("moe_combine_bf16", ("moe", "experts"), "TBD"),
+            PlantedKind("router_logits_fp8", ("router",), "TBD"),
+            PlantedKind("rmsnorm_no_upcast", ("norm",), "TBD"),
+        ),
+        not_planted=(
+            ("router_logits_fp16", "about 3e-12 on qwen3_moe: under the threshold"),
+        ),
+    ),
+    "vllm": Profile(
+        engine="vllm",
+        dtype="bfloat16",
+        threshold=1e-3,
+        why=(
+            "vLLM bf16 engine vs hf bf16 reference: noise floor about 5e-5 (partial swaps up to about 1e-4, "
+            "DESIGN.md); the weakest planted fault is about 2e-3; 1e-3 is the tool's default threshold"
+        ),
+        faults=(
+            PlantedKind("moe_combine_bf16", ("moe", "experts"), "TBD"),
+            PlantedKind("output_noise=3", ("attn", "mlp", "moe", "norm", "embed", "lm_head"), "TBD"),
+            PlantedKind("weight_noise=1", ("norm", "embed"), "TBD"),
+        ),
+        not_planted=(
+            ("weight_noise on attn/mlp/moe/lm_head", "no effect: vLLM-CPU prepacks linear weights (the module parameters are empty)"),
+            ("rmsnorm_no_upcast", "below the bf16 noise: the engine already runs in bf16"),
+            ("router_logits_fp8", "about 6e-5, the noise floor is 5e-5"),
+        ),
+    ),
+}
+
+
+# -- pieces the benchmarks share ----------------------------------------------------------
+def default_trace(ref: str) -> str:
+    """fixtures/traces/<name>.jsonl when `ref` (hf:DIR) is a numbisect fixture."""
+    _, path = parse_spec(ref, "--ref")
+    p = Path(path).resolve()
+    trace = p.parent.parent / "traces" / f"{p.name}.jsonl"
+    if p.parent.name == "models" and p.parent.parent.name == "fixtures" and trace.is_file():
+        return str(trace)
+    raise InputError(f"--trace is required: {path} is not a numbisect fixture (fixtures/models/NAME)")
+
+
+def resolve(ref: str, engine: str | None, trace: str | None) -> tuple[str, str, Profile]:
+    """(engine, trace, profile) with the defaults filled in: the engine is hf on the
+    reference's own directory, the trace the fixture's."""
+    kind, path = parse_spec(ref, "--ref")
+    if kind != "hf":
+        raise InputError(f"--ref must be hf:DIR (got {ref!r})")
+    engine = engine or f"hf:{path}"
+    return engine, trace or default_trace(ref), profile_for(engine)
+
+
+def profile_for(engine: str) -> Profile:
+    kind, _ = parse_spec(engine, "--engine")
+    if kind not in PROFILES:
+        raise InputError(f"selftest needs an engine that runs (hf:DIR or vllm:DIR), not {engine!r}")
+    return PROFILES[kind]
+
+
+def open_session(ref: str, engine: str, trace: str, profile: Profile, threshold: float | None = None,
+                 progress=None, backends: dict | None = None):
+    """A session in the profile's dtypes, judged on mean k3 of completion tokens."""
+    from numbisect.session import Session, Spec
+
+    spec = Spec(ref=ref, engine=engine, trace=trace, ref_dtype=profile.dtype, engine_dtype=profile.dtype)
+    thr = profile.threshold if threshold is None else threshold
+    return Session(spec, Settings(threshold=thr), progress=progress, backends=backends)
+
+
+def fault_kind(template: str) -> str:
+    """The fault kind of a template (`moe_combine_bf16` -> `moe_combine`)."""
+    return parse_fault(f"{template}@x").kind
+
+
+def searchable(engine) -> list[str]:
+    """Every unit the search can name: the candidates and their sub-units, in order."""
+    g = unit_graph(engine.units)
+    out: list[str] = []
+
+    def visit(u):
+        out.append(u)
+        for k in children(g, u):
+            visit(k)
+
+    for c in S.default_candidates(g):
+        visit(c)
+    return sorted(out, key=lambda n: g.nodes[n]["order"])
+
+
+def trial_bound(engine) -> tuple[int, int]:
+    """(n, ceil(log2 n) + 4): the search's bound for a single faulty unit."""
+    n = len(searchable(engine))
+    return n, math.ceil(math.log2(n)) + 4
+
+
+def units_for(engine, kind: str, unit_kinds: tuple[str, ...] | None = None) -> list[str]:
+    """Searchable units a fault of `kind` can be planted at (optionally only these unit kinds)."""
+    allowed = FAULT_UNIT_KINDS[kind]
+    out = []
+    for name in searchable(engine):
+        k = engine.unit(name).kind
+        if (allowed is None or k in allowed) and (unit_kinds is None or k in unit_kinds):
+            out.append(name)
+    return out
+
+
+def plant(session, specs: list[str]) -> None:
+    """Make exactly these faults the session's (checked against the engine)."""
+    faults = [parse_fault(s) for s in specs]
+    for f in faults:
+        check_fault(session.engine, f)
+    session.faults = faults
+    session.spec.faults = list(specs)
+
+
+def search_once(session, strategy: str = "hierarchical", local_rank: bool = True):
+    """One search on the session as it stands: (SearchResult, runner, wall seconds).
+
+    With `local_rank` the search orders its splits by the teacher-forced local error,
+    as `bisect run` does (two engine forwards with captures, not counted as trials).
+    """
+    t0 = time.perf_counter()
+    ranking = session.compare(local=True).get("local_ranking") if local_rank else None
+    g = unit_graph(session.engine.units)
+    runner = S.TrialRunner(session.trial)
+    result = S.search(g, S.default_candidates(g), runner, session.settings.threshold, strategy,
+                      local_rank=ranking, metric=session.settings.metric)
+    return result, runner, time.perf_counter() - t0
+
+
+def match(engine, planted: str, culprits: list[str]) -> str | None:
+    """How the named culprits match the planted unit (see step 4), or None."""
+    if not culprits:
+        return None
+    if culprits == [planted]:
+        return "exact"
+    g = unit_graph(engine.units)
+    if all(c != planted and planted in _ancestors(g, c) for c in culprits):
+        return "sub-unit"
+    parent = engine.unit(planted).parent
+    if parent != "model" and engine.unit(parent).kind != "layer" and culprits == [parent]:
+        return "parent"
+    return None
+
+
+def _ancestors(g, name: str) -> list[str]:
+    out = []
+    while True:
+        ps = [u for u, _, d in g.in_edges(name, data=True) if d["rel"] == "contains"]
+        if not ps or ps[0] == "model":
+            return out
+        name = ps[0]
+        out.append(name)
+
+
+# -- the selftest ----------------------------------------------------------------------------
+def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templates: list[str] | None = None,
+             local_rank: bool = True, progress=lambda m: None) -> dict:
+    """Plant, search, judge; the JSON-ready result (`passed` says whether all were found)."""
+    from numbisect.run import check_swaps
+
+    if session.engine is None:
+        raise InputError("selftest needs an engine that runs (hf:DIR or vllm:DIR)")
+    if rounds < 1:
+        raise InputError("--rounds must be at least 1")
+    thr = session.settings.threshold
+    plan = [PlantedKind(t, (), "") for t in templates] if templates else list(profile.faults)
+    for p in plan:
+        fault_kind(p.template)  # a bad template is a usage error before any work
+    plant(session, [])
+    progress("noise floor: the engine with no fault")
+    floor, _ = session.trial(())
+    if not floor <= thr:
+        raise InputError(
+            f"the noise floor ({fmt(floor)}) is above the threshold ({fmt(thr)}): no planted fault can be "
+            "told apart; raise --threshold or use an engine closer to the reference"
+        )
+    sc = check_swaps(session, progress)
+    n, bound = trial_bound(session.engine)
+    rng = random.Random(seed)
+    rows, skipped = [], []
+    for r in range(rounds):
+        for p in plan:
+            units = units_for(session.engine, fault_kind(p.template), p.unit_kinds or None)
+            if not units:
+                if r == 0:
+                    skipped.append({"fault": p.template, "reason": f"no unit of its kind in {session.engine.arch.name}"})
+                continue
+            unit = rng.choice(units)
+            spec = f"{p.template}@{unit}"
+            progress(f"round {r + 1}: planting {spec}")
+            plant(session, [spec])
+            try:
+                result, runner, wall = search_once(session, "hierarchical", local_rank)
+            finally:
+                plant(session, [])
+            culprits = [c.unit for c in result.culprits]
+            how = match(session.engine, unit, culprits) if result.verdict == "culprits" else None
+            if result.verdict == "aligned":
+                status = "TOO WEAK"
+            elif how is None:
+                status = "MISSED"
+            else:
+                status = "found" if how == "exact" else f"found ({how})"
+            rows.append({
+                "round": r + 1,
+                "fault": spec,
+                "unit": unit,
+                "unit_kind": session.engine.unit(unit).kind,
+                "fault_k3": result.baseline,
+                "verdict": result.verdict,
+                "culprits": culprits,
+                "culprit_alone": [c.alone for c in result.culprits],
+                "found": how is not None,
+                "match": how,
+                "status": status,
+                "trials": result.trials_used,
+                "bound": bound,
+                "within_bound": result.trials_used <= bound,
+                "wall_s": round(wall, 3),
+                "stop_reason": result.stop_reason,
+            })
+    found = sum(r["found"] for r in rows)
+    return {
+        "numbisect_selftest": SELFTEST_VERSION,
+        "inputs": session.inputs(),
+        "engine": profile.engine,
+        "dtype": profile.dtype,
+        "threshold": thr,
+        "threshold_why": profile.why if thr == profile.threshold else "given with --threshold",
+        "metric": session.settings.metric,
+        "group": session.settings.group,
+        "noise_floor": floor,
+        "self_check": {k: v for k, v in sc.items() if k != "swapped"},
+        "seed": seed,
+        "rounds": rounds,
+        "local_rank": local_rank,
+        "n_units": n,
+        "trial_bound": bound,
+        "planted_kinds": [p.template for p in plan],
+        "not_planted": [{"fault": f, "reason": why} for f, why in (() if templates else profile.not_planted)],
+        "skipped": skipped,
+        "results": rows,
+        "summary": {
+            "rounds": len(rows),
+            "found": found,
+            "within_bound": sum(r["within_bound"] for r in rows),
+            "wall_s": round(sum(r["wall_s"] for r in rows), 3),
+        },
+        "passed": bool(rows) and found == len(rows),
+    }
+
+
+def render(res: dict) -> str:
+    """The table people read (stdout)."""
+    arch = res["inputs"]["engine"].get("arch", "")
+    lines = [
+        f"selftest: {res['engine']} engine ({res['dtype']}) on {arch}, seed {res['seed']}, {res['rounds']} round(s)",
+        f"threshold {fmt(res['threshold'])} on {res['metric']} ({res['group']}): {res['threshold_why']}",
+        f"noise floor {fmt(res['noise_floor'])}; self-check {fmt(res['self_check']['k3_mean'])}; "
+        f"trial bound ceil(log2 {res['n_units']}) + 4 = {res['trial_bound']}",
+        "",
+    ]
+    head = f"{'#':>2}  {'fault':<44} {'k3 fault':>9}  {'culprits':<28} {'result':<18} {'trials':>6}  {'time':>6}"
+    lines += [head, "-" * len(head)]
+    for r in res["results"]:
+        tr = f"{r['trials']}/{r['bound']}" + ("" if r["within_bound"] else "!")
+        cul = ", ".join(r["culprits"]) or "-"
+        lines.append(
+            f"{r['round']:>2}  {r['fault']:<44} {fmt(r['fault_k3']):>9}  {cul:<28} {r['status']:<18} {tr:>6}  {r['wall_s']:>5.1f}s"
+        )
+    for s in res["skipped"]:
+        lines.append(f"    {s['fault']:<44} skipped: {s['reason']}")
+    if res["not_planted"]:
+        lines += ["", "not planted on this engine (measured too weak or without effect):"]
+        lines += [f"  {p['fault']}: {p['reason']}" for p in res["not_planted"]]
+    s = res["summary"]
+    lines += [
+        "",
+        f"{s['found']}/{s['rounds']} planted faults found; {s['within_bound']}/{s['rounds']} within the trial bound; "
+        f"search time {s['wall_s']:.1f}s" + ("" if res["passed"] else "  -> FAILED"),
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,455 @@
+"""`bisect tui`: explore a report, or run a bisection live and watch it.
+
+1. Explorer: `BisectApp(report=load_report(path), report_path=path)`; read-only.
+2. Live: `BisectApp(live=LiveConfig(...))`. A thread worker opens the session and runs
+   `numbisect.run.run` as `bisect run` does, posting typed messages (`messages.py`):
+   progress lines, the baseline as soon as the comparison ends, each trial, the final
+   report. The UI never waits on a model.
+3. The app keeps the state (the report shown, its trials, the error view, the selected
+   unit, manual swap trials); the main screen's widgets draw it (`widgets/`).
+4. Actions are key bindings with ids (footer, help screen); the mouse works on tabs,
+   the tree, the tables, the footer and dialog buttons.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from pathlib import Path
+
+from rich.text import Text
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+from textual.widgets import Input, Static, TabbedContent, Tree
+from textual.worker import get_current_worker
+
+from numbisect.errors import InputError, NumbisectError
+from numbisect.render import fmt
+from numbisect.report import load_report, write_json_atomic
+from numbisect.tui import model as M
+from numbisect.tui.live import Cancelled, LiveConfig, open_session, run_search, swap_trial
+from numbisect.tui.messages import BaselineReady, Progress, RunDone, SwapDone, TrialDone, WorkFailed
+from numbisect.tui.screens.dialogs import ErrorScreen, PathScreen
+from numbisect.tui.screens.help import HelpScreen
+from numbisect.tui.screens.main import TABS, MainScreen
+from numbisect.tui.widgets.culprit import CulpritPanel
+from numbisect.tui.widgets.overview import OverviewPanel
+from numbisect.tui.widgets.token_view import TokenView
+from numbisect.tui.widgets.trials import TrialsPanel
+from numbisect.tui.widgets.unit_detail import UnitDetail
+from numbisect.tui.widgets.unit_tree import UnitTree
+
+LIVE_ACTIONS = {"run_search", "swap_unit", "swap_kind"}
+
+
+class BisectApp(App[int]):
+    TITLE = "numbisect"
+    CSS_PATH = "app.tcss"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
+    ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [
+        Binding("q", "quit", "Quit", id="quit"),
+        Binding("question_mark,f1", "help", "Help", key_display="?", id="help"),
+        Binding("r", "run_search", "Run", id="run"),
+        Binding("s", "swap_unit", "Swap", id="swap"),
+        Binding("S", "swap_kind", "Kind", key_display="S", id="swap_kind"),
+        Binding("l", "toggle_error", "Prop/Local", id="toggle_error"),
+        Binding("slash", "filter", "Filter", key_display="/", id="filter"),
+        Binding("e", "export", "Export", id="export"),
+        Binding("o", "open", "Open", id="open"),
+        Binding("g", "cycle_group", "Group", show=False, id="group"),
+        Binding("1", "tab('overview')", "Overview", show=False, id="tab_overview"),
+        Binding("2", "tab('units')", "Units", show=False, id="tab_units"),
+        Binding("3", "tab('tokens')", "Tokens", show=False, id="tab_tokens"),
+        Binding("4", "tab('trials')", "Trials", show=False, id="tab_trials"),
+        Binding("escape", "leave_filter", show=False),
+    ]
+
+    def __init__(self, report: dict | None = None, report_path: str | None = None, live: LiveConfig | None = None):
+        super().__init__()
+        if report is None and live is None:
+            raise ValueError("BisectApp needs a report or a live configuration")
+        self.report = report
+        self.report_path = report_path
+        self.live = live
+        self.live_shown = live is not None  # the report shown is the live run's (not an opened file)
+        self.final = report is not None  # the report is complete (exportable)
+        self.trials: list[dict] = list((report or {}).get("trials") or [])
+        self.view = "propagated"
+        self.filter_text = ""
+        self.selected = self._default_unit(report)
+        self.manual: list[dict] = []
+        self.session = None
+        self.busy: str | None = None  # "search" or "swap" while a worker uses the engine
+        self.status = ""
+        self.last_code: int | None = None
+        self._session_lock = threading.Lock()
+        self._closing = False
+        self.main = MainScreen()
+
+    # -- set-up ---------------------------------------------------------------------------
+    def get_default_screen(self) -> MainScreen:
+        return self.main
+
+    def main_ready(self) -> None:
+        """Called by the main screen once its widgets exist."""
+        self._set_titles()
+        self.refresh_all()
+        if self.live is not None:
+            self.set_status("live: press r to run the search" if not self.live.autostart else "starting")
+            if self.live.autostart:
+                self.action_run_search()
+        else:
+            self.set_status(f"read-only report {self.report_path or ''}; ? for help")
+
+    def _set_titles(self) -> None:
+        if self.live_shown and self.live is not None:
+            spec = self.live.spec
+            self.sub_title = f"live: {spec.ref} ({spec.ref_dtype}) vs {spec.engine} ({spec.engine_dtype})"
+        else:
+            self.sub_title = f"report {self.report_path or ''}"
+
+    @staticmethod
+    def _default_unit(report: dict | None) -> str:
+        if not report:
+            return "model"
+        cul = report.get("culprits") or []
+        if cul:
+            return cul[0]["unit"]
+        return (report.get("first_divergence") or {}).get("above_tol") or "model"
+
+    # -- drawing --------------------------------------------------------------------------
+    def set_status(self, text: str) -> None:
+        self.status = text
+        t = Text()
+        if self.busy:
+            t.append(f"[{self.busy}] ", style="bold")
+        t.append(text)
+        self.main.query_one("#status", Static).update(t)
+
+    def _note(self) -> str:
+        if self.report is None:
+            return f"live: {self.status or 'starting'}"
+        if self.live_shown and not self.final:
+            return f"searching... {self.status}" if self.busy == "search" else "search not finished"
+        return ""
+
+    def refresh_all(self) -> None:
+        s = self.main
+        r = self.report
+        note = self._note()
+        s.query_one(CulpritPanel).show(r, note)
+        s.query_one(OverviewPanel).show(r, note)
+        tol = float(r["threshold"].get("unit_tol") or 1e-2) if r else 1e-2
+        s.query_one("#unit-legend", Static).update(M.legend(tol))
+        s.query_one(UnitTree).populate(r, self.view, self.filter_text, keep=self.selected)
+        self.refresh_detail()
+        s.query_one(TokenView).show(M.token_data(r, self.report_path) if r else None)
+        self.refresh_trials()
+
+    def refresh_trials(self) -> None:
+        r = self.report
+        th = float(r["threshold"]["threshold"]) if r else (self.live.settings.threshold if self.live else 1e-3)
+        metric = r["threshold"]["metric"] if r else (self.live.settings.metric if self.live else "k3-mean")
+        universe = M.candidate_universe(r) if r else []
+        self.main.query_one(TrialsPanel).reset(self.trials, th, metric, universe)
+
+    def refresh_detail(self) -> None:
+        manual = [m for m in self.manual if self.selected in m["units"]]
+        self.main.query_one(UnitDetail).show(self.report, self.selected, self.view, self.trials, manual)
+
+    def refresh_answer(self) -> None:
+        note = self._note()
+        self.main.query_one(CulpritPanel).show(self.report, note)
+
+    # -- widget events --------------------------------------------------------------------
+    def on_tree_node_highlighted(self, event: Tree.NodeHighlighted) -> None:
+        if isinstance(event.node.data, str) and event.node.data != self.selected:
+            self.selected = event.node.data
+            self.refresh_detail()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "unit-filter":
+            self.filter_text = event.value
+            self.main.query_one(UnitTree).populate(self.report, self.view, self.filter_text, keep=self.selected)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "unit-filter":
+            self.main.query_one(UnitTree).focus()
+
+    # -- actions --------------------------------------------------------------------------
+    def check_action(self, action: str, parameters) -> bool | None:
+        if action in LIVE_ACTIONS:
+            if self.live is None or not self.live_shown:
+                return False
+            return None if self.busy else True
+        return True
+
+    def action_help(self) -> None:
+        if isinstance(self.screen, HelpScreen):
+            return
+        self.push_screen(HelpScreen([b for b in self.BINDINGS if isinstance(b, Binding) and b.id], self.live is not None))
+
+    def action_tab(self, name: str) -> None:
+        """Show a tab and focus its main widget (so arrows work at once)."""
+        if name in TABS:
+            self.main.query_one(TabbedContent).active = name
+            focus = {"overview": "#overview-scroll", "units": "#unit-tree", "tokens": "#strips-scroll", "trials": "#trials-table"}
+            self.main.query_one(focus[name]).focus()
+
+    def action_toggle_error(self) -> None:
+        self.view = "local" if self.view == "propagated" else "propagated"
+        self.main.query_one(UnitTree).populate(self.report, self.view, self.filter_text, keep=self.selected)
+        self.refresh_detail()
+        self.set_status(f"unit tree shows {self.view} error")
+
+    def action_filter(self) -> None:
+        self.action_tab("units")
+        self.main.query_one("#unit-filter", Input).focus()
+
+    def action_leave_filter(self) -> None:
+        if self.focused is not None and self.focused.id == "unit-filter":
+            self.main.query_one(UnitTree).focus()
+
+    def action_cycle_group(self) -> None:
+        self.action_tab("tokens")
+        g = self.main.query_one(TokenView).cycle_group()
+        self.set_status(f"token group: {g}")
+
+    # export / open
+    def _default_export(self) -> str:
+        if self.report_path and not self.live_shown:
+            return f"{Path(self.report_path).stem}-export.json"
+        return "numbisect-report.json"
+
+    def action_export(self) -> None:
+        if self.report is None or not self.final:
+            self.notify("nothing to export yet: the run has not finished", severity="warning", markup=False)
+            return
+        self.push_screen(PathScreen("Export the report to", self._default_export(), "Export"), self._export_to)
+
+    def _export_to(self, path: str | None) -> None:
+        if not path:
+            return
+        try:
+            write_json_atomic(path, self.report)
+        except NumbisectError as e:
+            self.push_screen(ErrorScreen("cannot export", e.message))
+            return
+        except OSError as e:
+            self.push_screen(ErrorScreen("cannot export", f"cannot write {path}: {e.strerror or e}"))
+            return
+        self.set_status(f"report written to {path}")
+        self.notify(f"report written to {path}", markup=False)
+
+    def action_open(self) -> None:
+        if self.busy:
+            self.notify("wait for the running trial or search to finish", severity="warning", markup=False)
+            return
+        self.push_screen(PathScreen("Open a report", self.report_path or "", "Open"), self._open)
+
+    def _open(self, path: str | None) -> None:
+        if not path:
+            return
+        try:
+            r = load_report(path)
+        except NumbisectError as e:
+            self.push_screen(ErrorScreen("cannot open report", e.message))
+            return
+        self.open_report(r, path)
+
+    def open_report(self, r: dict, path: str) -> None:
+        self.report, self.report_path = r, path
+        self.live_shown = False
+        self.final = True
+        self.trials = list(r.get("trials") or [])
+        self.manual = []
+        self.selected = self._default_unit(r)
+        self._set_titles()
+        self.refresh_all()
+        self.refresh_bindings()
+        self.set_status(f"opened {path} (read-only)")
+
+    # live: search and swaps
+    def action_run_search(self) -> None:
+        if self.live is None or not self.live_shown:
+            self.notify("running needs live mode: bisect tui --ref hf:DIR --engine ... --trace T", severity="warning", markup=False)
+            return
+        if self.busy:
+            self.notify(f"busy ({self.busy}): wait for it to finish", severity="warning", markup=False)
+            return
+        self._set_busy("search")
+        self.trials = []
+        self.final = False
+        self.last_code = None
+        self.refresh_trials()
+        self.refresh_answer()
+        self._search_worker()
+
+    def _swap_target(self, whole_kind: bool) -> tuple[list[str], str] | None:
+        name = self.selected
+        u = next((x for x in (self.report or {}).get("units") or [] if x["name"] == name), None)
+        if u is None:
+            self.notify("select a unit in the Units tab first", severity="warning", markup=False)
+            return None
+        if not whole_kind:
+            return [name], name
+        from numbisect.swap import units_of_kinds
+
+        names = units_of_kinds(self.session.engine, [u["kind"]])
+        return names, f"all {len(names)} {u['kind']} units"
+
+    def _swap(self, whole_kind: bool) -> None:
+        if self.live is None or not self.live_shown:
+            self.notify("swap trials need live mode", severity="warning", markup=False)
+            return
+        if self.busy:
+            self.notify(f"busy ({self.busy}): wait for it to finish", severity="warning", markup=False)
+            return
+        if self.session is None or self.report is None:
+            self.notify("the engine is not loaded yet", severity="warning", markup=False)
+            return
+        target = self._swap_target(whole_kind)
+        if target is None:
+            return
+        names, label = target
+        self._set_busy("swap")
+        self.set_status(f"swap trial: {label}")
+        self._swap_worker(names, label, self.report["baseline"]["value"])
+
+    def action_swap_unit(self) -> None:
+        self._swap(False)
+
+    def action_swap_kind(self) -> None:
+        self._swap(True)
+
+    def _set_busy(self, what: str | None) -> None:
+        self.busy = what
+        self.refresh_bindings()
+
+    # -- workers (threads) ---------------------------------------------------------------
+    def _ensure_session(self, say) -> None:
+        with self._session_lock:
+            if self.session is None:
+                self.session = open_session(self.live, say)
+
+    @work(thread=True, group="engine", name="search")
+    def _search_worker(self) -> None:
+        worker = get_current_worker()
+
+        def check() -> None:
+            if worker.is_cancelled or self._closing:
+                raise Cancelled()
+
+        def say(msg: str) -> None:
+            check()
+            self.post_message(Progress(msg))
+
+        def on_trial(trial) -> None:
+            self.post_message(TrialDone(trial.to_dict()))
+            check()
+
+        try:
+            self._ensure_session(say)
+            report, code = run_search(self.session, self.live, say, on_trial, on_baseline=lambda r: self.post_message(BaselineReady(r)))
+            self.post_message(RunDone(report, code))
+        except Cancelled:
+            pass
+        except NumbisectError as e:
+            self.post_message(WorkFailed("run", e.message + (f" ({e.hint})" if e.hint else "")))
+        except Exception as e:  # a bug: one line here, the traceback when debugging
+            if os.environ.get("NUMBISECT_DEBUG"):
+                traceback.print_exc()
+            self.post_message(WorkFailed("run", f"internal error: {type(e).__name__}: {e}"))
+        finally:
+            if self._closing:
+                self._close_session()
+
+    @work(thread=True, group="engine", name="swap")
+    def _swap_worker(self, names: list[str], label: str, before: float | None) -> None:
+        try:
+            self.post_message(SwapDone(swap_trial(self.session, names, label, before)))
+        except NumbisectError as e:
+            self.post_message(WorkFailed("swap", e.message))
+        except Exception as e:
+            if os.environ.get("NUMBISECT_DEBUG"):
+                traceback.print_exc()
+            self.post_message(WorkFailed("swap", f"internal error: {type(e).__name__}: {e}"))
+        finally:
+            if self._closing:
+                self._close_session()
+
+    # -- messages from the workers --------------------------------------------------------
+    def on_progress(self, msg: Progress) -> None:
+        self.set_status(msg.text)
+        if self.report is None or not self.final:
+            self.refresh_answer()
+            if self.report is None:
+                self.main.query_one(OverviewPanel).show(None, self._note())
+
+    def on_baseline_ready(self, msg: BaselineReady) -> None:
+        if not self.live_shown:
+            return
+        self.report = msg.report
+        self.final = False
+        if self.selected == "model":
+            self.selected = self._default_unit(msg.report)
+        self.refresh_all()
+
+    def on_trial_done(self, msg: TrialDone) -> None:
+        if not self.live_shown:
+            return
+        self.trials.append(msg.trial)
+        self.main.query_one(TrialsPanel).add_trial(msg.trial)
+        self.refresh_detail()
+
+    def on_run_done(self, msg: RunDone) -> None:
+        self._set_busy(None)
+        if not self.live_shown:
+            return
+        self.report = msg.report
+        self.final = True
+        self.last_code = msg.code
+        self.trials = list(msg.report.get("trials") or [])
+        self.selected = self._default_unit(msg.report) if self.selected in ("model", None) or msg.report.get("culprits") else self.selected
+        self.refresh_all()
+        s = msg.report.get("search") or {}
+        cul = ", ".join(c["unit"] for c in msg.report.get("culprits") or []) or "none"
+        self.set_status(f"search done: {s.get('verdict')} ({s.get('trials_used')} trials); culprit: {cul}; e to export")
+        self.notify(f"search done: culprit {cul}" if msg.report.get("culprits") else f"search done: {s.get('verdict')}", markup=False)
+
+    def on_swap_done(self, msg: SwapDone) -> None:
+        self._set_busy(None)
+        res = msg.result
+        self.manual.append(res)
+        self.refresh_detail()
+        words = M.metric_words(res["metric"])
+        verdict = "under the threshold" if res["fixed"] else "still over the threshold"
+        text = f"swap {res['label']}: {words} {fmt(res['before'])} -> {fmt(res['after'])} ({verdict})"
+        self.set_status(text)
+        self.notify(text, timeout=8, markup=False)
+
+    def on_work_failed(self, msg: WorkFailed) -> None:
+        self._set_busy(None)
+        self.set_status(f"{msg.what} failed: {msg.message}")
+        self.refresh_answer()
+        self.push_screen(ErrorScreen(f"{msg.what} failed", msg.message))
+
+    # -- shutdown -------------------------------------------------------------------------
+    def _close_session(self) -> None:
+        with self._session_lock:
+            if self.session is not None:
+                self.session.close()
+                self.session = None
+
+    async def action_quit(self) -> None:
+        self._closing = True
+        if self.busy:
+            self.set_status("stopping after the current step...")
+        self.workers.cancel_group(self, "engine")
+        if not self.busy:
+            self._close_session()
+        self.exit(self.last_code or 0)

@@ -1,0 +1,131 @@
+"""Live mode's work, without textual: what the app's worker threads call.
+
+1. `LiveConfig`: what `bisect tui --ref ... --engine ... --trace ...` asked for, plus the
+   equivalent `bisect run` command line (recorded in the report, so it reproduces it).
+2. `open_session`: load both backends (slow: this runs in a worker thread).
+3. `run_search`: `numbisect.run.run` exactly as `bisect run` calls it, and the report
+   built exactly as `bisect run` builds it, so an exported report equals the CLI's
+   apart from `created` and the durations. The comparison's body is handed out as soon
+   as it exists (`on_baseline`), before the trials.
+4. `swap_trial`: one engine forward with some units swapped (not part of the report).
+
+Every callback may raise `Cancelled` (the app is quitting): the run stops at the next
+trial boundary and the engine is left unswapped.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+from numbisect.errors import InputError
+
+
+class Cancelled(Exception):
+    """The app asked the worker to stop."""
+
+
+@dataclass
+class LiveConfig:
+    spec: object  # numbisect.session.Spec
+    settings: object  # numbisect.compare.Settings
+    strategy: str = "hierarchical"  # hierarchical, linear or ddmin
+    max_trials: int | None = None  # stop the search after this many trials
+    argv: list[str] = field(default_factory=list)  # the equivalent `bisect run ...` command
+    backends: dict | None = None  # already-open backends ("ref", "engine"): tests share them
+    autostart: bool = True  # start the search as soon as the app is up
+
+
+def run_argv(argv: list[str]) -> list[str]:
+    """`bisect tui --ref ...` -> `bisect run --ref ...`: the command that reproduces the run."""
+    out = list(argv)
+    for i, a in enumerate(out[1:], start=1):
+        if a == "tui":
+            out[i] = "run"
+            break
+    return out
+
+
+def open_session(cfg: LiveConfig, progress: Callable[[str], None]):
+    from numbisect.session import Session
+
+    return Session(cfg.spec, cfg.settings, progress=progress, backends=dict(cfg.backends or {}))
+
+
+def report_of(session, cfg: LiveConfig, body: dict) -> dict:
+    """The report `bisect run` writes for this body."""
+    from numbisect.report import new_report
+
+    return new_report("run", cfg.argv, session.inputs(), cfg.settings.to_dict(), body)
+
+
+def run_search(session, cfg: LiveConfig, progress, on_trial, on_baseline=None) -> tuple[dict, int]:
+    """Compare, self-check and search; returns (report, exit code) as `bisect run` would."""
+    from numbisect.run import run
+
+    compare = session.compare
+
+    def compare_and_tell(local: bool = True) -> dict:
+        body = compare(local=local)
+        if on_baseline is not None:
+            on_baseline(report_of(session, cfg, copy.deepcopy(body)))
+        return body
+
+    session.compare = compare_and_tell
+    try:
+        body, code = run(
+            session,
+            swap=[],
+            strategy=cfg.strategy,
+            max_trials=cfg.max_trials,
+            log=None,
+            resume=None,
+            progress=progress,
+            on_trial=on_trial,
+        )
+    finally:
+        del session.compare  # back to the method
+    return report_of(session, cfg, body), int(code)
+
+
+def swap_trial(session, names: list[str], label: str, before: float | None) -> dict:
+    """One trial with `names` swapped: value before and after, and every group's numbers."""
+    if session.engine is None:
+        raise InputError("swaps need an engine that runs (hf: or vllm:)")
+    if not names:
+        raise InputError("nothing to swap")
+    value, summary = session.trial(list(names))
+    th = session.settings.threshold
+    return {
+        "label": label,
+        "units": list(names),
+        "before": before,
+        "after": value,
+        "fixed": value <= th,
+        "metrics": summary,
+        "metric": session.settings.metric,
+        "threshold": th,
+    }
+
+
+def check_live(cfg: LiveConfig) -> None:
+    """Cheap checks before the app starts, so bad input is a one-line CLI error."""
+    from numbisect.compare import group_names, parse_spec
+    from numbisect.faults import parse_fault
+    from numbisect.search import STRATEGIES
+    from numbisect.trace import load_trace
+
+    parse_spec(cfg.spec.ref, "--ref")
+    kind, _ = parse_spec(cfg.spec.engine, "--engine")
+    if kind == "rollout":
+        raise InputError("bisect tui runs trials: --engine must be hf:DIR or vllm:DIR (not rollout)")
+    if cfg.strategy not in STRATEGIES:
+        raise InputError(f"unknown strategy {cfg.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if cfg.max_trials is not None and cfg.max_trials < 1:
+        raise InputError("--max-trials must be at least 1")
+    for f in cfg.spec.faults:
+        parse_fault(f)
+    trace = load_trace(cfg.spec.trace)
+    if cfg.settings.group not in group_names(trace) + ["all"]:
+        raise InputError(f"unknown group {cfg.settings.group!r}; this trace has: {', '.join(group_names(trace))}")

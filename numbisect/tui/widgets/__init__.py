@@ -1,0 +1,1 @@
+"""Reusable widgets of the numbisect TUI; each draws from a report dict."""

@@ -1,0 +1,71 @@
+"""Overview: inputs, the verdict (k3 mean / p99 / max against the threshold), the RL
+cost and the token groups."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from numbisect.render import fmt, header, pct, search_lines, token_table
+from numbisect.tui import model as M
+
+
+def overview_text(r: dict) -> Text:
+    t = Text()
+    th = r["threshold"]
+    b = r["baseline"]
+    g = b["groups"].get(th["group"]) or {}
+    for line in header(r)[:-1]:  # the verdict line is drawn below, with its numbers
+        t.append(line + "\n", style="dim")
+    mark, style, _ = M.verdict_line(r)
+    t.append("\n")
+    t.append(mark, style=style)
+    t.append(f"  judged on {M.metric_words(th['metric'])} of {th['group']} tokens, threshold {fmt(th['threshold'])}\n")
+    if g:
+        k3 = g["k3"]
+        for key, label in (("mean", "k3 mean"), ("p99", "k3 p99 "), ("max", "k3 max ")):
+            v = k3.get(key)
+            over = v is not None and v > th["threshold"]
+            sym = ">" if over else "<="
+            t.append(f"  {label} {fmt(v):>10}  {sym} {fmt(th['threshold'])}  ")
+            t.append("over\n" if over else "under\n", style="red" if over else "green")
+        if g.get("kl"):
+            t.append(f"  KL mean {fmt(g['kl']['mean']):>10}   top-1 agreement {pct(g.get('top1_agree'))}\n")
+    c = b.get("rl_cost")
+    if c:
+        tt = c["thresholds"]
+        t.append("\nRL cost ", style="bold")
+        t.append(f"({c['sequences']} sequences, {c['tokens']} tokens)\n")
+        t.append(f"  sequences rejected   {pct(c['seq_frac_rejected']):>7}", style="bold")
+        t.append("   (any rule below)\n")
+        rules = [
+            (f"TIS ratio > {tt['tis_cap']}", c["seq_frac_tis"]),
+            (f"IcePop outside [{tt['icepop_low']}, {tt['icepop_high']}]", c["seq_frac_icepop"]),
+            (f"geo-mean outside [{tt['geo_low']}, {tt['geo_high']}]", c["seq_frac_geo"]),
+            (f"sequence k3 > {tt['seq_k3_max']}", c["seq_frac_k3"]),
+        ]
+        for label, v in rules:
+            t.append(f"    {label:<30}{pct(v):>7}\n")
+        t.append(f"  tokens over TIS cap {pct(c['token_frac_tis'])}, outside IcePop {pct(c['token_frac_icepop'])}\n")
+    t.append("\nToken groups\n", style="bold")
+    for line in token_table(b):
+        t.append("  " + line + "\n")
+    sc = r.get("self_check")
+    if sc:
+        ok = "passed" if sc["passed"] else "FAILED"
+        t.append(f"\nswap self-check {ok}: every unit swapped gives k3 {fmt(sc['k3_mean'])}\n")
+    fd = r.get("first_divergence") or {}
+    if fd:
+        t.append(
+            f"first divergence: {fd.get('bitwise') or 'none'} (not bitwise equal); "
+            f"{fd.get('above_tol') or 'none'} (over rel-L2 {fmt(th.get('unit_tol'))})\n"
+        )
+    sl = search_lines(r)
+    if sl:
+        t.append("\n" + "\n".join(sl) + "\n")
+    return t
+
+
+class OverviewPanel(Static):
+    def show(self, report: dict | None, note: str = "") -> None:
+        self.update(overview_text(report) if report else Text(note or "no report yet", style="italic"))

@@ -1,0 +1,79 @@
+"""What one unit did: its propagated and local error, bitwise / ulps, worst token, the
+trials that swapped it, and manual swap trials run on it in live mode."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from numbisect.render import fmt
+from numbisect.tui import model as M
+
+
+def _metrics_block(t: Text, title: str, m: dict | None, active: bool) -> None:
+    t.append(("> " if active else "  ") + title, style="bold" if active else "")
+    if not m:
+        t.append(": not measured\n", style="dim")
+        return
+    t.append("\n")
+    ul = m.get("ulps") or {}
+    eq = "bitwise identical" if ul.get("bitwise_equal") else f"{100 * (ul.get('frac_differ') or 0):.1f}% of elements differ"
+    t.append(f"    rel-L2 {fmt(m.get('rel_l2'))}  max abs {fmt(m.get('max_abs'))}  cosine {fmt(m.get('cosine'), 4)}\n")
+    t.append(f"    SQNR {fmt(m.get('sqnr_db'))} dB  worst-token rel {fmt(m.get('token_rel_max'))}\n")
+    mu = ul.get("max_ulps")
+    t.append(f"    {eq}" + (f", max {mu} ulps" if mu is not None else "") + "\n")
+    wt = m.get("worst_token")
+    if isinstance(wt, dict):
+        t.append(f"    worst token: sample {wt.get('sample')} token {wt.get('token')}\n")
+
+
+def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: list[dict]) -> Text:
+    t = Text()
+    if name == "model" or not name:
+        t.append("model", style="bold")
+        t.append("\nSelect a unit (arrows, mouse) to see its error, the trials that swapped it and its worst token.\n")
+        t.append("\n" + M.legend(float(report["threshold"].get("unit_tol") or 1e-2)) + "\n", style="dim")
+        return t
+    u = next((x for x in report.get("units") or [] if x["name"] == name), None)
+    if u is None:
+        t.append(f"{name}: not in this report\n")
+        return t
+    tol = float(report["threshold"].get("unit_tol") or 1e-2)
+    key, vs, _ = M.unit_severity(u, view, tol)
+    sym, style, meaning = M.SEVERITY[key]
+    t.append(name, style="bold")
+    t.append(f"  ({u['kind']})\n")
+    t.append(f"{sym} {vs}: {meaning} ({view}, tolerance {fmt(tol)})\n", style=style)
+    for c in report.get("culprits") or []:
+        if c["unit"] == name:
+            s = report.get("search") or {}
+            t.append(
+                f"{M.CULPRIT_MARK} CULPRIT: alone {fmt(s.get('baseline'))} -> {fmt(c['alone'])}; "
+                f"all others swapped {fmt(c['complement'])}\n",
+                style="bold magenta",
+            )
+    rank = (report.get("local_ranking") or {}).get(name)
+    if rank:
+        t.append(f"local-error rank {rank} of {len(report['local_ranking'])}\n")
+    _metrics_block(t, "propagated", u.get("propagated"), view == "propagated")
+    _metrics_block(t, "local (teacher-forced)", u.get("local"), view == "local")
+    hits = M.trials_with(trials, report, name)
+    th = report["threshold"]["threshold"]
+    t.append(f"\ntrials that swapped it: {len(hits)}\n", style="bold")
+    for tr, how in hits:
+        fixed = M.value_mark(tr["value"], th)
+        t.append(f"  #{tr['index']:<3}{tr['role']:<20}{fmt(tr['value']):>10} {fixed:<6}{how}\n")
+    if manual:
+        t.append("\nmanual swap trials\n", style="bold")
+        for m in manual:
+            verdict = "under the threshold" if m["fixed"] else "still over"
+            t.append(f"  {m['label']}: {M.metric_words(m['metric'])} {fmt(m['before'])} -> {fmt(m['after'])} ({verdict})\n")
+    return t
+
+
+class UnitDetail(Static):
+    def show(self, report: dict | None, name: str, view: str, trials: list[dict], manual: list[dict]) -> None:
+        if report is None:
+            self.update("")
+            return
+        self.update(detail_text(report, name, view, trials, manual))
