@@ -266,15 +266,20 @@ def _patch_vllm_moe(engine, donor, unit, ref: nn.Module) -> None:
         def select_experts(hidden_states, router_logits, topk_indices_dtype=None, **kw):
             _, weights, idx = ref(hidden_states.to(rdt))
             ids_dtype = topk_indices_dtype or torch.int32
-            return weights.to(torch.float32), idx.to(ids_dtype)
+            out = weights.to(torch.float32)
+            # The engine's kernel takes float32 weights; swapped experts get the router's own.
+            runner.__dict__["_numbisect_routed"] = (out, weights)
+            return out, idx.to(ids_dtype)
 
         select_experts.__wrapped__ = original
         _patch(engine, runner.router, "select_experts", select_experts)
     else:
 
         def forward_modular(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
-            # Weights stay as routed (transformers routers differ: bf16 or float32 weights).
-            out = ref(x.to(rdt), topk_ids.long(), topk_weights).to(x.dtype)
+            # Weights in the dtype the reference router gave them (bf16 or float32 by family).
+            routed = runner.__dict__.pop("_numbisect_routed", None)
+            w = routed[1] if routed is not None and routed[0] is topk_weights else topk_weights
+            out = ref(x.to(rdt), topk_ids.long(), w).to(x.dtype)
             run_shared_experts(shared_experts, shared_experts_input)  # still the engine's
             return out
 
