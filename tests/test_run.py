@@ -63,7 +63,7 @@ VLLM_CASES = [
     ("qwen3_moe", "output_noise=0.1@lm_head", "lm_head"),
     ("glm4_moe", "moe_combine_bf16@layers.1.moe", "layers.1.moe.experts"),
     ("mixtral", "moe_combine_bf16@layers.0.moe", "layers.0.moe.experts"),
-    ("qwen3", "output_noise=0.3@layers.1.mlp", "layers.1.mlp"),
+    ("qwen3", "output_noise=1.0@layers.1.mlp", "layers.1.mlp"),
 ]
 
 
