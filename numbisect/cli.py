@@ -164,7 +164,7 @@ def compare(**kw):
         session = Session(spec, settings, progress=say)
         try:
             body = session.compare(local=kw["local"])
-            report = new_report("compare", command_line(), session.inputs(), settings.to_dict(), body)
+            report = new_report("compare", command_line(click.get_current_context().obj["argv"]), session.inputs(), settings.to_dict(), body)
         finally:
             session.close()
     _emit(report, kw)
@@ -200,7 +200,7 @@ def run(**kw):
                 resume=kw["resume"],
                 progress=say,
             )
-            report = new_report("run", command_line(), session.inputs(), settings.to_dict(), body)
+            report = new_report("run", command_line(click.get_current_context().obj["argv"]), session.inputs(), settings.to_dict(), body)
         finally:
             session.close()
     _emit(report, kw)
@@ -209,7 +209,7 @@ def run(**kw):
 
 @cli.group()
 def report():
-    """Work with report files (show, validate)."""
+    """Work with report files: show, validate, diff, md (no models needed)."""
 
 
 @report.command("show")
@@ -319,7 +319,10 @@ def tui(report_file, **kw):
 @click.option("--out", type=click.Path(), help="Write the results as JSON here (atomically).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 def selftest(**kw):
-    """Plant known faults at random units and check that the search names them (exit 0: all found)."""
+    """Plant known faults at random units and check that the search names them.
+
+    Exit 0 when every planted fault was found, 1 when one was missed.
+    """
     from numbisect import selftest as ST
     from numbisect.report import write_json_atomic
 
@@ -343,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     debug = bool(os.environ.get("NUMBISECT_DEBUG"))
     try:
-        rv = cli.main(args=argv, prog_name="bisect", standalone_mode=False)
+        args = sys.argv[1:] if argv is None else list(argv)
+        rv = cli.main(args=args, prog_name="bisect", standalone_mode=False, obj={"argv": ["bisect", *args]})
         return int(rv) if isinstance(rv, int) else 0
     except NumbisectError as e:
         if debug:

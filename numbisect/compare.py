@@ -139,6 +139,11 @@ def group_names(trace: Trace) -> list[str]:
 def token_report(samples: list[Sample], ref: ForwardResult, eng: ForwardResult, settings: Settings, groups: list[str]) -> dict:
     """Aggregates per group, RL cost and worst tokens over completion tokens."""
     per = [M.token_metrics(a, b) for a, b in zip(ref.token_logprobs, eng.token_logprobs)]
+    if eng.full_logprobs is not None:  # an engine that runs owes a value at every position
+        for p in per:
+            broken = torch.isnan(p["k3"])
+            for key in ("log_r", "k1", "k2", "k3"):
+                p[key] = torch.where(broken, torch.full_like(p[key], math.inf), p[key])
     kl = None
     if ref.full_logprobs is not None and eng.full_logprobs is not None:
         kl = [M.full_kl(e, r) for r, e in zip(ref.full_logprobs, eng.full_logprobs)]

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 from numbisect import __version__
-from numbisect.compare import sanitize
+from numbisect.compare import environ_flags, sanitize
 from numbisect.errors import InputError
 
 SCHEMA_VERSION = 1
@@ -45,6 +45,7 @@ def environment(seed: int = 0) -> dict:
         "device": "cpu",
         "threads": torch.get_num_threads(),
         "seeds": {"torch": seed, "vllm": seed},
+        "env": environ_flags(),
     }
 
 

@@ -39,6 +39,9 @@ class Session:
         self.settings = settings
         self.say = progress or (lambda msg: None)
         backends = backends or {}
+        import torch
+
+        torch.manual_seed(0)  # recorded as environment.seeds; nothing here samples, but hooks may
         self.trace: Trace = load_trace(spec.trace)
         ref_kind, ref_path = C.parse_spec(spec.ref, "--ref")
         if ref_kind != "hf":

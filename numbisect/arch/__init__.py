@@ -48,7 +48,10 @@ def supported() -> list[str]:
 
 
 def arch_for(config) -> ArchMap:
-    archs = list(getattr(config, "architectures", None) or [])
+    archs = getattr(config, "architectures", None) or []
+    archs = [archs] if isinstance(archs, str) else archs
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise InputError(f"config.json: architectures must be a list of class names, got {archs!r}")
     reg = _registry()
     for a in archs:
         if a in reg:

@@ -67,7 +67,8 @@ def load_config(path: str):
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises many kinds for a bad config
-        raise InputError(f"{path}/config.json: {str(e).splitlines()[0]}") from None
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise InputError(f"{path}/config.json: {' '.join(lines[:2])}") from None
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:

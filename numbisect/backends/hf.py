@@ -38,9 +38,11 @@ class HFBackend(Backend):
         if experts_implementation:
             kwargs["experts_implementation"] = experts_implementation
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(
+            self.model, info = AutoModelForCausalLM.from_pretrained(
                 path,
                 dtype=self.dtype,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
                 use_safetensors=True,
                 trust_remote_code=False,
                 local_files_only=True,
@@ -50,6 +52,12 @@ class HFBackend(Backend):
             raise InputError(f"{path}: {str(e).splitlines()[0]}") from None
         except Exception as e:
             raise fail(e, f"cannot load {path} with transformers") from None
+        bad = [("missing from the checkpoint", k) for k in sorted(info.get("missing_keys") or [])]
+        bad += [("not used by config.json", k) for k in sorted(info.get("unexpected_keys") or [])]
+        bad += [(f"shape {tuple(a)} in the checkpoint, {tuple(b)} by config.json", k) for k, a, b in info.get("mismatched_keys") or []]
+        if bad:
+            why, key = bad[0]
+            raise InputError(f"{path}: weights do not match config.json: {len(bad)} tensors differ, e.g. {key} ({why})")
         self.model.eval()
         self.options = {
             "attn_implementation": attn_implementation,
@@ -127,7 +135,10 @@ class HFBackend(Backend):
                             res.captures[name].extend(split(t))
 
                 register(mod, handles, pre=pre, post=post)
-            logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            try:
+                logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            except (RuntimeError, IndexError, ValueError) as e:
+                raise fail(e, f"{self.path}: the transformers forward failed") from None
         finally:
             for h in handles:
                 h.remove()

@@ -22,6 +22,7 @@ from rich.text import Text
 from textual import work
 from textual.app import App
 from textual.binding import Binding
+from textual.screen import ModalScreen
 from textual.widgets import Input, Static, TabbedContent, Tree
 from textual.worker import get_current_worker
 
@@ -87,7 +88,7 @@ class BisectApp(App[int]):
         self.status = ""
         self.last_code: int | None = None
         self._session_lock = threading.Lock()
-        self._closing = False
+        self._quitting = False
         self.main = MainScreen()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -130,6 +131,24 @@ class BisectApp(App[int]):
         t.append(text)
         self.main.query_one("#status", Static).update(t)
 
+    def _live_intro(self) -> str:
+        """What a live run is doing, for the Overview until its baseline exists."""
+        cfg = self.live
+        sp, st = cfg.spec, cfg.settings
+        lines = [
+            f"live run: {' '.join(cfg.argv) or 'bisect run'}",
+            "",
+            f"reference  {sp.ref} ({sp.ref_dtype})",
+            f"engine     {sp.engine} ({sp.engine_dtype})",
+            f"trace      {sp.trace}",
+            f"faults     {', '.join(sp.faults) or 'none planted'}",
+            f"judged on  {M.metric_words(st.metric)} of {st.group} tokens, threshold {fmt(st.threshold)}",
+            f"search     {cfg.strategy}" + (f", at most {cfg.max_trials} trials" if cfg.max_trials else ""),
+            "",
+            f"now: {self.status or 'starting'}",
+        ]
+        return "\n".join(lines)
+
     def _note(self) -> str:
         if self.report is None:
             return f"live: {self.status or 'starting'}"
@@ -142,7 +161,7 @@ class BisectApp(App[int]):
         r = self.report
         note = self._note()
         s.query_one(CulpritPanel).show(r, note)
-        s.query_one(OverviewPanel).show(r, note)
+        s.query_one(OverviewPanel).show(r, self._live_intro() if r is None and self.live else note)
         tol = float(r["threshold"].get("unit_tol") or 1e-2) if r else 1e-2
         s.query_one("#unit-legend", Static).update(M.legend(tol))
         s.query_one(UnitTree).populate(r, self.view, self.filter_text, keep=self.selected)
@@ -182,6 +201,10 @@ class BisectApp(App[int]):
 
     # -- actions --------------------------------------------------------------------------
     def check_action(self, action: str, parameters) -> bool | None:
+        if self._quitting:
+            return False
+        if isinstance(self.screen, ModalScreen) and action not in ("quit",):
+            return False  # a dialog is open: the keys are its own
         if action in LIVE_ACTIONS:
             if self.live is None or not self.live_shown:
                 return False
@@ -341,7 +364,7 @@ class BisectApp(App[int]):
         worker = get_current_worker()
 
         def check() -> None:
-            if worker.is_cancelled or self._closing:
+            if worker.is_cancelled or self._quitting:
                 raise Cancelled()
 
         def say(msg: str) -> None:
@@ -365,7 +388,7 @@ class BisectApp(App[int]):
                 traceback.print_exc()
             self.post_message(WorkFailed("run", f"internal error: {type(e).__name__}: {e}"))
         finally:
-            if self._closing:
+            if self._quitting:
                 self._close_session()
 
     @work(thread=True, group="engine", name="swap")
@@ -379,7 +402,7 @@ class BisectApp(App[int]):
                 traceback.print_exc()
             self.post_message(WorkFailed("swap", f"internal error: {type(e).__name__}: {e}"))
         finally:
-            if self._closing:
+            if self._quitting:
                 self._close_session()
 
     # -- messages from the workers --------------------------------------------------------
@@ -387,8 +410,8 @@ class BisectApp(App[int]):
         self.set_status(msg.text)
         if self.report is None or not self.final:
             self.refresh_answer()
-            if self.report is None:
-                self.main.query_one(OverviewPanel).show(None, self._note())
+            if self.report is None and self.live is not None:
+                self.main.query_one(OverviewPanel).show(None, self._live_intro())
 
     def on_baseline_ready(self, msg: BaselineReady) -> None:
         if not self.live_shown:
@@ -445,8 +468,13 @@ class BisectApp(App[int]):
                 self.session.close()
                 self.session = None
 
+    def on_unmount(self) -> None:
+        self._quitting = True
+        if not self.busy:
+            self._close_session()
+
     async def action_quit(self) -> None:
-        self._closing = True
+        self._quitting = True
         if self.busy:
             self.set_status("stopping after the current step...")
         self.workers.cancel_group(self, "engine")

@@ -14,6 +14,7 @@ class PathScreen(ModalScreen[str | None]):
     """Ask for a file path; dismisses with the path, or None when cancelled."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", show=False)]
+    AUTO_FOCUS = "#path-input"
 
     def __init__(self, title: str, value: str = "", action: str = "OK") -> None:
         super().__init__()
@@ -28,9 +29,6 @@ class PathScreen(ModalScreen[str | None]):
             with Horizontal(classes="dialog-buttons"):
                 yield Button(self._action, variant="primary", id="path-ok")
                 yield Button("Cancel", id="path-cancel")
-
-    def on_mount(self) -> None:
-        self.query_one(Input).focus()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
@@ -55,6 +53,7 @@ class ErrorScreen(ModalScreen[None]):
     """One clear line (no traceback) and an OK button."""
 
     BINDINGS = [Binding("escape,enter,q", "close", "Close", show=False)]
+    AUTO_FOCUS = "#error-ok"
 
     def __init__(self, title: str, message: str) -> None:
         super().__init__()
@@ -67,9 +66,6 @@ class ErrorScreen(ModalScreen[None]):
             yield Static(Text(self.message), id="error-message")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("OK", variant="error", id="error-ok")
-
-    def on_mount(self) -> None:
-        self.query_one(Button).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()

@@ -61,14 +61,13 @@ class HelpScreen(ModalScreen[None]):
 
     def __init__(self, bindings: list[Binding], live: bool) -> None:
         super().__init__()
-        self._bindings_list = bindings
-        self._live = live
+        self.table = help_table(bindings, live)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="help-box", classes="dialog"):
             yield Static(Text("numbisect TUI: keys", style="bold"), classes="dialog-title")
             with VerticalScroll(id="help-scroll"):
-                yield Static(help_table(self._bindings_list, self._live))
+                yield Static(self.table, id="help-keys")
                 yield Static(
                     Text(
                         "\nUnit rows: symbol, relative L2 error of the unit's output, name. "

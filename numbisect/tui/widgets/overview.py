@@ -68,4 +68,4 @@ def overview_text(r: dict) -> Text:
 
 class OverviewPanel(Static):
     def show(self, report: dict | None, note: str = "") -> None:
-        self.update(overview_text(report) if report else Text(note or "no report yet", style="italic"))
+        self.update(overview_text(report) if report else Text(note or "no report yet"))

@@ -95,10 +95,13 @@ class TrialsPanel(Vertical):
         spark = self.query_one(Sparkline)
         spark.styles.width = max(12, 4 * len(self.trials))
         floor = math.log10(self.threshold) - 3 if self.threshold > 0 else -12.0
-        spark.data = [_log(t["value"], floor) for t in self.trials] or [floor]
+        spark.data = [_log(t["value"], floor) for t in self.trials]
+        spark.display = bool(self.trials)
         n_fixed = sum(1 for t in self.trials if M.value_mark(t["value"], self.threshold) == "fixed")
         cap = (
             f"{len(self.trials)} trials, {n_fixed} under the threshold {fmt(self.threshold)}; "
             f"sparkline: log10 {self.metric} per trial"
+            if self.trials
+            else "no trials (yet): a compare report has none; in live mode they appear as the search runs"
         )
         self.query_one("#trials-caption", Static).update(Text(cap, style="dim"))

@@ -62,7 +62,8 @@ def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: 
     t.append(f"\ntrials that swapped it: {len(hits)}\n", style="bold")
     for tr, how in hits:
         fixed = M.value_mark(tr["value"], th)
-        t.append(f"  #{tr['index']:<3}{tr['role']:<20}{fmt(tr['value']):>10} {fixed:<6}{how}\n")
+        how = "" if how == "itself" else f" ({how})"
+        t.append(f"  #{tr['index']} {tr['role']}: {fmt(tr['value'])} {fixed}".rstrip() + how + "\n")
     if manual:
         t.append("\nmanual swap trials\n", style="bold")
         for m in manual:

@@ -55,7 +55,10 @@ class UnitTree(Tree[str]):
             pnode = nodes.get(parent, self.root)
             has_kids = any((u.get("parent") == row.name) for u in report["units"])
             label = row_label(row, view, tol, culprits, first)
-            node = pnode.add(label, data=row.name, expand=True) if has_kids else pnode.add_leaf(label, data=row.name)
+            if has_kids:
+                node = pnode.add(label, data=row.name, expand=True)
+            else:  # the width of the fold arrow, so siblings' columns line up
+                node = pnode.add_leaf(Text("  ") + label, data=row.name)
             nodes[row.name] = node
         self.root.expand()
         target = nodes.get(keep or "")

@@ -1,0 +1,125 @@
+"""`bisect selftest`: planted faults at seeded units, found by the search on real backends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import model_dir, session
+from numbisect import selftest as ST
+from numbisect.cli import main
+
+
+def selftest_session(name: str, engine: str):
+    """A session in the engine profile's dtypes and threshold, on the shared backends
+    (one vLLM engine per model per test run)."""
+    p = ST.PROFILES[engine]
+    return session(name, engine, ref_dtype=p.dtype, engine_dtype=p.dtype, threshold=p.threshold), p
+
+
+def test_hf_fp32_selftest_finds_every_planted_fault():
+    s, profile = selftest_session("qwen3_moe", "hf")
+    res = ST.selftest(s, profile, seed=0)
+    assert s.faults == []  # nothing left planted in the shared engine
+    assert len(res["results"]) == len(profile.faults) >= 4
+    assert len({r["fault"].split("@")[0] for r in res["results"]}) >= 4
+    for r in res["results"]:
+        assert r["found"], r
+        assert r["within_bound"], r
+        assert r["fault_k3"] > 10 * res["threshold"], r  # the profile's faults stand well above it
+    assert res["noise_floor"] <= res["threshold"] / 10
+    assert res["passed"] and res["summary"]["found"] == len(res["results"])
+    json.dumps(res, allow_nan=False)
+    text = ST.render(res)
+    assert f"{len(res['results'])}/{len(res['results'])} planted faults found" in text
+    assert "threshold 1.00e-" in text and "noise floor" in text
+
+
+def test_seed_decides_the_planted_units():
+    s, _ = selftest_session("qwen3_moe", "hf")
+    import random
+
+    def picks(seed):
+        rng = random.Random(seed)
+        return [rng.choice(ST.units_for(s.engine, ST.fault_kind(p.template), p.unit_kinds)) for p in ST.PROFILES["hf"].faults]
+
+    assert picks(1) == picks(1)
+    assert any(picks(seed) != picks(0) for seed in range(1, 5))
+
+
+def test_found_means_the_unit_its_sub_unit_or_its_parent_block():
+    s, _ = selftest_session("qwen3_moe", "hf")
+    e = s.engine
+    assert ST.match(e, "layers.2.moe", ["layers.2.moe"]) == "exact"
+    assert ST.match(e, "layers.2.moe", ["layers.2.moe.experts"]) == "sub-unit"
+    assert ST.match(e, "layers.1.moe.router", ["layers.1.moe"]) == "parent"
+    # Not found: another unit, the planted one with an innocent extra, a whole layer, nothing.
+    assert ST.match(e, "layers.1.attn", ["layers.1.moe"]) is None
+    assert ST.match(e, "layers.2.moe", ["layers.2.moe", "layers.0.attn"]) is None
+    assert ST.match(e, "layers.1.attn", ["layers.1"]) is None
+    assert ST.match(e, "layers.1.attn", []) is None
+
+
+def test_trial_bound_counts_candidates_and_sub_units():
+    s, _ = selftest_session("qwen3_moe", "hf")
+    # embed, final_norm, lm_head + 4 layers x (2 norms, attn, moe, router, experts)
+    assert ST.trial_bound(s.engine) == (27, 5 + 4)
+
+
+def test_cli_selftest_table_json_and_exit_code(tmp_path, capsys):
+    out = tmp_path / "st.json"
+    d = model_dir("qwen3_moe")
+    code = main(["selftest", "--ref", f"hf:{d}", "--fault", "rmsnorm_no_upcast", "--seed", "3", "--out", str(out), "-q"])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    res = json.loads(out.read_text())
+    assert res["engine"] == "hf" and res["dtype"] == "float32"
+    assert res["inputs"]["trace"]["path"].endswith("fixtures/traces/qwen3_moe.jsonl")
+    [row] = res["results"]
+    assert row["fault"].startswith("rmsnorm_no_upcast@") and row["found"]
+    assert row["fault"] in stdout and "1/1 planted faults found" in stdout
+
+
+def test_a_fault_too_weak_for_the_threshold_is_reported_and_fails(tmp_path, capsys):
+    d = model_dir("qwen3_moe")
+    # router_logits_fp16 moves mean k3 by about 3e-12 on the float32 pair: under 1e-10.
+    code = main(["selftest", "--ref", f"hf:{d}", "--fault", "router_logits_fp16", "--threshold", "1e-10", "-q"])
+    stdout = capsys.readouterr().out
+    assert code == 1
+    assert "TOO WEAK" in stdout and "0/1 planted faults found" in stdout and "FAILED" in stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ref", "hf:/nowhere/model"], "--trace is required"),
+        (["--ref", f"hf:{model_dir('qwen3')}", "--engine", "rollout"], "needs an engine that runs"),
+        (["--ref", f"vllm:{model_dir('qwen3')}"], "--ref must be hf:DIR"),
+        (["--ref", f"hf:{model_dir('qwen3')}", "--fault", "melt_down"], "unknown fault"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    code = main(["selftest", *args, "-q"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_dense_model_skips_moe_faults_and_says_so():
+    s, profile = selftest_session("qwen3", "hf")
+    res = ST.selftest(s, profile, templates=["moe_combine_bf16", "router_logits_fp8", "rmsnorm_no_upcast"], seed=0)
+    assert [x["fault"] for x in res["skipped"]] == ["moe_combine_bf16", "router_logits_fp8"]
+    assert len(res["results"]) == 1 and res["passed"]
+    assert "skipped: no unit of its kind in qwen3" in ST.render(res)
+
+
+@pytest.mark.vllm
+def test_vllm_round_finds_moe_combine_bf16():
+    s, profile = selftest_session("qwen3_moe", "vllm")
+    res = ST.selftest(s, profile, templates=["moe_combine_bf16"], seed=0)
+    [row] = res["results"]
+    assert res["noise_floor"] < res["threshold"] / 5  # bf16 noise, about 5e-5
+    assert row["found"] and row["within_bound"], row
+    assert row["fault_k3"] > 2 * res["threshold"]
+    assert s.faults == []

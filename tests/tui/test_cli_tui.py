@@ -1,0 +1,104 @@
+"""`bisect tui` on the command line: bad input is one line and exit 2 before the app
+starts; good input builds the app (its `run` is replaced here, so nothing draws)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPORT, read
+from numbisect.cli import main
+from numbisect.errors import ExitCode
+
+LIVE = ["--ref", "hf:fixtures/models/qwen3_moe", "--engine", "hf:fixtures/models/qwen3_moe",
+        "--trace", "fixtures/traces/qwen3_moe.jsonl"]
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """Record the apps the CLI would run instead of running them."""
+    from numbisect.tui.app import BisectApp
+
+    apps = []
+    monkeypatch.setattr(BisectApp, "run", lambda self, *a, **k: apps.append(self))
+    return apps
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("bisect: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("{ corrupt", "not valid JSON"),
+        ("unknown-version", "schema version 2 is not supported"),
+        ('{"schema_version": 1}', "not a valid v1 report"),
+    ],
+)
+def test_bad_report_is_a_one_line_error_before_the_app_starts(tmp_path, capsys, started, content, needle):
+    bad = tmp_path / "bad.json"
+    if content == "unknown-version":
+        r = read(REPORT)
+        r["schema_version"] = 2
+        content = json.dumps(r)
+    bad.write_text(content)
+    assert main(["tui", str(bad)]) == ExitCode.USAGE
+    assert needle in one_line_error(capsys)
+    assert started == []
+
+
+def test_missing_report_file(capsys, started):
+    assert main(["tui", "no/such/report.json"]) == ExitCode.USAGE
+    assert "report not found" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ([], "needs REPORT.json, or --ref, --engine and --trace"),
+        (["--ref", "hf:x"], "needs REPORT.json, or --ref, --engine and --trace"),
+        ([REPORT, *LIVE], "not both"),
+        (["--ref", "hf:fixtures/models/qwen3_moe", "--engine", "rollout", "--trace", "fixtures/traces/qwen3_moe.jsonl"], "not rollout"),
+        ([*LIVE, "--engine-fault", "nonsense"], "bad fault spec"),
+        ([*LIVE, "--max-trials", "0"], "--max-trials must be at least 1"),
+        ([*LIVE, "--group", "nope"], "unknown group 'nope'"),
+        (["--ref", "hf:fixtures/models/qwen3_moe", "--engine", "hf:fixtures/models/qwen3_moe", "--trace", "no/trace.jsonl"], "no/trace.jsonl"),
+    ],
+)
+def test_bad_live_options_are_one_line_errors(capsys, started, args, needle):
+    assert main(["tui", *args]) == ExitCode.USAGE
+    assert needle in one_line_error(capsys)
+    assert started == []
+
+
+def test_a_report_opens_the_explorer(started):
+    assert main(["tui", REPORT]) == ExitCode.ALIGNED
+    (app,) = started
+    assert app.live is None and app.report["kind"] == "run" and app.report_path == REPORT
+
+
+def test_live_options_make_a_live_app_that_records_the_equivalent_run_command(started, monkeypatch):
+    argv = ["bisect", "tui", *LIVE, "--engine-fault", "moe_combine_bf16@layers.2.moe", "--threshold", "1e-10",
+            "--strategy", "ddmin", "--max-trials", "12"]
+    monkeypatch.setattr("sys.argv", argv)
+    assert main(argv[1:]) == ExitCode.ALIGNED
+    (app,) = started
+    cfg = app.live
+    assert cfg.argv == ["bisect", "run", *argv[2:]]
+    assert (cfg.strategy, cfg.max_trials, cfg.settings.threshold) == ("ddmin", 12, 1e-10)
+    assert cfg.spec.faults == ["moe_combine_bf16@layers.2.moe"]
+
+
+def test_help_lists_tui(capsys):
+    main(["--help"])
+    assert "tui" in capsys.readouterr().out
+    main(["tui", "--help"])
+    out = capsys.readouterr().out
+    assert "REPORT.json" in out and "--engine-fault" in out and "--strategy" in out

@@ -1,0 +1,36 @@
+"""Snapshots (pytest-textual-snapshot) of the main screens on the bundled example report.
+
+Update after a deliberate change of looks: `pytest tests/tui/test_snapshots.py --snapshot-update`,
+then look at the SVGs under tests/tui/__snapshots__/.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import report_app
+
+SIZE = (100, 32)
+
+
+SCREENS = {
+    "overview": [],
+    "units": ["2"],
+    "units_local": ["2", "l"],
+    "tokens": ["3"],
+    "trials": ["4"],
+    "help": ["question_mark"],
+}
+
+
+@pytest.mark.parametrize("keys", list(SCREENS.values()), ids=list(SCREENS))
+def test_main_screens(snap_compare, keys):
+    assert snap_compare(report_app(), press=keys, terminal_size=SIZE)
+
+
+def test_main_screen_at_80x24(snap_compare):
+    assert snap_compare(report_app(), terminal_size=(80, 24))
+
+
+def test_units_at_200x50(snap_compare):
+    assert snap_compare(report_app(), press=["2"], terminal_size=(200, 50))
