@@ -125,6 +125,17 @@ def apply_faults(engine, faults: list[Fault]) -> Planted:
                 if p.is_floating_point() and p.numel():
                     planted._params.append((p, p.data.clone()))
                     p.data.mul_(1 + f.value * torch.randn(p.shape, generator=g))
+        elif f.kind == "output_noise" and engine.kind == "vllm" and engine.unit(f.unit).kind == "experts":
+            # The routed sum (what an experts swap replaces), not the runner's output.
+            routed = mod.routed_experts
+            kernel = routed.forward_modular
+            add_noise = _output_noise(f)
+
+            def forward_modular(*args, _kernel=kernel, _noise=add_noise, **kwargs):
+                return _noise(None, args, _kernel(*args, **kwargs))
+
+            setattr(routed, "forward_modular", forward_modular)
+            planted._attrs.append((routed, "forward_modular"))
         elif f.kind == "output_noise":
             planted._hooks.append(mod.register_forward_hook(_output_noise(f)))
         elif f.kind == "router_logits":  # the router GEMM in low precision: input and logits rounded
@@ -216,13 +227,21 @@ def _plant_combine(engine, planted: Planted, f: Fault) -> None:
     block = f.unit if unit.kind == "moe" else unit.parent
     dtype = LOWP[f.dtype]
     if engine.kind == "vllm":
+        # vLLM-CPU keeps its expert weights in its own (prepacked) layout, so the fault
+        # runs the engine's own kernel once per top-k slot: each call returns one expert's
+        # weighted contribution, rounded to the engine dtype; the sum is taken in `dtype`.
         routed = get_module(engine.root, engine.module_path(block)).experts.routed_experts
+        kernel = routed.forward_modular
 
         def forward_modular(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
             from numbisect.swap import run_shared_experts
 
             run_shared_experts(shared_experts, shared_experts_input)
-            return lowp_experts(x, topk_ids.long(), topk_weights, routed.w13_weight, routed.w2_weight, dtype)
+            out = torch.zeros(x.shape, dtype=torch.float32)
+            for k in range(topk_ids.shape[1]):
+                part = kernel(x=x, topk_weights=topk_weights[:, k : k + 1].contiguous(), topk_ids=topk_ids[:, k : k + 1].contiguous())
+                out = (out + part.to(dtype).float()).to(dtype).float()
+            return out.to(x.dtype)
 
         setattr(routed, "forward_modular", forward_modular)
         planted._attrs.append((routed, "forward_modular"))

@@ -58,11 +58,14 @@ def test_single_planted_fault_is_named_on_an_hf_engine_within_the_bound(name, fa
     assert body["self_check"]["passed"]
 
 
+# On a bf16 vLLM engine a fault must stand above bf16 noise (mean k3 ~5e-5 here) and the
+# 1e-3 threshold; precision faults such as moe_combine_bf16 do not in these tiny top-2
+# models (measured: 5.3e-5), so noise faults of a measured strength are the ground truth.
 VLLM_CASES = [
-    ("qwen3_moe", "moe_combine_bf16@layers.2.moe", "layers.2.moe.experts"),
+    ("qwen3_moe", "output_noise=1.0@layers.2.moe.experts", "layers.2.moe.experts"),
     ("qwen3_moe", "output_noise=0.1@lm_head", "lm_head"),
-    ("glm4_moe", "moe_combine_bf16@layers.1.moe", "layers.1.moe.experts"),
-    ("mixtral", "moe_combine_bf16@layers.0.moe", "layers.0.moe.experts"),
+    ("glm4_moe", "output_noise=1.0@layers.1.moe.experts", "layers.1.moe.experts"),
+    ("mixtral", "output_noise=0.3@layers.0.moe", "layers.0.moe"),
     ("qwen3", "output_noise=1.0@layers.1.mlp", "layers.1.mlp"),
 ]
 
@@ -97,16 +100,26 @@ def test_no_fault_on_the_reference_itself_is_aligned_with_no_culprit():
     assert body["search"]["trials_used"] == 1
 
 
-@pytest.mark.vllm
 def test_swap_moe_fixes_a_moe_combine_fault_and_swap_attn_does_not():
-    s = session("qwen3_moe", "vllm", faults=["moe_combine_bf16@layers.2.moe"])
+    s = session("qwen3_moe", "hf", ref_dtype="float32", engine_dtype="float32",
+                faults=["moe_combine_bf16@layers.2.moe"], threshold=1e-10)
     body, code = run(s, swap=["moe"], strategy="hierarchical", max_trials=None, log=None, resume=None)
     assert code == ExitCode.DIVERGED
-    assert body["swap"]["before"] > 1e-3 >= body["swap"]["after"]
+    assert body["swap"]["before"] > 1e-10 >= body["swap"]["after"]
     assert "the divergence is inside moe" in body["swap"]["lines"][0]
     body, code = run(s, swap=["attn"], strategy="hierarchical", max_trials=None, log=None, resume=None)
     assert code == ExitCode.NO_CULPRIT
-    assert body["swap"]["after"] > 1e-3
+    assert body["swap"]["after"] > 1e-10
+
+
+@pytest.mark.vllm
+def test_swap_moe_on_real_vllm_fixes_a_fault_in_the_experts_and_swap_attn_does_not():
+    s = session("qwen3_moe", "vllm", faults=["output_noise=1.0@layers.2.moe.experts"])
+    body, code = run(s, swap=["moe"], strategy="hierarchical", max_trials=None, log=None, resume=None)
+    assert code == ExitCode.DIVERGED
+    assert body["swap"]["before"] > 1e-3 >= body["swap"]["after"]
+    body, code = run(s, swap=["attn"], strategy="hierarchical", max_trials=None, log=None, resume=None)
+    assert code == ExitCode.NO_CULPRIT and body["swap"]["after"] > 1e-3
 
 
 @pytest.mark.vllm
