@@ -299,7 +299,8 @@ def tui(report_file, **kw):
         from numbisect.tui.live import LiveConfig, check_live, run_argv
 
         spec, settings = _spec_settings(kw)
-        config = LiveConfig(spec, settings, strategy=kw["strategy"], max_trials=kw["max_trials"], argv=run_argv(command_line()))
+        argv = command_line((click.get_current_context().obj or {}).get("argv"))
+        config = LiveConfig(spec, settings, strategy=kw["strategy"], max_trials=kw["max_trials"], argv=run_argv(argv))
         check_live(config)
     from numbisect.tui.app import BisectApp  # textual is imported only here
 

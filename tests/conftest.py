@@ -29,6 +29,23 @@ def trace_path(name: str) -> str:
     return str(FIXTURES / "traces" / f"{name}.jsonl")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread here and in child processes (see `child_env`): with several
+    processes on a few cores, OpenMP threads that spin-wait made a tiny forward ~50x
+    slower (measured 1.4 s vs 0.02 s per trial under load)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def child_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 _HF: dict = {}
 _VLLM: dict = {}
 

@@ -13,32 +13,23 @@ from pathlib import Path
 
 import pytest
 
+from conftest import child_env
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "fixtures" / "models" / "qwen3_moe"
 TRACE = ROOT / "fixtures" / "traces" / "qwen3_moe.jsonl"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread here and in the child processes: with several processes on a few
-    cores, OpenMP threads that spin-wait make a tiny forward ~50x slower (measured 1.4 s vs
-    0.02 s per trial under load). Both sides of every comparison use the same setting."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def child_env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def volatile_free(r: dict) -> dict:
     """The report without the fields allowed to change between runs."""
     r = json.loads(json.dumps(r))
     r.pop("created")
+    r["environment"].pop("env", None)  # how each process was started (OMP_NUM_THREADS in the child)
     for t in r.get("trials") or []:
         t.pop("duration_s", None)
         (t.get("metrics") or {}).pop("forward_s", None)
@@ -89,8 +80,11 @@ def test_compare_twice_gives_the_same_report(two_reports):
 
 
 def test_seeds_and_threads_are_recorded(two_reports):
-    env = two_reports[0]["environment"]
-    assert env == two_reports[1]["environment"]
+    env = dict(two_reports[0]["environment"])
+    assert env.pop("env")["OMP_NUM_THREADS"] == "1"  # the child's thread setting is recorded
+    other = dict(two_reports[1]["environment"])
+    other.pop("env")
+    assert env == other
     assert isinstance(env["threads"], int) and env["threads"] >= 1
     assert set(env["seeds"]) >= {"torch"} and all(isinstance(v, int) for v in env["seeds"].values())
 
@@ -98,7 +92,8 @@ def test_seeds_and_threads_are_recorded(two_reports):
 def test_volatile_fields_are_only_those():
     """The stripping helper removes exactly created and the duration fields."""
     r = {"created": "x", "a": 1, "trials": [{"duration_s": 1.0, "value": 2.0, "metrics": {"forward_s": 0.1, "k": 1}}]}
-    assert volatile_free(r) == {"a": 1, "trials": [{"value": 2.0, "metrics": {"k": 1}}]}
+    r["environment"] = {"env": {}, "threads": 1}
+    assert volatile_free(r) == {"a": 1, "environment": {"threads": 1}, "trials": [{"value": 2.0, "metrics": {"k": 1}}]}
     assert differences({"a": [1.0, 2.0]}, {"a": [1.0, 2.0000001]}) == ["/a/1: 2.0 vs 2.0000001"]
 
 

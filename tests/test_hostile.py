@@ -29,23 +29,13 @@ from numbisect.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "fixtures" / "models" / "qwen3_moe"
 TRACE = ROOT / "fixtures" / "traces" / "qwen3_moe.jsonl"
-REPORT = ROOT / "fixtures" / "reports" / "qwen3_moe_planted_moe_combine.json"
+REPORT = ROOT / "fixtures" / "reports" / "qwen3_moe_planted_fault.json"
 VOCAB = 256
 GOOD = json.loads(TRACE.read_text().splitlines()[0])
 CASES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread here and in the child processes: with several processes on a few
-    cores, OpenMP threads that spin-wait make a tiny forward ~50x slower (measured 1.4 s vs
-    0.02 s per trial under load). Both sides of every comparison use the same setting."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 

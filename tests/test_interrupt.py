@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import child_env
+
 from numbisect.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,21 +29,9 @@ FAULT = "moe_combine_bf16@layers.2.moe"
 WAIT_FOR_TRIALS = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread here and in the child processes: with several processes on a few
-    cores, OpenMP threads that spin-wait make a tiny forward ~50x slower (measured 1.4 s vs
-    0.02 s per trial under load). Both sides of every comparison use the same setting."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def child_env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def run_args(trace: Path, out: Path, *extra: str) -> list[str]:

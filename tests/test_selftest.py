@@ -37,15 +37,17 @@ def test_hf_fp32_selftest_finds_every_planted_fault():
 
 
 def test_seed_decides_the_planted_units():
-    s, _ = selftest_session("qwen3_moe", "hf")
-    import random
-
-    def picks(seed):
-        rng = random.Random(seed)
-        return [rng.choice(ST.units_for(s.engine, ST.fault_kind(p.template), p.unit_kinds)) for p in ST.PROFILES["hf"].faults]
-
-    assert picks(1) == picks(1)
-    assert any(picks(seed) != picks(0) for seed in range(1, 5))
+    s, profile = selftest_session("qwen3_moe", "hf")
+    plan = list(profile.faults)
+    first, skipped = ST.plan_rounds(s.engine, plan, rounds=2, seed=1)
+    assert skipped == []
+    assert first == ST.plan_rounds(s.engine, plan, rounds=2, seed=1)[0]
+    assert [r for r, _ in first] == [1] * len(plan) + [2] * len(plan)
+    assert [spec.split("@")[0] for _, spec in first] == [p.template for p in plan] * 2
+    for _, spec in first:  # each at a unit of a kind the profile plants it at
+        template, _, unit = spec.partition("@")
+        assert s.engine.unit(unit).kind in next(p.unit_kinds for p in plan if p.template == template)
+    assert any(ST.plan_rounds(s.engine, plan, 2, seed)[0] != first for seed in range(2, 6))
 
 
 def test_found_means_the_unit_its_sub_unit_or_its_parent_block():

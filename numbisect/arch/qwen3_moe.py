@@ -14,35 +14,26 @@ def _ffn_kind(config, i: int) -> str:
     return "moe" if sparse and i not in (config.mlp_only_layers or []) else "mlp"
 
 
+# transformers and vLLM name these modules alike; only the logits differ.
+_HF = {
+    "embed": "model.embed_tokens",
+    "layers.{i}.input_norm": "model.layers.{i}.input_layernorm",
+    "layers.{i}.attn": "model.layers.{i}.self_attn",
+    "layers.{i}.post_attn_norm": "model.layers.{i}.post_attention_layernorm",
+    "layers.{i}.moe": "model.layers.{i}.mlp",
+    "layers.{i}.moe.router": "model.layers.{i}.mlp.gate",
+    "layers.{i}.moe.experts": "model.layers.{i}.mlp.experts",
+    "layers.{i}.mlp": "model.layers.{i}.mlp",
+    "layers.{i}": "model.layers.{i}",
+    "final_norm": "model.norm",
+    "lm_head": "lm_head",
+}
+
 ARCH = ArchMap(
     name="qwen3_moe",
     architectures=("Qwen3MoeForCausalLM",),
-    hf={
-        "embed": "model.embed_tokens",
-        "layers.{i}.input_norm": "model.layers.{i}.input_layernorm",
-        "layers.{i}.attn": "model.layers.{i}.self_attn",
-        "layers.{i}.post_attn_norm": "model.layers.{i}.post_attention_layernorm",
-        "layers.{i}.moe": "model.layers.{i}.mlp",
-        "layers.{i}.moe.router": "model.layers.{i}.mlp.gate",
-        "layers.{i}.moe.experts": "model.layers.{i}.mlp.experts",
-        "layers.{i}.mlp": "model.layers.{i}.mlp",
-        "layers.{i}": "model.layers.{i}",
-        "final_norm": "model.norm",
-        "lm_head": "lm_head",
-    },
-    vllm={
-        "embed": "model.embed_tokens",
-        "layers.{i}.input_norm": "model.layers.{i}.input_layernorm",
-        "layers.{i}.attn": "model.layers.{i}.self_attn",
-        "layers.{i}.post_attn_norm": "model.layers.{i}.post_attention_layernorm",
-        "layers.{i}.moe": "model.layers.{i}.mlp",
-        "layers.{i}.moe.router": "model.layers.{i}.mlp.gate",
-        "layers.{i}.moe.experts": "model.layers.{i}.mlp.experts",
-        "layers.{i}.mlp": "model.layers.{i}.mlp",
-        "layers.{i}": "model.layers.{i}",
-        "final_norm": "model.norm",
-        "lm_head": "logits_processor",
-    },
+    hf=_HF,
+    vllm={**_HF, "lm_head": "logits_processor"},  # logits come from vLLM's logits processor
     ffn_kind=_ffn_kind,
     moe_sub_units=("router", "experts"),
 )

@@ -26,7 +26,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Static, TabbedContent, Tree
 from textual.worker import get_current_worker
 
-from numbisect.errors import InputError, NumbisectError
+from numbisect.errors import NumbisectError
 from numbisect.render import fmt
 from numbisect.report import load_report, write_json_atomic
 from numbisect.tui import model as M
@@ -47,7 +47,7 @@ LIVE_ACTIONS = {"run_search", "swap_unit", "swap_kind"}
 
 class BisectApp(App[int]):
     TITLE = "numbisect"
-    CSS_PATH = "app.tcss"
+    CSS_PATH = Path(__file__).parent / "app.tcss"  # absolute: subclasses elsewhere find it too
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
     ENABLE_COMMAND_PALETTE = False

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-REPORT = "fixtures/reports/qwen3_moe_planted_moe_combine.json"
+REPORT = "fixtures/reports/qwen3_moe_planted_fault.json"
 COMPARE_REPORT = "tests/data/report_compare_hf.json"
 
 

@@ -14,15 +14,17 @@ def test_culprit_sentence_carries_its_evidence():
     lines = [text for _, text in M.culprit_lines(r)]
     c = r["culprits"][0]
     assert lines[0] == expected_sentence(r)
-    assert lines[0].startswith("layers.2.moe.experts: swapping it alone takes mean k3 from 2.43e-03 to ")
+    assert lines[0].startswith(f"layers.2.moe.experts: swapping it alone takes mean k3 from {fmt(r['baseline']['value'])} to ")
     assert lines[1] == f"◆ culprit · threshold 1.00e-03 · all others swapped: {fmt(c['complement'])} · local rank {c['local_rank']}"
 
 
 def test_verdict_reads_without_colour():
-    mark, _, text = M.verdict_line(read(REPORT))
+    r = read(REPORT)
+    mark, _, text = M.verdict_line(r)
+    v = r["baseline"]["value"]
     assert mark == "!! DIVERGED"
-    assert text.startswith("mean k3 2.43e-03 > 1.00e-03 (2.4x)")
-    assert "85.0% of sequences rejected" in text
+    assert text.startswith(f"mean k3 {fmt(v)} > 1.00e-03 ({v / 1e-3:.1f}x)")
+    assert f"{100 * r['baseline']['rl_cost']['seq_frac_rejected']:.1f}% of sequences rejected" in text
 
 
 def test_a_compare_report_says_no_search_was_run_and_gives_clues():
@@ -51,8 +53,12 @@ def test_severity_symbols_against_the_unit_tolerance():
     by = {u["name"]: u for u in r["units"]}
     assert M.unit_severity(by["embed"], "propagated", 0.01)[0] == "equal"
     assert M.unit_severity(by["layers.0.attn"], "propagated", 0.01)[0] == "ok"
-    assert M.unit_severity(by["layers.3.moe"], "propagated", 0.01)[0] == "over"
-    assert M.unit_severity(by["layers.2.moe.experts"], "propagated", 0.01)[:2] == ("far", "1.002")
+    assert M.unit_severity(by["layers.1.moe"], "propagated", 0.01)[0] == "ok"
+    assert M.unit_severity(by["layers.3.moe"], "propagated", 0.2)[0] == "ok"
+    assert M.unit_severity(by["layers.3.moe"], "propagated", 0.1)[0] == "over"  # 0.15
+    assert M.unit_severity(by["layers.3.moe"], "propagated", 0.01)[0] == "far"
+    ex = by["layers.2.moe.experts"]["propagated"]["rel_l2"]
+    assert M.unit_severity(by["layers.2.moe.experts"], "propagated", 0.01)[:2] == ("far", fmt(ex))
     assert M.unit_severity(by["layers.3.attn"], "local", 0.01)[1] == unit_value(r, "layers.3.attn", "local")
     assert M.unit_severity({"name": "x"}, "local", 0.01)[0] == "none"
 
