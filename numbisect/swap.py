@@ -284,3 +284,53 @@ def _patch_vllm_moe(engine, donor, unit, ref: nn.Module) -> None:
             return out
 
         _patch(engine, runner.routed_experts, "forward_modular", forward_modular)
+
+
+# -- rebuilding a swap from data, where the engine's model lives ------------------------------
+_DONORS: dict = {}
+
+
+class _ModelEngine(Backend):
+    """A backend view of a bare vLLM model (what `llm.apply_model` hands a function)."""
+
+    kind = "vllm"
+
+    def __init__(self, model: nn.Module, dtype: str):
+        from numbisect.arch import arch_for
+        from numbisect.backends.base import parse_dtype
+
+        self.model = model
+        self.dtype_name, self.dtype = dtype, parse_dtype(dtype)
+        self.config = model.config
+        self.arch = arch_for(self.config)
+        self.units = self.arch.units(self.config)
+        self.unit_by_name = {u.name: u for u in self.units}
+        self._originals = {}
+
+    @property
+    def root(self):
+        return self.model
+
+
+def apply_swap_spec(model: nn.Module, spec: SwapSpec, engine_dtype: str) -> list[str]:
+    """Rebuild `spec` on a vLLM model in this process (an engine worker): load the donor
+    from its checkpoint once per process, then swap. Pass it to `llm.apply_model` as
+    `functools.partial(apply_swap_spec, spec=spec, engine_dtype=...)`: it pickles, so it
+    reaches workers of a multi-process engine too. Returns the units swapped."""
+    from numbisect.backends.hf import HFBackend
+
+    key = (spec.donor_path, spec.donor_dtype)
+    if key not in _DONORS:
+        _DONORS[key] = HFBackend(spec.donor_path, spec.donor_dtype)
+    engine = model.__dict__.get("_numbisect_engine") or _ModelEngine(model, engine_dtype)
+    model.__dict__["_numbisect_engine"] = engine
+    apply_swaps(engine, _DONORS[key], list(spec.units))
+    return expand(engine, list(spec.units))
+
+
+def undo_swap_spec(model: nn.Module) -> None:
+    """Put back what `apply_swap_spec` replaced in this process."""
+    engine = model.__dict__.pop("_numbisect_engine", None)
+    if engine is not None:
+        unpatch(engine)
+        engine.restore()
