@@ -6,7 +6,6 @@ floats bit for bit. Seeds and thread settings are recorded in `environment`.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
