@@ -19,7 +19,9 @@ MODEL = ROOT / "fixtures" / "models" / "qwen3_moe"
 TRACE = ROOT / "fixtures" / "traces" / "qwen3_moe.jsonl"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test here (and every module fixture) runs with one torch thread."""
 
 
 

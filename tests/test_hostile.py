@@ -35,7 +35,9 @@ GOOD = json.loads(TRACE.read_text().splitlines()[0])
 CASES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test here (and every module fixture) runs with one torch thread."""
 
 
 

@@ -28,7 +28,9 @@ FAULT = "moe_combine_bf16@layers.2.moe"
 WAIT_FOR_TRIALS = 3
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test here (and every module fixture) runs with one torch thread."""
 
 
 
