@@ -146,7 +146,9 @@ class Session:
         """Swap every unit: the engine must then reproduce the reference.
 
         Two trials cover every adapter the search uses: the finest units (MoE sub-units,
-        norms, attention, dense MLPs, embed, lm_head), then whole MoE blocks.
+        norms, attention, dense MLPs, embed, lm_head), then whole MoE blocks. Planted
+        faults stay out of the first (one on a block's own output is outside every
+        sub-unit); the second swaps every top-level unit, which removes any fault.
         """
         if self.engine is None:
             raise InputError("swaps need an engine that runs (hf: or vllm:), not rollout")
@@ -158,7 +160,11 @@ class Session:
             names = [u.name for u in self.engine.units if u.kind in kinds]
             if label == "blocks" and not any(u.kind == "moe" for u in self.engine.units):
                 continue
-            _, summary = self.trial(names)
+            planted, self.faults = self.faults, ([] if label == "sub-units" else self.faults)
+            try:
+                _, summary = self.trial(names)
+            finally:
+                self.faults = planted
             k3 = summary["groups"]["completion"]["k3_mean"]
             checks.append({"swapped": label, "kinds": sorted({self.engine.unit(n).kind for n in names}), "k3_mean": k3,
                            "passed": (k3 is not None and k3 <= tol) if same_dtype else True})

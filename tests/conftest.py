@@ -69,15 +69,33 @@ def vllm(name: str):
     return _VLLM[name]
 
 
-def session(name: str, engine: str = "vllm", ref_dtype="bfloat16", engine_dtype="bfloat16", faults=(), **settings):
-    """A Session on a fixture whose backends are the shared ones."""
+_SHORT: dict = {}
+
+
+def short_trace(name: str, n: int) -> str:
+    """The fixture's trace cut to its first n samples (a file of its own, made once)."""
+    import tempfile
+
+    key = (name, n)
+    if key not in _SHORT:
+        lines = Path(trace_path(name)).read_text().splitlines()[:n]
+        d = Path(tempfile.mkdtemp(prefix="numbisect-trace-"))
+        p = d / f"{name}_{n}.jsonl"
+        p.write_text("\n".join(lines) + "\n")
+        _SHORT[key] = str(p)
+    return _SHORT[key]
+
+
+def session(name: str, engine: str = "vllm", ref_dtype="bfloat16", engine_dtype="bfloat16", faults=(), samples=None,
+            **settings):
+    """A Session on a fixture whose backends are the shared ones (`samples`: the first n)."""
     from numbisect.compare import Settings
     from numbisect.session import Session, Spec
 
     spec = Spec(
         ref=f"hf:{model_dir(name)}",
         engine=f"{engine}:{model_dir(name)}" if engine != "rollout" else "rollout",
-        trace=trace_path(name),
+        trace=short_trace(name, samples) if samples else trace_path(name),
         ref_dtype=ref_dtype,
         engine_dtype=engine_dtype,
         faults=list(faults),
