@@ -7,7 +7,6 @@ found within --max-trials, 130 interrupted. NUMBISECT_DEBUG=1 shows tracebacks.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -314,7 +313,7 @@ def tui(report_file, **kw):
 @click.option("--trace", type=click.Path(), help="Token trace [default: fixtures/traces/NAME.jsonl when --ref is a fixture].")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the planted units' choice.")
 @click.option("--rounds", default=1, show_default=True, type=int, help="Each round plants every fault kind once.")
-@click.option("--fault", "faults", multiple=True, metavar="NAME[=VALUE]", help="Plant these fault kinds instead of the engine profile's (repeatable).")
+@click.option("--fault", "faults", multiple=True, metavar="NAME[=VALUE][@UNIT]", help="Plant these faults instead of the engine profile's (repeatable); without @UNIT at a random unit.")
 @click.option("--threshold", type=float, default=None, help="Override the engine profile's threshold.")
 @click.option("--local-rank/--no-local-rank", default=True, show_default=True, help="Order the search by local error, as `run` does.")
 @click.option("--out", type=click.Path(), help="Write the results as JSON here (atomically).")

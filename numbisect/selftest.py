@@ -52,7 +52,6 @@ class Profile:
     why: str  # how the threshold was chosen (printed and recorded)
     faults: tuple[PlantedKind, ...]
     not_planted: tuple[tuple[str, str], ...]  # (fault, measured reason) for kinds too weak here
-    notes: tuple[str, ...] = ()  # caveats printed with the table
 
 
 _ALL = ("embed", "norm", "attn", "mlp", "moe", "router", "experts", "shared_expert", "lm_head")
@@ -86,26 +85,20 @@ PROFILES = {
         threshold=3e-4,
         why=(
             "vLLM bf16 engine vs hf bf16 reference: the noise floor is 4e-5 to 6.5e-5 (partial swaps up to "
-            "about 1e-4, DESIGN.md); the weakest planted fault is 9e-4, so 3e-4 sits about 3x from each "
-            "(the default 1e-3 would leave some faults at 1.1x)"
+            "about 1e-4, DESIGN.md); the weakest planted fault is 1.2e-3, so 3e-4 sits about 3x from each "
+            "(the tool's default 1e-3 would leave that fault at 1.2x)"
         ),
         faults=(
-            PlantedKind("moe_combine_bf16", ("moe", "experts"), "1.1e-3"),
-            PlantedKind("output_noise=10", ("embed", "norm", "attn", "mlp", "moe", "router", "shared_expert", "lm_head"), "1.2e-3 (a router)"),
-            PlantedKind("weight_noise=1", ("embed", "moe", "experts"), "9e-4 (mixtral experts)"),
+            PlantedKind("output_noise=10", _ALL, "1.2e-3 (a router; 4e-3 and up elsewhere)"),
+            PlantedKind("weight_noise=3", ("embed", "moe", "experts"), "8e-2"),
         ),
         not_planted=(
+            ("moe_combine_bf16, moe_combine_fp8", "4e-5 to 1.8e-4: under the threshold (bf16 contributions in a bf16 "
+             "engine; top-2 experts of these tiny models)"),
             ("rmsnorm_no_upcast", "at most 1.4e-4: the engine already runs in bf16"),
             ("router_logits_fp8", "at most 1.4e-4"),
-            ("weight_noise on attn, mlp, router, lm_head, norm", "4e-5 to 1e-4 at some units: vLLM-CPU prepacks linear "
-             "weights (their module parameters are empty); norms vary"),
-            ("output_noise on moe.experts", "a hook on vLLM's MoE runner survives the experts swap (which replaces only "
-             "the routed sum inside it), so swapping the unit does not remove the fault"),
-        ),
-        notes=(
-            "moe_combine_* on vLLM-CPU reads the prepacked expert weights as plain matrices: it replaces the routed sum "
-            "with a wrong one rather than rounding it (moe_combine_fp32 gives the same k3). Still a planted fault in "
-            "that unit, but not the bf16 combine it is named for.",
+            ("weight_noise on attn, mlp, router, lm_head, norm", "as low as 4e-5 (weight_noise=1): vLLM-CPU prepacks "
+             "linear weights, their module parameters are empty"),
         ),
     ),
 }
@@ -151,7 +144,7 @@ def open_session(ref: str, engine: str, trace: str, profile: Profile, threshold:
 
 def fault_kind(template: str) -> str:
     """The fault kind of a template (`moe_combine_bf16` -> `moe_combine`)."""
-    return parse_fault(f"{template}@x").kind
+    return parse_fault(template if "@" in template else f"{template}@x").kind
 
 
 def searchable(engine) -> list[str]:
@@ -242,10 +235,13 @@ def plan_rounds(engine, plan: list[PlantedKind], rounds: int, seed: int) -> tupl
     rng = random.Random(seed)
     out, skipped = [], []
     for p in plan:
-        if not units_for(engine, fault_kind(p.template), p.unit_kinds or None):
+        if "@" not in p.template and not units_for(engine, fault_kind(p.template), p.unit_kinds or None):
             skipped.append({"fault": p.template, "reason": f"no unit of its kind in {engine.arch.name}"})
     for r in range(1, rounds + 1):
         for p in plan:
+            if "@" in p.template:  # a full spec: always that unit
+                out.append((r, p.template))
+                continue
             units = units_for(engine, fault_kind(p.template), p.unit_kinds or None)
             if units:
                 out.append((r, f"{p.template}@{rng.choice(units)}"))
@@ -263,8 +259,11 @@ def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templ
         raise InputError("--rounds must be at least 1")
     thr = session.settings.threshold
     plan = [PlantedKind(t, (), "") for t in templates] if templates else list(profile.faults)
-    for p in plan:
-        fault_kind(p.template)  # a bad template is a usage error before any work
+    for p in plan:  # a bad template or unit is a usage error before any work
+        if "@" in p.template:
+            check_fault(session.engine, parse_fault(p.template))
+        else:
+            fault_kind(p.template)
     plant(session, [])
     progress("noise floor: the engine with no fault")
     floor, _ = session.trial(())
@@ -334,7 +333,6 @@ def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templ
         "trial_bound": bound,
         "planted_kinds": [p.template for p in plan],
         "not_planted": [{"fault": f, "reason": why} for f, why in (() if templates else profile.not_planted)],
-        "notes": list(profile.notes) if not templates or set(templates) & {p.template for p in profile.faults} else [],
         "skipped": skipped,
         "results": rows,
         "summary": {
@@ -371,8 +369,6 @@ def render(res: dict) -> str:
     if res["not_planted"]:
         lines += ["", "not planted on this engine (measured too weak or without effect):"]
         lines += [f"  {p['fault']}: {p['reason']}" for p in res["not_planted"]]
-    if res["notes"]:
-        lines += ["", "notes:"] + [f"  {n}" for n in res["notes"]]
     s = res["summary"]
     lines += [
         "",
