@@ -251,33 +251,15 @@ def _feed(kind: str, args: list, kwargs: dict, fed: torch.Tensor) -> None:
     x = _canonical_input(kind, args, kwargs)
     if x is None or x.shape[0] != fed.shape[0]:
         return
-    if kind == "norm":
-        x = args[0] if args else kwargs["x"]
-        fed = fed.to(x.dtype)
-        r = args[1] if len(args) > 1 else kwargs.get("residual")
-        if args:
-            args[0] = fed
-        else:
-            kwargs["x"] = fed
+    # A fused norm `(x, residual)` or a layer `(positions, hidden_states, residual)`: the
+    # stream becomes the reference's input and the residual zero, so their sum is it.
+    stream = {"norm": (0, "x"), "layer": (1, "hidden_states")}.get(kind)
+    if stream is not None:
+        i, key = stream
+        _put(args, kwargs, i, key, fed.to(x.dtype))
+        r = args[i + 1] if len(args) > i + 1 else kwargs.get("residual")
         if r is not None:
-            if len(args) > 1:
-                args[1] = torch.zeros_like(r)
-            else:
-                kwargs["residual"] = torch.zeros_like(r)
-        return
-    if kind == "layer":
-        x = args[1] if len(args) > 1 else kwargs["hidden_states"]
-        fed = fed.to(x.dtype)
-        r = args[2] if len(args) > 2 else kwargs.get("residual")
-        if len(args) > 1:
-            args[1] = fed
-        else:
-            kwargs["hidden_states"] = fed
-        if r is not None:
-            if len(args) > 2:
-                args[2] = torch.zeros_like(r)
-            else:
-                kwargs["residual"] = torch.zeros_like(r)
+            _put(args, kwargs, i + 1, "residual", torch.zeros_like(r))
         return
     if "hidden_states" in kwargs:
         kwargs["hidden_states"] = fed.to(kwargs["hidden_states"].dtype)
@@ -286,6 +268,14 @@ def _feed(kind: str, args: list, kwargs: dict, fed: torch.Tensor) -> None:
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             args[i] = fed.to(a.dtype)
             return
+
+
+def _put(args: list, kwargs: dict, i: int, key: str, value) -> None:
+    """Set argument `i` (or keyword `key` when it was passed by name)."""
+    if len(args) > i:
+        args[i] = value
+    else:
+        kwargs[key] = value
 
 
 def _canonical_output(kind: str, out) -> torch.Tensor:
