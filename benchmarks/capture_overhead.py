@@ -9,9 +9,11 @@ exist yet, so this measures `full` only; rerun it when they do.
    forward and a full-capture forward over the fixture's trace `--repeats` times.
    Medians and their ratio (capture / plain).
 2. Memory: each mode runs in a fresh child process (load, then `--repeats` forwards in
-   that mode only). Reported: peak RSS (`resource.getrusage(...).ru_maxrss`), the peak
-   over the RSS right after loading, and the bytes of the captured tensors (exact). The
-   torch allocator bypasses `tracemalloc`, so RSS is the memory figure that counts.
+   that mode only). Reported: the peak RSS of the forwards (the kernel's VmHWM, reset
+   after loading through /proc/self/clear_refs, so the load's own peak does not count;
+   `ru_maxrss` where that is not possible), that peak over the RSS right after loading,
+   and the bytes of the captured tensors (exact). The torch allocator bypasses
+   `tracemalloc`, so RSS is the memory figure that counts.
 
     .venv/bin/python benchmarks/capture_overhead.py                 # hf float32, all fixtures
     .venv/bin/python benchmarks/capture_overhead.py --engine vllm   # vLLM-CPU bf16
@@ -21,6 +23,7 @@ exist yet, so this measures `full` only; rerun it when they do.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -59,6 +62,28 @@ def rss_mb() -> float:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def reset_peak() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) so loading does not count; Linux >= 4.0."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_mb() -> float:
+    """Peak RSS since `reset_peak` (VmHWM), else since the process started (ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def captured_bytes(res) -> int:
     return sum(t.numel() * t.element_size() for ts in res.captures.values() for t in ts)
 
@@ -67,16 +92,18 @@ def child(kind: str, name: str, dtype: str, mode: str, repeats: int, scale: int)
     """Memory of one mode, measured alone in this (fresh) process."""
     engine, samples = open_engine(kind, name, dtype, scale)
     names = [u.name for u in engine.units] if mode == "capture" else []
+    gc.collect()
     after_load = rss_mb()
+    reset = reset_peak()
     nbytes = 0
     for _ in range(repeats):
         res = engine.forward(samples, capture=names)
         nbytes = captured_bytes(res)
         del res
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_mb()
     engine.close()
     return {"rss_after_load_mb": after_load, "peak_rss_mb": peak, "peak_over_load_mb": peak - after_load,
-            "captured_mb": nbytes / 2**20}
+            "peak_since": "load" if reset else "process start", "captured_mb": nbytes / 2**20}
 
 
 def timing(kind: str, name: str, dtype: str, repeats: int, scale: int) -> dict:

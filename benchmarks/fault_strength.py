@@ -27,16 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 FIXTURES = ("qwen3_moe", "qwen3", "glm4_moe", "mixtral")
-# Fault template -> unit kinds it is planted at (None: every searchable unit).
+# The fault templates measured by default: the selftest profile's and the ones it leaves out.
 DEFAULT_FAULTS = {
     "hf": [
         "weight_noise=1e-2", "weight_noise=1e-1", "output_noise=1e-2", "output_noise=1e-1",
-        "moe_combine_bf16", "router_logits_bf16", "router_logits_fp8",
-        "rmsnorm_no_upcast", "rmsnorm_no_upcast=fp16",
+        "moe_combine_bf16", "router_logits_fp16", "router_logits_bf16", "router_logits_fp8", "rmsnorm_no_upcast",
     ],
     "vllm": [
-        "weight_noise=1", "output_noise=1", "output_noise=3", "moe_combine_bf16", "router_logits_fp8",
-        "rmsnorm_no_upcast",
+        "weight_noise=1", "weight_noise=3", "output_noise=1", "output_noise=10",
+        "moe_combine_bf16", "moe_combine_fp8", "router_logits_fp8", "rmsnorm_no_upcast",
     ],
 }
 
@@ -66,6 +65,7 @@ def main(argv=None) -> int:
     templates = args.fault or DEFAULT_FAULTS[args.engine]
     print(f"engine {args.engine} ({profile.dtype}), threshold {thr:g}")
     print(f"{'fixture':<10} {'fault':<24} {'unit':<26} {'k3 fault':>10} {'k3 swapped':>10}  note")
+    rows = []
     for name in args.fixtures:
         session = ST.open_session(f"hf:{ROOT}/fixtures/models/{name}", f"{args.engine}:{ROOT}/fixtures/models/{name}",
                                   str(ROOT / "fixtures" / "traces" / f"{name}.jsonl"), profile, thr)
@@ -82,6 +82,7 @@ def main(argv=None) -> int:
                     session.faults = [ST.parse_fault(f"{tpl}@{unit}")]
                     k3, _ = session.trial(())
                     k3s, _ = session.trial([unit])
+                    rows.append((tpl, session.engine.unit(unit).kind, k3, k3s, f"{name} {unit}"))
                     note = "TOO WEAK" if k3 <= thr else ("weak" if k3 < 10 * thr else "")
                     if k3s > thr:
                         note = (note + " NOT REMOVED").strip()
@@ -90,6 +91,14 @@ def main(argv=None) -> int:
         finally:
             session.faults = []
             session.close()
+    print(f"\nsummary over {', '.join(args.fixtures)}: weakest and strongest per fault and unit kind")
+    print(f"{'fault':<24} {'unit kind':<14} {'units':>5} {'weakest':>9} {'strongest':>9} {'max swapped':>11}  weakest at")
+    groups: dict = {}
+    for tpl, kind, k3, k3s, where in rows:
+        groups.setdefault((tpl, kind), []).append((k3, k3s, where))
+    for (tpl, kind), v in groups.items():
+        lo, hi = min(v), max(v)
+        print(f"{tpl:<24} {kind:<14} {len(v):>5} {lo[0]:>9.2g} {hi[0]:>9.2g} {max(x[1] for x in v):>11.2g}  {lo[2]}")
     return 0
 
 

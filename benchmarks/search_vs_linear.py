@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     print(f"engine {args.engine} ({profile.dtype}) vs hf ({profile.dtype}), threshold {profile.threshold:g}, "
           f"{args.repeats} repeat(s), torch threads {torch.get_num_threads()}")
-    head = (f"{'fixture':<10} {'fault':<40} {'n':>3} {'H trials':>8} {'L trials':>8} {'L/H':>5}  "
+    head = (f"{'fixture':<10} {'fault':<44} {'n':>3} {'H trials':>8} {'L trials':>8} {'L/H':>5}  "
             f"{'H time':>7} {'L time':>7} {'L/H':>5}  found H/L")
     print(head)
     print("-" * len(head))
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                     "trial_s_linear": statistics.median(per_trial["linear"]),
                 }
                 rows.append(row)
-                print(f"{name:<10} {spec:<40} {n:>3} {row['trials_hierarchical']:>8} {row['trials_linear']:>8} "
+                print(f"{name:<10} {spec:<44} {n:>3} {row['trials_hierarchical']:>8} {row['trials_linear']:>8} "
                       f"{row['trial_ratio']:>5.2f}  {h:>6.2f}s {lin:>6.2f}s {row['wall_ratio']:>5.2f}  "
                       f"{'yes' if found['hierarchical'] else 'NO'}/{'yes' if found['linear'] else 'NO'}", flush=True)
         finally:
