@@ -166,7 +166,7 @@ def main(argv=None) -> int:
                 row[mode + "_memory"] = json.loads(done.stdout.strip().splitlines()[-1])
         out.append(row)
 
-        def mem(mode):
+        def mem(mode, row=row):
             m = row.get(mode + "_memory")
             return f"{m['peak_rss_mb']:.0f} (+{m['peak_over_load_mb']:.0f}) MB" if m else "-"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import model_dir, session
+
 from numbisect import selftest as ST
 from numbisect.cli import main
 
