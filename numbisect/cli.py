@@ -99,6 +99,9 @@ def session_options(f):
         click.option("--threshold", default=1e-3, show_default=True, type=float, help="Aligned when the metric is at or under this."),
         click.option("--metric", default="k3-mean", show_default=True, type=click.Choice(["k3-mean", "k3-p99", "kl-mean"])),
         click.option("--group", default="completion", show_default=True, help="Token group judged: completion, prompt, all or a trace group (e.g. image)."),
+        click.option("--group-def", multiple=True, metavar="NAME=ID[,ID]", help="A token group of the tokens with these ids (repeatable); `image` comes from the config's image_token_id."),
+        click.option("--trace-format", type=click.Choice(["numbisect", "verl", "openrlhf", "trl"]), default=None, help="Field names of an RL rollout dump (JSONL or parquet) [default: detected]."),
+        click.option("--trace-fields", metavar="ROLE=FIELD,...", help="Field names of a rollout dump: prompt=,completion=,logprobs= (or sequence=,completion_mask=,logprobs=)."),
         click.option("--out", type=click.Path(), help="Write the JSON report here (atomically)."),
         click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of the summary."),
         click.option("-q", "--quiet", is_flag=True, help="No progress on stderr."),
@@ -121,6 +124,9 @@ def _spec_settings(kw):
         ref_opts=parse_opts(kw["ref_opt"], "--ref-opt"),
         engine_opts=parse_opts(kw["engine_opt"], "--engine-opt"),
         faults=list(kw["engine_fault"]),
+        group_defs=list(kw.get("group_def") or ()),
+        trace_format=kw.get("trace_format"),
+        trace_fields=kw.get("trace_fields"),
     )
     settings = Settings(threshold=kw["threshold"], metric=kw["metric"], group=kw["group"])
     return spec, settings

@@ -6,7 +6,8 @@ an ancestor) removes the fault exactly as swapping a real bug would.
 
 Kinds:
 - `weight_noise=S@UNIT`: multiply every weight of the unit by (1 + S * N(0, 1)).
-- `output_noise=S@UNIT`: add S * rms(out) * N(0, 1) to the unit's output.
+- `output_noise=S@UNIT`: add S * rms(out) * N(0, 1) to the unit's output (every float
+  tensor of it: a vision tower's image embeddings and deepstack features alike).
 - `moe_combine_bf16@L.moe` (also `moe_combine_fp16`, `moe_combine_fp8`): each expert's
   weighted contribution is rounded to that dtype and the sum accumulated in it, as in
   the Qwen3.5-MoE case (the weighted sum of expert outputs in low precision).
@@ -159,11 +160,19 @@ def _output_noise(f: Fault):
         rms = t.float().pow(2).mean().sqrt()
         return (t.float() + f.value * rms * torch.randn(t.shape, generator=g)).to(t.dtype)
 
+    def every(x, g):
+        if isinstance(x, torch.Tensor):
+            return noisy(x, g) if x.is_floating_point() else x
+        if isinstance(x, (tuple, list)):
+            return type(x)(every(t, g) for t in x)
+        if isinstance(x, dict):  # a transformers ModelOutput (a vision tower's), in place
+            for k in list(x.keys()):
+                x[k] = every(x[k], g)
+            return x
+        return x
+
     def hook(m, args, out):
-        g = _gen(f.unit)
-        if isinstance(out, tuple):
-            return tuple(noisy(t, g) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out)
-        return noisy(out, g)
+        return every(out, _gen(f.unit))
 
     return hook
 

@@ -15,7 +15,7 @@ from numbisect.backends.base import Backend, ForwardResult, load_config
 from numbisect.errors import BackendError, InputError
 from numbisect.faults import apply_faults, check_fault, parse_fault
 from numbisect.swap import apply_swaps, unpatch
-from numbisect.trace import Trace, check_vocab, load_trace
+from numbisect.trace import BUILTIN_GROUPS, Trace, check_vocab
 
 
 @dataclass
@@ -30,6 +30,9 @@ class Spec:
     ref_opts: dict = field(default_factory=dict)
     engine_opts: dict = field(default_factory=dict)
     faults: list[str] = field(default_factory=list)  # planted engine faults, e.g. "weight_noise=1e-2@layers.0.attn"
+    group_defs: list[str] = field(default_factory=list)  # extra token groups, "NAME=ID[,ID]"
+    trace_format: str | None = None  # rlformats preset (None: numbisect JSONL or detected)
+    trace_fields: str | None = None  # rlformats field map, "prompt=...,completion=...,logprobs=..."
 
 
 class Session:
@@ -42,7 +45,10 @@ class Session:
         import torch
 
         torch.manual_seed(0)  # recorded as environment.seeds; nothing here samples, but hooks may
-        self.trace: Trace = load_trace(spec.trace)
+        from numbisect import groups as G
+        from numbisect.rlformats import load_any
+
+        self.trace: Trace = load_any(spec.trace, spec.trace_format, spec.trace_fields)
         ref_kind, ref_path = C.parse_spec(spec.ref, "--ref")
         if ref_kind != "hf":
             raise InputError(f"--ref must be hf:DIR (got {spec.ref!r})")
@@ -51,12 +57,17 @@ class Session:
         self.faults = [parse_fault(f) for f in spec.faults]
         if self.faults and eng_kind == "rollout":
             raise InputError("--engine-fault needs an engine that runs (hf: or vllm:), not rollout")
-        if settings.group not in C.group_names(self.trace) + ["all"]:
-            raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}")
-        # Cheap checks first: configs, architectures, vocabulary; then the slow loads.
+        # Cheap checks first: configs, architectures, vocabulary, groups; then the slow loads.
         ref_cfg = load_config(ref_path)
-        arch_for(ref_cfg)
+        ref_arch = arch_for(ref_cfg)
         check_vocab(self.trace, ref_cfg.get_text_config().vocab_size)
+        G.check_images(self.trace, ref_cfg, ref_arch)
+        if eng_kind == "vllm" and any(s.images is not None for s in self.trace.samples):
+            raise InputError("the trace has images: compare them against an hf engine (--engine hf:DIR); the vllm backend takes tokens only")
+        self.group_origin = G.add_groups(self.trace, ref_cfg, G.parse_group_defs(spec.group_defs))
+        if settings.group not in C.group_names(self.trace) + ["all"]:
+            hint = " (define one with --group-def NAME=ID[,ID])" if settings.group not in BUILTIN_GROUPS else ""
+            raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}{hint}")
         if eng_kind != "rollout":
             eng_cfg = load_config(eng_path)
             arch_for(eng_cfg)
@@ -152,13 +163,13 @@ class Session:
         """
         if self.engine is None:
             raise InputError("swaps need an engine that runs (hf: or vllm:), not rollout")
-        fine = ("embed", "norm", "attn", "mlp", "router", "experts", "shared_expert", "lm_head")
-        coarse = ("embed", "norm", "attn", "mlp", "moe", "lm_head")
+        fine = ("embed", "norm", "attn", "mlp", "router", "experts", "shared_expert", "lm_head", "projector")
+        coarse = ("embed", "norm", "attn", "mlp", "moe", "lm_head", "vision")
         same_dtype = self.spec.ref_dtype == self.spec.engine_dtype
         checks = []
         for label, kinds in (("sub-units", fine), ("blocks", coarse)):
             names = [u.name for u in self.engine.units if u.kind in kinds]
-            if label == "blocks" and not any(u.kind == "moe" for u in self.engine.units):
+            if label == "blocks" and not any(u.kind in ("moe", "vision") for u in self.engine.units):
                 continue
             planted, self.faults = self.faults, ([] if label == "sub-units" else self.faults)
             try:
@@ -203,6 +214,8 @@ class Session:
                 "samples": len(self.samples),
                 "completion_tokens": sum(len(s.completion_ids) for s in self.samples),
                 "groups": self.groups,
+                "group_origin": self.group_origin,  # name -> trace, config image_token_id N, --group-def
+                "format": self.trace.format,
             },
             "faults": [f.to_dict() for f in self.faults],
         }

@@ -46,8 +46,8 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
         return tuple(_cast(v, dtype) for v in x)
     if isinstance(x, list):
         return [_cast(v, dtype) for v in x]
-    if isinstance(x, dict):
-        return {k: _cast(v, dtype) for k, v in x.items()}
+    if isinstance(x, dict):  # a plain dict or a transformers ModelOutput (keep its class)
+        return type(x)(**{k: _cast(v, dtype) for k, v in x.items()})
     return x
 
 
@@ -68,6 +68,14 @@ class CastAdapter(nn.Module):
             kwargs["position_embeddings"] = self.rotary(x, kwargs["position_ids"])
         out = self.inner(*args, **kwargs)
         return out if self.out_dtype is None else _cast(out, self.out_dtype)
+
+    def __getattr__(self, name):
+        # Callers read attributes of the module they think they hold (a vision tower's
+        # `dtype`, `spatial_merge_size`): answer for the inner module.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
 
 
 class _VllmHF(nn.Module):
@@ -199,7 +207,8 @@ def apply_swaps(engine: Backend, donor, names: list[str] | tuple[str, ...]) -> N
 
 def _swap_hf(engine, donor, unit, ref: nn.Module) -> None:
     out_dtype = None if unit.kind == "lm_head" else engine.dtype
-    rotary = donor.model.model.rotary_emb if unit.kind in ("attn", "layer") else None
+    path = donor.arch.hf_rotary
+    rotary = donor.model.get_submodule(path) if path and unit.kind in ("attn", "layer") else None
     engine.replace(unit.name, CastAdapter(ref, donor.dtype, out_dtype, rotary))
 
 

@@ -4,7 +4,9 @@ One JSON object per line:
 
     {"prompt_ids": [..], "completion_ids": [..],
      "rollout_logprobs": [..],          # optional, one per completion token
-     "groups": {"image": [0, 1, ..]}}   # optional, one 0/1 flag per token
+     "groups": {"image": [0, 1, ..]},   # optional, one 0/1 flag per token
+     "images": {"pixel_values": "pix.safetensors#s0",   # optional, multimodal models
+                "image_grid_thw": [[1, 4, 4]]}}
 
 Positions: a sample with T token ids has T-1 predicted positions; element j of a
 per-token array (log-probs, k3) is token ids[j+1] predicted from ids[:j+1].
@@ -15,6 +17,13 @@ are tokens 1..len(prompt_ids)-1.
    naming `path:line`.
 2. `check_vocab` checks the ids against a model's vocabulary once it is known.
 3. `Sample.position_mask` selects completion, prompt, all or a token group.
+
+Images (for multimodal models): `pixel_values` names a float tensor of shape
+`[patches, features]`, the model's processor output, in a `.npy` file or under a key
+of a `.safetensors` file (`FILE#KEY`), relative to the trace file; `image_grid_thw`
+holds one `[t, h, w]` per image, with t*h*w patches each. The prompt holds the
+model's image placeholder tokens (see `groups.check_images`).
+RL frameworks' rollout dumps (other field names, parquet) are read by `rlformats`.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ class Sample:
     rollout_logprobs: list[float] | None = None  # one per completion token
     groups: dict[str, list[int]] = field(default_factory=dict)  # name -> 0/1 per token
     line: int = 0  # 1-based line number in the file
+    images: "Images | None" = None  # pixel inputs of a multimodal sample
 
     @property
     def ids(self) -> list[int]:
@@ -67,12 +77,26 @@ class Sample:
 
 
 @dataclass
+class Images:
+    """The pixel inputs of one sample: every image's patches, concatenated."""
+
+    pixel_values: torch.Tensor  # [patches, features] float32
+    grid_thw: torch.Tensor  # [images, 3] int64; patches = sum of t*h*w
+    source: str  # as written in the trace
+
+    @property
+    def patches(self) -> int:
+        return int(self.grid_thw.prod(-1).sum())
+
+
+@dataclass
 class Trace:
     """The samples of one trace file, with the file's digest."""
 
     samples: list[Sample]
     path: str
     sha256: str
+    format: str = "numbisect"  # or the rollout-dump preset / "fields" it was read with
 
     def group_names(self) -> list[str]:
         """Sorted names of the token groups any sample defines."""
@@ -148,7 +172,57 @@ def _groups(obj: dict, n: int) -> dict[str, list[int]]:
     return groups
 
 
-def _sample(obj: object, line: int) -> Sample:
+def _read_pixels(ref: str, base: str) -> torch.Tensor:
+    """A float tensor from `FILE.npy` or `FILE.safetensors#KEY` (no pickles)."""
+    fname, _, key = ref.partition("#")
+    path = fname if os.path.isabs(fname) else os.path.join(base, fname)
+    if not os.path.isfile(path):
+        raise ValueError(f"images.pixel_values: no such file {fname}")
+    if path.endswith(".npy"):
+        import numpy as np
+
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except Exception as e:
+            raise ValueError(f"images.pixel_values: cannot read {fname}: {e}") from None
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+    elif path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                if not key or key not in f.keys():
+                    raise ValueError(f"images.pixel_values: {fname} has no tensor {key!r} (keys: {', '.join(sorted(f.keys())[:8])})")
+                t = f.get_tensor(key)
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"images.pixel_values: cannot read {fname}: {e}") from None
+    else:
+        raise ValueError(f"images.pixel_values: {fname}: expected a .npy or .safetensors file")
+    if t.dim() != 2 or not t.is_floating_point():
+        raise ValueError(f"images.pixel_values: expected a 2-D float tensor [patches, features], got {tuple(t.shape)} {t.dtype}")
+    return t.float()
+
+
+def _images(obj: dict, base: str) -> Images | None:
+    img = obj.get("images")
+    if img is None:
+        return None
+    if not isinstance(img, dict) or not isinstance(img.get("pixel_values"), str) or "image_grid_thw" not in img:
+        raise ValueError('images must be {"pixel_values": "FILE[#KEY]", "image_grid_thw": [[t, h, w], ...]}')
+    grid = img["image_grid_thw"]
+    if (not isinstance(grid, list) or not grid
+            or not all(isinstance(g, list) and len(g) == 3 and all(_is_int(x) and x > 0 for x in g) for g in grid)):
+        raise ValueError(f"images.image_grid_thw must be a list of [t, h, w] positive integers, got {json.dumps(grid)}")
+    pix = _read_pixels(img["pixel_values"], base)
+    out = Images(pixel_values=pix, grid_thw=torch.tensor(grid, dtype=torch.int64), source=img["pixel_values"])
+    if pix.shape[0] != out.patches:
+        raise ValueError(f"images: pixel_values has {pix.shape[0]} rows, image_grid_thw gives {out.patches} patches")
+    return out
+
+
+def _sample(obj: object, line: int, base: str = ".") -> Sample:
     if not isinstance(obj, dict):
         kind = "array" if isinstance(obj, list) else type(obj).__name__
         raise ValueError(f"expected a JSON object, got {kind}")
@@ -160,6 +234,7 @@ def _sample(obj: object, line: int) -> Sample:
         rollout_logprobs=_logprobs(obj, len(completion)),
         groups=_groups(obj, len(prompt) + len(completion)),
         line=line,
+        images=_images(obj, base),
     )
 
 
@@ -199,7 +274,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
         except RecursionError:
             raise InputError(f"{path}:{line}: invalid JSON: nested too deeply") from None
         try:
-            samples.append(_sample(obj, line))
+            samples.append(_sample(obj, line, os.path.dirname(os.path.abspath(path))))
         except ValueError as e:
             raise InputError(f"{path}:{line}: {e}") from None
     if not samples:

@@ -3,7 +3,9 @@
 A unit name is one of `embed`, `layers.{i}.input_norm`, `layers.{i}.attn`,
 `layers.{i}.post_attn_norm`, `layers.{i}.moe` (or `.mlp` when dense) with
 `layers.{i}.moe.router`, `.experts`, `.shared_expert`, `layers.{i}` (the residual
-stream after the layer), `final_norm` and `lm_head`. The unit graph (networkx) holds
+stream after the layer), `final_norm` and `lm_head`; multimodal models add `vision`
+(the vision tower, whose output is the image tokens' embeddings) containing
+`vision.projector` (the merger/projector into the language model's width). The unit graph (networkx) holds
 containment (`model > layers.{i} > layers.{i}.moe > layers.{i}.moe.router`) and the
 execution order; search strategies walk it.
 """
@@ -16,9 +18,11 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-KINDS = ("embed", "norm", "attn", "moe", "mlp", "router", "experts", "shared_expert", "layer", "lm_head")
+KINDS = ("embed", "norm", "attn", "moe", "mlp", "router", "experts", "shared_expert", "layer", "lm_head", "vision", "projector")
 # Kinds a user may name in `--swap`: every unit of that kind is swapped.
-SWAP_KINDS = ("embed", "norm", "attn", "moe", "mlp", "router", "experts", "shared_expert", "layer", "lm_head")
+SWAP_KINDS = KINDS
+# Kinds whose rows are image patches / image tokens, not the trace's tokens.
+VISION_KINDS = ("vision", "projector")
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,11 @@ def layer_units(i: int, ffn: str, sub_units: tuple[str, ...]) -> list[tuple[str,
     return out
 
 
-def build_units(num_layers: int, ffn_kinds: list[str], moe_sub_units: tuple[str, ...]) -> list[Unit]:
+def build_units(num_layers: int, ffn_kinds: list[str], moe_sub_units: tuple[str, ...], vision: bool = False) -> list[Unit]:
     """Every unit of a model, in execution order."""
     rows: list[tuple[str, str, str]] = [("embed", "embed", "model")]
+    if vision:  # the tower runs after the token embedding, before the first layer
+        rows += [("vision.projector", "projector", "vision"), ("vision", "vision", "model")]
     for i in range(num_layers):
         rows += layer_units(i, ffn_kinds[i], moe_sub_units)
     rows += [("final_norm", "norm", "model"), ("lm_head", "lm_head", "model")]

@@ -25,10 +25,14 @@ class ArchMap:
     moe_sub_units: tuple[str, ...] = ()  # sub-units of a moe block, in execution order
     hf_readers: dict[str, str] = field(default_factory=dict)  # unit pattern -> reader override
     vllm_readers: dict[str, str] = field(default_factory=dict)
+    hf_auto: str = "AutoModelForCausalLM"  # the transformers auto class that loads it
+    hf_rotary: str | None = "model.rotary_emb"  # rotary module a swapped attn/layer recomputes cos/sin with
+    vision: bool = False  # has `vision` and `vision.projector` units (image inputs)
 
     def units(self, config) -> list[Unit]:
-        n = config.num_hidden_layers
-        return build_units(n, [self.ffn_kind(config, i) for i in range(n)], self.moe_sub_units)
+        text = config.get_text_config()
+        n = text.num_hidden_layers
+        return build_units(n, [self.ffn_kind(text, i) for i in range(n)], self.moe_sub_units, vision=self.vision)
 
     def path(self, backend: str, unit: Unit) -> str | None:
         table = self.hf if backend == "hf" else self.vllm
@@ -37,9 +41,9 @@ class ArchMap:
 
 
 def _registry() -> dict[str, ArchMap]:
-    from numbisect.arch import glm4_moe, mixtral, qwen3, qwen3_moe
+    from numbisect.arch import glm4_moe, mixtral, qwen3, qwen3_moe, qwen3_vl_moe
 
-    maps = [qwen3_moe.ARCH, qwen3.ARCH, glm4_moe.ARCH, mixtral.ARCH]
+    maps = [qwen3_moe.ARCH, qwen3.ARCH, glm4_moe.ARCH, mixtral.ARCH, qwen3_vl_moe.ARCH]
     return {a: m for m in maps for a in m.architectures}
 
 

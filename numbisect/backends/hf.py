@@ -1,7 +1,9 @@
 """The `hf` backend: a transformers model on a local checkpoint, batched with right padding.
 
 Right padding with an attention mask leaves every real token's computation causal and
-unchanged; captures are cut back to each sample's length.
+unchanged; captures are cut back to each sample's length. Samples with images (a
+multimodal family) hand the model their pixel inputs too; the vision units' rows are
+image patches or image tokens, split back per sample (samples without images have none).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, first, hidden_arg, register
 from numbisect.errors import InputError
+from numbisect.units import VISION_KINDS
 
 
 class HFBackend(Backend):
@@ -27,7 +30,7 @@ class HFBackend(Backend):
     ):
         super().__init__(path, dtype)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModelForCausalLM
+        import transformers
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # stderr is for numbisect's own progress
@@ -38,7 +41,8 @@ class HFBackend(Backend):
         if experts_implementation:
             kwargs["experts_implementation"] = experts_implementation
         try:
-            self.model, info = AutoModelForCausalLM.from_pretrained(
+            auto = getattr(transformers, self.arch.hf_auto)
+            self.model, info = auto.from_pretrained(
                 path,
                 dtype=self.dtype,
                 output_loading_info=True,
@@ -79,11 +83,33 @@ class HFBackend(Backend):
             res.captures[u] = []
         for u in capture_inputs:
             res.inputs[u] = []
+        has_img = [s.images is not None for s in samples]
         for start in range(0, len(samples), self.batch_size):
-            batch = samples[start : start + self.batch_size]
-            fed = {u: xs[start : start + self.batch_size] for u, xs in (feed or {}).items()}
+            end = start + self.batch_size
+            batch = samples[start:end]
+            fed = {}
+            for u, xs in (feed or {}).items():  # vision units' lists hold image samples only
+                lo, hi = (sum(has_img[:start]), sum(has_img[:end])) if self._rows_kind(u) else (start, end)
+                fed[u] = xs[lo:hi]
             self._forward_batch(batch, full_logits, capture, capture_inputs, fed, res)
         return res
+
+    def _rows_kind(self, name: str) -> bool:
+        return self.unit(name).kind in VISION_KINDS
+
+    def _image_inputs(self, batch, ids: torch.Tensor) -> dict:
+        """pixel_values, image_grid_thw and the token types a multimodal model takes."""
+        imgs = [s.images for s in batch if s.images is not None]
+        if not imgs:
+            return {}
+        if not self.arch.vision:
+            raise InputError(f"the trace has images but {self.arch.name} takes none (line {batch[0].line})")
+        tok = getattr(self.config, "image_token_id", None)
+        return {
+            "pixel_values": torch.cat([i.pixel_values for i in imgs]).to(self.dtype),
+            "image_grid_thw": torch.cat([i.grid_thw for i in imgs]),
+            "mm_token_type_ids": (ids == tok).int(),
+        }
 
     @torch.inference_mode()
     def _forward_batch(self, batch, full_logits, capture, capture_inputs, feed, res: ForwardResult) -> None:
@@ -94,6 +120,15 @@ class HFBackend(Backend):
         for b, s in enumerate(batch):
             ids[b, : lens[b]] = torch.tensor(s.ids)
             mask[b, : lens[b]] = 1
+
+        merge = getattr(getattr(self.config, "vision_config", None), "spatial_merge_size", 1) ** 2
+        patches = [s.images.patches for s in batch if s.images is not None]
+
+        def split_rows(t: torch.Tensor, tokens: bool) -> list[torch.Tensor]:
+            """Vision units: rows are patches (inputs) or merged image tokens (outputs)."""
+            sizes = [p // merge for p in patches] if tokens else patches
+            t = t.reshape(sum(sizes), -1) if t.shape[0] != sum(sizes) else t
+            return [x.detach().to("cpu", copy=True) for x in torch.split(t, sizes)]
 
         def split(t: torch.Tensor) -> list[torch.Tensor]:
             if t.dim() == 2:  # flat [B*T, ...] (MoE router/experts see flattened tokens)
@@ -111,32 +146,39 @@ class HFBackend(Backend):
             for name in set(capture) | set(capture_inputs) | set(feed):
                 mod = self.module(name)
 
-                def pre(m, args, kwargs, name=name):
+                rows = self._rows_kind(name)
+
+                def pre(m, args, kwargs, name=name, rows=rows):
                     x = hidden_arg(args, kwargs)
                     if name in feed and x is not None:
-                        new = pad(feed[name], x)
+                        new = torch.cat(feed[name]).to(x.dtype).view(x.shape) if rows else pad(feed[name], x)
                         if "hidden_states" in kwargs:
                             kwargs = {**kwargs, "hidden_states": new}
                         else:
                             i = next(i for i, a in enumerate(args) if a is x)
                             args = args[:i] + (new,) + args[i + 1 :]
                         x = new
-                    if name in capture_inputs and x is not None:
+                    if name in capture_inputs and x is not None and rows:
+                        res.inputs[name].extend(split_rows(x, tokens=False))
+                    elif name in capture_inputs and x is not None:
                         xs = split(x)
                         res.inputs[name].extend(v[:-1] for v in xs) if name == "lm_head" else res.inputs[name].extend(xs)
                     return args, kwargs
 
-                def post(m, args, kwargs, out, name=name):
+                def post(m, args, kwargs, out, name=name, rows=rows):
                     if name in capture:
                         t = first(out)
-                        if name == "lm_head":
+                        if rows:  # the tower's model output: its pooler_output is what the LM gets
+                            t = getattr(t, "pooler_output", t)
+                            res.captures[name].extend(split_rows(t, tokens=True))
+                        elif name == "lm_head":
                             res.captures[name].extend(x[:-1] for x in split(t))
                         else:
                             res.captures[name].extend(split(t))
 
                 register(mod, handles, pre=pre, post=post)
             try:
-                logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False, **self._image_inputs(batch, ids)).logits
             except (RuntimeError, IndexError, ValueError) as e:
                 raise fail(e, f"{self.path}: the transformers forward failed") from None
         finally:

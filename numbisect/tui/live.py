@@ -114,7 +114,7 @@ def check_live(cfg: LiveConfig) -> None:
     from numbisect.compare import group_names, parse_spec
     from numbisect.faults import parse_fault
     from numbisect.search import STRATEGIES
-    from numbisect.trace import load_trace
+    from numbisect.rlformats import load_any
 
     parse_spec(cfg.spec.ref, "--ref")
     kind, _ = parse_spec(cfg.spec.engine, "--engine")
@@ -126,6 +126,10 @@ def check_live(cfg: LiveConfig) -> None:
         raise InputError("--max-trials must be at least 1")
     for f in cfg.spec.faults:
         parse_fault(f)
-    trace = load_trace(cfg.spec.trace)
+    trace = load_any(cfg.spec.trace, cfg.spec.trace_format, cfg.spec.trace_fields)
+    from numbisect.backends.base import load_config
+    from numbisect.groups import add_groups, parse_group_defs
+
+    add_groups(trace, load_config(parse_spec(cfg.spec.ref, "--ref")[1]), parse_group_defs(cfg.spec.group_defs))
     if cfg.settings.group not in group_names(trace) + ["all"]:
         raise InputError(f"unknown group {cfg.settings.group!r}; this trace has: {', '.join(group_names(trace))}")
