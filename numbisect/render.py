@@ -112,11 +112,26 @@ def search_lines(r: dict) -> list[str]:
             f"culprit {c['unit']} ({c['kind']}): swapping it alone takes {r['threshold']['metric']} "
             f"from {fmt(s['baseline'])} to {fmt(c['alone'])}; with every other unit swapped it is {fmt(c['complement'])}{rank}"
         )
+        per_group = _group_evidence(r, c["unit"])
+        if per_group:
+            out.append(per_group)
     if s.get("verdict") == "diffuse":
         out.append("diffuse: no set smaller than every layer reaches the threshold; per-layer contributions:")
         for name, v in (s.get("contributions") or {}).items():
             out.append(f"  {name:<12} alone {fmt(v.get('alone'))}  all others swapped {fmt(v.get('complement'))}")
     return out
+
+
+def _group_evidence(r: dict, unit: str) -> str | None:
+    """k3 mean per token group, baseline -> the trial that swapped only `unit`."""
+    trials = r.get("trials") or []
+    base = next((t for t in trials if not t.get("swapped")), None)
+    alone = next((t for t in trials if t.get("swapped") == [unit]), None)
+    if base is None or alone is None:
+        return None
+    bg, ag = (base.get("metrics") or {}).get("groups") or {}, (alone.get("metrics") or {}).get("groups") or {}
+    cells = [f"{g} {fmt(bg[g].get('k3_mean'))} -> {fmt(ag[g].get('k3_mean'))}" for g in bg if g in ag and bg[g].get("k3_mean") is not None]
+    return f"  k3 mean per group, baseline -> {unit} swapped: " + ", ".join(cells) if cells else None
 
 
 def render(r: dict) -> str:
