@@ -85,3 +85,24 @@ def check_images(trace: Trace, config, arch) -> None:
                 f"{trace.path}:{s.line}: the prompt has {n_tok} image tokens (id {tok}), "
                 f"image_grid_thw gives {want} ({s.images.patches} patches / {merge})"
             )
+
+
+def inputs_digest(trace: Trace, defs) -> str | None:
+    """sha256 of what decides the trace's metrics besides the file: the pixel tensors and
+    the --group-def list (None when there are neither, so older trial logs still match)."""
+    import hashlib
+
+    images = [s.images for s in trace.samples if s.images is not None]
+    if not images and not defs:
+        return None
+    h = hashlib.sha256(json_bytes(sorted(defs)))
+    for img in images:
+        h.update(img.pixel_values.numpy().tobytes())
+        h.update(img.grid_thw.numpy().tobytes())
+    return h.hexdigest()
+
+
+def json_bytes(x) -> bytes:
+    import json
+
+    return json.dumps(x).encode()

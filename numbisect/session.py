@@ -86,6 +86,9 @@ class Session:
         self.groups = C.group_names(self.trace) + (["all"] if settings.group == "all" else [])
         self._ref_result: ForwardResult | None = None
         self.digests = {"ref": C.checkpoint_digest(ref_path), "trace": self.trace.sha256}
+        extra = G.inputs_digest(self.trace, spec.group_defs)  # pixel inputs and --group-def live outside the file
+        if extra:
+            self.digests["trace_extra"] = extra
         if eng_kind != "rollout":
             self.digests["engine"] = C.checkpoint_digest(eng_path)
 
