@@ -11,6 +11,10 @@ names them for any other dump:
 The second form is for dumps that keep prompt and response as one sequence: the
 response is the last len(completion_mask) ids, of which the mask's leading ones are
 real (trailing zeros are padding, cut from the ids and the log-probs alike).
+Padded batch dumps may also name `attention_mask=FIELD` (one flag per prompt and
+response id: leading zeros are left padding of the prompt, trailing zeros right
+padding of the response) and, in the first form, `completion_mask=FIELD`; masks
+are applied when the record has them.
 
 1. `load_any` picks the reader: numbisect JSONL as before; a preset or a field map
    when given; otherwise the first preset whose fields the file has.
@@ -29,8 +33,9 @@ from numbisect.trace import Trace, _sample, load_trace
 
 # Where each preset's names come from (field names in the frameworks' own code):
 # - verl: the DataProto batch keys its trainer keeps per rollout: `prompts` and
-#   `responses` (token ids) and `rollout_log_probs` (the rollout engine's log-probs,
-#   set when the rollout is asked to return them), verl/trainer/ppo/ray_trainer.py.
+#   `responses` (token ids; prompts left-padded, responses right-padded),
+#   `rollout_log_probs` (the rollout engine's log-probs, set when the rollout is asked
+#   to return them), `response_mask` and `attention_mask`, verl/trainer/ppo/ray_trainer.py.
 # - openrlhf: OpenRLHF's rollout `Sample` / `Experience`: `sequences` (prompt then
 #   response), `action_mask` (over the response), `rollout_log_probs` (vLLM's, used
 #   for its vLLM importance-sampling correction), openrlhf/trainer/ppo_utils.
@@ -39,11 +44,13 @@ from numbisect.trace import Trace, _sample, load_trace
 #   trl/trainer/grpo_trainer.py.
 PRESETS: dict[str, dict[str, str]] = {
     "numbisect": {"prompt": "prompt_ids", "completion": "completion_ids", "logprobs": "rollout_logprobs"},
-    "verl": {"prompt": "prompts", "completion": "responses", "logprobs": "rollout_log_probs"},
-    "openrlhf": {"sequence": "sequences", "completion_mask": "action_mask", "logprobs": "rollout_log_probs"},
+    "verl": {"prompt": "prompts", "completion": "responses", "logprobs": "rollout_log_probs",
+             "completion_mask": "response_mask", "attention_mask": "attention_mask"},
+    "openrlhf": {"sequence": "sequences", "completion_mask": "action_mask", "logprobs": "rollout_log_probs",
+                 "attention_mask": "attention_mask"},
     "trl": {"prompt": "prompt_ids", "completion": "completion_ids", "logprobs": "sampling_per_token_logps"},
 }
-ROLES = ("prompt", "completion", "sequence", "completion_mask", "logprobs")
+ROLES = ("prompt", "completion", "sequence", "completion_mask", "attention_mask", "logprobs")
 
 
 def parse_fields(text: str) -> dict[str, str]:
@@ -63,7 +70,23 @@ def parse_fields(text: str) -> dict[str, str]:
 
 
 def _required(fields: dict[str, str]) -> list[str]:
-    return [fields[r] for r in ("prompt", "completion", "sequence", "completion_mask") if r in fields]
+    roles = ("sequence", "completion_mask") if "sequence" in fields else ("prompt", "completion")
+    return [fields[r] for r in roles]
+
+
+def _ones(mask: list, name: str, leading_pad: bool) -> tuple[int, int]:
+    """(start, end) of the run of ones in a 0/1 mask: zeros only before it
+    (`leading_pad`) or only after it."""
+    flags = [m in (1, True) for m in mask]
+    if True not in flags:  # all padding: nothing left (the trace then says what is empty)
+        return (len(flags), len(flags)) if leading_pad else (0, 0)
+    start = flags.index(True)
+    end = start
+    while end < len(flags) and flags[end]:
+        end += 1
+    if any(flags[end:]) or (start and not leading_pad):
+        raise ValueError(f"{name}: zeros inside the ones (only padding at the {'start' if leading_pad else 'end'} is supported)")
+    return start, end
 
 
 def is_parquet(path: str) -> bool:
@@ -147,21 +170,33 @@ def to_native(rec: dict, fields: dict[str, str]) -> dict:
     missing = [f for f in _required(fields) if f not in rec]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
-    lps = _list(rec.get(fields.get("logprobs", ""))) if fields.get("logprobs") in rec else None
+    lps = _list(rec[fields["logprobs"]]) if fields.get("logprobs") in rec else None
     if "sequence" in fields:
-        seq, mask = _list(rec[fields["sequence"]]), _list(rec[fields["completion_mask"]])
-        if not isinstance(seq, list) or not isinstance(mask, list) or not 0 < len(mask) < len(seq):
+        seq, cm_raw = _list(rec[fields["sequence"]]), _list(rec[fields["completion_mask"]])
+        n_resp = len(cm_raw) if isinstance(cm_raw, list) else 0
+        if not isinstance(seq, list) or not 0 < n_resp < len(seq):
             raise ValueError(f"{fields['completion_mask']} must be a list shorter than {fields['sequence']} (one flag per response token)")
-        n = 0  # leading ones: the real response tokens
-        while n < len(mask) and mask[n] in (1, True):
-            n += 1
-        if any(m in (1, True) for m in mask[n:]):
-            raise ValueError(f"{fields['completion_mask']}: ones after a zero (only trailing padding is supported)")
-        prompt, completion = seq[: len(seq) - len(mask)], seq[len(seq) - len(mask) :][:n]
-        if isinstance(lps, list) and len(lps) == len(mask):
-            lps = lps[:n]
+        prompt, completion = seq[: len(seq) - n_resp], seq[len(seq) - n_resp :]
     else:
         prompt, completion = _list(rec[fields["prompt"]]), _list(rec[fields["completion"]])
+    if not isinstance(prompt, list) or not isinstance(completion, list):
+        return {"prompt_ids": prompt, "completion_ids": completion}  # trace reports the type
+    n_comp = len(completion)
+    am = _list(rec.get(fields["attention_mask"])) if fields.get("attention_mask") in rec else None
+    if am is not None:
+        if not isinstance(am, list) or len(am) != len(prompt) + len(completion):
+            raise ValueError(f"{fields['attention_mask']} must have one flag per prompt and response token")
+        start, _ = _ones(am[: len(prompt)], fields["attention_mask"], leading_pad=True)
+        prompt = prompt[start:]
+        _, n_comp = _ones(am[len(am) - len(completion) :], fields["attention_mask"], leading_pad=False)
+    cm = _list(rec.get(fields["completion_mask"])) if fields.get("completion_mask") in rec else None
+    if cm is not None:
+        if not isinstance(cm, list) or len(cm) != len(completion):
+            raise ValueError(f"{fields['completion_mask']} must have one flag per response token")
+        n_comp = min(n_comp, _ones(cm, fields["completion_mask"], leading_pad=False)[1])
+    if isinstance(lps, list) and len(lps) == len(completion):
+        lps = lps[:n_comp]
+    completion = completion[:n_comp]
     obj = {"prompt_ids": prompt, "completion_ids": completion}
     if lps is not None:
         obj["rollout_logprobs"] = lps

@@ -157,3 +157,36 @@ def test_images_on_a_text_model(tmp_path, capsys):
 def test_images_need_an_hf_engine(tmp_path, capsys):
     code, line = _err(_vl_args(engine=f"vllm:{model_dir(VL)}"), capsys, tmp_path)
     assert code == 2 and "against an hf engine" in line
+
+
+def test_cli_run_on_image_group_writes_a_valid_report(tmp_path, capsys):
+    from numbisect.report import load_report
+
+    out = tmp_path / "r.json"
+    code = main(["run", *_vl_args()[1:], "--engine-fault", "output_noise=1.0@vision.projector",
+                 "--group", "image", "--out", str(out), "-q"])
+    text = capsys.readouterr().out
+    r = load_report(str(out))  # validated against the schema
+    assert code == 1 and [c["unit"] for c in r["culprits"]] == ["vision.projector"]
+    assert r["threshold"]["group"] == "image" and r["inputs"]["trace"]["group_origin"]["image"].startswith("config")
+    assert "k3 mean per group, baseline -> vision.projector swapped:" in text and "image 0.32" in text
+
+
+def test_pixels_from_npy_and_bad_images(tmp_path):
+    import numpy as np
+
+    from numbisect.errors import InputError
+    from numbisect.trace import load_trace
+
+    np.save(tmp_path / "p.npy", np.ones((16, 96), dtype=np.float32))
+    rec = {"prompt_ids": [1, 254, 253, 253, 253, 253, 255], "completion_ids": [5],
+           "images": {"pixel_values": "p.npy", "image_grid_thw": [[1, 4, 4]]}}
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps(rec) + "\n")
+    s = load_trace(p).samples[0]
+    assert s.images.patches == 16 and s.images.pixel_values.shape == (16, 96)
+    for grid, problem in (([[1, 2, 4]], "pixel_values has 16 rows, image_grid_thw gives 8 patches"),
+                          ([[1, 4]], "image_grid_thw must be a list of [t, h, w]")):
+        p.write_text(json.dumps({**rec, "images": {"pixel_values": "p.npy", "image_grid_thw": grid}}) + "\n")
+        with pytest.raises(InputError, match=problem.replace("[", r"\[")):
+            load_trace(p)

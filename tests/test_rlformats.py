@@ -42,6 +42,20 @@ def test_dump_reads_as_the_native_trace(path, fmt):
         assert b.rollout_logprobs == pytest.approx(a.rollout_logprobs, abs=1e-6)  # float32 in parquet
 
 
+def test_verl_fixture_is_a_padded_batch():
+    t = pq.read_table(VERL).to_pydict()
+    assert len({len(p) for p in t["prompts"]}) == 1 and len({len(r) for r in t["responses"]}) == 1
+    assert any(m[0] == 0 for m in t["attention_mask"]) and any(m[-1] == 0 for m in t["response_mask"])
+
+
+def test_mask_with_a_hole(tmp_path, capsys):
+    p = tmp_path / "holes.parquet"
+    pq.write_table(pa.table({"prompts": [[0, 1, 2]], "responses": [[3, 4]], "rollout_log_probs": [[-0.5, -1.0]],
+                             "attention_mask": [[1, 0, 1, 1, 1]]}), p)
+    code, line = _err(_args(p), capsys, tmp_path)
+    assert code == 2 and "holes.parquet:1: attention_mask: zeros inside the ones" in line
+
+
 @pytest.mark.parametrize("path, spec", [
     (VERL, {}),
     (VERL, {"trace_format": "verl"}),
