@@ -70,7 +70,8 @@ class Session:
             raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}{hint}")
         if eng_kind != "rollout":
             eng_cfg = load_config(eng_path)
-            arch_for(eng_cfg)
+            if eng_kind == "vllm" and not arch_for(eng_cfg).vllm:
+                raise InputError(f"{arch_for(eng_cfg).name} has no vLLM unit map (vLLM-CPU cannot run it here): use --engine hf:DIR")
             C.check_configs(ref_cfg, eng_cfg)
         self.ref: Backend = backends.get("ref") or self._open("hf", ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
         self.engine: Backend | None = None

@@ -75,7 +75,10 @@ class CastAdapter(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["inner"], name)
+            inner = self.__dict__.get("_modules", {}).get("inner")
+            if inner is None or name.startswith("__"):  # half-built, copy/pickle probes
+                raise
+            return getattr(inner, name)
 
 
 class _VllmHF(nn.Module):

@@ -190,3 +190,10 @@ def test_pixels_from_npy_and_bad_images(tmp_path):
         p.write_text(json.dumps({**rec, "images": {"pixel_values": "p.npy", "image_grid_thw": grid}}) + "\n")
         with pytest.raises(InputError, match=problem.replace("[", r"\[")):
             load_trace(p)
+
+
+def test_text_trace_on_vllm_for_a_model_without_a_vllm_map(tmp_path, capsys):
+    def text_only(rows):
+        rows[:] = [r for r in rows if "images" not in r]
+    code, line = _err(_vl_args(trace=_vl_trace(tmp_path, text_only), engine=f"vllm:{model_dir(VL)}"), capsys, tmp_path)
+    assert code == 2 and "qwen3_vl_moe has no vLLM unit map" in line
