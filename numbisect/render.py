@@ -112,6 +112,9 @@ def search_lines(r: dict) -> list[str]:
             f"culprit {c['unit']} ({c['kind']}): swapping it alone takes {r['threshold']['metric']} "
             f"from {fmt(s['baseline'])} to {fmt(c['alone'])}; with every other unit swapped it is {fmt(c['complement'])}{rank}"
         )
+    from numbisect.whatif import lines as whatif_lines
+
+    out += whatif_lines(r)
     if s.get("verdict") == "diffuse":
         out.append("diffuse: no set smaller than every layer reaches the threshold; per-layer contributions:")
         for name, v in (s.get("contributions") or {}).items():

@@ -1,0 +1,95 @@
+"""Precision what-ifs for culprits, on real backends with planted faults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import model_dir, session, trace_path
+from numbisect.cli import main
+from numbisect.errors import ExitCode
+from numbisect.report import load_report
+from numbisect.run import run
+
+
+def search(s):
+    return run(s, swap=None, strategy="hierarchical", max_trials=None, log=None, resume=None)
+
+
+def by_name(culprit):
+    return {t["whatif"]: t for t in culprit["precision"]["whatifs"]}
+
+
+def test_fp32_weighted_sum_fixes_a_planted_moe_combine_fault():
+    s = session("qwen3_moe", "hf", ref_dtype="float32", engine_dtype="float32",
+                faults=["moe_combine_bf16@layers.2.moe"], threshold=1e-10)
+    body, code = search(s)
+    assert code == ExitCode.DIVERGED
+    [c] = body["culprits"]
+    assert c["unit"] == "layers.2.moe.experts"
+    w = by_name(c)["fp32 weighted sum"]
+    assert w["before"] == body["search"]["baseline"] > 1e-10
+    assert w["value"] <= 1e-10 and w["verdict"] == "fixes"  # back under the threshold
+    assert w["replaced_faults"] == ["moe_combine_bf16@layers.2.moe"]
+    assert c["precision"]["suggested"].startswith("accumulate the expert weighted sum in fp32")
+    assert "fixes it" in c["precision"]["suggested"]
+
+
+def test_an_upcast_that_does_not_help_is_reported_as_not_helping():
+    # Weight noise is not a precision fault: running the fp32 unit in fp32 again changes nothing.
+    s = session("qwen3_moe", "hf", ref_dtype="float32", engine_dtype="float32",
+                faults=["weight_noise=1e-2@layers.0.attn"], threshold=1e-10)
+    body, code = search(s)
+    assert code == ExitCode.DIVERGED
+    [c] = body["culprits"]
+    assert c["unit"] == "layers.0.attn"
+    [t] = c["precision"]["whatifs"]
+    assert t["whatif"] == "fp32 unit" and t["verdict"] == "no_help"
+    assert t["value"] > 1e-10 and t["replaced_faults"] == []
+    assert "changes nothing" in t["line"] or "does not help" in t["line"]
+    assert c["precision"]["suggested"].startswith("no precision fix")
+
+
+def test_upcasting_a_bf16_router_with_a_low_precision_fault_is_measured():
+    # A bf16 hf engine with its router logits rounded to fp8: the fp32 router is a real change.
+    s = session("qwen3_moe", "hf", ref_dtype="bfloat16", engine_dtype="bfloat16",
+                faults=["router_logits_fp8@layers.1.moe.router"], threshold=1e-10)
+    body, code = search(s)
+    assert code == ExitCode.DIVERGED
+    c = next(c for c in body["culprits"] if c["unit"] == "layers.1.moe.router")
+    [t] = c["precision"]["whatifs"]
+    assert t["whatif"] == "fp32 unit" and t["replaced_faults"] == ["router_logits_fp8@layers.1.moe.router"]
+    assert t["value"] < t["before"]
+
+
+def test_run_summary_report_show_and_md_carry_the_suggested_fix(tmp_path, capsys):
+    d = model_dir("qwen3_moe")
+    out = tmp_path / "r.json"
+    code = main(["run", "--ref", f"hf:{d}", "--engine", f"hf:{d}", "--trace", trace_path("qwen3_moe"), "-q",
+                 "--ref-dtype", "float32", "--engine-dtype", "float32", "--threshold", "1e-10",
+                 "--engine-fault", "moe_combine_bf16@layers.2.moe", "--out", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == ExitCode.DIVERGED
+    assert "suggested fix: accumulate the expert weighted sum in fp32" in stdout
+    r = load_report(str(out))  # validates against the schema
+    assert r["culprits"][0]["precision"]["whatifs"]
+    assert main(["report", "show", str(out)]) == ExitCode.DIVERGED
+    assert "fp32 weighted sum" in capsys.readouterr().out
+    assert main(["report", "md", str(out)]) == ExitCode.ALIGNED
+    md = capsys.readouterr().out
+    assert "**Suggested fix**" in md and "accumulate the expert weighted sum in fp32" in md
+    assert json.loads(out.read_text())["schema_version"] == 1
+
+
+@pytest.mark.vllm
+def test_precision_whatifs_run_on_real_vllm():
+    s = session("qwen3_moe", "vllm", faults=["output_noise=1.0@layers.2.moe.experts"])
+    body, code = search(s)
+    assert code == ExitCode.DIVERGED
+    [c] = body["culprits"]
+    w = by_name(c)
+    # Noise is not precision: neither the fp32 sum of the engine's own expert outputs nor
+    # the reference's experts in fp32 (with the noise planted again on them) removes it.
+    assert w["fp32 weighted sum"]["value"] > 1e-3 and w["fp32 unit"]["value"] > 1e-3
+    assert all(t["verdict"] != "fixes" for t in w.values())
