@@ -61,7 +61,9 @@ def replaced(fault, whatif: str, unit) -> bool:
         return False
     if whatif == WSUM:
         return fault.kind == "moe_combine" and fault.unit in (_block(unit), _block(unit) + ".experts")
-    return _inside(fault.unit, unit.name)
+    # A moe_combine fault planted on a block lives in its experts' weighted sum.
+    where = fault.unit + ".experts" if fault.kind == "moe_combine" and not fault.unit.endswith(".experts") else fault.unit
+    return _inside(where, unit.name)
 
 
 def fix_text(whatif: str, unit) -> str:
@@ -99,7 +101,7 @@ def _take_hooks(wrapper: nn.Module, inner: nn.Module) -> None:
 
 def _vllm_slot_sum(engine, block: str) -> None:
     routed = engine.module(block).experts.routed_experts
-    kernel = routed.forward_modular
+    kernel = type(routed).forward_modular.__get__(routed)  # the engine's kernel, under any planted wrapper
 
     def forward_modular(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         run_shared_experts(shared_experts, shared_experts_input)
@@ -138,9 +140,9 @@ def _install(session, whatif: str, unit) -> list:
             wrapper = _SlotSum(inner)
             _take_hooks(wrapper, inner)
             engine.replace(block + ".experts", wrapper)
-        else:
-            _vllm_slot_sum(engine, block)
-        return []
+            return []
+        _vllm_slot_sum(engine, block)  # replaces a planted output noise on the routed sum: plant it again
+        return [f for f in session.faults if f.kind == "output_noise" and f.unit == block + ".experts"]
     if engine.kind == "hf":
         mod = engine.module(unit.name)
         rotary = None
