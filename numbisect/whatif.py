@@ -69,7 +69,7 @@ def replaced(fault, whatif: str, unit) -> bool:
 def fix_text(whatif: str, unit) -> str:
     if whatif == WSUM:
         return "accumulate the expert weighted sum in fp32"
-    return f"upcast the {unit.kind} ({unit.name}) to fp32"
+    return f"upcast {unit.name} ({unit.kind}) to fp32"
 
 
 # -- installing a what-if on the engine ---------------------------------------------------------
