@@ -93,3 +93,22 @@ def test_precision_whatifs_run_on_real_vllm():
     # the reference's experts in fp32 (with the noise planted again on them) removes it.
     assert w["fp32 weighted sum"]["value"] > 1e-3 and w["fp32 unit"]["value"] > 1e-3
     assert all(t["verdict"] != "fixes" for t in w.values())
+
+
+@pytest.mark.vllm
+def test_fp32_weighted_sum_on_real_vllm_removes_a_planted_low_precision_sum():
+    # fp8 contributions summed in fp8 in layer 0 (k3 ~1e-4 against the ~5e-5 bf16 floor):
+    # the fp32 sum of vLLM's own per-slot expert outputs replaces exactly that arithmetic.
+    from numbisect.whatif import run_whatifs
+
+    s = session("qwen3_moe", "vllm", faults=["moe_combine_fp8@layers.0.moe"])
+    natural = session("qwen3_moe", "vllm")
+    clean = natural.trial([])[0]
+    culprits = [{"unit": "layers.0.moe.experts", "kind": "experts"}]
+    run_whatifs(s, culprits, None)
+    w = by_name(culprits[0])
+    ws = w["fp32 weighted sum"]
+    assert ws["replaced_faults"] == ["moe_combine_fp8@layers.0.moe"]
+    assert ws["before"] > 1.5 * clean  # the fault stands above the natural pair
+    assert ws["value"] < 0.6 * ws["before"] and ws["value"] < 1.5 * clean
+    assert w["fp32 unit"]["value"] < 0.6 * ws["before"]  # the reference's experts in fp32
