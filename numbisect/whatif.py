@@ -18,11 +18,12 @@ For each culprit the search named:
    recomputes in float32: `fp32 weighted sum` replaces a `moe_combine_*` fault of its
    block; `fp32 unit` replaces the precision faults (`moe_combine_*`, `router_logits_*`,
    `rmsnorm_no_upcast`) at or inside the unit. Noise faults (`weight_noise`,
-   `output_noise`) are never replaced: an upcast does not remove noise. On vLLM a
-   noise fault at the unit itself is planted again on the float32 module; one strictly
-   inside it is not carried over (the reference's module replaces it).
-5. Verdict per what-if: `fixes` (at or under the threshold), `helps` (under half of
-   before), or `no_help`; the culprit's `suggested` fix is the narrowest that fixes it.
+   `output_noise`) are never replaced: an upcast does not remove noise. On vLLM an
+   output noise at the unit itself is planted again on the float32 module; other noise
+   at or inside it cannot be (the reference's module replaces the engine's weights):
+   the what-if lists it in `faults_not_carried` and its line says so.
+5. Verdict per what-if: `fixes` (from above the threshold to at or under it), `helps`
+   (to at most half of before), or `no_help`; the culprit's `suggested` fix is the narrowest that fixes it.
 """
 
 from __future__ import annotations
@@ -156,7 +157,16 @@ def _install(session, whatif: str, unit) -> list:
 
     donor = _Fp32Donor(session.ref)
     _swap_vllm(engine, donor, unit, donor.original(unit.name))
-    return [f for f in session.faults if f.unit == unit.name and f.kind not in PRECISION_FAULTS]
+    return [f for f in session.faults if f.unit == unit.name and f.kind == "output_noise"]
+
+
+def not_carried(session, whatif: str, unit) -> list[str]:
+    """Planted noise faults this what-if cannot keep: on vLLM the fp32 unit is the reference's
+    module, so weight noise at or inside the unit, and output noise strictly inside it, are gone."""
+    if session.engine.kind != "vllm" or whatif != UNIT:
+        return []
+    return [f.spec for f in session.faults if f.kind not in PRECISION_FAULTS and _inside(f.unit, unit.name)
+            and not (f.kind == "output_noise" and f.unit == unit.name)]
 
 
 def forward(session, whatif: str | None, unit, others: list[str]):
@@ -181,7 +191,7 @@ def forward(session, whatif: str | None, unit, others: list[str]):
 
 
 def verdict(before: float, after: float, threshold: float) -> str:
-    if after <= threshold:
+    if after <= threshold < before:
         return "fixes"
     if after <= 0.5 * before:
         return "helps"
@@ -190,10 +200,13 @@ def verdict(before: float, after: float, threshold: float) -> str:
 
 def describe(t: dict) -> str:
     """One line: 'accumulate the expert weighted sum in fp32: k3-mean 2.9e-01 -> 4.0e-06 (fixes it)'."""
-    what = {"fixes": "fixes it", "helps": "helps, still above the threshold", "no_help": "does not help"}[t["verdict"]]
+    above = t.get("threshold") is not None and t["value"] > t["threshold"]
+    helps = "helps, still above the threshold" if above else "helps"
+    what = {"fixes": "fixes it", "helps": helps, "no_help": "does not help"}[t["verdict"]]
     if t["verdict"] == "no_help" and t["value"] == t["before"]:
         what = "changes nothing"
-    return f"{t['fix']}: {t['metric']} {fmt(t['before'])} -> {fmt(t['value'])} ({what})"
+    lost = f"; planted {', '.join(t['faults_not_carried'])} not carried over" if t.get("faults_not_carried") else ""
+    return f"{t['fix']}: {t['metric']} {fmt(t['before'])} -> {fmt(t['value'])} ({what}{lost})"
 
 
 def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=lambda m: None) -> None:
@@ -220,8 +233,10 @@ def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=
         for w in whatifs_for(unit):
             progress(f"what-if: {unit.name}, {w}")
             value, k3 = judged(forward(session, w, unit, others))
-            t = {"whatif": w, "fix": fix_text(w, unit), "metric": st.metric, "before": before, "value": value, "k3_mean": k3,
-                 "replaced_faults": [f.spec for f in session.faults if replaced(f, w, unit)]}
+            t = {"whatif": w, "fix": fix_text(w, unit), "metric": st.metric, "threshold": st.threshold,
+                 "before": before, "value": value, "k3_mean": k3,
+                 "replaced_faults": [f.spec for f in session.faults if replaced(f, w, unit)],
+                 "faults_not_carried": not_carried(session, w, unit)}
             t["verdict"] = verdict(before, value, st.threshold)
             t["line"] = describe(t)
             trials.append(t)

@@ -51,6 +51,22 @@ def test_an_upcast_that_does_not_help_is_reported_as_not_helping():
     assert c["precision"]["suggested"].startswith("no precision fix")
 
 
+def test_with_two_culprits_each_whatif_runs_with_the_other_swapped():
+    faults = ["moe_combine_bf16@layers.0.moe", "weight_noise=1e-2@layers.3.attn"]
+    s = session("qwen3_moe", "hf", ref_dtype="float32", engine_dtype="float32", faults=faults, threshold=1e-10)
+    body, code = search(s)
+    assert code == ExitCode.DIVERGED
+    c = {c["unit"]: c for c in body["culprits"]}
+    assert sorted(c) == ["layers.0.moe.experts", "layers.3.attn"]
+    ws = by_name(c["layers.0.moe.experts"])["fp32 weighted sum"]
+    # "before" is this culprit's error alone (the attention swapped), below the search baseline.
+    assert ws["before"] == pytest.approx(c["layers.0.moe.experts"]["complement"], rel=1e-6)
+    assert ws["before"] < body["search"]["baseline"]
+    assert ws["verdict"] == "fixes" and ws["value"] <= 1e-10
+    [att] = c["layers.3.attn"]["precision"]["whatifs"]
+    assert att["verdict"] == "no_help" and att["before"] == pytest.approx(c["layers.3.attn"]["complement"], rel=1e-6)
+
+
 def test_upcasting_a_bf16_router_with_a_low_precision_fault_is_measured():
     # A bf16 hf engine with its router logits rounded to fp8: the fp32 router is a real change.
     s = session("qwen3_moe", "hf", ref_dtype="bfloat16", engine_dtype="bfloat16",
@@ -112,3 +128,19 @@ def test_fp32_weighted_sum_on_real_vllm_removes_a_planted_low_precision_sum():
     assert ws["before"] > 1.5 * clean  # the fault stands above the natural pair
     assert ws["value"] < 0.6 * ws["before"] and ws["value"] < 1.5 * clean
     assert w["fp32 unit"]["value"] < 0.6 * ws["before"]  # the reference's experts in fp32
+
+
+@pytest.mark.vllm
+def test_on_vllm_a_noise_fault_the_fp32_unit_cannot_keep_is_named():
+    # vLLM's fp32 unit is the reference's module: weight noise planted on vLLM's own expert
+    # weights cannot follow it, and the what-if says so instead of claiming a fix silently.
+    from numbisect.whatif import run_whatifs
+
+    spec = "weight_noise=0.3@layers.2.moe.experts"
+    s = session("qwen3_moe", "vllm", faults=[spec])
+    culprits = [{"unit": "layers.2.moe.experts", "kind": "experts"}]
+    run_whatifs(s, culprits, None)
+    w = by_name(culprits[0])
+    assert w["fp32 unit"]["faults_not_carried"] == [spec] and "not carried over" in w["fp32 unit"]["line"]
+    assert w["fp32 weighted sum"]["faults_not_carried"] == []  # the engine's own (noisy) experts
+    assert w["fp32 weighted sum"]["value"] > 0.5 * w["fp32 weighted sum"]["before"]
