@@ -187,6 +187,7 @@ def compare(**kw):
 @click.option("--max-trials", type=int, default=None, help="Stop the search after this many trials (exit 4).")
 @click.option("--log", "log_path", type=click.Path(), help="Append each trial to this JSONL log as it ends.")
 @click.option("--resume", type=click.Path(), help="Continue from a trial log of an interrupted run (no trial repeated).")
+@click.option("--whatif/--no-whatif", default=True, show_default=True, help="Rerun each culprit with its arithmetic in fp32 (suggested fix).")
 def run(**kw):
     """Swap reference modules into the engine and search for the culprit units."""
     from numbisect.report import command_line, new_report
@@ -208,6 +209,7 @@ def run(**kw):
                 log=kw["log_path"],
                 resume=kw["resume"],
                 progress=say,
+                whatif=kw["whatif"],
             )
             report = new_report("run", command_line(click.get_current_context().obj["argv"]), session.inputs(), settings.to_dict(), body)
         finally:

@@ -96,6 +96,11 @@ def test_run_summary_report_show_and_md_carry_the_suggested_fix(tmp_path, capsys
     md = capsys.readouterr().out
     assert "**Suggested fix**" in md and "accumulate the expert weighted sum in fp32" in md
     assert json.loads(out.read_text())["schema_version"] == 1
+    code = main(["run", "--ref", f"hf:{d}", "--engine", f"hf:{d}", "--trace", trace_path("qwen3_moe"), "-q",
+                 "--ref-dtype", "float32", "--engine-dtype", "float32", "--threshold", "1e-10", "--no-whatif",
+                 "--engine-fault", "moe_combine_bf16@layers.2.moe", "--out", str(out)])
+    assert code == ExitCode.DIVERGED and "suggested fix" not in capsys.readouterr().out
+    assert "precision" not in load_report(str(out))["culprits"][0]
 
 
 @pytest.mark.vllm
