@@ -96,7 +96,10 @@ def session_options(f):
         click.option("--ref-opt", multiple=True, metavar="KEY=VALUE", help="hf options: attn_implementation, experts_implementation, batch_size."),
         click.option("--engine-opt", multiple=True, metavar="KEY=VALUE", help="Backend options (hf as above; vllm: any LLM() argument)."),
         click.option("--engine-fault", multiple=True, metavar="SPEC", help="Plant a fault in the engine, e.g. moe_combine_bf16@layers.2.moe (repeatable)."),
-        click.option("--threshold", default=1e-3, show_default=True, type=float, help="Aligned when the metric is at or under this."),
+        click.option("--threshold", default="1e-3", show_default=True, metavar="X|floor|floorxN",
+                     help="Aligned when the metric is at or under this; floor / floorxN: N times the calibrated noise floor."),
+        click.option("--floor", "floor_file", type=click.Path(), metavar="FILE",
+                     help="Floor from `bisect calibrate --out` for --threshold floor[xN] [default: calibrate now on --ref and --trace]."),
         click.option("--metric", default="k3-mean", show_default=True, type=click.Choice(["k3-mean", "k3-p99", "kl-mean"])),
         click.option("--group", default="completion", show_default=True, help="Token group judged: completion, prompt, all or a trace group (e.g. image)."),
         click.option("--group-def", multiple=True, metavar="NAME=ID[,ID]", help="A token group of the tokens with these ids (repeatable); `image` comes from the config's image_token_id."),
@@ -111,7 +114,7 @@ def session_options(f):
     return f
 
 
-def _spec_settings(kw):
+def _spec_settings(kw, progress=lambda m: None):
     from numbisect.compare import Settings, parse_opts
     from numbisect.session import Spec
 
@@ -128,7 +131,14 @@ def _spec_settings(kw):
         trace_format=kw.get("trace_format"),
         trace_fields=kw.get("trace_fields"),
     )
-    settings = Settings(threshold=kw["threshold"], metric=kw["metric"], group=kw["group"])
+    settings = Settings(metric=kw["metric"], group=kw["group"])
+    if isinstance(kw["threshold"], float):  # the tui's own option
+        settings.threshold = kw["threshold"]
+    else:
+        from numbisect.calibrate import resolve_threshold
+
+        settings.threshold, settings.threshold_origin = resolve_threshold(
+            kw["threshold"], kw.get("floor_file"), spec, kw["metric"], kw["group"], progress=progress)
     return spec, settings
 
 
@@ -164,8 +174,8 @@ def compare(**kw):
     from numbisect.session import Session
 
     _check_out(kw)
-    spec, settings = _spec_settings(kw)
     with Progress(kw["quiet"]) as say:
+        spec, settings = _spec_settings(kw, say)
         session = Session(spec, settings, progress=say)
         try:
             body = session.compare(local=kw["local"])
@@ -183,6 +193,7 @@ def compare(**kw):
 @click.option("--max-trials", type=int, default=None, help="Stop the search after this many trials (exit 4).")
 @click.option("--log", "log_path", type=click.Path(), help="Append each trial to this JSONL log as it ends.")
 @click.option("--resume", type=click.Path(), help="Continue from a trial log of an interrupted run (no trial repeated).")
+@click.option("--whatif/--no-whatif", default=True, show_default=True, help="Rerun each culprit with its arithmetic in fp32 (suggested fix).")
 def run(**kw):
     """Swap reference modules into the engine and search for the culprit units."""
     from numbisect.report import command_line, new_report
@@ -192,8 +203,8 @@ def run(**kw):
     _check_out(kw)
     if kw["max_trials"] is not None and kw["max_trials"] < 1:
         raise InputError("--max-trials must be at least 1")
-    spec, settings = _spec_settings(kw)
     with Progress(kw["quiet"]) as say:
+        spec, settings = _spec_settings(kw, say)
         session = Session(spec, settings, progress=say)
         try:
             body, code = do_run(
@@ -204,6 +215,7 @@ def run(**kw):
                 log=kw["log_path"],
                 resume=kw["resume"],
                 progress=say,
+                whatif=kw["whatif"],
             )
             report = new_report("run", command_line(click.get_current_context().obj["argv"]), session.inputs(), settings.to_dict(), body)
         finally:
@@ -215,6 +227,43 @@ def run(**kw):
 @cli.group()
 def report():
     """Work with report files: show, validate, diff, md (no models needed)."""
+
+
+@cli.command(epilog=EPILOG)
+@click.option("--ref", required=True, metavar="hf:DIR", help="Reference model (transformers checkpoint directory).")
+@click.option("--trace", required=True, type=click.Path(), help="Token trace, JSONL.")
+@click.option("--ref-dtype", default="bfloat16", show_default=True, help="float32, bfloat16 or float16.")
+@click.option("--ref-opt", multiple=True, metavar="KEY=VALUE", help="hf options of the reference: attn_implementation, experts_implementation.")
+@click.option("--variant", "variants", multiple=True, metavar="NAME[,NAME]",
+              help="Variants to measure: batch, attn, experts, dtype [default: batch, attn, experts (MoE models), dtype when --dtype-variant is given].")
+@click.option("--dtype-variant", metavar="DTYPE", help="Also measure the reference in this dtype (e.g. float32).")
+@click.option("--batch-size", default=4, show_default=True, type=int, help="Batch size of the batch variant (right padding).")
+@click.option("--out", type=click.Path(), help="Write the floor as JSON here (for --floor).")
+@click.option("--json", "as_json", is_flag=True, help="Print the floor as JSON on stdout instead of the table.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+def calibrate(**kw):
+    """Measure the noise floor: the reference against harmless variants of itself.
+
+    Per metric (k3-mean, k3-p99, kl-mean, max abs log-prob difference) and variant;
+    the floor is the largest. Use it with `run`/`compare --threshold floor[xN] --floor FILE`.
+    """
+    from numbisect.calibrate import calibrate as do_calibrate
+    from numbisect.calibrate import render as render_floor
+    from numbisect.compare import parse_opts
+    from numbisect.report import write_json_atomic
+
+    _check_out(kw)
+    with Progress(kw["quiet"]) as say:
+        doc = do_calibrate(kw["ref"], kw["trace"], dtype=kw["ref_dtype"], ref_opts=parse_opts(kw["ref_opt"], "--ref-opt"),
+                           variants=kw["variants"], dtype_variant=kw["dtype_variant"], batch_size=kw["batch_size"], progress=say)
+    if kw["out"]:
+        write_json_atomic(kw["out"], doc)
+    if kw["as_json"]:
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+    else:
+        sys.stdout.write(render_floor(doc) + (f"floor: {kw['out']}\n" if kw["out"] else ""))
+    sys.stdout.flush()
+    return ExitCode.ALIGNED
 
 
 @report.command("show")

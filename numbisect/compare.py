@@ -38,9 +38,13 @@ class Settings:
     group: str = "completion"  # token group the verdict is judged on
     unit_tol: float = 1e-2  # relative L2 error above which a unit counts as diverged
     rl: M.RLThresholds = field(default_factory=M.RLThresholds)
+    threshold_origin: dict | None = None  # where a `--threshold floor[xN]` came from (numbisect.calibrate)
 
     def to_dict(self) -> dict:
-        return {"threshold": self.threshold, "metric": self.metric, "group": self.group, "unit_tol": self.unit_tol}
+        d = {"threshold": self.threshold, "metric": self.metric, "group": self.group, "unit_tol": self.unit_tol}
+        if self.threshold_origin is not None:
+            d["threshold_origin"] = self.threshold_origin
+        return d
 
 
 # -- backends ---------------------------------------------------------------------------------

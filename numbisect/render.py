@@ -38,6 +38,10 @@ def header(r: dict) -> list[str]:
     mark = "OK ALIGNED" if r["verdict"] == "aligned" else "!! DIVERGED"
     cmp_ = "<=" if r["verdict"] == "aligned" else ">"
     lines.append(f"verdict: {mark}  {th['metric']} {fmt(b['value'])} {cmp_} threshold {fmt(th['threshold'])} (group {th['group']})")
+    o = th.get("threshold_origin")
+    if isinstance(o, dict):  # --threshold floor[xN]
+        where = f"from {o.get('file')}" if o.get("file") else "calibrated now"
+        lines.append(f"threshold: {fmt(o.get('factor'))} x noise floor {fmt(o.get('floor'))} ({where}; variants {', '.join(o.get('variants') or [])})")
     return lines
 
 
@@ -115,6 +119,9 @@ def search_lines(r: dict) -> list[str]:
         per_group = _group_evidence(r, c["unit"])
         if per_group:
             out.append(per_group)
+    from numbisect.whatif import lines as whatif_lines
+
+    out += whatif_lines(r)
     if s.get("verdict") == "diffuse":
         out.append("diffuse: no set smaller than every layer reaches the threshold; per-layer contributions:")
         for name, v in (s.get("contributions") or {}).items():

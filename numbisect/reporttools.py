@@ -435,6 +435,10 @@ def _search_lines(r: dict) -> list[str]:
     out = [f"**Search** ({s.get('strategy')}): {s.get('trials_used')} trials; {s.get('stop_reason')}."]
     for c in _culprits(r):
         out += ["", f"**Culprit {_code(c['unit'])}:** {_evidence(r, c)}"]
+        p = c.get("precision")
+        if isinstance(p, dict):
+            out += ["", f"**Suggested fix** (precision what-if, measured): {_md(str(p.get('suggested')))}", ""]
+            out += [f"- {_code(t.get('whatif'))}: {_md(str(t.get('line')))}" for t in p.get("whatifs") or [] if isinstance(t, dict)]
     if s.get("verdict") == "diffuse":
         out += ["", "**Diffuse:** no set smaller than every layer reaches the threshold. Per-layer contributions:", "",
                 "| layer | swapped alone | all others swapped |", "|---|---:|---:|"]

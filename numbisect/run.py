@@ -111,7 +111,7 @@ class TrialLog:
 
 # -- the run -------------------------------------------------------------------------------
 def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | None, log: str | None,
-        resume: str | None, progress=lambda m: None, on_trial=None) -> tuple[dict, int]:
+        resume: str | None, progress=lambda m: None, on_trial=None, whatif: bool = True) -> tuple[dict, int]:
     """Everything `bisect run` does; returns the report body and the exit code."""
     if session.engine is None:
         raise InputError("bisect run needs an engine that runs (hf: or vllm:), not rollout")
@@ -141,6 +141,10 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
     finally:
         logger.close()
     body["trials"] = [t.to_dict() for t in runner.trials]
+    if whatif and body.get("culprits"):
+        from numbisect.whatif import run_whatifs
+
+        run_whatifs(session, body["culprits"], body["search"].get("baseline"), progress)
     return body, code
 
 

@@ -1,0 +1,262 @@
+"""Precision what-ifs: would running a culprit's arithmetic in fp32 fix the divergence?
+
+For each culprit the search named:
+
+1. `fp32 unit`: the whole unit computed in float32, its output handed back in the
+   engine's dtype. On an hf engine the engine's own module (with its planted faults)
+   is copied and run in float32 (`CastAdapter`). On vLLM, whose linear weights are
+   prepacked (the module's parameters are empty), it is the reference's module for
+   the unit in float32 (same checkpoint), put in through the swap machinery.
+2. `fp32 weighted sum` (MoE blocks and their experts): the engine's own expert
+   outputs, one top-k slot at a time (weight 1, so each is the expert's output as the
+   engine's kernel rounds it), multiplied by the routing weights and summed in
+   float32. Nothing else changes.
+3. Each what-if is one engine forward over the trace. The other culprits are swapped
+   for the reference's modules, so only this culprit's error is left; "before" is
+   that forward without the what-if (the search's baseline when there is one culprit).
+4. Planted faults stay on, except the precision faults whose arithmetic the what-if
+   recomputes in float32: `fp32 weighted sum` replaces a `moe_combine_*` fault of its
+   block; `fp32 unit` replaces the precision faults (`moe_combine_*`, `router_logits_*`,
+   `rmsnorm_no_upcast`) at or inside the unit. Noise faults (`weight_noise`,
+   `output_noise`) are never replaced: an upcast does not remove noise. On vLLM an
+   output noise at the unit itself is planted again on the float32 module; other noise
+   at or inside it cannot be (the reference's module replaces the engine's weights):
+   the what-if lists it in `faults_not_carried` and its line says so.
+5. Verdict per what-if: `fixes` (from above the threshold to at or under it), `helps`
+   (to at most half of before), or `no_help`; the culprit's `suggested` fix is the narrowest that fixes it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from numbisect import compare as C
+from numbisect.faults import apply_faults
+from numbisect.render import fmt
+from numbisect.swap import CastAdapter, _patch, apply_swaps, run_shared_experts, unpatch
+
+PRECISION_FAULTS = ("moe_combine", "router_logits", "rmsnorm_no_upcast")
+UNIT = "fp32 unit"
+WSUM = "fp32 weighted sum"
+
+
+def _inside(name: str, unit: str) -> bool:
+    return name == unit or name.startswith(unit + ".")
+
+
+def _block(unit) -> str:
+    return unit.name if unit.kind == "moe" else unit.parent
+
+
+def whatifs_for(unit) -> list[str]:
+    """The what-ifs that apply to a unit: the whole unit, and for MoE the weighted sum."""
+    return [WSUM, UNIT] if unit.kind in ("moe", "experts") else [UNIT]
+
+
+def replaced(fault, whatif: str, unit) -> bool:
+    """Whether the what-if recomputes exactly this fault's arithmetic in float32."""
+    if fault.kind not in PRECISION_FAULTS:
+        return False
+    if whatif == WSUM:
+        return fault.kind == "moe_combine" and fault.unit in (_block(unit), _block(unit) + ".experts")
+    # A moe_combine fault planted on a block lives in its experts' weighted sum.
+    where = fault.unit + ".experts" if fault.kind == "moe_combine" and not fault.unit.endswith(".experts") else fault.unit
+    return _inside(where, unit.name)
+
+
+def fix_text(whatif: str, unit) -> str:
+    if whatif == WSUM:
+        return "accumulate the expert weighted sum in fp32"
+    return f"upcast {unit.name} ({unit.kind}) to fp32"
+
+
+# -- installing a what-if on the engine ---------------------------------------------------------
+class _SlotSum(nn.Module):
+    """transformers experts `(hidden, top_k_index, top_k_weights)`: one call of the engine's
+    experts per top-k slot with weight 1, then the weighted sum in float32."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32)
+        for k in range(top_k_index.shape[1]):
+            idx = top_k_index[:, k : k + 1].contiguous()
+            y = self.inner.forward(hidden_states, idx, torch.ones_like(top_k_weights[:, k : k + 1]))
+            out += top_k_weights[:, k : k + 1].float() * y.float()
+        return out.to(hidden_states.dtype)
+
+
+def _take_hooks(wrapper: nn.Module, inner: nn.Module) -> None:
+    """The wrapper calls `inner.forward` once per slot: hooks on inner (a planted output
+    noise) must fire once, on the whole output, so they move to the wrapper."""
+    for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+        if hasattr(inner, attr):
+            getattr(wrapper, attr).update(getattr(inner, attr))
+
+
+def _vllm_slot_sum(engine, block: str) -> None:
+    routed = engine.module(block).experts.routed_experts
+    kernel = type(routed).forward_modular.__get__(routed)  # the engine's kernel, under any planted wrapper
+
+    def forward_modular(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        run_shared_experts(shared_experts, shared_experts_input)
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for k in range(topk_ids.shape[1]):
+            w = topk_weights[:, k : k + 1].contiguous()
+            part = kernel(x=x, topk_weights=torch.ones_like(w), topk_ids=topk_ids[:, k : k + 1].contiguous())
+            out += w.float() * part.float()
+        return out.to(x.dtype)
+
+    _patch(engine, routed, "forward_modular", forward_modular)
+
+
+class _Fp32Donor:
+    """The reference as a swap donor whose modules run in float32 (fresh copies: a planted
+    noise put on them never touches the reference)."""
+
+    dtype = torch.float32
+
+    def __init__(self, ref):
+        self.ref = ref
+        self.model = ref.model  # causal mask and rotary embedding for the adapters
+
+    def original(self, name: str) -> nn.Module:
+        return copy.deepcopy(self.ref.original(name)).float()
+
+
+def _install(session, whatif: str, unit) -> list:
+    """Put the what-if in place on the engine (faults already planted); returns the faults to
+    plant again on top of it (vLLM: noise at the unit itself)."""
+    engine = session.engine
+    if whatif == WSUM:
+        block = _block(unit)
+        if engine.kind == "hf":
+            inner = engine.module(block + ".experts")
+            wrapper = _SlotSum(inner)
+            _take_hooks(wrapper, inner)
+            engine.replace(block + ".experts", wrapper)
+            return []
+        _vllm_slot_sum(engine, block)  # replaces a planted output noise on the routed sum: plant it again
+        return [f for f in session.faults if f.kind == "output_noise" and f.unit == block + ".experts"]
+    if engine.kind == "hf":
+        mod = engine.module(unit.name)
+        rotary = None
+        if unit.kind in ("attn", "layer"):
+            rotary = copy.deepcopy(engine.model.model.rotary_emb).float()
+        out_dtype = None if unit.kind == "lm_head" else engine.dtype
+        engine.replace(unit.name, CastAdapter(copy.deepcopy(mod).float(), torch.float32, out_dtype, rotary))
+        return []
+    # vLLM: the reference's module in float32, swapped in (keeping the other swaps).
+    from numbisect.swap import _swap_vllm
+
+    donor = _Fp32Donor(session.ref)
+    _swap_vllm(engine, donor, unit, donor.original(unit.name))
+    return [f for f in session.faults if f.unit == unit.name and f.kind == "output_noise"]
+
+
+def not_carried(session, whatif: str, unit) -> list[str]:
+    """Planted noise faults this what-if cannot keep: on vLLM the fp32 unit is the reference's
+    module, so weight noise at or inside the unit, and output noise strictly inside it, are gone."""
+    if session.engine.kind != "vllm" or whatif != UNIT:
+        return []
+    return [f.spec for f in session.faults if f.kind not in PRECISION_FAULTS and _inside(f.unit, unit.name)
+            and not (f.kind == "output_noise" and f.unit == unit.name)]
+
+
+def forward(session, whatif: str | None, unit, others: list[str]):
+    """One engine forward: planted faults (less those the what-if replaces), the other
+    culprits swapped, then the what-if."""
+    engine = session.engine
+    kept = [f for f in session.faults if whatif is None or not replaced(f, whatif, unit)]
+    planted = apply_faults(engine, kept)
+    again = None
+    try:
+        apply_swaps(engine, session.ref, others)
+        if whatif is not None:
+            replant = _install(session, whatif, unit)
+            again = apply_faults(engine, replant) if replant else None
+        return engine.forward(session.samples, full_logits=True)
+    finally:
+        if again is not None:
+            again.undo()
+        unpatch(engine)
+        engine.restore()
+        planted.undo()
+
+
+def verdict(before: float, after: float, threshold: float) -> str:
+    if after <= threshold < before:
+        return "fixes"
+    if after <= 0.5 * before:
+        return "helps"
+    return "no_help"
+
+
+def describe(t: dict) -> str:
+    """One line: 'accumulate the expert weighted sum in fp32: k3-mean 2.9e-01 -> 4.0e-06 (fixes it)'."""
+    above = t.get("threshold") is not None and t["value"] > t["threshold"]
+    helps = "helps, still above the threshold" if above else "helps"
+    what = {"fixes": "fixes it", "helps": helps, "no_help": "does not help"}[t["verdict"]]
+    if t["verdict"] == "no_help" and t["value"] == t["before"]:
+        what = "changes nothing"
+    lost = f"; planted {', '.join(t['faults_not_carried'])} not carried over" if t.get("faults_not_carried") else ""
+    return f"{t['fix']}: {t['metric']} {fmt(t['before'])} -> {fmt(t['value'])} ({what}{lost})"
+
+
+def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=lambda m: None) -> None:
+    """Add `precision` (what-ifs and the suggested fix) to each culprit dict, in place."""
+    if session.engine is None or not culprits:
+        return
+    ref = session.reference()
+    st = session.settings
+    names = [c["unit"] for c in culprits]
+    for c in culprits:
+        unit = session.engine.unit(c["unit"])
+        others = [n for n in names if n != unit.name]
+
+        def judged(res) -> tuple[float, float]:
+            tokens = C.token_report(session.samples, ref, res, st, session.groups)
+            return tokens["value"], tokens["groups"][st.group]["k3"]["mean"] if st.group in tokens["groups"] else None
+
+        if others or baseline is None:
+            progress(f"what-if: {unit.name} with the other culprits swapped")
+            before, _ = judged(forward(session, None, unit, others))
+        else:
+            before = baseline
+        trials = []
+        for w in whatifs_for(unit):
+            progress(f"what-if: {unit.name}, {w}")
+            value, k3 = judged(forward(session, w, unit, others))
+            t = {"whatif": w, "fix": fix_text(w, unit), "metric": st.metric, "threshold": st.threshold,
+                 "before": before, "value": value, "k3_mean": k3,
+                 "replaced_faults": [f.spec for f in session.faults if replaced(f, w, unit)],
+                 "faults_not_carried": not_carried(session, w, unit)}
+            t["verdict"] = verdict(before, value, st.threshold)
+            t["line"] = describe(t)
+            trials.append(t)
+        fixing = [t for t in trials if t["verdict"] == "fixes"]
+        helping = sorted((t for t in trials if t["verdict"] == "helps"), key=lambda t: t["value"])
+        best = (fixing or helping or [None])[0]
+        c["precision"] = {
+            "whatifs": trials,
+            "suggested": best["line"] if best else f"no precision fix: running {unit.name} in fp32 does not help",
+        }
+
+
+def lines(r: dict) -> list[str]:
+    """The what-if lines of a report's culprits (for `run`'s summary and `report show`)."""
+    out = []
+    for c in r.get("culprits") or []:
+        p = c.get("precision") if isinstance(c, dict) else None
+        if not isinstance(p, dict):
+            continue
+        out.append(f"precision what-if for {c.get('unit')}: suggested fix: {p.get('suggested')}")
+        for t in p.get("whatifs") or []:
+            out.append(f"  {t.get('whatif')}: {t.get('line')}")
+    return out
