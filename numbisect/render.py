@@ -119,8 +119,6 @@ def search_lines(r: dict) -> list[str]:
         per_group = _group_evidence(r, c["unit"])
         if per_group:
             out.append(per_group)
-    from numbisect.whatif import lines as whatif_lines
-
     out += whatif_lines(r)
     if s.get("verdict") == "diffuse":
         out.append("diffuse: no set smaller than every layer reaches the threshold; per-layer contributions:")
@@ -152,3 +150,16 @@ def render(r: dict) -> str:
     if sl:
         parts += [""] + sl
     return "\n".join(parts) + "\n"
+
+
+def whatif_lines(r: dict) -> list[str]:
+    """The what-if lines of a report's culprits (for `run`'s summary and `report show`)."""
+    out = []
+    for c in r.get("culprits") or []:
+        p = c.get("precision") if isinstance(c, dict) else None
+        if not isinstance(p, dict):
+            continue
+        out.append(f"precision what-if for {c.get('unit')}: suggested fix: {p.get('suggested')}")
+        for t in p.get("whatifs") or []:
+            out.append(f"  {t.get('whatif')}: {t.get('line')}")
+    return out

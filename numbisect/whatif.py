@@ -247,16 +247,3 @@ def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=
             "whatifs": trials,
             "suggested": best["line"] if best else f"no precision fix: running {unit.name} in fp32 does not help",
         }
-
-
-def lines(r: dict) -> list[str]:
-    """The what-if lines of a report's culprits (for `run`'s summary and `report show`)."""
-    out = []
-    for c in r.get("culprits") or []:
-        p = c.get("precision") if isinstance(c, dict) else None
-        if not isinstance(p, dict):
-            continue
-        out.append(f"precision what-if for {c.get('unit')}: suggested fix: {p.get('suggested')}")
-        for t in p.get("whatifs") or []:
-            out.append(f"  {t.get('whatif')}: {t.get('line')}")
-    return out
