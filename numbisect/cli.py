@@ -100,6 +100,8 @@ def session_options(f):
                      help="Aligned when the metric is at or under this; floor / floorxN: N times the calibrated noise floor."),
         click.option("--floor", "floor_file", type=click.Path(), metavar="FILE",
                      help="Floor from `bisect calibrate --out` for --threshold floor[xN] [default: calibrate now on --ref and --trace]."),
+        click.option("--engine-mode", default="prefill", show_default=True, type=click.Choice(["prefill", "decode"]),
+                     help="decode: prefill the prompt, then decode the completion one forced token per step, as a rollout does (vllm and hf engines); compare also reports decode against prefill."),
         click.option("--metric", default="k3-mean", show_default=True, type=click.Choice(["k3-mean", "k3-p99", "kl-mean"])),
         click.option("--group", default="completion", show_default=True, help="Token group judged: completion, prompt, all or a trace group (e.g. image)."),
         click.option("--group-def", multiple=True, metavar="NAME=ID[,ID]", help="A token group of the tokens with these ids (repeatable); `image` comes from the config's image_token_id."),
@@ -130,6 +132,7 @@ def _spec_settings(kw, progress=lambda m: None):
         group_defs=list(kw.get("group_def") or ()),
         trace_format=kw.get("trace_format"),
         trace_fields=kw.get("trace_fields"),
+        engine_mode=kw.get("engine_mode") or "prefill",
     )
     settings = Settings(metric=kw["metric"], group=kw["group"])
     if isinstance(kw["threshold"], float):  # the tui's own option

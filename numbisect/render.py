@@ -146,6 +146,11 @@ def render(r: dict) -> str:
     if ut:
         parts += [""] + ut
     parts += worst_lines(b)
+    from numbisect.decode import render_lines as decode_lines
+
+    dl = decode_lines(r)
+    if dl:
+        parts += [""] + dl
     sl = search_lines(r)
     if sl:
         parts += [""] + sl

@@ -148,6 +148,9 @@ def _incomparable(a: dict, b: dict) -> list[str]:
             keys = sorted(set(oa) | set(ob), key=str)
             parts = [f"{k} {oa.get(k)!r} vs {ob.get(k)!r}" for k in keys if oa.get(k) != ob.get(k)]
             out.append(f"not comparable: {what} options differ ({'; '.join(parts)})")
+    ma, mb = (ia.get("engine") or {}).get("mode", "prefill"), (ib.get("engine") or {}).get("mode", "prefill")
+    if ma != mb:
+        out.append(f"not comparable: engine mode differs ({ma} vs {mb})")
     ta, tb = ia.get("trace") or {}, ib.get("trace") or {}
     if ta.get("sha256") != tb.get("sha256"):
         out.append(f"not comparable: trace differs (sha256 {_short(ta.get('sha256'))} vs {_short(tb.get('sha256'))})")
@@ -499,6 +502,9 @@ def markdown(r: dict) -> str:
     rl = _rl_line(r)
     if rl:
         parts += ["", rl]
+    from numbisect.decode import markdown_lines as decode_md
+
+    parts += decode_md(r)
     parts += ["", "<details><summary>Environment and inputs</summary>", ""] + _env_lines(r) + ["", "</details>"]
     cmd = r.get("command") or []
     if cmd:

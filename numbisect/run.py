@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from numbisect import decode as D
 from numbisect import search as S
 from numbisect.errors import BackendError, ExitCode, InputError
 from numbisect.render import fmt
@@ -50,6 +51,7 @@ def log_header(session) -> dict:
         "engine": session.spec.engine.partition(":")[0],
         "faults": list(session.spec.faults),
         "settings": session.settings.to_dict(),
+        "engine_mode": session.mode,
     }
 
 
@@ -66,8 +68,8 @@ def read_log(path: str, session) -> list[S.Trial]:
     if not isinstance(header, dict) or header.get("numbisect_trial_log") != LOG_VERSION:
         raise InputError(f"{path}: not a numbisect trial log")
     want = log_header(session)
-    for key in ("digests", "dtypes", "engine", "faults", "settings"):
-        if header.get(key) != want[key]:
+    for key in ("digests", "dtypes", "engine", "faults", "settings", "engine_mode"):
+        if header.get(key, "prefill" if key == "engine_mode" else None) != want[key]:
             raise InputError(f"{path}: resume log was made on other inputs ({key} differ); start a new run instead")
     trials = []
     for i, line in enumerate(lines[1:], start=2):
@@ -118,7 +120,7 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
     kinds = None
     if swap:
         kinds = [k for part in swap for k in part.split(",") if k]
-        units_of_kinds(session.engine, kinds)  # unknown kinds: usage error before any work
+        D.check_swappable(session.engine, units_of_kinds(session.engine, kinds), session.mode)  # before any work
     if strategy not in S.STRATEGIES:
         raise InputError(f"unknown strategy {strategy!r}; choose one of {', '.join(S.STRATEGIES)}")
     resumed = read_log(resume, session) if resume else []
@@ -186,13 +188,16 @@ def _swap_run(session, kinds: list[str], runner: S.TrialRunner, body: dict) -> i
 
 def _search_run(session, strategy: str, runner: S.TrialRunner, body: dict) -> int:
     g = unit_graph(session.engine.units)
-    cands = S.default_candidates(g)
+    cands = D.decode_candidates(S.default_candidates(g), session.engine, session.mode)
     result = S.search(
         g, cands, runner, session.settings.threshold, strategy,
         local_rank=body.get("local_ranking"), metric=session.settings.metric,
     )
     body["search"] = result.to_dict()
     body["search"].pop("culprits", None)
+    left = D.not_swappable(session.engine.units, session.mode)
+    if left and result.verdict == "unreachable":
+        body["search"]["stop_reason"] += f" (decode mode: {len(left)} attention/layer units are not swappable and stay the engine's)"
     body["culprits"] = [c.to_dict() for c in result.culprits]
     if result.verdict == "aligned":
         return ExitCode.ALIGNED

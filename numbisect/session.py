@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from numbisect import compare as C
+from numbisect import decode as D
 from numbisect.arch import arch_for
 from numbisect.backends.base import Backend, ForwardResult, load_config
 from numbisect.errors import BackendError, InputError
@@ -33,6 +34,7 @@ class Spec:
     group_defs: list[str] = field(default_factory=list)  # extra token groups, "NAME=ID[,ID]"
     trace_format: str | None = None  # rlformats preset (None: numbisect JSONL or detected)
     trace_fields: str | None = None  # rlformats field map, "prompt=...,completion=...,logprobs=..."
+    engine_mode: str = "prefill"  # "prefill", or "decode": prompt prefilled, completion decoded token by token
 
 
 class Session:
@@ -55,6 +57,8 @@ class Session:
         eng_kind, eng_path = C.parse_spec(spec.engine, "--engine")
         self.engine_kind = eng_kind
         self.faults = [parse_fault(f) for f in spec.faults]
+        D.check_mode(eng_kind, spec.engine_mode)
+        self.mode = spec.engine_mode
         if self.faults and eng_kind == "rollout":
             raise InputError("--engine-fault needs an engine that runs (hf: or vllm:), not rollout")
         # Cheap checks first: configs, architectures, vocabulary, groups; then the slow loads.
@@ -108,14 +112,17 @@ class Session:
         return self._ref_result
 
     # -- the engine -----------------------------------------------------------------------
-    def engine_forward(self, swapped=(), capture=(), feed=None) -> ForwardResult:
-        """The engine with its planted faults, then `swapped` units replaced by the reference's."""
+    def engine_forward(self, swapped=(), capture=(), feed=None, mode=None) -> ForwardResult:
+        """The engine with its planted faults, then `swapped` units replaced by the reference's,
+        run in `mode` (default: the session's engine mode)."""
         if self.engine is None:
             return C.rollout_result(self.trace)
+        mode = mode or self.mode
+        D.check_swappable(self.engine, list(swapped), mode)
         planted = apply_faults(self.engine, self.faults)
         try:
             apply_swaps(self.engine, self.ref, list(swapped))
-            return self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed)
+            return self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed, mode=mode)
         finally:
             unpatch(self.engine)
             self.engine.restore()
@@ -142,6 +149,10 @@ class Session:
         }
         if loc is not None:
             body["local_ranking"] = C.local_ranking(rows)
+        if self.mode == "decode":
+            self.say("running the engine in prefill mode (decode vs prefill)")
+            pre = self.engine_forward(capture=[u.name for u in units], mode="prefill")
+            body["engine_modes"] = D.with_baseline(D.engine_modes(self, ref, prop, pre, units), tokens)
         return body
 
     def trial(self, swapped) -> tuple[float, dict]:
@@ -171,6 +182,36 @@ class Session:
         coarse = ("embed", "norm", "attn", "mlp", "moe", "lm_head", "vision")
         same_dtype = self.spec.ref_dtype == self.spec.engine_dtype
         checks = []
+        # Decode mode: the adapters are proven in prefill (attention cannot be swapped in
+        # decode, so decode cannot reproduce the reference); then every unit that can be
+        # swapped in decode is, and its value is recorded without a verdict.
+        mode, self.mode = self.mode, "prefill"
+        try:
+            self._self_check_runs(fine, coarse, same_dtype, tol, checks)
+        finally:
+            self.mode = mode
+        if mode == "decode":
+            names = D.decode_candidates([u.name for u in self.engine.units if u.kind in fine], self.engine, mode)
+            planted, self.faults = self.faults, []
+            try:
+                _, summary = self.trial(names)
+            finally:
+                self.faults = planted
+            checks.append({"swapped": "sub-units, decode mode (attention left to the engine)", "mode": "decode",
+                           "kinds": sorted({self.engine.unit(n).kind for n in names}),
+                           "k3_mean": summary["groups"]["completion"]["k3_mean"], "passed": True, "judged": False})
+        judged = [c for c in checks if c.get("judged", True)]
+        worst = max(c["k3_mean"] or 0.0 for c in judged)
+        return {
+            "k3_mean": worst,
+            "tolerance": tol,
+            "dtypes_match": same_dtype,
+            "passed": all(c["passed"] for c in checks),
+            "checks": checks,
+            "swapped": [c["swapped"] for c in checks if not c["passed"]] or [c["swapped"] for c in judged],
+        }
+
+    def _self_check_runs(self, fine, coarse, same_dtype, tol, checks) -> None:
         for label, kinds in (("sub-units", fine), ("blocks", coarse)):
             names = [u.name for u in self.engine.units if u.kind in kinds]
             if label == "blocks" and not any(u.kind in ("moe", "vision") for u in self.engine.units):
@@ -183,15 +224,6 @@ class Session:
             k3 = summary["groups"]["completion"]["k3_mean"]
             checks.append({"swapped": label, "kinds": sorted({self.engine.unit(n).kind for n in names}), "k3_mean": k3,
                            "passed": (k3 is not None and k3 <= tol) if same_dtype else True})
-        worst = max(c["k3_mean"] or 0.0 for c in checks)
-        return {
-            "k3_mean": worst,
-            "tolerance": tol,
-            "dtypes_match": same_dtype,
-            "passed": all(c["passed"] for c in checks),
-            "checks": checks,
-            "swapped": [c["swapped"] for c in checks if not c["passed"]] or [c["swapped"] for c in checks],
-        }
 
     def close(self) -> None:
         """Close the backends this session opened (not the ones it was given)."""
@@ -205,7 +237,7 @@ class Session:
     def inputs(self) -> dict:
         """What went in, with digests: enough to tell whether two reports are comparable."""
         eng = (
-            {**self.engine.describe(), "sha256": self.digests["engine"]}
+            {**self.engine.describe(), "sha256": self.digests["engine"], "mode": self.mode}
             if self.engine is not None
             else {"backend": "rollout", "path": self.trace.path, "dtype": None}
         )

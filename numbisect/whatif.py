@@ -181,7 +181,7 @@ def forward(session, whatif: str | None, unit, others: list[str]):
         if whatif is not None:
             replant = _install(session, whatif, unit)
             again = apply_faults(engine, replant) if replant else None
-        return engine.forward(session.samples, full_logits=True)
+        return engine.forward(session.samples, full_logits=True, mode=getattr(session, "mode", "prefill"))  # decode mode too
     finally:
         if again is not None:
             again.undo()

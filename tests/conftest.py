@@ -87,7 +87,7 @@ def short_trace(name: str, n: int) -> str:
 
 
 def session(name: str, engine: str = "vllm", ref_dtype="bfloat16", engine_dtype="bfloat16", faults=(), samples=None,
-            **settings):
+            engine_mode="prefill", **settings):
     """A Session on a fixture whose backends are the shared ones (`samples`: the first n)."""
     from numbisect.compare import Settings
     from numbisect.session import Session, Spec
@@ -99,6 +99,7 @@ def session(name: str, engine: str = "vllm", ref_dtype="bfloat16", engine_dtype=
         ref_dtype=ref_dtype,
         engine_dtype=engine_dtype,
         faults=list(faults),
+        engine_mode=engine_mode,
     )
     backends = {"ref": hf(name, ref_dtype)}
     if engine == "vllm":

