@@ -44,6 +44,12 @@ def check_mode(engine_kind: str, mode: str) -> None:
     check_engine_mode(engine_kind, mode, MODES_BY_KIND.get(engine_kind, ("prefill",)))
 
 
+def check_trace(trace, mode: str) -> None:
+    """Decode mode replays token ids only: a trace with images is refused (prefill takes them)."""
+    if mode == "decode" and any(getattr(s, "images", None) is not None for s in trace.samples):
+        raise InputError("--engine-mode decode takes text-only traces: this one has images (run it with --engine-mode prefill)")
+
+
 def not_swappable(units, mode: str) -> list[str]:
     """Names of the units that cannot be swapped in `mode`."""
     if mode != "decode":

@@ -58,6 +58,7 @@ class Session:
         self.engine_kind = eng_kind
         self.faults = [parse_fault(f) for f in spec.faults]
         D.check_mode(eng_kind, spec.engine_mode)
+        D.check_trace(self.trace, spec.engine_mode)
         self.mode = spec.engine_mode
         if self.faults and eng_kind == "rollout":
             raise InputError("--engine-fault needs an engine that runs (hf: or vllm:), not rollout")

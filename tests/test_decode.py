@@ -212,6 +212,13 @@ def test_decode_mode_on_an_engine_that_cannot_decode_is_one_line(capsys, tmp_pat
         assert "--engine-mode decode needs an engine that runs" in line
 
 
+def test_decode_mode_on_a_trace_with_images_is_one_line(capsys, tmp_path):
+    d = model_dir("qwen3_vl_moe")
+    code, line = _cli_error(["compare", "--ref", f"hf:{d}", "--engine", f"hf:{d}", "--trace", trace_path("qwen3_vl_moe"),
+                             "--engine-mode", "decode"], capsys, tmp_path)
+    assert code == ExitCode.USAGE and "text-only traces" in line
+
+
 def test_a_backend_without_decode_refuses_it_in_one_line():
     from numbisect.backends.base import check_engine_mode
 
