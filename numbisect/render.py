@@ -145,6 +145,11 @@ def render(r: dict) -> str:
     ut = unit_table(r)
     if ut:
         parts += [""] + ut
+    from numbisect.routing_render import routing_lines
+
+    rl = routing_lines(r)
+    if rl:
+        parts += [""] + rl
     parts += worst_lines(b)
     sl = search_lines(r)
     if sl:
