@@ -158,3 +158,21 @@ def test_replay_routing_with_rollout_is_a_one_line_error(tmp_path, capsys):
                  "--replay-routing", "engine", "-q"])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert code == 2 and len(err) == 1 and "needs an engine that runs" in err[0]
+
+
+def test_batched_hf_engine_records_and_replays_per_sample():
+    """hf with batch_size 4 (right padding): ids are cut back per sample and replayed per sample."""
+    from numbisect.backends.hf import HFBackend
+    from numbisect.compare import Settings
+    from numbisect.session import Session, Spec
+
+    d = model_dir("qwen3_moe")
+    spec = Spec(ref=f"hf:{d}", engine=f"hf:{d}", trace=trace_path("qwen3_moe"), ref_dtype="float32",
+                engine_dtype="float32", faults=[FAULT], replay_routing="ref")
+    eng = HFBackend(d, "float32", batch_size=4)
+    s = Session(spec, Settings(), backends={"ref": hf("qwen3_moe", "float32"), "engine": eng})
+    body = s.compare(local=False)
+    rows = body["routing"]["layers"]
+    assert rows[0]["propagated"]["flipped"] == 0 and rows[1]["propagated"]["agree_frac"] < 0.8
+    assert rows[1]["propagated"]["tokens"] == sum(len(x.ids) for x in s.samples)
+    _check_replay(body["routing_replay"])
