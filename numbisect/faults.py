@@ -188,6 +188,8 @@ def _reroute(engine):
     spec = router_spec(engine.config)
 
     def hook(m, args, out):
+        if spec is None:
+            return None
         logits, w = out[0], out[1]
         bias = getattr(m, "e_score_correction_bias", None)
         ids = select(logits, spec, None if bias is None else bias.double())

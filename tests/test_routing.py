@@ -20,7 +20,7 @@ FAULT = "output_noise=0.3@layers.1.moe.router"
 
 
 # -- the routing of each architecture matches transformers' own router -------------------------
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "glm4_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "glm4_moe", "qwen3_vl_moe"])
 def test_select_and_weights_reproduce_the_transformers_router(name):
     b = hf(name, "float32")
     spec = R.router_spec(b.config)
@@ -29,7 +29,7 @@ def test_select_and_weights_reproduce_the_transformers_router(name):
     g = torch.Generator().manual_seed(0)
     for u in units:
         gate = b.module(u)
-        x = torch.randn(200, b.config.hidden_size, generator=g)
+        x = torch.randn(200, b.config.get_text_config().hidden_size, generator=g)
         with torch.no_grad():
             logits, w, ids = gate(x)
         bias = R.router_bias(b, u)
