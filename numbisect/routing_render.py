@@ -5,6 +5,14 @@ from __future__ import annotations
 from numbisect.render import fmt, pct
 
 
+def number(x):
+    """A report number (non-finite floats are stored as strings); None when absent."""
+    try:
+        return None if x is None else float(x)
+    except (TypeError, ValueError):
+        return None
+
+
 def _experts(e: list[int]) -> str:
     return "{" + ",".join(str(x) for x in e) + "}"
 
@@ -13,7 +21,8 @@ def flip_line(f: dict) -> str:
     where = "completion" if f.get("completion") else "prompt"
     out = f"sample {f['sample']} pos {f['position']} ({where}): ref {_experts(f['ref_experts'])} -> engine {_experts(f['engine_experts'])}"
     if f.get("ref_margin") is not None:
-        out += f", margin ref {fmt(f['ref_margin'])} engine {fmt(f['engine_margin'])}, logit err {fmt(f['logit_max_abs'])}"
+        out += (f", margin ref {fmt(number(f['ref_margin']))} engine {fmt(number(f.get('engine_margin')))},"
+                f" logit err {fmt(number(f.get('logit_max_abs')))}")
     return out
 
 
@@ -30,8 +39,9 @@ def routing_lines(r: dict, flips_per_layer: int = 3) -> list[str]:
     for row in ro.get("layers") or []:
         p, lo = row.get("propagated") or {}, row.get("local") or {}
         out.append(
-            f"{row['unit']:<22}{pct(p.get('agree_frac')):>8}{p.get('flipped', '-'):>7}{pct(lo.get('agree_frac')):>8}"
-            f"{fmt((p.get('logit_error') or {}).get('rel_l2')):>14}{fmt(p.get('margin_p50_all')):>12}{fmt(p.get('margin_p50_flipped')):>10}"
+            f"{row['unit']:<22}{pct(number(p.get('agree_frac'))):>8}{str(p.get('flipped', '-')):>7}{pct(number(lo.get('agree_frac'))):>8}"
+            f"{fmt(number((p.get('logit_error') or {}).get('rel_l2'))):>14}{fmt(number(p.get('margin_p50_all'))):>12}"
+            f"{fmt(number(p.get('margin_p50_flipped'))):>10}"
         )
         for f in (p.get("flips") or [])[:flips_per_layer]:
             out.append("    flip " + flip_line(f))
@@ -39,13 +49,14 @@ def routing_lines(r: dict, flips_per_layer: int = 3) -> list[str]:
     if rr:
         who = "the engine with the reference's" if rr["direction"] == "ref" else "the reference with the engine's"
         out.append(
-            f"routing replay ({rr['direction']}): {who} expert ids at every MoE layer: {rr['metric']} {fmt(rr['baseline'])} -> "
-            f"{fmt(rr['replayed'])}; from routing flips {fmt(rr['from_flips'])}, numeric drift {fmt(rr['from_drift'])}"
+            f"routing replay ({rr['direction']}): {who} expert ids at every MoE layer: {rr.get('metric', 'k3')} {fmt(number(rr['baseline']))} -> "
+            f"{fmt(number(rr['replayed']))}; from routing flips {fmt(number(rr['from_flips']))}, numeric drift {fmt(number(rr['from_drift']))}"
         )
         for row in rr.get("layers") or []:
-            if row.get("value_replayed_alone") is not None:
+            if number(row.get("value_replayed_alone")) is not None:
                 out.append(
                     f"  {row['unit']} alone: {row['flips_before']} flips -> {row.get('flips_after_alone')}, "
-                    f"{rr['metric']} {fmt(rr['baseline'])} -> {fmt(row['value_replayed_alone'])} (from its flips {fmt(row['from_flips'])})"
+                    f"{rr.get('metric', 'k3')} {fmt(number(rr['baseline']))} -> {fmt(number(row['value_replayed_alone']))}"
+                    f" (from its flips {fmt(number(row.get('from_flips')))})"
                 )
     return out

@@ -176,3 +176,44 @@ def test_batched_hf_engine_records_and_replays_per_sample():
     assert rows[0]["propagated"]["flipped"] == 0 and rows[1]["propagated"]["agree_frac"] < 0.8
     assert rows[1]["propagated"]["tokens"] == sum(len(x.ids) for x in s.samples)
     _check_replay(body["routing_replay"])
+
+
+def test_hostile_routing_sections_are_summarised_or_refused_never_a_crash(tmp_path):
+    """Each routing field replaced (None, "nan", a list, an object) or deleted: `report show`
+    and `report md` summarise it or refuse it in one line (exit 2), never exit 3."""
+    import copy
+    import io
+    import json
+    import contextlib
+
+    s = session("qwen3_moe", "hf", ref_dtype="float32", engine_dtype="float32", faults=[FAULT], samples=4)
+    s.spec.replay_routing = "ref"
+    base = new_report("compare", "bisect compare", s.inputs(), s.settings.to_dict(), s.compare(local=False))
+    from numbisect.compare import sanitize
+
+    base = json.loads(json.dumps(sanitize(base)))
+    lay = base["routing"]["layers"][1]
+    paths = [("routing", "spec"), ("routing", "layers", 1, "propagated"), ("routing_replay", "layers", 1)]
+    paths += [("routing", "layers", 1, "propagated", k) for k in lay["propagated"]]
+    paths += [("routing", "layers", 1, "propagated", "flips", 0, k) for k in lay["propagated"]["flips"][0]]
+    paths += [("routing_replay", k) for k in base["routing_replay"]]
+    paths += [("routing_replay", "layers", 1, k) for k in base["routing_replay"]["layers"][1]]
+    f = tmp_path / "r.json"
+    for path in paths:
+        for val in (None, "nan", [], {}, "delete"):
+            r = copy.deepcopy(base)
+            parent = r
+            for k in path[:-1]:
+                parent = parent[k]
+            if val == "delete":
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = val
+            f.write_text(json.dumps(r))
+            for cmd in ("show", "md"):
+                err = io.StringIO()
+                with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                    rc = main(["report", cmd, str(f)])
+                assert rc in (0, 1, 2), (path, val, cmd, err.getvalue())
+                if rc == 2:
+                    assert len(err.getvalue().strip().splitlines()) == 1
