@@ -125,10 +125,11 @@ def test_router_fault_on_vllm_flips_routing_at_that_layer_and_replay_removes_it(
 
 
 @pytest.mark.vllm
-def test_vllm_recorded_expert_ids_are_those_its_logits_give():
-    """The ids recorded from vLLM's select_experts are the top-k of its captured logits,
-    except at exact ties of bf16 scores."""
-    s = session("qwen3_moe", "vllm", samples=6)
+@pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe", "mixtral"])
+def test_vllm_recorded_expert_ids_are_those_its_logits_give(name):
+    """The ids recorded from vLLM's select_experts are the top-k of its captured logits
+    under the architecture's routing spec, except at exact ties of bf16 scores."""
+    s = session(name, "vllm", samples=6)
     s.compare(local=False)
     eng = s.engine
     probe = s.routing_probe(eng)
@@ -136,9 +137,25 @@ def test_vllm_recorded_expert_ids_are_those_its_logits_give():
     spec = R.router_spec(eng.config)
     for u in R.router_units(eng):
         logits, ids = torch.cat(res.captures[u]), torch.cat(probe.ids[u])
-        differ = R._differ(R.select(logits, spec), ids)
+        differ = R._differ(R.select(logits, spec, R.router_bias(eng, u)), ids)
         tie = R.margins(logits.float(), spec) < 1e-2 * R.margins(logits.float(), spec).median()
         assert not bool((differ & ~tie).any())
+
+
+def test_run_with_replay_routing_writes_the_split_in_its_report(tmp_path, capsys):
+    d = model_dir("qwen3_moe")
+    out = tmp_path / "r.json"
+    code = main(["run", "--ref", f"hf:{d}", "--engine", f"hf:{d}", "--ref-dtype", "float32", "--engine-dtype", "float32",
+                 "--trace", trace_path("qwen3_moe"), "--engine-fault", FAULT, "--swap", "router",
+                 "--replay-routing", "engine", "--out", str(out), "-q"])
+    text = capsys.readouterr().out
+    from numbisect.report import load_report
+
+    r = load_report(out)
+    assert code == 0  # the fault stays under the 1e-3 threshold; the swap and the replay still run
+    assert r["routing_replay"]["direction"] == "engine" and r["swap"]["kinds"] == ["router"]
+    _check_replay(r["routing_replay"])
+    assert "routing replay (engine): the reference with the engine's expert ids" in text
 
 
 # -- bad input ----------------------------------------------------------------------------------
