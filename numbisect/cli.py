@@ -133,6 +133,7 @@ def _spec_settings(kw, progress=lambda m: None):
         trace_format=kw.get("trace_format"),
         trace_fields=kw.get("trace_fields"),
         engine_mode=kw.get("engine_mode") or "prefill",
+        replay_routing=kw.get("replay_routing"),
     )
     settings = Settings(metric=kw["metric"], group=kw["group"])
     if isinstance(kw["threshold"], float):  # the tui's own option
@@ -170,6 +171,7 @@ def _check_out(kw) -> None:
 
 @cli.command(epilog=EPILOG)
 @session_options
+@click.option("--replay-routing", type=click.Choice(["ref", "engine"]), default=None, help="MoE routing replay what-if (R3): run the engine with the reference's expert ids (ref) or the reference with the engine's (engine); splits k3 into routing flips and numeric drift.")
 @click.option("--local/--no-local", default=True, show_default=True, help="Also feed each engine unit the reference's input (local error).")
 def compare(**kw):
     """Run the trace through both models: k3, KL, RL cost and per-unit divergence."""
@@ -192,6 +194,7 @@ def compare(**kw):
 @cli.command(epilog=EPILOG)
 @session_options
 @click.option("--swap", multiple=True, metavar="KIND[,KIND]", help="Swap every unit of these kinds (moe, attn, norm, mlp, router, experts, embed, lm_head, layer) in one trial.")
+@click.option("--replay-routing", type=click.Choice(["ref", "engine"]), default=None, help="MoE routing replay what-if (R3): run the engine with the reference's expert ids (ref) or the reference with the engine's (engine); splits k3 into routing flips and numeric drift.")
 @click.option("--strategy", default="hierarchical", show_default=True, type=click.Choice(["hierarchical", "linear", "ddmin"]))
 @click.option("--max-trials", type=int, default=None, help="Stop the search after this many trials (exit 4).")
 @click.option("--log", "log_path", type=click.Path(), help="Append each trial to this JSONL log as it ends.")

@@ -142,13 +142,17 @@ def apply_faults(engine, faults: list[Fault]) -> Planted:
         elif f.kind == "router_logits":  # the router GEMM in low precision: input and logits rounded
             planted._hooks.append(mod.register_forward_pre_hook(_round_input(LOWP[f.dtype])))
             planted._hooks.append(mod.register_forward_hook(_round_logits(LOWP[f.dtype])))
-        elif f.kind == "rmsnorm_no_upcast":
+        if f.kind in ("output_noise", "router_logits") and engine.kind == "hf" and engine.unit(f.unit).kind == "router":
+            # transformers' router picks its experts inside forward, before the hooks above:
+            # choose again from the perturbed logits, as vLLM does after its gate.
+            planted._hooks.append(mod.register_forward_hook(_reroute(engine)))
+        if f.kind == "rmsnorm_no_upcast":
             path = engine.module_path(f.unit)
             planted._modules.append((path, mod))
             from numbisect.backends.base import set_module
 
             set_module(engine.root, path, LowpNorm(mod, LOWP[f.dtype]))
-        elif f.kind == "moe_combine":
+        if f.kind == "moe_combine":
             _plant_combine(engine, planted, f)
     return planted
 
@@ -173,6 +177,23 @@ def _output_noise(f: Fault):
 
     def hook(m, args, out):
         return every(out, _gen(f.unit))
+
+    return hook
+
+
+def _reroute(engine):
+    """A transformers router's (logits, weights, ids) chosen again from its (perturbed) logits."""
+    from numbisect.routing import router_spec, select, weights_for
+
+    spec = router_spec(engine.config)
+
+    def hook(m, args, out):
+        if spec is None:
+            return None
+        logits, w = out[0], out[1]
+        bias = getattr(m, "e_score_correction_bias", None)
+        ids = select(logits, spec, None if bias is None else bias.double())
+        return (logits, weights_for(logits, ids, spec).to(w.dtype), ids.to(out[2].dtype)) + tuple(out[3:])
 
     return hook
 

@@ -145,6 +145,11 @@ def render(r: dict) -> str:
     ut = unit_table(r)
     if ut:
         parts += [""] + ut
+    from numbisect.routing_render import routing_lines
+
+    rl = routing_lines(r)
+    if rl:
+        parts += [""] + rl
     parts += worst_lines(b)
     from numbisect.decode import render_lines as decode_lines
 

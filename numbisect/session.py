@@ -35,6 +35,7 @@ class Spec:
     trace_format: str | None = None  # rlformats preset (None: numbisect JSONL or detected)
     trace_fields: str | None = None  # rlformats field map, "prompt=...,completion=...,logprobs=..."
     engine_mode: str = "prefill"  # "prefill", or "decode": prompt prefilled, completion decoded token by token
+    replay_routing: str | None = None  # "ref" or "engine": the routing replay what-if (numbisect.routing)
 
 
 class Session:
@@ -65,6 +66,11 @@ class Session:
         # Cheap checks first: configs, architectures, vocabulary, groups; then the slow loads.
         ref_cfg = load_config(ref_path)
         ref_arch = arch_for(ref_cfg)
+        from numbisect.routing import check_replay
+
+        check_replay(spec.replay_routing, ref_cfg, eng_kind)
+        if spec.replay_routing and spec.engine_mode == "decode":
+            raise InputError("--replay-routing works in prefill mode only (--engine-mode decode records no expert ids yet)")
         check_vocab(self.trace, ref_cfg.get_text_config().vocab_size)
         G.check_images(self.trace, ref_cfg, ref_arch)
         if eng_kind == "vllm" and any(s.images is not None for s in self.trace.samples):
@@ -91,6 +97,7 @@ class Session:
         self.samples = self.trace.samples
         self.groups = C.group_names(self.trace) + (["all"] if settings.group == "all" else [])
         self._ref_result: ForwardResult | None = None
+        self.ref_routing: dict | None = None  # router unit -> per-sample expert ids of the reference
         self.digests = {"ref": C.checkpoint_digest(ref_path), "trace": self.trace.sha256}
         extra = G.inputs_digest(self.trace, spec.group_defs)  # pixel inputs and --group-def live outside the file
         if extra:
@@ -107,24 +114,43 @@ class Session:
         if self._ref_result is None:
             self.say("running the reference")
             names = C.capture_names(self.ref)
-            self._ref_result = self.ref.forward(
-                self.samples, full_logits=True, capture=names, capture_inputs=C.local_feed_names(self.ref)
-            )
+            probe = self.routing_probe(self.ref)
+            undo = probe.install() if probe else None
+            try:
+                self._ref_result = self.ref.forward(
+                    self.samples, full_logits=True, capture=names, capture_inputs=C.local_feed_names(self.ref)
+                )
+            finally:
+                if undo:
+                    undo()
+            self.ref_routing = probe.ids if probe else None
         return self._ref_result
 
+    def routing_probe(self, backend, replay=None):
+        """A recorder (and replayer) of expert ids for `backend`; None on a dense model."""
+        from numbisect.routing import RoutingProbe, router_spec
+
+        spec = router_spec(backend.config)
+        return None if spec is None else RoutingProbe(backend, spec, self.samples, replay)
+
     # -- the engine -----------------------------------------------------------------------
-    def engine_forward(self, swapped=(), capture=(), feed=None, mode=None) -> ForwardResult:
+    def engine_forward(self, swapped=(), capture=(), feed=None, mode=None, probe=None) -> ForwardResult:
         """The engine with its planted faults, then `swapped` units replaced by the reference's,
-        run in `mode` (default: the session's engine mode)."""
+        run in `mode` (default: the session's engine mode), and, with `probe`, its expert ids
+        recorded or replayed."""
         if self.engine is None:
             return C.rollout_result(self.trace)
         mode = mode or self.mode
         D.check_swappable(self.engine, list(swapped), mode)
         planted = apply_faults(self.engine, self.faults)
+        undo = None
         try:
             apply_swaps(self.engine, self.ref, list(swapped))
+            undo = probe.install() if probe else None
             return self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed, mode=mode)
         finally:
+            if undo:
+                undo()
             unpatch(self.engine)
             self.engine.restore()
             planted.undo()
@@ -134,13 +160,16 @@ class Session:
         ref = self.reference()
         self.say("running the engine")
         units = self.engine.units if self.engine else []
-        prop = self.engine_forward(capture=[u.name for u in units])
+        # Routing probes record per engine call; decode mode calls once per token: prefill only.
+        probes = {"propagated": self.routing_probe(self.engine) if self.engine and self.mode == "prefill" else None}
+        prop = self.engine_forward(capture=[u.name for u in units], probe=probes["propagated"])
         tokens = C.token_report(self.samples, ref, prop, self.settings, self.groups)
         loc = None
         if local and self.engine is not None:
             self.say("teacher-forced pass (local error)")
             feed = {n: ref.inputs[n] for n in C.local_feed_names(self.engine) if ref.inputs.get(n)}
-            loc = self.engine_forward(capture=[u.name for u in units], feed=feed)
+            probes["local"] = self.routing_probe(self.engine) if self.mode == "prefill" else None
+            loc = self.engine_forward(capture=[u.name for u in units], feed=feed, probe=probes["local"])
         rows = C.unit_report(units, ref, prop if self.engine else None, loc, self.engine.dtype if self.engine else None, self.settings)
         body = {
             "baseline": tokens,
@@ -154,6 +183,13 @@ class Session:
             self.say("running the engine in prefill mode (decode vs prefill)")
             pre = self.engine_forward(capture=[u.name for u in units], mode="prefill")
             body["engine_modes"] = D.with_baseline(D.engine_modes(self, ref, prop, pre, units), tokens)
+        if probes["propagated"] is not None:
+            from numbisect import routing as R
+
+            results = {"propagated": prop, "local": loc}
+            body["routing"] = R.session_routing(self, {k: (p, results[k]) for k, p in probes.items() if p is not None})
+            if self.spec.replay_routing:
+                body["routing_replay"] = R.replay_whatif(self, self.spec.replay_routing, probes["propagated"].ids, prop, tokens)
         return body
 
     def trial(self, swapped) -> tuple[float, dict]:

@@ -28,6 +28,7 @@ class ArchMap:
     hf_auto: str = "AutoModelForCausalLM"  # the transformers auto class that loads it
     hf_rotary: str | None = "model.rotary_emb"  # rotary module a swapped attn/layer recomputes cos/sin with
     vision: bool = False  # has `vision` and `vision.projector` units (image inputs)
+    router_spec: Callable[[Any], Any] | None = None  # text config -> routing.RouterSpec (None: dense)
 
     def units(self, config) -> list[Unit]:
         text = config.get_text_config()

@@ -5,6 +5,7 @@ transformers names the block `mlp`; vLLM names it `block_sparse_moe`.
 
 from numbisect.arch import ArchMap
 from numbisect.arch.qwen3_moe import ARCH as _QWEN
+from numbisect.routing import RouterSpec
 
 _VLLM_BLOCK = "model.layers.{i}.block_sparse_moe"
 
@@ -20,4 +21,6 @@ ARCH = ArchMap(
     },
     ffn_kind=lambda config, i: "moe",
     moe_sub_units=("router", "experts"),
+    # Softmax over the experts, top-k, always renormalised.
+    router_spec=lambda c: RouterSpec(c.num_experts_per_tok, c.num_local_experts, "softmax", True),
 )

