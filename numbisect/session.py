@@ -6,6 +6,7 @@ gives the baseline report body; `trial(swapped)` is the evaluator the search cal
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from numbisect.arch import arch_for
 from numbisect.backends.base import Backend, ForwardResult, load_config
 from numbisect.errors import BackendError, InputError
 from numbisect.faults import apply_faults, check_fault, parse_fault
+from numbisect.prefix import PrefixCache
 from numbisect.swap import apply_swaps, unpatch
 from numbisect.trace import BUILTIN_GROUPS, Trace, check_vocab
 
@@ -36,9 +38,16 @@ class Spec:
 
 
 class Session:
-    def __init__(self, spec: Spec, settings: C.Settings, progress=None, backends: dict | None = None):
-        """`backends` may hold already-open "ref" / "engine" backends (tests share engines)."""
+    def __init__(self, spec: Spec, settings: C.Settings, progress=None, backends: dict | None = None,
+                 prefix_reuse: bool = True):
+        """`backends` may hold already-open "ref" / "engine" backends (tests share engines).
+
+        `prefix_reuse`: a trial replays the leading layers it shares with the baseline or
+        an earlier trial instead of recomputing them (`numbisect.prefix`; same results).
+        """
         self.spec = spec
+        self.prefix_reuse = prefix_reuse
+        self.prefix = PrefixCache()
         self.settings = settings
         self.say = progress or (lambda msg: None)
         backends = backends or {}
@@ -108,14 +117,26 @@ class Session:
         return self._ref_result
 
     # -- the engine -----------------------------------------------------------------------
-    def engine_forward(self, swapped=(), capture=(), feed=None) -> ForwardResult:
-        """The engine with its planted faults, then `swapped` units replaced by the reference's."""
+    def engine_forward(self, swapped=(), capture=(), feed=None, *, prefix=None) -> ForwardResult:
+        """The engine with its planted faults, then `swapped` units replaced by the reference's.
+
+        `prefix=(recording, L)`: layers 0..L-1 replay the recording, the others are
+        recorded (`numbisect.prefix`; used by `trial`).
+        """
         if self.engine is None:
             return C.rollout_result(self.trace)
+        if getattr(self.engine, "remote", False):  # tensor parallel: faults and swaps go into the workers
+            self.engine.prepare(self.faults, list(swapped), self.ref)
+            try:
+                return self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed)
+            finally:
+                self.engine.undo()
         planted = apply_faults(self.engine, self.faults)
         try:
             apply_swaps(self.engine, self.ref, list(swapped))
-            return self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed)
+            ctx = self.prefix.run(self.engine, swapped, *prefix) if prefix else contextlib.nullcontext()
+            with ctx:
+                return self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed)
         finally:
             unpatch(self.engine)
             self.engine.restore()
@@ -129,7 +150,7 @@ class Session:
         prop = self.engine_forward(capture=[u.name for u in units])
         tokens = C.token_report(self.samples, ref, prop, self.settings, self.groups)
         loc = None
-        if local and self.engine is not None:
+        if local and self.engine is not None and not getattr(self.engine, "remote", False):  # no feed under TP yet
             self.say("teacher-forced pass (local error)")
             feed = {n: ref.inputs[n] for n in C.local_feed_names(self.engine) if ref.inputs.get(n)}
             loc = self.engine_forward(capture=[u.name for u in units], feed=feed)
@@ -144,17 +165,30 @@ class Session:
             body["local_ranking"] = C.local_ranking(rows)
         return body
 
+    def _prefix_key(self):
+        """What the recorded prefix depends on besides the session's fixed engine and trace."""
+        return (tuple(self.faults), id(self.engine), id(self.samples))
+
+    def _trial_forward(self, swapped) -> tuple[ForwardResult, int]:
+        """The engine forward of a trial, and how many leading layers it replayed."""
+        if not self.prefix_reuse or self.engine is None or getattr(self.engine, "remote", False):
+            return self.engine_forward(swapped), 0
+        source, upto = self.prefix.plan(self.engine, swapped, self._prefix_key())
+        return self.engine_forward(swapped, prefix=(source, upto)), upto
+
     def trial(self, swapped) -> tuple[float, dict]:
         """One engine forward with `swapped` units replaced: (judged value, summary)."""
         ref = self.reference()
         t0 = time.perf_counter()
-        res = self.engine_forward(swapped)
+        res, replayed = self._trial_forward(swapped)
         tokens = C.token_report(self.samples, ref, res, self.settings, self.groups)
         summary = {
             "groups": {g: {"k3_mean": v["k3"]["mean"], "k3_p99": v["k3"]["p99"], "kl_mean": (v["kl"] or {}).get("mean")} for g, v in tokens["groups"].items()},
             "seq_frac_rejected": tokens["rl_cost"]["seq_frac_rejected"],
             "forward_s": round(time.perf_counter() - t0, 4),
         }
+        if self.prefix_reuse and self.engine is not None:
+            summary["prefix_layers"] = replayed  # leading layers replayed from an earlier trial
         return tokens["value"], summary
 
     def self_check(self, tol: float = 1e-7) -> dict:
