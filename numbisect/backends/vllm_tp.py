@@ -22,7 +22,8 @@ the module-level functions below, bound with `functools.partial`).
    reduced by its block) is a row-parallel partial sum per rank, so the ranks' tensors
    are added; the logits are gathered on rank 0 by vLLM's logits processor already.
 5. Not yet under tensor parallelism: teacher forcing (local error; `compare` leaves it
-   out) and prefix reuse (every trial recomputes every layer).
+   out), the precision what-ifs (`run` skips them) and prefix reuse (every trial
+   recomputes every layer).
 """
 
 from __future__ import annotations
