@@ -37,6 +37,8 @@ SWAPS = [
     (("layers.1.moe", "layers.2.attn", "layers.3.moe.router"), 2),  # layers.1.moe's trial
     (("layers.0.input_norm",), 0),
     (("layers.1.moe", "layers.2.attn", "layers.3.attn"), 3),
+    (("layers.1", "layers.3.attn"), 1),  # a whole layer swapped
+    (("layers.1", "layers.3.moe"), 3),  # ... and replayed from that trial
 ]
 
 
