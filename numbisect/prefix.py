@@ -27,7 +27,9 @@
 
 Memory: a recording holds layers x tokens x hidden values (twice on vLLM), as much as a
 capture of every layer's output; later recordings hold only the layers they computed.
-The baseline and the `keep` most recently used other recordings are kept.
+The baseline and the `keep` most recently used other recordings are kept. With tensor
+parallelism each worker keeps its own recordings and this side only the swapped sets
+(`note`); both make the same choices from the same sequence of trials.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ class Replay(nn.Module):
         return _copy(out, x.device if x is not None else None)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class Recording:
     swapped: frozenset  # the units the recorded trial swapped
     outputs: list = field(default_factory=list)  # layer -> one recorded output per forward call
@@ -146,9 +148,11 @@ class PrefixCache:
         self.key: Any = None
         self.recordings: list[Recording] = []  # most recently used last
         self.recorded = 0  # trials recorded since the cache was made
+        self.cleared = True
 
     def clear(self) -> None:
         self.key, self.recordings = None, []
+        self.cleared = True  # a tensor-parallel engine's workers clear theirs on the next trial
 
     def plan(self, engine, swapped, key) -> tuple[Recording | None, int]:
         """The recording to replay from and how many leading layers (0: none)."""
@@ -202,6 +206,11 @@ class PrefixCache:
             raise BackendError(f"prefix reuse: layer {r.layer} was called {r.calls} times, the recorded run "
                                f"{len(r.outputs)}; {HINT}")
         self._add(Recording(frozenset(swapped), outputs), source)
+
+    def note(self, swapped, used: Recording | None) -> None:
+        """Book a trial recorded elsewhere (in a tensor-parallel engine's workers, whose
+        caches make the same choices from the same sequence of trials)."""
+        self._add(Recording(frozenset(swapped)), used)
 
     def _add(self, rec: Recording, used: Recording | None) -> None:
         if used is not None and used in self.recordings:  # most recently used last

@@ -154,9 +154,8 @@ def prefix_summary(session, trials) -> dict:
     by the baseline or an earlier trial (`numbisect.prefix`), and how many."""
     new = [t for t in trials if not t.resumed]
     replayed = [t.metrics.get("prefix_layers") or 0 for t in new]
-    remote = getattr(session.engine, "remote", False)  # tensor parallel: not available yet
     return {
-        "enabled": bool(session.prefix_reuse) and not remote,
+        "enabled": bool(session.prefix_reuse),
         "trials_replayed": sum(1 for r in replayed if r),
         "layers_replayed": sum(replayed),
         "layers": sum(1 for u in session.engine.units if u.kind == "layer"),

@@ -126,11 +126,7 @@ class Session:
         if self.engine is None:
             return C.rollout_result(self.trace)
         if getattr(self.engine, "remote", False):  # tensor parallel: faults and swaps go into the workers
-            self.engine.prepare(self.faults, list(swapped), self.ref)
-            try:
-                return self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed)
-            finally:
-                self.engine.undo()
+            return self._remote_forward(swapped, capture, feed, prefix)
         planted = apply_faults(self.engine, self.faults)
         try:
             apply_swaps(self.engine, self.ref, list(swapped))
@@ -141,6 +137,28 @@ class Session:
             unpatch(self.engine)
             self.engine.restore()
             planted.undo()
+
+    def _remote_forward(self, swapped, capture, feed, prefix) -> ForwardResult:
+        """`engine_forward` on a tensor-parallel engine: everything happens in its workers;
+        this side keeps the prefix cache's bookkeeping (which trial swapped what)."""
+        self.engine.prepare(self.faults, list(swapped), self.ref)
+        try:
+            if prefix:
+                source, upto = prefix
+                self.engine.prefix_begin(swapped, source, upto, clear=self.prefix.cleared)
+                self.prefix.cleared = False
+            ok = False
+            try:
+                res = self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed)
+                ok = True
+            finally:
+                if prefix:
+                    self.engine.prefix_end(failed=not ok)
+            if prefix:
+                self.prefix.note(swapped, prefix[0])
+            return res
+        finally:
+            self.engine.undo()
 
     def compare(self, local: bool = True) -> dict:
         """Token metrics, RL cost and per-unit divergence of the unswapped engine."""
@@ -171,7 +189,7 @@ class Session:
 
     def _trial_forward(self, swapped) -> tuple[ForwardResult, int]:
         """The engine forward of a trial, and how many leading layers it replayed."""
-        if not self.prefix_reuse or self.engine is None or getattr(self.engine, "remote", False):
+        if not self.prefix_reuse or self.engine is None:
             return self.engine_forward(swapped), 0
         source, upto = self.prefix.plan(self.engine, swapped, self._prefix_key())
         return self.engine_forward(swapped, prefix=(source, upto)), upto

@@ -1,8 +1,8 @@
 """vLLM with tensor_parallel_size=2 on this machine: faults, swaps and captures go into
 both workers (`numbisect.backends.vllm_tp`).
 
-Starting two workers takes 20-50 s here and the test about 40 s in all, so it runs with
-the other vLLM tests; `NUMBISECT_TP_TESTS=0` leaves it out (it binds both cores).
+Starting two workers takes 20-50 s here and the module about 70 s in all, so it runs
+with the other vLLM tests; `NUMBISECT_TP_TESTS=0` leaves it out (it binds both cores).
 """
 
 from __future__ import annotations
@@ -42,4 +42,35 @@ def test_search_under_tensor_parallel_names_a_fault_planted_in_the_row_parallel_
     prop = {n: rows[n]["propagated"]["rel_l2"] for n in rows}
     assert all(prop[n] < 0.02 for n in ("embed", "layers.0", "layers.1", "layers.2.attn", "layers.1.moe.experts"))
     assert prop["layers.2.moe.experts"] > 1
-    assert r["search"]["prefix_reuse"]["enabled"] is False  # not available under tensor parallelism yet
+    pr = r["search"]["prefix_reuse"]
+    assert pr["enabled"] and pr["trials_replayed"] > 0  # replayed inside both workers
+
+
+def test_prefix_reuse_in_the_workers_equals_full_recomputation():
+    """Each worker records and replays its own layers; faults in the prefix included."""
+    import torch
+
+    from conftest import hf
+    from numbisect.backends.vllm_tp import VLLMTPBackend
+    from numbisect.compare import Settings
+    from numbisect.session import Session, Spec
+
+    m = model_dir("qwen3_moe")
+    eng = VLLMTPBackend(m, "bfloat16", tensor_parallel_size=2)
+    try:
+        spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=trace_path("qwen3_moe"),
+                    faults=["output_noise=10@layers.1.attn", "output_noise=10@layers.3.moe.experts"])
+        s = Session(spec, Settings(threshold=3e-4), backends={"ref": hf("qwen3_moe", "bfloat16"), "engine": eng})
+        s.samples = s.samples[:6]
+        cases = [((), 0), (("layers.2.attn",), 2), (("layers.3.moe.experts",), 3), (("lm_head",), 4),
+                 (("layers.1.moe", "layers.3.attn"), 1), (("layers.1.moe", "layers.2.moe.experts"), 2)]
+        for swapped, depth in cases:
+            s.prefix_reuse = True
+            reused, replayed = s._trial_forward(swapped)
+            s.prefix_reuse = False
+            full, _ = s._trial_forward(swapped)
+            assert replayed == depth, swapped
+            for a, b in zip(reused.full_logprobs, full.full_logprobs):
+                assert torch.equal(a, b), swapped
+    finally:
+        eng.close()

@@ -21,9 +21,10 @@ the module-level functions below, bound with `functools.partial`).
    checked to be equal on every rank; the routed experts' sum (and a shared expert
    reduced by its block) is a row-parallel partial sum per rank, so the ranks' tensors
    are added; the logits are gathered on rank 0 by vLLM's logits processor already.
-5. Not yet under tensor parallelism: teacher forcing (local error; `compare` leaves it
-   out), the precision what-ifs (`run` skips them) and prefix reuse (every trial
-   recomputes every layer).
+5. Prefix reuse: the driver plans as for an in-process engine (`numbisect.prefix`);
+   every worker records and replays its own layers' outputs (replicated on every rank).
+6. Not yet under tensor parallelism: teacher forcing (local error; `compare` leaves it
+   out) and the precision what-ifs (`run` skips them).
 """
 
 from __future__ import annotations
@@ -141,6 +142,41 @@ def worker_unhook(model) -> None:
         h.remove()
 
 
+def worker_prefix_begin(model, swapped: list[str], source: list[str] | None, upto: int, clear: bool,
+                        engine_dtype: str) -> int:
+    """Prefix reuse inside this worker (`numbisect.prefix`): replay layers 0..upto-1 from the
+    recording of the trial that swapped `source`, record the others. The driver keeps the
+    same cache of swapped sets and decides; every worker mirrors its recordings."""
+    from numbisect.prefix import PrefixCache
+    from numbisect.swap import _ModelEngine
+
+    cache = model.__dict__.setdefault("_numbisect_prefix", PrefixCache())
+    if clear:
+        cache.clear()
+    rec = None
+    if upto:
+        rec = next((r for r in cache.recordings if r.swapped == frozenset(source)), None)
+        if rec is None:
+            raise BackendError("prefix reuse: a worker lost the recording to replay; run with --no-prefix-reuse")
+    engine = model.__dict__.get("_numbisect_engine") or _ModelEngine(model, engine_dtype)
+    ctx = cache.run(engine, swapped, rec, upto)
+    ctx.__enter__()
+    model.__dict__["_numbisect_prefix_run"] = ctx
+    return upto
+
+
+def worker_prefix_end(model, failed: bool) -> None:
+    """Put the layers back; on success the recording joins this worker's cache."""
+    ctx = model.__dict__.pop("_numbisect_prefix_run", None)
+    if ctx is None:
+        return
+    if failed:
+        err = BackendError("the trial failed")
+        ctx.__exit__(BackendError, err, None)
+    else:
+        ctx.__exit__(None, None, None)
+
+
 # -- the driver side ----------------------------------------------------------------------------
 class VLLMTPBackend(Backend):
     """A vLLM engine with `tensor_parallel_size` > 1 (see the module docstring)."""
@@ -222,6 +258,14 @@ class VLLMTPBackend(Backend):
             self.llm.apply_model(functools.partial(worker_faults, specs=specs, engine_dtype=self.dtype_name))
         if swapped:
             self.swap(swapped, donor.path, donor.dtype_name)
+
+    def prefix_begin(self, swapped, source, upto: int, clear: bool) -> None:
+        self.llm.apply_model(functools.partial(
+            worker_prefix_begin, swapped=list(swapped), source=sorted(source.swapped) if source else None,
+            upto=upto, clear=clear, engine_dtype=self.dtype_name))
+
+    def prefix_end(self, failed: bool) -> None:
+        self.llm.apply_model(functools.partial(worker_prefix_end, failed=failed))
 
     def undo(self) -> None:
         if self.swapped:
