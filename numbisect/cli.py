@@ -200,6 +200,8 @@ def compare(**kw):
 @click.option("--log", "log_path", type=click.Path(), help="Append each trial to this JSONL log as it ends.")
 @click.option("--resume", type=click.Path(), help="Continue from a trial log of an interrupted run (no trial repeated).")
 @click.option("--whatif/--no-whatif", default=True, show_default=True, help="Rerun each culprit with its arithmetic in fp32 (suggested fix).")
+@click.option("--prefix-reuse/--no-prefix-reuse", default=True, show_default=True,
+              help="A trial replays the leading layers it shares with the baseline or an earlier trial instead of recomputing them (same results).")
 def run(**kw):
     """Swap reference modules into the engine and search for the culprit units."""
     from numbisect.report import command_line, new_report
@@ -211,7 +213,7 @@ def run(**kw):
         raise InputError("--max-trials must be at least 1")
     with Progress(kw["quiet"]) as say:
         spec, settings = _spec_settings(kw, say)
-        session = Session(spec, settings, progress=say)
+        session = Session(spec, settings, progress=say, prefix_reuse=kw["prefix_reuse"])
         try:
             body, code = do_run(
                 session,

@@ -85,6 +85,10 @@ def open_backend(kind: str, path: str, dtype: str, opts: dict) -> Backend:
         if bad:
             raise InputError(f"unknown hf option {', '.join(sorted(bad))}; known: {', '.join(sorted(allowed))}")
         return HFBackend(path, dtype, **opts)
+    if int(opts.get("tensor_parallel_size", 1) or 1) > 1:  # the model lives in worker processes
+        from numbisect.backends.vllm_tp import VLLMTPBackend
+
+        return VLLMTPBackend(path, dtype, **opts)
     from numbisect.backends.vllm import VLLMBackend
 
     return VLLMBackend(path, dtype, **opts)

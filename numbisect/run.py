@@ -143,11 +143,25 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
     finally:
         logger.close()
     body["trials"] = [t.to_dict() for t in runner.trials]
-    if whatif and body.get("culprits"):
+    body["search"]["prefix_reuse"] = prefix_summary(session, runner.trials)
+    if whatif and body.get("culprits") and not getattr(session.engine, "remote", False):  # not under TP yet
         from numbisect.whatif import run_whatifs
 
         run_whatifs(session, body["culprits"], body["search"].get("baseline"), progress)
     return body, code
+
+
+def prefix_summary(session, trials) -> dict:
+    """`search.prefix_reuse` in the report: whether trials replayed leading layers recorded
+    by the baseline or an earlier trial (`numbisect.prefix`), and how many."""
+    new = [t for t in trials if not t.resumed]
+    replayed = [t.metrics.get("prefix_layers") or 0 for t in new]
+    return {
+        "enabled": bool(session.prefix_reuse),
+        "trials_replayed": sum(1 for r in replayed if r),
+        "layers_replayed": sum(replayed),
+        "layers": sum(1 for u in session.engine.units if u.kind == "layer"),
+    }
 
 
 def _swap_run(session, kinds: list[str], runner: S.TrialRunner, body: dict) -> int:

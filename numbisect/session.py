@@ -6,6 +6,7 @@ gives the baseline report body; `trial(swapped)` is the evaluator the search cal
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from numbisect.arch import arch_for
 from numbisect.backends.base import Backend, ForwardResult, load_config
 from numbisect.errors import BackendError, InputError
 from numbisect.faults import apply_faults, check_fault, parse_fault
+from numbisect.prefix import PrefixCache
 from numbisect.swap import apply_swaps, unpatch
 from numbisect.trace import BUILTIN_GROUPS, Trace, check_vocab
 
@@ -39,9 +41,16 @@ class Spec:
 
 
 class Session:
-    def __init__(self, spec: Spec, settings: C.Settings, progress=None, backends: dict | None = None):
-        """`backends` may hold already-open "ref" / "engine" backends (tests share engines)."""
+    def __init__(self, spec: Spec, settings: C.Settings, progress=None, backends: dict | None = None,
+                 prefix_reuse: bool = True):
+        """`backends` may hold already-open "ref" / "engine" backends (tests share engines).
+
+        `prefix_reuse`: a trial replays the leading layers it shares with the baseline or
+        an earlier trial instead of recomputing them (`numbisect.prefix`; same results).
+        """
         self.spec = spec
+        self.prefix_reuse = prefix_reuse
+        self.prefix = PrefixCache()
         self.settings = settings
         self.say = progress or (lambda msg: None)
         backends = backends or {}
@@ -61,6 +70,8 @@ class Session:
         D.check_mode(eng_kind, spec.engine_mode)
         D.check_trace(self.trace, spec.engine_mode)
         self.mode = spec.engine_mode
+        if self.mode != "prefill":  # recordings are per engine call; decode calls once per token
+            self.prefix_reuse = False
         if self.faults and eng_kind == "rollout":
             raise InputError("--engine-fault needs an engine that runs (hf: or vllm:), not rollout")
         # Cheap checks first: configs, architectures, vocabulary, groups; then the slow loads.
@@ -134,26 +145,56 @@ class Session:
         return None if spec is None else RoutingProbe(backend, spec, self.samples, replay)
 
     # -- the engine -----------------------------------------------------------------------
-    def engine_forward(self, swapped=(), capture=(), feed=None, mode=None, probe=None) -> ForwardResult:
+    def engine_forward(self, swapped=(), capture=(), feed=None, mode=None, probe=None, *, prefix=None) -> ForwardResult:
         """The engine with its planted faults, then `swapped` units replaced by the reference's,
         run in `mode` (default: the session's engine mode), and, with `probe`, its expert ids
-        recorded or replayed."""
+        recorded or replayed.
+
+        `prefix=(recording, L)`: layers 0..L-1 replay the recording, the others are
+        recorded (`numbisect.prefix`; used by `trial`).
+        """
         if self.engine is None:
             return C.rollout_result(self.trace)
         mode = mode or self.mode
         D.check_swappable(self.engine, list(swapped), mode)
+        if getattr(self.engine, "remote", False):  # tensor parallel: faults and swaps go into the workers
+            return self._remote_forward(swapped, capture, feed, prefix)
         planted = apply_faults(self.engine, self.faults)
         undo = None
         try:
             apply_swaps(self.engine, self.ref, list(swapped))
             undo = probe.install() if probe else None
-            return self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed, mode=mode)
+            ctx = self.prefix.run(self.engine, swapped, *prefix) if prefix else contextlib.nullcontext()
+            with ctx:
+                return self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed, mode=mode)
         finally:
             if undo:
                 undo()
             unpatch(self.engine)
             self.engine.restore()
             planted.undo()
+
+    def _remote_forward(self, swapped, capture, feed, prefix) -> ForwardResult:
+        """`engine_forward` on a tensor-parallel engine: everything happens in its workers;
+        this side keeps the prefix cache's bookkeeping (which trial swapped what)."""
+        self.engine.prepare(self.faults, list(swapped), self.ref)
+        try:
+            if prefix:
+                source, upto = prefix
+                self.engine.prefix_begin(swapped, source, upto, clear=self.prefix.cleared)
+                self.prefix.cleared = False
+            ok = False
+            try:
+                res = self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed)
+                ok = True
+            finally:
+                if prefix:
+                    self.engine.prefix_end(failed=not ok)
+            if prefix:
+                self.prefix.note(swapped, prefix[0])
+            return res
+        finally:
+            self.engine.undo()
 
     def compare(self, local: bool = True) -> dict:
         """Token metrics, RL cost and per-unit divergence of the unswapped engine."""
@@ -165,7 +206,7 @@ class Session:
         prop = self.engine_forward(capture=[u.name for u in units], probe=probes["propagated"])
         tokens = C.token_report(self.samples, ref, prop, self.settings, self.groups)
         loc = None
-        if local and self.engine is not None:
+        if local and self.engine is not None and not getattr(self.engine, "remote", False):  # no feed under TP yet
             self.say("teacher-forced pass (local error)")
             feed = {n: ref.inputs[n] for n in C.local_feed_names(self.engine) if ref.inputs.get(n)}
             probes["local"] = self.routing_probe(self.engine) if self.mode == "prefill" else None
@@ -192,17 +233,30 @@ class Session:
                 body["routing_replay"] = R.replay_whatif(self, self.spec.replay_routing, probes["propagated"].ids, prop, tokens)
         return body
 
+    def _prefix_key(self):
+        """What the recorded prefix depends on besides the session's fixed engine and trace."""
+        return (tuple(self.faults), id(self.engine), id(self.samples))
+
+    def _trial_forward(self, swapped) -> tuple[ForwardResult, int]:
+        """The engine forward of a trial, and how many leading layers it replayed."""
+        if not self.prefix_reuse or self.engine is None:
+            return self.engine_forward(swapped), 0
+        source, upto = self.prefix.plan(self.engine, swapped, self._prefix_key())
+        return self.engine_forward(swapped, prefix=(source, upto)), upto
+
     def trial(self, swapped) -> tuple[float, dict]:
         """One engine forward with `swapped` units replaced: (judged value, summary)."""
         ref = self.reference()
         t0 = time.perf_counter()
-        res = self.engine_forward(swapped)
+        res, replayed = self._trial_forward(swapped)
         tokens = C.token_report(self.samples, ref, res, self.settings, self.groups)
         summary = {
             "groups": {g: {"k3_mean": v["k3"]["mean"], "k3_p99": v["k3"]["p99"], "kl_mean": (v["kl"] or {}).get("mean")} for g, v in tokens["groups"].items()},
             "seq_frac_rejected": tokens["rl_cost"]["seq_frac_rejected"],
             "forward_s": round(time.perf_counter() - t0, 4),
         }
+        if self.prefix_reuse and self.engine is not None:
+            summary["prefix_layers"] = replayed  # leading layers replayed from an earlier trial
         return tokens["value"], summary
 
     def self_check(self, tol: float = 1e-7) -> dict:

@@ -1,0 +1,325 @@
+"""vLLM with tensor parallelism: log-probs, swaps and captures inside each worker.
+
+With `tensor_parallel_size=N` the model lives in N worker processes, each holding a
+shard, so nothing can be hooked or replaced from the driver. Everything goes through
+`llm.apply_model(fn)`, which pickles `fn` to every worker and returns each worker's
+result (it needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1`, and `fn` must be importable:
+the module-level functions below, bound with `functools.partial`).
+
+1. Start: `LLM(..., tensor_parallel_size=N, distributed_executor_backend="mp")`, each
+   worker bound to its own core (`VLLM_CPU_OMP_THREADS_BIND`, "0|1" for two).
+2. Log-probs: `generate` with prompt log-probs, exactly as the in-process backend.
+3. Swaps: `apply_swap_spec` in every worker (each loads the donor checkpoint once).
+   Whole units (embed, norms, attention, MLP/MoE blocks, layers, the logits) return
+   the full tensor on every rank, as vLLM's own modules do after their all-reduce. The
+   routed experts' weighted sum (and glm4_moe's shared expert) are the exception: vLLM
+   all-reduces them after the module, so once swapped they return the full sum on
+   rank 0 and zeros on the other ranks. Planted faults are planted in every worker.
+4. Captures: forward hooks in every worker, read back after each sample, put in
+   canonical form: units whose output is replicated (every rank holds the full tensor:
+   everything vLLM all-reduces or gathers inside the unit) are taken from rank 0 and
+   checked to be equal on every rank; the routed experts' sum (and a shared expert
+   reduced by its block) is a row-parallel partial sum per rank, so the ranks' tensors
+   are added; the logits are gathered on rank 0 by vLLM's logits processor already.
+5. Prefix reuse: the driver plans as for an in-process engine (`numbisect.prefix`);
+   every worker records and replays its own layers' outputs (replicated on every rank).
+6. Not yet under tensor parallelism: teacher forcing (local error; `compare` leaves it
+   out) and the precision what-ifs (`run` skips them).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from numbisect.backends.base import Backend, ForwardResult, fail, register
+from numbisect.backends.vllm import _canonical_output, _wrap_routed, import_vllm, quiet_stderr
+from numbisect.errors import BackendError
+from numbisect.swap import SwapSpec, _patch, apply_swap_spec, expand, undo_swap_spec
+
+# How the ranks' captures of a unit kind become one canonical tensor.
+# The logits: vLLM's logits processor gathers the vocabulary shards on rank 0 (the
+# others may hold none). Every other kind: "replicated" (rank 0, equal on every rank).
+# The routed experts' weighted sum, and a shared expert whose down projection leaves
+# its all-reduce to the MoE block (glm4_moe), are row-parallel partial sums: "sum".
+GATHER = {"experts": "sum", "shared_expert": "sum", "lm_head": "rank0"}
+
+
+def _tp():
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+# -- functions that run inside each worker (pickled by reference) ------------------------------
+def worker_rank(model) -> tuple[int, int]:
+    return _tp()
+
+
+def worker_swap(model, spec: SwapSpec, engine_dtype: str) -> list[str]:
+    """`apply_swap_spec`, then the experts' sum kept on rank 0 only (step 3)."""
+    names = apply_swap_spec(model, spec, engine_dtype)
+    rank, world = _tp()
+    if world > 1:
+        engine = model.__dict__["_numbisect_engine"]
+        for name in names:
+            kind = engine.unit(name).kind
+            if GATHER.get(kind) != "sum":
+                continue
+            # The swapped module computes the whole sum; the block's all-reduce adds the ranks.
+            obj, attr = (engine.module(name).routed_experts, "forward_modular") if kind == "experts" else (engine.module(name), "forward")
+            full = getattr(obj, attr)
+
+            def only_rank0(*args, _full=full, **kwargs):
+                out = _full(*args, **kwargs)
+                return out if rank == 0 else torch.zeros_like(out)
+
+            _patch(engine, obj, attr, only_rank0)
+    return names
+
+
+def worker_unswap(model) -> None:
+    undo_swap_spec(model)
+
+
+def worker_faults(model, specs: list[str], engine_dtype: str) -> int:
+    """Plant faults (`numbisect.faults` specs) in this worker's shard; `worker_unfault` undoes them.
+    Noise is seeded from the unit name, so every rank draws the same."""
+    from numbisect.faults import apply_faults, parse_fault
+    from numbisect.swap import _ModelEngine
+
+    worker_unfault(model)
+    engine = model.__dict__.get("_numbisect_engine") or _ModelEngine(model, engine_dtype)
+    model.__dict__["_numbisect_planted"] = apply_faults(engine, [parse_fault(s) for s in specs])
+    return len(specs)
+
+
+def worker_unfault(model) -> None:
+    planted = model.__dict__.pop("_numbisect_planted", None)
+    if planted is not None:
+        planted.undo()
+
+
+def worker_hooks(model, units: list[str], engine_dtype: str) -> int:
+    """Register capture hooks on `units`; outputs pile up until `worker_take`."""
+    from numbisect.swap import _ModelEngine
+
+    worker_unhook(model)
+    engine = model.__dict__.get("_numbisect_engine") or _ModelEngine(model, engine_dtype)
+    seen: dict[str, list] = {u: [] for u in units}
+    handles: list = []
+    for name in units:
+        kind = engine.unit(name).kind
+        mod = engine.module(name)
+        if kind == "experts":
+            handles.append(_wrap_routed(mod.routed_experts, seen[name]))
+            continue
+
+        def post(m, args, kwargs, out, name=name, kind=kind):
+            t = _canonical_output(kind, out) if out is not None else None
+            if isinstance(t, torch.Tensor):
+                seen[name].append(t.detach().to("cpu", copy=True))
+
+        register(mod, handles, post=post)
+    model.__dict__["_numbisect_hooks"] = (handles, seen)
+    return len(handles)
+
+
+def worker_take(model) -> dict[str, list[torch.Tensor]]:
+    """The outputs captured since the last call (and forget them)."""
+    _, seen = model.__dict__.get("_numbisect_hooks", ([], {}))
+    out = {u: list(v) for u, v in seen.items()}
+    for v in seen.values():
+        v.clear()
+    return out
+
+
+def worker_unhook(model) -> None:
+    handles, _ = model.__dict__.pop("_numbisect_hooks", ([], {}))
+    for h in handles:
+        h.remove()
+
+
+def worker_prefix_begin(model, swapped: list[str], source: list[str] | None, upto: int, clear: bool,
+                        engine_dtype: str) -> int:
+    """Prefix reuse inside this worker (`numbisect.prefix`): replay layers 0..upto-1 from the
+    recording of the trial that swapped `source`, record the others. The driver keeps the
+    same cache of swapped sets and decides; every worker mirrors its recordings."""
+    from numbisect.prefix import PrefixCache
+    from numbisect.swap import _ModelEngine
+
+    cache = model.__dict__.setdefault("_numbisect_prefix", PrefixCache())
+    if clear:
+        cache.clear()
+    rec = None
+    if upto:
+        rec = next((r for r in cache.recordings if r.swapped == frozenset(source)), None)
+        if rec is None:
+            raise BackendError("prefix reuse: a worker lost the recording to replay; run with --no-prefix-reuse")
+    engine = model.__dict__.get("_numbisect_engine") or _ModelEngine(model, engine_dtype)
+    ctx = cache.run(engine, swapped, rec, upto)
+    ctx.__enter__()
+    model.__dict__["_numbisect_prefix_run"] = ctx
+    return upto
+
+
+def worker_prefix_end(model, failed: bool) -> None:
+    """Put the layers back; on success the recording joins this worker's cache."""
+    ctx = model.__dict__.pop("_numbisect_prefix_run", None)
+    if ctx is None:
+        return
+    if failed:
+        err = BackendError("the trial failed")
+        ctx.__exit__(BackendError, err, None)
+    else:
+        ctx.__exit__(None, None, None)
+
+
+# -- the driver side ----------------------------------------------------------------------------
+class VLLMTPBackend(Backend):
+    """A vLLM engine with `tensor_parallel_size` > 1 (see the module docstring)."""
+
+    kind = "vllm"
+    remote = True  # the session plants faults and swaps through `prepare` / `undo`
+
+    def __init__(self, path: str, dtype: str = "bfloat16", tensor_parallel_size: int = 2, **engine_opts):
+        super().__init__(path, dtype)
+        self.tp = int(tensor_parallel_size)
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        if (bind or "").count("|") != self.tp - 1:  # not one CPU list per rank: one core each
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(self.tp))
+        vllm = import_vllm()
+        # An engine started earlier in this process froze vLLM's environment cache
+        # (the binding above would go unread): read the variables afresh.
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+        opts = {
+            "max_model_len": int(engine_opts.pop("max_model_len", min(1024, getattr(self.config, "max_position_embeddings", 1024)))),
+            "seed": int(engine_opts.pop("seed", 0)),
+            **engine_opts,
+        }
+        self.options = {**opts, "tensor_parallel_size": self.tp}
+        try:
+            with quiet_stderr():
+                self.llm = vllm.LLM(
+                    model=path, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
+                    dtype=dtype, logprobs_mode="raw_logprobs", tensor_parallel_size=self.tp,
+                    distributed_executor_backend="mp", **opts,
+                )
+        except Exception as e:
+            raise fail(e, f"vLLM could not start on {path} with tensor_parallel_size={self.tp}") from None
+        finally:  # the workers have their binding; an engine started later in this process must not inherit it
+            if bind is None:
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            else:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        ranks = self.llm.apply_model(worker_rank)
+        if sorted(r for r, _ in ranks) != list(range(self.tp)):
+            raise BackendError(f"expected {self.tp} tensor-parallel workers, got ranks {ranks}")
+        self.ranks = [r for r, _ in ranks]  # the order apply_model answers in
+        self._sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+        self._prompt = vllm.inputs.TokensPrompt
+        self.swapped: list[str] = []
+
+    def describe(self) -> dict:
+        return {**super().describe(), "options": self.options}
+
+    @property
+    def root(self):
+        raise BackendError("a tensor-parallel vLLM engine has no model in this process; its units are reached through apply_model")
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        self.llm = None
+
+    def swap(self, units, donor_path: str, donor_dtype: str) -> list[str]:
+        """Swap `units` for the donor's modules in every worker (earlier swaps undone)."""
+        spec = SwapSpec(tuple(units), donor_path, donor_dtype)
+        done = self.llm.apply_model(functools.partial(worker_swap, spec=spec, engine_dtype=self.dtype_name))
+        self.swapped = list(done[0])
+        return self.swapped
+
+    def unswap(self) -> None:
+        self.llm.apply_model(worker_unswap)
+        self.swapped = []
+
+    def prepare(self, faults, swapped: list[str], donor) -> None:
+        """Plant `faults` (then) swap `swapped` for `donor`'s modules in every worker."""
+        if faults:
+            specs = [f.spec or f"{f.kind}@{f.unit}" for f in faults]
+            self.llm.apply_model(functools.partial(worker_faults, specs=specs, engine_dtype=self.dtype_name))
+        if swapped:
+            self.swap(swapped, donor.path, donor.dtype_name)
+
+    def prefix_begin(self, swapped, source, upto: int, clear: bool) -> None:
+        self.llm.apply_model(functools.partial(
+            worker_prefix_begin, swapped=list(swapped), source=sorted(source.swapped) if source else None,
+            upto=upto, clear=clear, engine_dtype=self.dtype_name))
+
+    def prefix_end(self, failed: bool) -> None:
+        self.llm.apply_model(functools.partial(worker_prefix_end, failed=failed))
+
+    def undo(self) -> None:
+        if self.swapped:
+            self.unswap()
+        self.llm.apply_model(worker_unfault)
+
+    def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None) -> ForwardResult:
+        if capture_inputs or feed:
+            raise BackendError("input captures and teacher forcing are not available with tensor parallelism yet")
+        want = list(dict.fromkeys(list(capture) + (["lm_head"] if full_logits else [])))
+        res = ForwardResult(token_logprobs=[], full_logprobs=[] if full_logits else None)
+        for u in want:
+            res.captures[u] = []
+        if want:
+            self.llm.apply_model(functools.partial(worker_hooks, units=want, engine_dtype=self.dtype_name))
+        try:
+            for i, s in enumerate(samples):
+                outs = self.llm.generate([self._prompt(prompt_token_ids=list(s.ids))], self._sp, use_tqdm=False)
+                plp = outs[0].prompt_logprobs
+                T = len(s.ids)
+                if plp is None or len(plp) != T:
+                    raise BackendError(f"vLLM returned no prompt log-probs for sample {i}")
+                res.token_logprobs.append(torch.tensor([plp[t][s.ids[t]].logprob for t in range(1, T)], dtype=torch.float32))
+                if want:
+                    answers = self.llm.apply_model(worker_take)
+                    per_rank = [answers[self.ranks.index(r)] for r in range(self.tp)]
+                    for u in want:
+                        res.captures[u].append(self._gather(u, [r[u] for r in per_rank], T, i))
+        finally:
+            if want:
+                self.llm.apply_model(worker_unhook)
+        if full_logits:
+            res.full_logprobs = [torch.log_softmax(x.float(), dim=-1) for x in res.captures["lm_head"]]
+            if "lm_head" not in capture:
+                del res.captures["lm_head"]
+        return res
+
+    def _gather(self, unit: str, per_rank: list[list[torch.Tensor]], T: int, index: int) -> torch.Tensor:
+        rows = T - 1 if unit == "lm_head" else T
+        how = GATHER.get(self.unit(unit).kind, "replicated")
+        if how == "rank0":
+            per_rank = per_rank[:1]
+        picked = []
+        for calls in per_rank:
+            calls = [c for c in calls if c is not None and c.shape[0] == rows]
+            if not calls:
+                raise BackendError(f"capture of {unit} did not fire for sample {index}")
+            picked.append(calls[-1])
+        if how == "sum":
+            out = picked[0].clone()
+            for t in picked[1:]:
+                out += t
+            return out
+        for r, t in enumerate(picked[1:], start=1):
+            if t.shape != picked[0].shape or not torch.equal(t, picked[0]):
+                raise BackendError(f"capture of {unit}: rank {r} differs from rank 0 (expected a replicated output)")
+        return picked[0]
