@@ -220,3 +220,48 @@ class DumpBackend(Backend):
         return {"backend": "dump", "path": self.path, "dtype": self.dtype_name, "arch": self.arch.name,
                 "options": {"world_size": self.world, "units": len(self.dumped), "tp_shards": {
                     k: v for k, v in self.dumped.items() if v != "replicated"}}}
+
+
+def write_dump(backend: Backend, trace, root: str, units=None, world_size: int = 1, shards: dict | None = None,
+               max_buffer_mb: float = 256.0) -> None:
+    """Run `backend` (vllm: or hf:) over `trace` and write its activations as a dump.
+
+    Every unit's output and (where it has one) input, and the token log-probs. With
+    `world_size` > 1 the tensors of the units in `shards` are split the way a tensor-
+    parallel engine holds them ("column": slices of the last dim; "row": partial sums
+    that add up to the output), one rank directory each.
+    """
+    from numbisect import compare as C
+    from numbisect.dump import DumpWriter
+
+    shards = shards or {}
+    names = list(units) if units is not None else [u.name for u in backend.units]
+    feed = [n for n in C.local_feed_names(backend) if n in names]
+    toks = [len(s.ids) for s in trace.samples]
+    writers = [DumpWriter(root, str(Path(backend.path) / "config.json"), len(toks), toks, rank=r, world_size=world_size,
+                          dtype=backend.dtype_name, trace_sha256=trace.sha256, max_buffer_mb=max_buffer_mb)
+               for r in range(world_size)]
+    for w in writers:
+        for n in names:
+            w.declare(n, shards.get(n, "replicated"))
+    for i, s in enumerate(trace.samples):
+        res = backend.forward([s], capture=names, capture_inputs=feed)
+        writers[0].logprobs(i, res.token_logprobs[0])
+        for n in names:
+            out = res.captures[n][0]
+            inp = res.inputs[n][0] if res.inputs.get(n) else None
+            parts = _split(out, shards.get(n, "replicated"), world_size)
+            for r, w in enumerate(writers):
+                if r == 0 or shards.get(n, "replicated") != "replicated":
+                    w.add(n, i, out=parts[r], inp=inp if r == 0 else None)
+    for w in writers:
+        w.close()
+
+
+def _split(t: torch.Tensor, shard: str, world: int) -> list[torch.Tensor]:
+    if shard == "column":
+        return list(torch.tensor_split(t, world, dim=-1))
+    if shard == "row":  # partial sums: rank r holds the contribution of its slice of the hidden units
+        mask = torch.arange(t.shape[-1]) % world
+        return [torch.where(mask == r, t, torch.zeros_like(t)) for r in range(world)]
+    return [t] * world
