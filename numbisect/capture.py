@@ -43,47 +43,10 @@ class UnitStats:
         self.nan = False
         self.ulps_all = 0
         self.ref_max = 0.0
-        self.stair = torch.zeros(0, 2, dtype=torch.float64)  # (|ref|, ulps), |ref| descending, ulps ascending
+        self.stairs: list[torch.Tensor] = []  # per sample: (|ref|, ulps) points no other point dominates
 
     def update(self, ref: torch.Tensor, eng: torch.Tensor, sample: int) -> None:
-        if ref.shape != eng.shape:
-            raise ValueError(f"sample {sample}: shape mismatch: ref {tuple(ref.shape)} vs eng {tuple(eng.shape)}")
-        r = M._rows(ref)
-        e = M._rows(eng)
-        d = e - r
-        self.n += d.numel()
-        self.rr += float(r.square().sum())
-        self.ee += float(e.square().sum())
-        self.dd += float(d.square().sum())
-        self.re += float((r * e).sum())
-        ad = d.abs()
-        self.abs_sum += float(ad.sum())
-        self.max_abs = max(self.max_abs, float(ad.max())) if d.numel() else self.max_abs
-        row_r = torch.linalg.vector_norm(r, dim=1)
-        row_d = torch.linalg.vector_norm(d, dim=1)
-        row_rel = torch.nan_to_num(torch.where(row_r > 0, row_d / torch.where(row_r > 0, row_r, 1.0), row_d), nan=math.inf)
-        if row_rel.numel():
-            t = int(torch.argmax(row_rel))
-            v = float(row_rel[t])
-            if v > self.tok_rel:
-                self.tok_rel, self.worst = v, {"sample": sample, "token": t}
-        # ulps, as ulp_stats: both sides through float32 into the engine dtype
-        rq = ref.detach().float().to(self.dtype).contiguous().flatten()
-        eq = eng.detach().float().to(self.dtype).contiguous().flatten()
-        idt = M._INT_VIEW[self.dtype][0]
-        nan = torch.isnan(rq) | torch.isnan(eq)
-        self.n_differ += int(((rq.view(idt) != eq.view(idt)) | nan).sum())
-        if bool(nan.any()):
-            self.nan = True
-        if self.nan or rq.numel() == 0:
-            return
-        ulps = (M._ordered(rq, self.dtype) - M._ordered(eq, self.dtype)).abs()
-        self.ulps_all = max(self.ulps_all, int(ulps.max()))
-        r_abs = rq.to(torch.float64).abs()
-        fin = r_abs[torch.isfinite(r_abs)]
-        if fin.numel():
-            self.ref_max = max(self.ref_max, float(fin.max()))
-        self.stair = _staircase(torch.cat([self.stair, torch.stack([r_abs, ulps.double()], 1)]))
+        fold({0: self}, {0: (ref, eng)}, sample)
 
     def result(self) -> dict:
         if self.n == 0:
@@ -104,21 +67,91 @@ class UnitStats:
             ulps.update(max_ulps=None, max_ulps_all=None)
         else:
             floor = 1e-3 * self.ref_max
-            kept = self.stair[self.stair[:, 0] >= floor]
+            stair = torch.cat(self.stairs) if self.stairs else torch.zeros(0, 2, dtype=torch.float64)
+            kept = stair[stair[:, 0] >= floor]
             ulps.update(max_ulps=int(kept[:, 1].max()) if kept.numel() else 0, max_ulps_all=self.ulps_all)
         out["ulps"] = ulps
         return out
 
 
-def _staircase(pts: torch.Tensor) -> torch.Tensor:
-    """Points not dominated by one with both a larger-or-equal |ref| and larger ulps."""
-    if pts.shape[0] == 0:
-        return pts
-    order = torch.argsort(pts[:, 0], descending=True, stable=True)
-    p = pts[order]
-    best = torch.cummax(p[:, 1], 0).values
-    prev = torch.cat([torch.tensor([-1.0], dtype=torch.float64), best[:-1]])
-    return p[p[:, 1] > prev]
+def fold(stats: dict, pairs: dict, sample: int) -> None:
+    """Update `stats[k]` with `pairs[k] = (ref, eng)` of one sample; units whose tensors
+    have the same shape are stacked and reduced together (a few ops per shape, not per unit)."""
+    groups: dict = {}
+    for k, (r, e) in pairs.items():
+        if r.shape != e.shape:
+            raise ValueError(f"{k}: sample {sample}: shape mismatch: ref {tuple(r.shape)} vs eng {tuple(e.shape)}")
+        r2 = r.reshape(r.shape[0], -1) if r.dim() else r.reshape(1, 1)
+        groups.setdefault((tuple(r2.shape), stats[k].dtype), []).append((k, r2, e.reshape(r2.shape)))
+    for (_, dtype), items in groups.items():
+        keys = [k for k, _, _ in items]
+        R = torch.stack([r.to(torch.float64) for _, r, _ in items])  # [U, T, W]
+        E = torch.stack([e.to(torch.float64) for _, _, e in items])
+        _fold_group([stats[k] for k in keys], R, E, dtype, sample,
+                    torch.stack([r.float() for _, r, _ in items]), torch.stack([e.float() for _, _, e in items]))
+
+
+def _fold_group(sts, R, E, dtype, sample, R32, E32) -> None:
+    U = R.shape[0]
+    D = E - R
+    AD = D.abs()
+    sums = torch.stack([R.square().sum((1, 2)), E.square().sum((1, 2)), D.square().sum((1, 2)), (R * E).sum((1, 2)),
+                        AD.sum((1, 2)), AD.amax((1, 2)) if AD.numel() else torch.zeros(U, dtype=torch.float64)], 1).tolist()
+    row_r = torch.linalg.vector_norm(R, dim=2)
+    row_d = torch.linalg.vector_norm(D, dim=2)
+    row_rel = torch.nan_to_num(torch.where(row_r > 0, row_d / torch.where(row_r > 0, row_r, 1.0), row_d), nan=math.inf)
+    tv, ti = row_rel.max(1) if row_rel.shape[1] else (torch.full((U,), -math.inf), torch.zeros(U, dtype=torch.long))
+    tv, ti = tv.tolist(), ti.tolist()
+    rq = R32.to(dtype)
+    eq = E32.to(dtype)
+    idt = M._INT_VIEW[dtype][0]
+    nan = torch.isnan(rq) | torch.isnan(eq)
+    differ = ((rq.view(idt) != eq.view(idt)) | nan).sum((1, 2)).tolist()
+    anynan = nan.any(2).any(1).tolist()
+    ulps = (M._ordered(rq, dtype) - M._ordered(eq, dtype)).abs().reshape(U, -1)
+    r_abs = rq.to(torch.float64).abs().reshape(U, -1)
+    ulps_all = ulps.amax(1).tolist() if ulps.shape[1] else [0] * U
+    fin = torch.where(torch.isfinite(r_abs), r_abs, torch.zeros_like(r_abs))
+    rmax = fin.amax(1).tolist() if fin.shape[1] else [0.0] * U
+    # Staircase of (|ref|, ulps) for the max-ulps floor, known only at the end (1e-3 of the largest
+    # |ref|). Only elements that can still count are sorted: ulps > 0 and |ref| >= 1e-3 of the
+    # largest |ref| so far (the final floor is at least that).
+    run_max = torch.tensor([max(st.ref_max, m) for st, m in zip(sts, rmax)], dtype=torch.float64)
+    cand = (ulps > 0) & (r_abs >= 1e-3 * run_max[:, None])
+    uu, jj = cand.nonzero(as_tuple=True)
+    points = [None] * U
+    if uu.numel():
+        rv, uv = r_abs[uu, jj], ulps[uu, jj].double()
+        o = torch.argsort(rv, descending=True)
+        uu, rv, uv = uu[o], rv[o], uv[o]
+        o = torch.argsort(uu, stable=True)  # by unit, |ref| descending within each
+        uu, rv, uv = uu[o], rv[o], uv[o]
+        key = uv + uu.double() * 2.0**34  # one running max that restarts at every unit
+        best = torch.cummax(key, 0).values
+        rise = key > torch.cat([torch.tensor([-1.0], dtype=torch.float64), best[:-1]])
+        uu, pts = uu[rise], torch.stack([rv[rise], uv[rise]], 1)
+        counts = torch.bincount(uu, minlength=U).tolist()
+        points = list(torch.split(pts, counts))
+    for u, st in enumerate(sts):
+        st.n += R.shape[1] * R.shape[2]
+        rr, ee, dd, re_, a, mx = sums[u]
+        st.rr += rr
+        st.ee += ee
+        st.dd += dd
+        st.re += re_
+        st.abs_sum += a
+        st.max_abs = max(st.max_abs, mx)
+        if tv[u] > st.tok_rel:
+            st.tok_rel, st.worst = tv[u], {"sample": sample, "token": ti[u]}
+        st.n_differ += int(differ[u])
+        if anynan[u]:
+            st.nan = True
+        if st.nan:
+            continue
+        st.ulps_all = max(st.ulps_all, int(ulps_all[u]))
+        st.ref_max = max(st.ref_max, rmax[u])
+        if points[u] is not None and points[u].numel():
+            st.stairs.append(points[u])
 
 
 # -- full mode: tensors to safetensors within a RAM budget ---------------------------------------
@@ -287,9 +320,7 @@ def stream_compare(session, local: bool = True) -> dict:
                 eng_tok.append(e.token_logprobs[0])
                 eng_full.append(e.full_logprobs[0])
                 e_out, e_in = {n: v[0] for n, v in e.captures.items() if v}, {}
-            for n in names:
-                if n in e_out and r.captures.get(n):
-                    prop[n].update(r.captures[n][0], e_out[n], i)
+            fold(prop, {n: (r.captures[n][0], e_out[n]) for n in names if n in e_out and r.captures.get(n)}, i)
             if store is not None:
                 for n in names:
                     if r.captures.get(n):
@@ -306,9 +337,9 @@ def stream_compare(session, local: bool = True) -> dict:
             else:  # the engine fed the reference's inputs
                 fed = eng.forward([s], capture=names, feed={n: [r.inputs[n][0]] for n in feed_names if r.inputs.get(n)})
                 pairs = {n: (r.captures[n][0], fed.captures[n][0]) for n in names if fed.captures.get(n) and r.captures.get(n)}
-            for n, (a, b) in pairs.items():
-                loc[n].update(a, b, i)
-                if store is not None:
+            fold(loc, pairs, i)
+            if store is not None:
+                for n, (a, b) in pairs.items():
                     store.add("local", n, i, b if not dump else a)
             del r
     finally:
