@@ -83,22 +83,27 @@ def fold(stats: dict, pairs: dict, sample: int) -> None:
             raise ValueError(f"{k}: sample {sample}: shape mismatch: ref {tuple(r.shape)} vs eng {tuple(e.shape)}")
         r2 = r.reshape(r.shape[0], -1) if r.dim() else r.reshape(1, 1)
         groups.setdefault((tuple(r2.shape), stats[k].dtype), []).append((k, r2, e.reshape(r2.shape)))
-    for (_, dtype), items in groups.items():
-        keys = [k for k, _, _ in items]
-        R = torch.stack([r.to(torch.float64) for _, r, _ in items])  # [U, T, W]
-        E = torch.stack([e.to(torch.float64) for _, _, e in items])
-        _fold_group([stats[k] for k in keys], R, E, dtype, sample,
-                    torch.stack([r.float() for _, r, _ in items]), torch.stack([e.float() for _, _, e in items]))
+    for (shape, dtype), items in groups.items():
+        per = max(1, STACK_ELEMENTS // max(1, shape[0] * shape[1]))  # bounded working set per stack
+        for c in range(0, len(items), per):
+            chunk = items[c : c + per]
+            R = torch.stack([r.to(torch.float64) for _, r, _ in chunk])  # [U, T, W]
+            E = torch.stack([e.to(torch.float64) for _, _, e in chunk])
+            _fold_group([stats[k] for k, _, _ in chunk], R, E, dtype, sample,
+                        torch.stack([r.float() for _, r, _ in chunk]), torch.stack([e.float() for _, _, e in chunk]))
+
+
+STACK_ELEMENTS = 1 << 20  # elements of one stacked group (float64: 8 MB per temporary)
 
 
 def _fold_group(sts, R, E, dtype, sample, R32, E32) -> None:
     U = R.shape[0]
     D = E - R
     AD = D.abs()
-    sums = torch.stack([R.square().sum((1, 2)), E.square().sum((1, 2)), D.square().sum((1, 2)), (R * E).sum((1, 2)),
-                        AD.sum((1, 2)), AD.amax((1, 2)) if AD.numel() else torch.zeros(U, dtype=torch.float64)], 1).tolist()
     row_r = torch.linalg.vector_norm(R, dim=2)
     row_d = torch.linalg.vector_norm(D, dim=2)
+    sums = torch.stack([R.square().sum((1, 2)), E.square().sum((1, 2)), D.square().sum((1, 2)), (R * E).sum((1, 2)),
+                        AD.sum((1, 2)), AD.amax((1, 2)) if AD.numel() else torch.zeros(U, dtype=torch.float64)], 1).tolist()
     row_rel = torch.nan_to_num(torch.where(row_r > 0, row_d / torch.where(row_r > 0, row_r, 1.0), row_d), nan=math.inf)
     tv, ti = row_rel.max(1) if row_rel.shape[1] else (torch.full((U,), -math.inf), torch.zeros(U, dtype=torch.long))
     tv, ti = tv.tolist(), ti.tolist()

@@ -30,7 +30,7 @@ Layout (version 1)::
 - `COMPLETE`: JSON {"files": {NAME: {"bytes": n}}} listing every file of that rank.
   A rank without it (a crashed engine) or a listed file of another size (a truncated
   copy) makes the whole dump refused; files it does not list are ignored.
-- A unit's tensors may be split over several part files (`--max-buffer-mb`); PART
+- A unit's tensors may be split over several part files (`max_buffer_mb`); PART
   counts from 0000.
 
 Use from forward hooks::
