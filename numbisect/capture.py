@@ -10,8 +10,10 @@
 
 `UnitStats.result()` equals `compare._unit_error` on the joined samples (same keys:
 the activation error of `metrics.activation_error_multi` and `ulps` of
-`metrics.ulp_stats`); the ulp floor (1e-3 of the largest finite |ref|) is only known at
-the end, so each update keeps the Pareto staircase of (|ref|, ulps) instead.
+`metrics.ulp_stats`) but for one thing: `max_ulps` is taken above each sample's own
+floor (1e-3 of that sample's largest finite |ref|), not the floor of all samples
+together, which is only known at the end; `ulps.floor` says "per_sample". It is the
+largest of `ulp_stats(ref_i, eng_i)["max_ulps"]` over samples i.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class UnitStats:
         self.nan = False
         self.ulps_all = 0
         self.ref_max = 0.0
-        self.stairs: list[torch.Tensor] = []  # per sample: (|ref|, ulps) points no other point dominates
+        self.ulps_floor = 0  # max over samples of max ulps above that sample's floor
 
     def update(self, ref: torch.Tensor, eng: torch.Tensor, sample: int) -> None:
         fold({0: self}, {0: (ref, eng)}, sample)
@@ -66,10 +68,7 @@ class UnitStats:
         if self.nan:
             ulps.update(max_ulps=None, max_ulps_all=None)
         else:
-            floor = 1e-3 * self.ref_max
-            stair = torch.cat(self.stairs) if self.stairs else torch.zeros(0, 2, dtype=torch.float64)
-            kept = stair[stair[:, 0] >= floor]
-            ulps.update(max_ulps=int(kept[:, 1].max()) if kept.numel() else 0, max_ulps_all=self.ulps_all)
+            ulps.update(max_ulps=self.ulps_floor, max_ulps_all=self.ulps_all, floor="per_sample")
         out["ulps"] = ulps
         return out
 
@@ -93,7 +92,7 @@ def fold(stats: dict, pairs: dict, sample: int) -> None:
                         torch.stack([r.float() for _, r, _ in chunk]), torch.stack([e.float() for _, _, e in chunk]))
 
 
-STACK_ELEMENTS = 1 << 20  # elements of one stacked group (float64: 8 MB per temporary)
+STACK_ELEMENTS = 1 << 18  # elements of one stacked group (float64: 2 MB per temporary)
 
 
 def _fold_group(sts, R, E, dtype, sample, R32, E32) -> None:
@@ -118,25 +117,10 @@ def _fold_group(sts, R, E, dtype, sample, R32, E32) -> None:
     ulps_all = ulps.amax(1).tolist() if ulps.shape[1] else [0] * U
     fin = torch.where(torch.isfinite(r_abs), r_abs, torch.zeros_like(r_abs))
     rmax = fin.amax(1).tolist() if fin.shape[1] else [0.0] * U
-    # Staircase of (|ref|, ulps) for the max-ulps floor, known only at the end (1e-3 of the largest
-    # |ref|). Only elements that can still count are sorted: ulps > 0 and |ref| >= 1e-3 of the
-    # largest |ref| so far (the final floor is at least that).
-    run_max = torch.tensor([max(st.ref_max, m) for st, m in zip(sts, rmax)], dtype=torch.float64)
-    cand = (ulps > 0) & (r_abs >= 1e-3 * run_max[:, None])
-    uu, jj = cand.nonzero(as_tuple=True)
-    points = [None] * U
-    if uu.numel():
-        rv, uv = r_abs[uu, jj], ulps[uu, jj].double()
-        o = torch.argsort(rv, descending=True)
-        uu, rv, uv = uu[o], rv[o], uv[o]
-        o = torch.argsort(uu, stable=True)  # by unit, |ref| descending within each
-        uu, rv, uv = uu[o], rv[o], uv[o]
-        key = uv + uu.double() * 2.0**34  # one running max that restarts at every unit
-        best = torch.cummax(key, 0).values
-        rise = key > torch.cat([torch.tensor([-1.0], dtype=torch.float64), best[:-1]])
-        uu, pts = uu[rise], torch.stack([rv[rise], uv[rise]], 1)
-        counts = torch.bincount(uu, minlength=U).tolist()
-        points = list(torch.split(pts, counts))
+    # max ulps over elements with |ref| >= 1e-3 of the largest finite |ref| of this sample and unit
+    floor = 1e-3 * fin.amax(1, keepdim=True) if fin.shape[1] else torch.zeros(U, 1, dtype=torch.float64)
+    kept = torch.where(r_abs >= floor, ulps, torch.zeros_like(ulps))
+    ulps_floor = kept.amax(1).tolist() if kept.shape[1] else [0] * U
     for u, st in enumerate(sts):
         st.n += R.shape[1] * R.shape[2]
         rr, ee, dd, re_, a, mx = sums[u]
@@ -155,8 +139,7 @@ def _fold_group(sts, R, E, dtype, sample, R32, E32) -> None:
             continue
         st.ulps_all = max(st.ulps_all, int(ulps_all[u]))
         st.ref_max = max(st.ref_max, rmax[u])
-        if points[u] is not None and points[u].numel():
-            st.stairs.append(points[u])
+        st.ulps_floor = max(st.ulps_floor, int(ulps_floor[u]))
 
 
 # -- full mode: tensors to safetensors within a RAM budget ---------------------------------------
