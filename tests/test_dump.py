@@ -93,12 +93,6 @@ def test_tensor_parallel_shards_merge(tmp_path_factory):
             assert a[k] == b[k], (a["name"], k)
 
 
-def _copy(src: str, tmp_path) -> str:
-    dst = tmp_path / "d"
-    shutil.copytree(src, dst)
-    return str(dst)
-
-
 @pytest.mark.vllm
 def test_broken_dumps_are_refused_naming_the_problem(tmp_path_factory, tmp_path):
     src = dump_dir(tmp_path_factory, "plain")
@@ -202,3 +196,12 @@ def test_dump_writer_hooks_on_the_vllm_model(tmp_path_factory, tmp_path):
     got = dump_session(str(tmp_path / "h")).compare()
     rows = {r["name"]: r for r in got["units"]}
     assert rows["layers.1.attn"]["local"] is not None and rows["layers.0.attn"]["propagated"] is None
+
+
+def test_dump_helper_imports_only_torch_and_safetensors():
+    code = ("import sys, numbisect.dump; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'networkx', 'vllm', 'click', 'numpy_financial') "
+            "or m in ('numbisect.arch', 'numbisect.units', 'numbisect.errors', 'numbisect.compare')); print(bad)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
