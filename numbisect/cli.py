@@ -107,6 +107,9 @@ def session_options(f):
         click.option("--group-def", multiple=True, metavar="NAME=ID[,ID]", help="A token group of the tokens with these ids (repeatable); `image` comes from the config's image_token_id."),
         click.option("--trace-format", type=click.Choice(["numbisect", "verl", "openrlhf", "trl"]), default=None, help="Field names of an RL rollout dump (JSONL or parquet) [default: detected]."),
         click.option("--trace-fields", metavar="ROLE=FIELD,...", help="Field names of a rollout dump: prompt=,completion=,logprobs= (or sequence=,completion_mask=,logprobs=)."),
+        click.option("--capture", default="stats", show_default=True, type=click.Choice(["stats", "full", "memory"]), help="Per-unit capture: streaming statistics; full: also every tensor to --capture-dir; memory: every tensor held in RAM."),
+        click.option("--capture-dir", type=click.Path(), help="--capture full: write each unit's tensors here as safetensors."),
+        click.option("--max-capture-mb", type=float, default=None, help="--capture full: RAM buffered before a unit is spilled to disk."),
         click.option("--out", type=click.Path(), help="Write the JSON report here (atomically)."),
         click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of the summary."),
         click.option("-q", "--quiet", is_flag=True, help="No progress on stderr."),
@@ -134,7 +137,14 @@ def _spec_settings(kw, progress=lambda m: None):
         trace_fields=kw.get("trace_fields"),
         engine_mode=kw.get("engine_mode") or "prefill",
         replay_routing=kw.get("replay_routing"),
+        capture=kw.get("capture") or "stats",
+        capture_dir=kw.get("capture_dir"),
+        max_capture_mb=kw.get("max_capture_mb"),
     )
+    if spec.capture == "full" and not spec.capture_dir:
+        raise InputError("--capture full needs --capture-dir DIR")
+    if spec.max_capture_mb is not None and spec.max_capture_mb <= 0:
+        raise InputError(f"--max-capture-mb must be positive (got {spec.max_capture_mb:g})")
     settings = Settings(metric=kw["metric"], group=kw["group"])
     if isinstance(kw["threshold"], float):  # the tui's own option
         settings.threshold = kw["threshold"]
@@ -209,6 +219,8 @@ def run(**kw):
     from numbisect.session import Session
 
     _check_out(kw)
+    if kw["engine"].startswith("dump:"):
+        raise InputError("--engine dump:DIR works with `bisect compare` only: a dump cannot run swap trials")
     if kw["max_trials"] is not None and kw["max_trials"] < 1:
         raise InputError("--max-trials must be at least 1")
     with Progress(kw["quiet"]) as say:

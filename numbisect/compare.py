@@ -52,8 +52,8 @@ def parse_spec(spec: str, what: str) -> tuple[str, str | None]:
     if spec == "rollout":
         return "rollout", None
     kind, sep, path = spec.partition(":")
-    if not sep or kind not in ("hf", "vllm") or not path:
-        raise InputError(f"bad {what} {spec!r}: expected hf:DIR, vllm:DIR" + (" or rollout" if what == "--engine" else ""))
+    if not sep or kind not in ("hf", "vllm", "dump") or not path or (kind == "dump" and what != "--engine"):
+        raise InputError(f"bad {what} {spec!r}: expected hf:DIR, vllm:DIR" + (", dump:DIR or rollout" if what == "--engine" else ""))
     return kind, path
 
 
@@ -125,6 +125,12 @@ def checkpoint_digest(path: str) -> dict:
                     h.update(chunk)
             out[f.name] = h.hexdigest()
     return out
+
+
+def dump_digest(path: str) -> dict:
+    """SHA-256 of a dump's manifest (it names the model config and trace digests)."""
+    f = Path(path) / "manifest.json"
+    return {"manifest.json": hashlib.sha256(f.read_bytes()).hexdigest()}
 
 
 # -- token metrics ---------------------------------------------------------------------------

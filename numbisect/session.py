@@ -38,6 +38,9 @@ class Spec:
     trace_fields: str | None = None  # rlformats field map, "prompt=...,completion=...,logprobs=..."
     engine_mode: str = "prefill"  # "prefill", or "decode": prompt prefilled, completion decoded token by token
     replay_routing: str | None = None  # "ref" or "engine": the routing replay what-if (numbisect.routing)
+    capture: str = "stats"  # stats: streaming per-unit statistics; full: also every tensor to capture_dir; memory: all kept in RAM
+    capture_dir: str | None = None  # full mode: safetensors go here
+    max_capture_mb: float | None = None  # full mode: RAM buffered before spilling a unit to disk
 
 
 class Session:
@@ -74,6 +77,8 @@ class Session:
             self.prefix_reuse = False
         if self.faults and eng_kind == "rollout":
             raise InputError("--engine-fault needs an engine that runs (hf: or vllm:), not rollout")
+        if self.faults and eng_kind in ("rollout", "dump"):
+            raise InputError(f"--engine-fault needs an engine that runs (hf: or vllm:), not {eng_kind}")
         # Cheap checks first: configs, architectures, vocabulary, groups; then the slow loads.
         ref_cfg = load_config(ref_path)
         ref_arch = arch_for(ref_cfg)
@@ -90,11 +95,24 @@ class Session:
         if settings.group not in C.group_names(self.trace) + ["all"]:
             hint = " (define one with --group-def NAME=ID[,ID])" if settings.group not in BUILTIN_GROUPS else ""
             raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}{hint}")
-        if eng_kind != "rollout":
+        dump = None
+        if eng_kind == "dump":
+            from numbisect.backends.dump import DumpBackend
+
+            dump = backends.get("engine") or DumpBackend(eng_path, self.trace)
+            C.check_configs(ref_cfg, dump.config)
+            backends = {**backends, "engine": dump}
+        elif eng_kind != "rollout":
             eng_cfg = load_config(eng_path)
             if eng_kind == "vllm" and not arch_for(eng_cfg).vllm:
                 raise InputError(f"{arch_for(eng_cfg).name} has no vLLM unit map (vLLM-CPU cannot run it here): use --engine hf:DIR")
             C.check_configs(ref_cfg, eng_cfg)
+        if spec.ref_opts.get("layer_stream") and "ref" not in backends:
+            from numbisect.layerstream import LayerStreamRef
+
+            if eng_kind != "dump":
+                raise InputError("--ref-opt layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
+            backends = {**backends, "ref": LayerStreamRef(ref_path, spec.ref_dtype)}
         self.ref: Backend = backends.get("ref") or self._open("hf", ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
         self.engine: Backend | None = None
         if eng_kind != "rollout":
@@ -104,16 +122,19 @@ class Session:
             C.check_pair(self.ref, self.engine)
             for f in self.faults:
                 check_fault(self.engine, f)
-        self._owned = [b for k, b in (("ref", self.ref), ("engine", self.engine)) if b is not None and k not in backends]
+        self._owned = [b for k, b in (("ref", self.ref), ("engine", self.engine)) if b is not None and (k not in backends or b is dump)]
         self.samples = self.trace.samples
         self.groups = C.group_names(self.trace) + (["all"] if settings.group == "all" else [])
         self._ref_result: ForwardResult | None = None
         self.ref_routing: dict | None = None  # router unit -> per-sample expert ids of the reference
+        self._ref_tokens: ForwardResult | None = None  # the reference's log-probs from a streamed compare
         self.digests = {"ref": C.checkpoint_digest(ref_path), "trace": self.trace.sha256}
         extra = G.inputs_digest(self.trace, spec.group_defs)  # pixel inputs and --group-def live outside the file
         if extra:
             self.digests["trace_extra"] = extra
-        if eng_kind != "rollout":
+        if eng_kind == "dump":
+            self.digests["engine"] = C.dump_digest(eng_path)
+        elif eng_kind != "rollout":
             self.digests["engine"] = C.checkpoint_digest(eng_path)
 
     def _open(self, kind, path, dtype, opts, what) -> Backend:
@@ -196,8 +217,51 @@ class Session:
         finally:
             self.engine.undo()
 
+    def _routing_light(self, local: bool):
+        """Routing agreement for a streamed compare: both sides run once more capturing
+        only their routers (tokens x experts each), so no hidden-size tensor is kept."""
+        from numbisect import routing as R
+
+        if self.engine is None or self.engine_kind == "dump" or getattr(self.engine, "remote", False):
+            return None
+        spec = R.router_spec(self.ref.config)
+        if spec is None:
+            return None
+        units = R.router_units(self.ref)
+        self.say("routing: routers of both sides")
+        probe = self.routing_probe(self.ref)
+        undo = probe.install()
+        try:
+            ref = self.ref.forward(self.samples, capture=units, capture_inputs=units if local else ())
+        finally:
+            undo()
+        passes = {}
+        p = self.routing_probe(self.engine)
+        passes["propagated"] = (p.ids, self.engine_forward(capture=units, probe=p).captures)
+        if local:
+            p = self.routing_probe(self.engine)
+            feed = {n: ref.inputs[n] for n in units if ref.inputs.get(n)}
+            passes["local"] = (p.ids, self.engine_forward(capture=units, feed=feed, probe=p).captures)
+        self.ref_routing = probe.ids
+        return R.routing_report(self.samples, spec, units, probe.ids, ref.captures, passes,
+                                (R._biases(self.ref, units), R._biases(self.engine, units)))
+
     def compare(self, local: bool = True) -> dict:
         """Token metrics, RL cost and per-unit divergence of the unswapped engine."""
+        if getattr(self.ref, "kind", None) == "hf-layers":
+            from numbisect.layerstream import stream_compare_layers
+
+            return stream_compare_layers(self, local)
+        # stats / full: streamed sample by sample (numbisect.capture). Decode mode and the
+        # routing replay compare whole runs against each other, so they keep every tensor.
+        if self.spec.capture != "memory" and self.mode == "prefill" and not self.spec.replay_routing:
+            from numbisect.capture import stream_compare
+
+            body = stream_compare(self, local)
+            routing = self._routing_light(local)
+            if routing is not None:
+                body["routing"] = routing
+            return body
         ref = self.reference()
         self.say("running the engine")
         units = self.engine.units if self.engine else []
@@ -246,7 +310,9 @@ class Session:
 
     def trial(self, swapped) -> tuple[float, dict]:
         """One engine forward with `swapped` units replaced: (judged value, summary)."""
-        ref = self.reference()
+        if self.engine_kind == "dump":
+            raise InputError("--engine dump:DIR can be compared, not searched: a dump cannot run swap trials")
+        ref = self._ref_tokens or self.reference()
         t0 = time.perf_counter()
         res, replayed = self._trial_forward(swapped)
         tokens = C.token_report(self.samples, ref, res, self.settings, self.groups)
@@ -267,8 +333,8 @@ class Session:
         faults stay out of the first (one on a block's own output is outside every
         sub-unit); the second swaps every top-level unit, which removes any fault.
         """
-        if self.engine is None:
-            raise InputError("swaps need an engine that runs (hf: or vllm:), not rollout")
+        if self.engine is None or self.engine_kind == "dump":
+            raise InputError(f"swaps need an engine that runs (hf: or vllm:), not {self.engine_kind}")
         fine = ("embed", "norm", "attn", "mlp", "router", "experts", "shared_expert", "lm_head", "projector")
         coarse = ("embed", "norm", "attn", "mlp", "moe", "lm_head", "vision")
         same_dtype = self.spec.ref_dtype == self.spec.engine_dtype

@@ -120,7 +120,7 @@ def test_vllm_asked_for_while_not_installed_says_how_to_install(tmp_path):
 
 def test_bad_engine_spec(tmp_path, capsys):
     code, line = cli(base(engine="sglang:/x"), capsys, tmp_path / "r.json")
-    assert code == 2 and "expected hf:DIR, vllm:DIR or rollout" in line
+    assert code == 2 and "expected hf:DIR, vllm:DIR, dump:DIR or rollout" in line
 
 
 def test_unknown_group(tmp_path, capsys):

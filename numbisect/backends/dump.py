@@ -1,0 +1,267 @@
+"""The `dump` engine: activations an engine wrote with `numbisect.dump` (layout in its docstring).
+
+Nothing runs: `sample(i)` reads sample i's dumped log-probs and unit tensors, merging
+tensor-parallel shards (column: concatenated along the last dim in rank order; row:
+partial sums added). Opening checks everything that can be checked before a forward:
+the layout version, every rank's COMPLETE marker and file sizes (a crashed or
+truncated dump is refused), the unit names, that every listed unit has every sample,
+the trace (sample count and token counts) and every tensor's shape after merging.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from numbisect.arch import arch_for
+from numbisect.backends.base import Backend, parse_dtype
+from numbisect.dump import LAYOUT_VERSION, SHARDS
+from numbisect.errors import InputError
+from numbisect.units import nearby_names
+
+
+def _config_from_dict(cfg: dict, where: str):
+    from transformers import AutoConfig
+
+    try:
+        kw = {k: v for k, v in cfg.items() if k != "model_type"}
+        return AutoConfig.for_model(cfg["model_type"], **kw)
+    except Exception as e:
+        raise InputError(f"{where}: the manifest's config is not a usable config.json ({str(e).splitlines()[0]})") from None
+
+
+class DumpBackend(Backend):
+    kind = "dump"
+
+    def __init__(self, path: str, trace=None):
+        self.path = path
+        root = Path(path)
+        if not root.is_dir():
+            raise InputError(f"dump directory not found: {path}")
+        mpath = root / "manifest.json"
+        if not mpath.is_file():
+            raise InputError(f"{path}: not a numbisect dump (no manifest.json)")
+        try:
+            m = json.loads(mpath.read_text())
+        except (OSError, ValueError) as e:
+            raise InputError(f"{mpath}: unreadable manifest ({e})") from None
+        if not isinstance(m, dict) or "numbisect_dump" not in m:
+            raise InputError(f"{mpath}: not a numbisect dump manifest (no numbisect_dump version)")
+        if m["numbisect_dump"] != LAYOUT_VERSION:
+            raise InputError(f"{path}: dump layout version {m['numbisect_dump']!r} is unknown; this numbisect reads version {LAYOUT_VERSION}")
+        for key in ("world_size", "config", "samples", "tokens", "units"):
+            if key not in m:
+                raise InputError(f"{mpath}: manifest has no {key!r}")
+        self.manifest = m
+        self.world = int(m["world_size"])
+        self.config = _config_from_dict(m["config"], str(mpath))
+        self.arch = arch_for(self.config)
+        self.units = self.arch.units(self.config)
+        self.unit_by_name = {u.name: u for u in self.units}
+        self.vocab_size = self.config.get_text_config().vocab_size
+        self.dtype_name = m.get("dtype") or "bfloat16"
+        self.dtype = parse_dtype(self.dtype_name)
+        self._originals = {}
+        self.options = {"world_size": self.world}
+        self._files = self._check_complete(root)
+        self.dumped = {}
+        for name, info in m["units"].items():
+            if name not in self.unit_by_name:
+                near = nearby_names(name, list(self.unit_by_name))
+                raise InputError(f"{path}: unknown unit {name!r} in the manifest" + (f"; nearby: {', '.join(near)}" if near else ""))
+            shard = (info or {}).get("shard", "replicated")
+            if shard not in SHARDS:
+                raise InputError(f"{path}: unit {name}: shard {shard!r} is not one of {', '.join(SHARDS)}")
+            self.dumped[name] = shard
+        self._index = self._index_tensors(root)
+        if trace is not None:
+            self.check_trace(trace)
+
+    # -- checks --------------------------------------------------------------------------------
+    def _check_complete(self, root: Path) -> dict[int, list[Path]]:
+        files = {}
+        for r in range(self.world):
+            d = root / f"rank{r}"
+            marker = d / "COMPLETE"
+            if not marker.is_file():
+                raise InputError(f"{self.path}: dump is incomplete: rank {r} has no COMPLETE marker (the engine stopped "
+                                 "before it finished writing); refusing to read it")
+            try:
+                listed = json.loads(marker.read_text())["files"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise InputError(f"{marker}: unreadable COMPLETE marker ({e})") from None
+            files[r] = []
+            for name, info in listed.items():
+                f = d / name
+                if not f.is_file():
+                    raise InputError(f"{self.path}: rank{r}/{name} is listed as written but missing")
+                size = f.stat().st_size
+                if size != info.get("bytes"):
+                    raise InputError(f"{self.path}: rank{r}/{name} is truncated or changed: {size} bytes, "
+                                     f"{info.get('bytes')} when written")
+                files[r].append(f)
+        return files
+
+    def _index_tensors(self, root: Path) -> dict:
+        """(rank, unit) -> tensor name -> (file, shape)."""
+        from safetensors import safe_open
+
+        index: dict = {}
+        for r, fs in self._files.items():
+            for f in fs:
+                unit = f.name.rsplit(".", 2)[0]
+                try:
+                    with safe_open(str(f), framework="pt") as h:
+                        for k in h.keys():
+                            index.setdefault((r, unit), {})[k] = (f, tuple(h.get_slice(k).get_shape()))
+                except Exception as e:
+                    raise InputError(f"{self.path}: rank{r}/{f.name} is not a readable safetensors file ({e})") from None
+        n = int(self.manifest["samples"])
+        for unit in self.dumped:
+            for r in range(self.world if self.dumped[unit] != "replicated" else 1):
+                have = index.get((r, unit), {})
+                missing = [i for i in range(n) if f"out.{i}" not in have]
+                if missing:
+                    what = "no data" if len(missing) == n else f"no data for sample(s) {', '.join(map(str, missing[:5]))}"
+                    raise InputError(f"{self.path}: unit {unit} is listed in the manifest but has {what} (rank {r})")
+        lp = index.get((0, "logprobs"), {})
+        missing = [i for i in range(n) if f"token.{i}" not in lp]
+        if missing:
+            raise InputError(f"{self.path}: no token log-probs for sample(s) {', '.join(map(str, missing[:5]))} (rank 0 logprobs)")
+        return index
+
+    def check_trace(self, trace) -> None:
+        n, toks = int(self.manifest["samples"]), list(self.manifest["tokens"])
+        if n != len(trace.samples):
+            raise InputError(f"{self.path}: dump has {n} samples, the trace {trace.path} has {len(trace.samples)}")
+        for i, s in enumerate(trace.samples):
+            if toks[i] != len(s.ids):
+                raise InputError(f"{self.path}: dump was written for another trace: sample {i} has {toks[i]} tokens in the "
+                                 f"dump, {len(s.ids)} in {trace.path}")
+        want = self.manifest.get("trace_sha256")
+        if want and want != trace.sha256:
+            raise InputError(f"{self.path}: dump was written for another trace (trace sha256 differs from {trace.path})")
+        cfg = self.config.get_text_config()
+        experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", None)
+        for unit, shard in self.dumped.items():
+            kind = self.unit_by_name[unit].kind
+            width = {"lm_head": cfg.vocab_size, "router": experts}.get(kind, cfg.hidden_size)
+            for i in range(n):
+                rows = toks[i] - (1 if kind == "lm_head" else 0)
+                for which in ("out", "in"):
+                    shape = self._merged_shape(unit, f"{which}.{i}", shard if which == "out" else "replicated")
+                    if shape is None:
+                        continue
+                    w = width if which == "out" else cfg.hidden_size
+                    if shape[0] != rows or (w is not None and shape[-1] != w):
+                        raise InputError(f"{self.path}: {unit} {which}put of sample {i} has shape {shape}"
+                                         + (f" after merging {self.world} {shard} shards" if which == "out" and shard != "replicated" else "")
+                                         + f"; the reference expects ({rows}, {w})")
+
+    def _merged_shape(self, unit, name, shard):
+        shapes = [self._index.get((r, unit), {}).get(name, (None, None))[1] for r in range(self.world if shard != "replicated" else 1)]
+        if shapes[0] is None:
+            return None
+        if shard == "column":
+            if any(s is None or s[:-1] != shapes[0][:-1] for s in shapes):
+                raise InputError(f"{self.path}: {unit} {name}: column shards disagree on their leading dims: {shapes}")
+            return shapes[0][:-1] + (sum(s[-1] for s in shapes),)
+        if shard == "row" and any(s != shapes[0] for s in shapes):
+            raise InputError(f"{self.path}: {unit} {name}: row shards (partial sums) differ in shape: {shapes}")
+        return shapes[0]
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _read(self, r: int, unit: str, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f, _ = self._index[(r, unit)][name]
+        with safe_open(str(f), framework="pt") as h:
+            return h.get_tensor(name)
+
+    def tensor(self, unit: str, name: str) -> torch.Tensor | None:
+        shard = self.dumped[unit] if name.startswith("out.") else "replicated"
+        if name not in self._index.get((0, unit), {}):
+            return None
+        if shard == "replicated":
+            return self._read(0, unit, name)
+        parts = [self._read(r, unit, name) for r in range(self.world)]
+        if shard == "column":
+            return torch.cat(parts, dim=-1)
+        total = parts[0].float()
+        for p in parts[1:]:
+            total = total + p.float()
+        return total.to(parts[0].dtype)
+
+    def sample(self, i: int, units=None, inputs=None) -> dict:
+        """Sample i: token log-probs, full log-probs (when lm_head was dumped), outputs, inputs."""
+        lp = self._read(0, "logprobs", f"token.{i}").float()
+        outs = {u: self.tensor(u, f"out.{i}") for u in (units if units is not None else self.dumped) if u in self.dumped}
+        ins = {}
+        for u in inputs if inputs is not None else self.dumped:
+            if u in self.dumped:
+                t = self.tensor(u, f"in.{i}")
+                if t is not None:
+                    ins[u] = t
+        full = None
+        if "lm_head" in self.dumped:
+            logits = outs.get("lm_head")
+            if logits is None:
+                logits = self.tensor("lm_head", f"out.{i}")
+            full = torch.log_softmax(logits.float(), dim=-1)
+        return {"token_logprobs": lp, "full_logprobs": full, "outputs": outs, "inputs": ins}
+
+    @property
+    def root(self):
+        raise InputError("a dump engine has no modules: it can be compared, not swapped")
+
+    def describe(self) -> dict:
+        return {"backend": "dump", "path": self.path, "dtype": self.dtype_name, "arch": self.arch.name,
+                "options": {"world_size": self.world, "units": len(self.dumped), "tp_shards": {
+                    k: v for k, v in self.dumped.items() if v != "replicated"}}}
+
+
+def write_dump(backend: Backend, trace, root: str, units=None, world_size: int = 1, shards: dict | None = None,
+               max_buffer_mb: float = 256.0) -> None:
+    """Run `backend` (vllm: or hf:) over `trace` and write its activations as a dump.
+
+    Every unit's output and (where it has one) input, and the token log-probs. With
+    `world_size` > 1 the tensors of the units in `shards` are split the way a tensor-
+    parallel engine holds them ("column": slices of the last dim; "row": partial sums
+    that add up to the output), one rank directory each.
+    """
+    from numbisect import compare as C
+    from numbisect.dump import DumpWriter
+
+    shards = shards or {}
+    names = list(units) if units is not None else [u.name for u in backend.units]
+    feed = [n for n in C.local_feed_names(backend) if n in names]
+    toks = [len(s.ids) for s in trace.samples]
+    writers = [DumpWriter(root, str(Path(backend.path) / "config.json"), len(toks), toks, rank=r, world_size=world_size,
+                          dtype=backend.dtype_name, trace_sha256=trace.sha256, max_buffer_mb=max_buffer_mb)
+               for r in range(world_size)]
+    for w in writers:
+        for n in names:
+            w.declare(n, shards.get(n, "replicated"))
+    for i, s in enumerate(trace.samples):
+        res = backend.forward([s], capture=names, capture_inputs=feed)
+        writers[0].logprobs(i, res.token_logprobs[0])
+        for n in names:
+            out = res.captures[n][0]
+            inp = res.inputs[n][0] if res.inputs.get(n) else None
+            parts = _split(out, shards.get(n, "replicated"), world_size)
+            for r, w in enumerate(writers):
+                if r == 0 or shards.get(n, "replicated") != "replicated":
+                    w.add(n, i, out=parts[r], inp=inp if r == 0 else None)
+    for w in writers:
+        w.close()
+
+
+def _split(t: torch.Tensor, shard: str, world: int) -> list[torch.Tensor]:
+    if shard == "column":
+        return list(torch.tensor_split(t, world, dim=-1))
+    if shard == "row":  # partial sums: rank r holds the contribution of its slice of the hidden units
+        mask = torch.arange(t.shape[-1]) % world
+        return [torch.where(mask == r, t, torch.zeros_like(t)) for r in range(world)]
+    return [t] * world

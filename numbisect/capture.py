@@ -1,0 +1,362 @@
+"""Capture modes: what a comparison keeps of every unit's activations.
+
+- `stats` (the default): per unit, streaming statistics of the engine against the
+  reference (`UnitStats`), updated one sample at a time; no tensor outlives its sample.
+  Memory is one sample's activations, whatever the number of samples.
+- `full`: the same statistics, and every tensor is also written to safetensors under
+  `--capture-dir` (`SpillStore`): buffered in RAM up to `--max-capture-mb`, then spilled
+  unit by unit (the largest buffer first) to `SIDE/UNIT.PART.safetensors`, tensor name
+  `SAMPLE` (outputs) or `in.SAMPLE` (inputs). `LazySamples` reads them back per sample.
+
+`UnitStats.result()` equals `compare._unit_error` on the joined samples (same keys:
+the activation error of `metrics.activation_error_multi` and `ulps` of
+`metrics.ulp_stats`) but for one thing: `max_ulps` is taken above each sample's own
+floor (1e-3 of that sample's largest finite |ref|), not the floor of all samples
+together, which is only known at the end; `ulps.floor` says "per_sample". It is the
+largest of `ulp_stats(ref_i, eng_i)["max_ulps"]` over samples i.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from numbisect import metrics as M
+from numbisect.errors import InputError
+
+MODES = ("stats", "full")
+
+
+class UnitStats:
+    """Streaming `activation_error_multi` + `ulp_stats` of one unit over samples."""
+
+    def __init__(self, engine_dtype: torch.dtype):
+        self.dtype = engine_dtype
+        self.n = 0  # elements
+        self.rr = self.ee = self.dd = self.re = self.abs_sum = 0.0
+        self.max_abs = 0.0
+        self.tok_rel = -math.inf
+        self.worst = None
+        self.rows_seen = 0
+        self.n_differ = 0
+        self.nan = False
+        self.ulps_all = 0
+        self.ref_max = 0.0
+        self.ulps_floor = 0  # max over samples of max ulps above that sample's floor
+
+    def update(self, ref: torch.Tensor, eng: torch.Tensor, sample: int) -> None:
+        fold({0: self}, {0: (ref, eng)}, sample)
+
+    def result(self) -> dict:
+        if self.n == 0:
+            raise ValueError("UnitStats: no samples")
+        rn, en, dn = math.sqrt(self.rr), math.sqrt(self.ee), math.sqrt(self.dd)
+        rel = dn / rn if rn > 0 else (0.0 if dn == 0 else math.inf)
+        if rn == 0 and en == 0:
+            cos = 1.0
+        elif rn == 0 or en == 0:
+            cos = 0.0
+        else:
+            cos = max(-1.0, min(1.0, self.re / (rn * en)))
+        sq = math.inf if dn == 0 else (-math.inf if rn == 0 else 20.0 * math.log10(rn / dn))
+        out = {"max_abs": self.max_abs, "mean_abs": self.abs_sum / self.n, "rel_l2": rel, "cosine": cos, "sqnr_db": sq,
+               "token_rel_max": self.tok_rel, "worst_token": self.worst}
+        ulps = {"bitwise_equal": self.n_differ == 0, "frac_differ": self.n_differ / self.n}
+        if self.nan:
+            ulps.update(max_ulps=None, max_ulps_all=None)
+        else:
+            ulps.update(max_ulps=self.ulps_floor, max_ulps_all=self.ulps_all, floor="per_sample")
+        out["ulps"] = ulps
+        return out
+
+
+def fold(stats: dict, pairs: dict, sample: int) -> None:
+    """Update `stats[k]` with `pairs[k] = (ref, eng)` of one sample; units whose tensors
+    have the same shape are stacked and reduced together (a few ops per shape, not per unit)."""
+    groups: dict = {}
+    for k, (r, e) in pairs.items():
+        if r.shape != e.shape:
+            raise ValueError(f"{k}: sample {sample}: shape mismatch: ref {tuple(r.shape)} vs eng {tuple(e.shape)}")
+        r2 = r.reshape(r.shape[0], -1) if r.dim() else r.reshape(1, 1)
+        groups.setdefault((tuple(r2.shape), stats[k].dtype), []).append((k, r2, e.reshape(r2.shape)))
+    for (shape, dtype), items in groups.items():
+        per = max(1, STACK_ELEMENTS // max(1, shape[0] * shape[1]))  # bounded working set per stack
+        for c in range(0, len(items), per):
+            chunk = items[c : c + per]
+            R = torch.stack([r.to(torch.float64) for _, r, _ in chunk])  # [U, T, W]
+            E = torch.stack([e.to(torch.float64) for _, _, e in chunk])
+            _fold_group([stats[k] for k, _, _ in chunk], R, E, dtype, sample,
+                        torch.stack([r.float() for _, r, _ in chunk]), torch.stack([e.float() for _, _, e in chunk]))
+
+
+STACK_ELEMENTS = 1 << 18  # elements of one stacked group (float64: 2 MB per temporary)
+
+
+def _fold_group(sts, R, E, dtype, sample, R32, E32) -> None:
+    U = R.shape[0]
+    D = E - R
+    AD = D.abs()
+    row_r = torch.linalg.vector_norm(R, dim=2)
+    row_d = torch.linalg.vector_norm(D, dim=2)
+    sums = torch.stack([R.square().sum((1, 2)), E.square().sum((1, 2)), D.square().sum((1, 2)), (R * E).sum((1, 2)),
+                        AD.sum((1, 2)), AD.amax((1, 2)) if AD.numel() else torch.zeros(U, dtype=torch.float64)], 1).tolist()
+    row_rel = torch.nan_to_num(torch.where(row_r > 0, row_d / torch.where(row_r > 0, row_r, 1.0), row_d), nan=math.inf)
+    tv, ti = row_rel.max(1) if row_rel.shape[1] else (torch.full((U,), -math.inf), torch.zeros(U, dtype=torch.long))
+    tv, ti = tv.tolist(), ti.tolist()
+    rq = R32.to(dtype)
+    eq = E32.to(dtype)
+    idt = M._INT_VIEW[dtype][0]
+    nan = torch.isnan(rq) | torch.isnan(eq)
+    differ = ((rq.view(idt) != eq.view(idt)) | nan).sum((1, 2)).tolist()
+    anynan = nan.any(2).any(1).tolist()
+    ulps = (M._ordered(rq, dtype) - M._ordered(eq, dtype)).abs().reshape(U, -1)
+    r_abs = rq.to(torch.float64).abs().reshape(U, -1)
+    ulps_all = ulps.amax(1).tolist() if ulps.shape[1] else [0] * U
+    fin = torch.where(torch.isfinite(r_abs), r_abs, torch.zeros_like(r_abs))
+    rmax = fin.amax(1).tolist() if fin.shape[1] else [0.0] * U
+    # max ulps over elements with |ref| >= 1e-3 of the largest finite |ref| of this sample and unit
+    floor = 1e-3 * fin.amax(1, keepdim=True) if fin.shape[1] else torch.zeros(U, 1, dtype=torch.float64)
+    kept = torch.where(r_abs >= floor, ulps, torch.zeros_like(ulps))
+    ulps_floor = kept.amax(1).tolist() if kept.shape[1] else [0] * U
+    for u, st in enumerate(sts):
+        st.n += R.shape[1] * R.shape[2]
+        rr, ee, dd, re_, a, mx = sums[u]
+        st.rr += rr
+        st.ee += ee
+        st.dd += dd
+        st.re += re_
+        st.abs_sum += a
+        st.max_abs = max(st.max_abs, mx)
+        if tv[u] > st.tok_rel:
+            st.tok_rel, st.worst = tv[u], {"sample": sample, "token": ti[u]}
+        st.n_differ += int(differ[u])
+        if anynan[u]:
+            st.nan = True
+        if st.nan:
+            continue
+        st.ulps_all = max(st.ulps_all, int(ulps_all[u]))
+        st.ref_max = max(st.ref_max, rmax[u])
+        st.ulps_floor = max(st.ulps_floor, int(ulps_floor[u]))
+
+
+# -- full mode: tensors to safetensors within a RAM budget ---------------------------------------
+def unit_bytes(unit, tokens: int, config, dtype: torch.dtype) -> int:
+    """Bytes of one unit's output for one sample of `tokens` tokens (canonical form)."""
+    cfg = config.get_text_config()
+    width = cfg.hidden_size
+    if unit.kind == "lm_head":
+        width, tokens = cfg.vocab_size, tokens - 1
+    elif unit.kind == "router":
+        width = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", width)
+    size = torch.tensor([], dtype=dtype).element_size() if unit.kind != "lm_head" else 4
+    return max(tokens, 0) * width * size
+
+
+def check_budget(units, samples, config, dtype: torch.dtype, max_mb: float) -> None:
+    """Refuse a --max-capture-mb that cannot hold even one unit of the longest sample."""
+    if max_mb is None:
+        return
+    if max_mb <= 0:
+        raise InputError(f"--max-capture-mb must be positive (got {max_mb})")
+    longest = max(len(s.ids) for s in samples)
+    need = max(((unit_bytes(u, longest, config, dtype), u.name) for u in units), default=(0, ""))
+    if need[0] > max_mb * 2**20:
+        raise InputError(
+            f"--max-capture-mb {max_mb:g} is too small for one unit: {need[1]} of the longest sample "
+            f"({longest} tokens) needs {need[0] / 2**20:.3f} MB"
+        )
+
+
+class SpillStore:
+    """Per-unit tensors in RAM up to `max_mb`, spilled unit by unit to safetensors under `root`."""
+
+    def __init__(self, root: str, max_mb: float | None = None):
+        from safetensors.torch import save_file  # noqa: F401  (fail early when missing)
+
+        self.root = Path(root)
+        self.max_bytes = None if max_mb is None else int(max_mb * 2**20)
+        self.buf: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        self.parts: dict[tuple[str, str], int] = {}
+        self.index: dict[tuple[str, str], dict[str, Path]] = {}  # (side, unit) -> tensor name -> file
+        self.held = 0
+        self.peak_held = 0
+
+    def add(self, side: str, unit: str, sample: int, t: torch.Tensor, inp: bool = False) -> None:
+        t = t.detach().contiguous()
+        n = t.numel() * t.element_size()
+        if self.max_bytes is not None and n > self.max_bytes:
+            raise InputError(f"--max-capture-mb {self.max_bytes / 2**20:g} is too small for one unit: {unit} of sample {sample} "
+                             f"needs {n / 2**20:.3f} MB")
+        while self.max_bytes is not None and self.held + n > self.max_bytes and self.buf:
+            self.spill(max(self.buf, key=lambda k: sum(x.numel() * x.element_size() for x in self.buf[k].values())))
+        self.buf.setdefault((side, unit), {})[("in." if inp else "") + str(sample)] = t
+        self.held += n
+        self.peak_held = max(self.peak_held, self.held)
+
+    def spill(self, key: tuple[str, str]) -> None:
+        from safetensors.torch import save_file
+
+        side, unit = key
+        tensors = self.buf.pop(key)
+        part = self.parts.get(key, 0)
+        self.parts[key] = part + 1
+        d = self.root / side
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"{unit}.{part:04d}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+        idx = self.index.setdefault(key, {})
+        for name in tensors:
+            idx[name] = path
+        self.held -= sum(x.numel() * x.element_size() for x in tensors.values())
+
+    def flush(self) -> None:
+        for key in list(self.buf):
+            self.spill(key)
+
+    def get(self, side: str, unit: str, name: str) -> torch.Tensor:
+        key = (side, unit)
+        if name in self.buf.get(key, {}):
+            return self.buf[key][name]
+        from safetensors import safe_open
+
+        with safe_open(str(self.index[key][name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def samples(self, side: str, unit: str, n: int, inp: bool = False) -> "LazySamples":
+        pre = "in." if inp else ""
+        return LazySamples(n, lambda i: self.get(side, unit, f"{pre}{i}"))
+
+
+class LazySamples:
+    """A read-only sequence of per-sample tensors, loaded when indexed."""
+
+    def __init__(self, n: int, load):
+        self.n = n
+        self.load = load
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __bool__(self) -> bool:
+        return self.n > 0
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.load(j) for j in range(*i.indices(self.n))]
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.load(i)
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield self.load(i)
+
+
+# -- the comparison, one sample at a time -----------------------------------------------------
+def stream_compare(session, local: bool = True) -> dict:
+    """`Session.compare` streamed: sample by sample, the reference (captures and inputs),
+    the engine on its own inputs (propagated) and teacher-forced (local), folded into
+    `UnitStats`; in `full` mode every tensor also goes to the `SpillStore`. For a dump
+    engine the local pass feeds the *reference* the dumped inputs and compares its
+    outputs with the dumped outputs."""
+    from numbisect import compare as C
+    from numbisect.backends.base import ForwardResult
+    from numbisect.faults import apply_faults
+    from numbisect.swap import unpatch
+
+    spec, ref, eng = session.spec, session.ref, session.engine
+    mode = getattr(spec, "capture", "stats") or "stats"
+    if mode not in MODES:
+        raise InputError(f"unknown capture mode {mode!r}; choose stats or full")
+    units = eng.units if eng is not None else []
+    names = [u.name for u in units]
+    feed_names = C.local_feed_names(ref) if eng is not None else []
+    store = None
+    if mode == "full":
+        if not getattr(spec, "capture_dir", None):
+            raise InputError("--capture full needs --capture-dir DIR")
+        check_budget(units or ref.units, session.samples, ref.config, ref.dtype, spec.max_capture_mb)
+        store = SpillStore(spec.capture_dir, spec.max_capture_mb)
+    dump = eng is not None and eng.kind == "dump"
+    edtype = eng.dtype if eng is not None else None
+    prop = {n: UnitStats(edtype) for n in names}
+    loc = {n: UnitStats(edtype) for n in names}
+    ref_tok, ref_full, eng_tok, eng_full = [], [], [], []
+    planted = apply_faults(eng, session.faults) if eng is not None and not dump else None
+    session.say(f"reference and engine, sample by sample ({mode} capture)")
+    try:
+        for i, s in enumerate(session.samples):
+            r = ref.forward([s], full_logits=True, capture=names, capture_inputs=feed_names)
+            ref_tok.append(r.token_logprobs[0])
+            ref_full.append(r.full_logprobs[0])
+            if eng is None:
+                continue
+            if dump:
+                d = eng.sample(i, units=names, inputs=feed_names)
+                eng_tok.append(d["token_logprobs"])
+                eng_full.append(d["full_logprobs"])
+                e_out, e_in = d["outputs"], d["inputs"]
+            else:
+                e = eng.forward([s], full_logits=True, capture=names)
+                eng_tok.append(e.token_logprobs[0])
+                eng_full.append(e.full_logprobs[0])
+                e_out, e_in = {n: v[0] for n, v in e.captures.items() if v}, {}
+            fold(prop, {n: (r.captures[n][0], e_out[n]) for n in names if n in e_out and r.captures.get(n)}, i)
+            if store is not None:
+                for n in names:
+                    if r.captures.get(n):
+                        store.add("ref", n, i, r.captures[n][0])
+                    if r.inputs.get(n):
+                        store.add("ref", n, i, r.inputs[n][0], inp=True)
+                    if n in e_out:
+                        store.add("engine", n, i, e_out[n])
+            if not local:
+                continue
+            if dump:  # the reference fed the engine's dumped inputs
+                fed = ref.forward([s], capture=names, feed={n: [x] for n, x in e_in.items()}) if e_in else None
+                pairs = {n: (fed.captures[n][0], e_out[n]) for n in names if fed and n in e_in and n in e_out and fed.captures.get(n)}
+            else:  # the engine fed the reference's inputs
+                fed = eng.forward([s], capture=names, feed={n: [r.inputs[n][0]] for n in feed_names if r.inputs.get(n)})
+                pairs = {n: (r.captures[n][0], fed.captures[n][0]) for n in names if fed.captures.get(n) and r.captures.get(n)}
+            fold(loc, pairs, i)
+            if store is not None:
+                for n, (a, b) in pairs.items():
+                    store.add("local", n, i, b if not dump else a)
+            del r
+    finally:
+        if planted is not None:
+            unpatch(eng)
+            eng.restore()
+            planted.undo()
+    if store is not None:
+        store.flush()
+    ref_res = ForwardResult(token_logprobs=ref_tok, full_logprobs=ref_full)
+    session._ref_tokens = ref_res
+    if eng is None:
+        eng_res = C.rollout_result(session.trace)
+    else:
+        eng_res = ForwardResult(token_logprobs=eng_tok, full_logprobs=eng_full if all(x is not None for x in eng_full) else None)
+    tokens = C.token_report(session.samples, ref_res, eng_res, session.settings, session.groups)
+    rows = []
+    for u in units:
+        rows.append({"name": u.name, "kind": u.kind, "layer": u.layer, "parent": u.parent,
+                     "propagated": prop[u.name].result() if prop[u.name].n else None,
+                     "local": loc[u.name].result() if (local and loc[u.name].n) else None})
+    body = {
+        "baseline": tokens,
+        "units": rows,
+        "first_divergence": C.first_divergence(rows, session.settings),
+        "verdict": "aligned" if tokens["value"] <= session.settings.threshold else "diverged",
+    }
+    if local and eng is not None:
+        body["local_ranking"] = C.local_ranking(rows)
+    body["capture"] = {"mode": mode, **({"dir": str(spec.capture_dir), "max_mb": spec.max_capture_mb,
+                                         "peak_buffered_mb": round(store.peak_held / 2**20, 3)} if store else {})}
+    return body

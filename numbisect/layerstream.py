@@ -1,0 +1,220 @@
+"""A reference that never holds the whole model: one decoder layer's weights at a time.
+
+For models that do not fit in memory, against a dump (`--engine dump:DIR --ref-opt
+layer_stream=true`):
+
+1. The transformers model is built from config.json on the meta device (no memory);
+   its modules are the real transformers classes.
+2. Layer by layer, only that layer's tensors are read from the safetensors files
+   (`safe_open`, nothing else), converted to the model's names (per-expert weights
+   stacked into transformers' fused `experts.gate_up_proj` / `down_proj`), and the
+   layer is materialised on the CPU with them.
+3. The layer runs on every sample twice: on the reference's own stream (propagated:
+   embed, layer 0, ..., final norm, logits, so the reference's log-probs come out
+   too) and on the dump's input of that layer (local: its own error against the
+   dumped output). Then it is freed before the next is loaded.
+
+Memory: one layer's weights plus one layer's activations (the stream of every sample,
+tokens x hidden), plus the embedding and logits matrices while they run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from numbisect.arch import arch_for
+from numbisect.backends.base import check_checkpoint, load_config, parse_dtype
+from numbisect.errors import InputError
+
+# checkpoint names of one expert's weights -> (transformers' fused name, position)
+_EXPERT = re.compile(r"^(?P<pre>.*\.)(?:block_sparse_moe|mlp)\.experts\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+class LayerStreamRef:
+    """The reference on a checkpoint, materialised one module at a time (see module doc)."""
+
+    kind = "hf-layers"
+
+    def __init__(self, path: str, dtype: str = "float32"):
+        check_checkpoint(path)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from safetensors import safe_open
+        from transformers import AutoModelForCausalLM
+
+        self.path, self.dtype_name, self.dtype = path, dtype, parse_dtype(dtype)
+        self.config = load_config(path)
+        self.arch = arch_for(self.config)
+        self.units = self.arch.units(self.config)
+        self.vocab_size = self.config.get_text_config().vocab_size
+        self.files: dict[str, str] = {}  # tensor name -> file
+        for f in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    self.files[k] = str(f)
+        with torch.device("meta"):
+            self.skeleton = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
+        self.skeleton.eval()
+        self.rotary = type(self.skeleton.model.rotary_emb)(config=self.skeleton.config)
+        self.loaded_bytes = 0  # weights materialised right now
+        self.peak_loaded_bytes = 0
+
+    def describe(self) -> dict:
+        return {"backend": "hf", "path": self.path, "dtype": self.dtype_name, "arch": self.arch.name,
+                "options": {"layer_stream": True}}
+
+    def close(self) -> None:
+        pass
+
+    # -- weights -----------------------------------------------------------------------------
+    def _read(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Every checkpoint tensor under `prefix`, named relative to it in transformers' layout."""
+        from safetensors import safe_open
+
+        keys = [k for k in self.files if k.startswith(prefix)]
+        if not keys:
+            raise InputError(f"{self.path}: no weights under {prefix!r} in the checkpoint")
+        out: dict[str, torch.Tensor] = {}
+        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        by_file: dict[str, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self.files[k], []).append(k)
+        for f, ks in by_file.items():
+            with safe_open(f, framework="pt") as h:
+                for k in ks:
+                    t = h.get_tensor(k).to(self.dtype)
+                    m = _EXPERT.match(k)
+                    if m:
+                        experts.setdefault((m["pre"], _ROLE[m["w"]]), {})[int(m["e"])] = t
+                    else:
+                        out[k[len(prefix):].replace("block_sparse_moe.", "mlp.")] = t
+        pres = {p for p, _ in experts}
+        for p in pres:
+            rel = p[len(prefix):]
+            gate, up, down = (experts[(p, r)] for r in ("gate", "up", "down"))
+            n = len(down)
+            out[f"{rel}mlp.experts.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]], 0) for e in range(n)])
+            out[f"{rel}mlp.experts.down_proj"] = torch.stack([down[e] for e in range(n)])
+        return out
+
+    def materialise(self, module: nn.Module, prefix: str) -> nn.Module:
+        sd = self._read(prefix)
+        want = set(module.state_dict())
+        missing, extra = sorted(want - set(sd)), sorted(set(sd) - want)
+        if missing or extra:
+            what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+            raise InputError(f"{self.path}: weights under {prefix!r} do not match config.json ({what})")
+        module.to_empty(device="cpu")
+        module.load_state_dict(sd, strict=True, assign=True)
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+        self.loaded_bytes += nbytes
+        self.peak_loaded_bytes = max(self.peak_loaded_bytes, self.loaded_bytes)
+        return module
+
+    def free(self, module: nn.Module) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        module.to("meta")
+        self.loaded_bytes -= nbytes
+
+    # -- running ---------------------------------------------------------------------------------
+    def run_layer(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One decoder layer on one sample's stream [T, hidden] (causal, positions 0..T-1)."""
+        T = x.shape[0]
+        h = x.to(self.dtype)[None]
+        pos = torch.arange(T)[None]
+        cos_sin = self.rotary(h, pos)
+        mask = None
+        if getattr(self.skeleton.config, "_attn_implementation", "sdpa") != "sdpa":
+            mask = torch.full((T, T), float("-inf"), dtype=self.dtype).triu(1)[None, None]
+        out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+        return (out[0] if isinstance(out, tuple) else out)[0]
+
+    @torch.inference_mode()
+    def stream(self, samples, dump_inputs=None, on_layer=None):
+        """Run the whole model one module at a time; returns per-sample token and full log-probs.
+
+        `on_layer(i, layer)` is called while layer i is materialised (local comparisons).
+        """
+        m = self.skeleton.model
+        emb = self.materialise(m.embed_tokens, "model.embed_tokens.")
+        hs = [emb(torch.tensor(s.ids)[None])[0] for s in samples]
+        self.free(emb)
+        for i, layer in enumerate(m.layers):
+            self.materialise(layer, f"model.layers.{i}.")
+            hs = [self.run_layer(layer, h) for h in hs]
+            if on_layer is not None:
+                on_layer(i, layer, hs)
+            self.free(layer)
+        norm = self.materialise(m.norm, "model.norm.")
+        hs = [norm(h) for h in hs]
+        self.free(norm)
+        head = self.skeleton.lm_head
+        if getattr(self.config.get_text_config(), "tie_word_embeddings", False) and "lm_head.weight" not in self.files:
+            head = self.materialise(m.embed_tokens, "model.embed_tokens.")
+        else:
+            head = self.materialise(head, "lm_head.")
+        tok, full = [], []
+        for s, h in zip(samples, hs):
+            w = head.weight
+            lp = torch.log_softmax((h[:-1] @ w.T).float(), dim=-1)
+            full.append(lp)
+            tok.append(lp.gather(1, torch.tensor(s.ids[1:])[:, None]).squeeze(1))
+        self.free(head)
+        return tok, full, hs
+
+
+def stream_compare_layers(session, local: bool = True) -> dict:
+    """`compare` against a dump with a layer-streamed reference: token metrics, and per
+    decoder layer the propagated error (the reference's own stream) and the local error
+    (the layer fed the dump's input for it against the dumped output)."""
+    from numbisect import compare as C
+    from numbisect.backends.base import ForwardResult
+    from numbisect.capture import UnitStats
+
+    ref, eng = session.ref, session.engine
+    if eng is None or eng.kind != "dump":
+        raise InputError("--ref-opt layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
+    n = len(session.samples)
+    layer_units = [u for u in eng.units if u.kind == "layer"]
+    prop = {u.name: UnitStats(eng.dtype) for u in layer_units}
+    loc = {u.name: UnitStats(eng.dtype) for u in layer_units}
+
+    def on_layer(i, layer, hs):
+        name = f"layers.{i}"
+        if name not in eng.dumped:
+            return
+        for s in range(n):
+            out = eng.tensor(name, f"out.{s}")
+            prop[name].update(hs[s], out, s)
+            x = eng.tensor(name, f"in.{s}")
+            if local and x is not None:
+                loc[name].update(ref.run_layer(layer, x), out, s)
+
+    session.say("layer-streamed reference")
+    tok, full, _ = ref.stream(session.samples, on_layer=on_layer)
+    eng_tok, eng_full = [], []
+    for i in range(n):
+        d = eng.sample(i, units=[], inputs=[])
+        eng_tok.append(d["token_logprobs"])
+        eng_full.append(d["full_logprobs"])
+    ref_res = ForwardResult(token_logprobs=tok, full_logprobs=full)
+    eng_res = ForwardResult(token_logprobs=eng_tok, full_logprobs=eng_full if all(x is not None for x in eng_full) else None)
+    tokens = C.token_report(session.samples, ref_res, eng_res, session.settings, session.groups)
+    rows = []
+    for u in eng.units:
+        p, l_ = prop.get(u.name), loc.get(u.name)
+        rows.append({"name": u.name, "kind": u.kind, "layer": u.layer, "parent": u.parent,
+                     "propagated": p.result() if p is not None and p.n else None,
+                     "local": l_.result() if l_ is not None and l_.n else None})
+    body = {"baseline": tokens, "units": rows, "first_divergence": C.first_divergence(rows, session.settings),
+            "verdict": "aligned" if tokens["value"] <= session.settings.threshold else "diverged",
+            "capture": {"mode": "stats", "layer_stream": True, "peak_weights_mb": round(ref.peak_loaded_bytes / 2**20, 3)}}
+    if local:  # decoder layers are the units here: rank them by their own error
+        scored = sorted((r["local"]["rel_l2"], r["name"]) for r in rows if r["local"] and r["local"]["rel_l2"] > 0)
+        body["local_ranking"] = {name: i + 1 for i, (_, name) in enumerate(reversed(scored))}
+    return body

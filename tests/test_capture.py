@@ -1,0 +1,94 @@
+"""Capture modes: streamed statistics equal the in-memory ones; full mode spills to safetensors."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, child_env, model_dir, session, short_trace
+
+from numbisect import compare as C
+from numbisect import metrics as M
+from numbisect.capture import SpillStore, UnitStats
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _same(a: dict, b: dict, where: str) -> None:
+    for key in a:
+        if key == "ulps":
+            for k in ("bitwise_equal", "frac_differ", "max_ulps_all"):
+                assert a[key][k] == b[key][k], (where, k)
+            continue
+        x, y = a[key], b[key]
+        if isinstance(x, float) and isinstance(y, float):
+            assert math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) or (math.isinf(x) and x == y), (where, key, x, y)
+        else:
+            assert x == y, (where, key, x, y)
+
+
+def test_unit_stats_equal_joined_metrics():
+    g = torch.Generator().manual_seed(0)
+    refs = [torch.randn(n, 16, generator=g) * s for n, s in ((5, 1.0), (7, 30.0), (3, 0.01))]
+    engs = [(r + 1e-2 * torch.randn(r.shape, generator=g)).to(torch.bfloat16) for r in refs]
+    st = UnitStats(torch.bfloat16)
+    for i, (r, e) in enumerate(zip(refs, engs)):
+        st.update(r, e, i)
+    want = C._unit_error(refs, engs, torch.bfloat16)
+    got = st.result()
+    _same({k: v for k, v in want.items() if k != "ulps"}, {k: v for k, v in got.items() if k != "ulps"}, "error")
+    for key in ("bitwise_equal", "frac_differ", "max_ulps_all"):
+        assert got["ulps"][key] == want["ulps"][key]
+    # max ulps above each sample's own floor (the joined floor is only known at the end)
+    assert got["ulps"]["floor"] == "per_sample"
+    assert got["ulps"]["max_ulps"] == max(M.ulp_stats(r, e, torch.bfloat16)["max_ulps"] for r, e in zip(refs, engs))
+
+
+def test_stats_and_full_equal_memory_mode(tmp_path):
+    fault = ["output_noise=1e-1@layers.1.attn"]
+    a = session("qwen3", engine="hf", ref_dtype="float32", engine_dtype="float32", faults=fault, samples=4)
+    a.spec.capture = "memory"
+    want = a.compare()
+    for mode in ("stats", "full"):
+        s = session("qwen3", engine="hf", ref_dtype="float32", engine_dtype="float32", faults=fault, samples=4)
+        s.spec.capture, s.spec.capture_dir, s.spec.max_capture_mb = mode, str(tmp_path / "cap"), 0.2
+        got = s.compare()
+        assert got["baseline"]["value"] == pytest.approx(want["baseline"]["value"], rel=1e-12)
+        assert got["baseline"]["value"] > 1e-8  # the fault shows
+        for rw, rg in zip(want["units"], got["units"]):
+            for k in ("propagated", "local"):
+                _same(rw[k], rg[k], f"{mode} {rw['name']} {k}")
+        assert got["local_ranking"] == want["local_ranking"]
+        assert got["capture"]["mode"] == mode
+    files = sorted((tmp_path / "cap").rglob("*.safetensors"))
+    # 0.2 MB cannot hold all units of all samples: units were spilled in several parts
+    assert any(f.name.endswith(".0001.safetensors") for f in files)
+    assert {f.parent.name for f in files} == {"ref", "engine", "local"}
+    assert s.spec.max_capture_mb * 2**20 >= got["capture"]["peak_buffered_mb"] * 2**20 - 1
+
+
+def test_spill_store_reads_back(tmp_path):
+    st = SpillStore(str(tmp_path), max_mb=0.001)
+    xs = [torch.randn(10, 8) for _ in range(5)]
+    for i, x in enumerate(xs):
+        st.add("ref", "layers.0.attn", i, x)
+    st.flush()
+    back = st.samples("ref", "layers.0.attn", 5)
+    assert len(back) == 5 and all(torch.equal(a, b) for a, b in zip(back, xs))
+    assert len(list(tmp_path.rglob("*.safetensors"))) > 1
+
+
+def test_max_capture_mb_too_small_is_one_clear_error(tmp_path):
+    cmd = [sys.executable, "-m", "numbisect", "compare", "--ref", f"hf:{model_dir('qwen3')}", "--engine",
+           f"hf:{model_dir('qwen3')}", "--trace", short_trace("qwen3", 2), "--capture", "full", "--capture-dir",
+           str(tmp_path / "c"), "--max-capture-mb", "0.001", "-q"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert "--max-capture-mb 0.001 is too small for one unit: lm_head" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "c").exists()  # nothing half-written
+    done = subprocess.run(cmd[:-5] + ["-q"], capture_output=True, text=True, env=child_env(), cwd=ROOT)
+    assert done.returncode == 2 and "--capture full needs --capture-dir" in done.stderr
