@@ -26,7 +26,7 @@ from numbisect import compare as C
 from numbisect.backends.base import load_config, parse_dtype
 from numbisect.errors import InputError
 from numbisect.render import fmt
-from numbisect.trace import check_vocab, load_trace
+from numbisect.trace import check_vocab
 
 FLOOR_VERSION = 1
 METRICS = ("k3-mean", "k3-p99", "kl-mean", "max-abs-logprob-diff")
@@ -99,9 +99,16 @@ def _metrics(samples, base, var, group: str) -> dict:
     }
 
 
+def _load(path, fmt=None, fields=None):
+    """The trace as `run` reads it: numbisect JSONL or a rollout dump (numbisect.rlformats)."""
+    from numbisect.rlformats import load_any
+
+    return load_any(path, fmt, fields)
+
+
 def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: dict | None = None,
               variants: list[str] | tuple[str, ...] = (), dtype_variant: str | None = None, batch_size: int = 4,
-              progress=lambda m: None) -> dict:
+              progress=lambda m: None, trace_format: str | None = None, trace_fields: str | None = None) -> dict:
     """The floor document (see `render`); every variant runs over the whole trace."""
     from numbisect.backends.hf import HFBackend
 
@@ -109,7 +116,7 @@ def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: d
     if kind != "hf":
         raise InputError(f"--ref must be hf:DIR (got {ref!r})")
     kinds = parse_variants(variants)
-    trace = load_trace(trace_path)
+    trace = _load(trace_path, trace_format, trace_fields)
     check_vocab(trace, load_config(path).get_text_config().vocab_size)
     ref_opts = dict(ref_opts or {})
     if "batch_size" in ref_opts:
@@ -210,7 +217,7 @@ def load_floor(path: str, spec, group: str) -> dict:
     if not isinstance(doc, dict) or doc.get("numbisect_floor") != FLOOR_VERSION or not isinstance(doc.get("floor"), dict):
         raise InputError(f"{path}: not a numbisect floor file (made by `bisect calibrate --out`)")
     _, ref_path = C.parse_spec(spec.ref, "--ref")
-    trace = load_trace(spec.trace)
+    trace = _load(spec.trace, getattr(spec, "trace_format", None), getattr(spec, "trace_fields", None))
     if doc.get("ref", {}).get("sha256") != C.checkpoint_digest(ref_path):
         raise InputError(f"{path}: floor was calibrated on another model ({doc.get('ref', {}).get('path')}), not {ref_path}")
     if doc.get("trace", {}).get("sha256") != trace.sha256:
@@ -235,7 +242,8 @@ def resolve_threshold(text: str, floor_file: str | None, spec, metric: str, grou
     else:
         progress("calibrating the noise floor (no --floor file given)")
         opts = {k: v for k, v in spec.ref_opts.items() if k != "batch_size"}
-        doc = calibrate(spec.ref, spec.trace, dtype=spec.ref_dtype, ref_opts=opts, progress=progress)
+        doc = calibrate(spec.ref, spec.trace, dtype=spec.ref_dtype, ref_opts=opts, progress=progress,
+                        trace_format=getattr(spec, "trace_format", None), trace_fields=getattr(spec, "trace_fields", None))
         source = "calibrated"
     if group not in doc["floor"]:
         raise InputError(f"no floor for group {group!r}")

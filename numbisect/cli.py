@@ -258,6 +258,8 @@ def report():
               help="Variants to measure: batch, attn, experts, dtype [default: batch, attn, experts (MoE models), dtype when --dtype-variant is given].")
 @click.option("--dtype-variant", metavar="DTYPE", help="Also measure the reference in this dtype (e.g. float32).")
 @click.option("--batch-size", default=4, show_default=True, type=int, help="Batch size of the batch variant (right padding).")
+@click.option("--trace-format", type=click.Choice(["numbisect", "verl", "openrlhf", "trl"]), default=None, help="Field names of an RL rollout dump (JSONL or parquet) [default: detected].")
+@click.option("--trace-fields", metavar="ROLE=FIELD,...", help="Field names of a rollout dump (as for run).")
 @click.option("--out", type=click.Path(), help="Write the floor as JSON here (for --floor).")
 @click.option("--json", "as_json", is_flag=True, help="Print the floor as JSON on stdout instead of the table.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
@@ -275,7 +277,8 @@ def calibrate(**kw):
     _check_out(kw)
     with Progress(kw["quiet"]) as say:
         doc = do_calibrate(kw["ref"], kw["trace"], dtype=kw["ref_dtype"], ref_opts=parse_opts(kw["ref_opt"], "--ref-opt"),
-                           variants=kw["variants"], dtype_variant=kw["dtype_variant"], batch_size=kw["batch_size"], progress=say)
+                           variants=kw["variants"], dtype_variant=kw["dtype_variant"], batch_size=kw["batch_size"], progress=say,
+                           trace_format=kw["trace_format"], trace_fields=kw["trace_fields"])
     if kw["out"]:
         write_json_atomic(kw["out"], doc)
     if kw["as_json"]:

@@ -147,3 +147,20 @@ def test_floor_file_for_another_model_trace_or_dtype_is_refused(floor_files, cap
         assert code == ExitCode.USAGE, err
         assert msg in err and len(err.strip().splitlines()) == 1
         assert not out.exists()
+
+
+def test_floor_calibrates_on_a_rollout_dump_read_as_run_reads_it(capsys, tmp_path):
+    """A rollout dump (OpenRLHF JSONL) is calibrated on its own token ids: on the fly and as a file."""
+    dump = str(trace_path("qwen3_moe").replace("qwen3_moe.jsonl", "qwen3_moe.openrlhf.jsonl"))
+    floor = tmp_path / "floor.json"
+    code, out, err = cli(["calibrate", "--ref", f"hf:{D}", "--trace", dump, "--variant", "batch", "--out", str(floor), "-q"],
+                         capsys)
+    assert code == 0, err
+    doc = json.loads(floor.read_text())
+    assert doc["floor"]["completion"]["k3-mean"] >= 0
+    report = tmp_path / "r.json"
+    code, out, err = cli(["compare", "--ref", f"hf:{D}", "--engine", "rollout", "--trace", dump, "--threshold", "floorx2",
+                          "--floor", str(floor), "--out", str(report), "-q"], capsys)
+    assert code in (ExitCode.ALIGNED, ExitCode.DIVERGED), err
+    r = load_report(str(report))
+    assert r["threshold"]["threshold"] == 2 * doc["floor"]["completion"]["k3-mean"]
