@@ -176,10 +176,10 @@ class Session:
         """
         if self.engine is None:
             return C.rollout_result(self.trace)
-        mode = mode or self.mode
-        D.check_swappable(self.engine, list(swapped), mode)
         if getattr(self.engine, "remote", False):  # tensor parallel: faults and swaps go into the workers
             return self._remote_forward(swapped, capture, feed, prefix)
+        mode = mode or self.mode
+        D.check_swappable(self.engine, list(swapped), mode)
         planted = apply_faults(self.engine, self.faults)
         undo = None
         try:
@@ -254,7 +254,8 @@ class Session:
             return stream_compare_layers(self, local)
         # stats / full: streamed sample by sample (numbisect.capture). Decode mode and the
         # routing replay compare whole runs against each other, so they keep every tensor.
-        if self.spec.capture != "memory" and self.mode == "prefill" and not self.spec.replay_routing:
+        remote = getattr(self.engine, "remote", False)  # tensor parallel: whole-run captures gathered from the workers
+        if self.spec.capture != "memory" and self.mode == "prefill" and not self.spec.replay_routing and not remote:
             from numbisect.capture import stream_compare
 
             body = stream_compare(self, local)
@@ -266,7 +267,8 @@ class Session:
         self.say("running the engine")
         units = self.engine.units if self.engine else []
         # Routing probes record per engine call; decode mode calls once per token: prefill only.
-        probes = {"propagated": self.routing_probe(self.engine) if self.engine and self.mode == "prefill" else None}
+        probes = {"propagated": self.routing_probe(self.engine)
+                  if self.engine and self.mode == "prefill" and not getattr(self.engine, "remote", False) else None}
         prop = self.engine_forward(capture=[u.name for u in units], probe=probes["propagated"])
         tokens = C.token_report(self.samples, ref, prop, self.settings, self.groups)
         loc = None

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import hf, model_dir, session, trace_path, vllm
+from conftest import FIXTURES, ROOT, child_env, hf, model_dir, session, trace_path, vllm
 from numbisect.cli import main
 from numbisect.errors import ExitCode, InputError
 from numbisect.report import new_report, validate
@@ -269,7 +269,6 @@ def test_a_v1_report_without_a_mode_still_renders():
     """Reports written before decode mode have no `mode` and no `engine_modes`."""
     from pathlib import Path
 
-    from conftest import FIXTURES
 
     r = json.loads(Path(FIXTURES / "reports" / "qwen3_moe_planted_fault.json").read_text())
     assert "engine_modes" not in r
@@ -316,7 +315,6 @@ def test_a_fresh_engine_survives_a_short_first_prefill():
     import subprocess
     import sys
 
-    from conftest import ROOT, child_env
 
     code = (
         "from numbisect.backends.vllm import VLLMBackend\n"

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, child_env, model_dir, session, short_trace, trace_path, vllm
+from conftest import ROOT, child_env, hf, model_dir, session, short_trace, trace_path, vllm
 
 from numbisect.backends.dump import write_dump
 from numbisect.compare import Settings
@@ -46,7 +46,6 @@ def dump_dir(tmp_path_factory, key: str) -> str:
 
 
 def dump_session(d: str, samples: int = N) -> Session:
-    from conftest import hf
 
     spec = Spec(ref=f"hf:{model_dir('qwen3_moe')}", engine=f"dump:{d}", trace=short_trace("qwen3_moe", samples))
     return Session(spec, Settings(), backends={"ref": hf("qwen3_moe", "bfloat16")})
@@ -146,7 +145,6 @@ def test_broken_dumps_are_refused_naming_the_problem(tmp_path_factory, tmp_path)
     refused(unknown_unit, "unknown unit 'layers.9.atn'", "unknown")
 
     # another trace (the full fixture trace has more samples)
-    from conftest import hf
 
     with pytest.raises(InputError) as e:
         Session(Spec(ref=f"hf:{model_dir('qwen3_moe')}", engine=f"dump:{src}", trace=trace_path("qwen3_moe")), Settings(),

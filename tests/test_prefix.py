@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import model_dir, session, trace_path
+from conftest import hf, model_dir, session, trace_path
 from numbisect.backends.hf import HFBackend
 from numbisect.cli import main
 from numbisect.compare import Settings
@@ -101,7 +101,6 @@ def test_prefix_reuse_equals_full_recomputation_on_an_hf_engine_with_faults_in_t
 def test_prefix_reuse_equals_full_recomputation_on_a_batched_hf_engine():
     """batch_size 3 over 20 samples: one recorded output per batch, the last one shorter."""
     engine = HFBackend(model_dir("mixtral"), "float32", batch_size=3)
-    from conftest import hf
 
     spec = Spec(ref=f"hf:{model_dir('mixtral')}", engine=f"hf:{model_dir('mixtral')}", trace=trace_path("mixtral"),
                 ref_dtype="float32", engine_dtype="float32", faults=["output_noise=1e-1@layers.0.moe"])

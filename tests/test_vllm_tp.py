@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from conftest import model_dir, trace_path
+from conftest import hf, model_dir, trace_path
 from numbisect.cli import main
 from numbisect.report import load_report
 
@@ -50,7 +50,6 @@ def test_prefix_reuse_in_the_workers_equals_full_recomputation():
     """Each worker records and replays its own layers; faults in the prefix included."""
     import torch
 
-    from conftest import hf
     from numbisect.backends.vllm_tp import VLLMTPBackend
     from numbisect.compare import Settings
     from numbisect.session import Session, Spec
