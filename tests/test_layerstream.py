@@ -45,7 +45,10 @@ def test_peak_memory_is_one_layer_not_the_model(tmp_path):
     assert stream["logprobs"] == full["logprobs"]
     assert full["peak_over_before"] > 0.9 * weights  # the whole model was resident
     assert stream["held"] <= weights / 8 * 1.05  # one layer of eight
-    assert stream["peak_over_before"] < 0.5 * full["peak_over_before"]
+    # what streaming saves is the weights it never holds; the interpreter's and the
+    # allocator's own overhead is in both peaks and varies from machine to machine
+    saved = full["peak_over_before"] - stream["peak_over_before"]
+    assert saved > 0.75 * (weights - stream["held"]), (full["peak_over_before"], stream["peak_over_before"], weights)
 
 
 def _ls_session(d, samples=4):
