@@ -10,10 +10,13 @@ The hierarchical strategy (the default):
 1. Baseline trial (nothing swapped); already under the threshold -> "aligned".
 2. Every candidate swapped; still over the threshold -> "unreachable".
 3. Find a 1-minimal set of units whose swap fixes it, by bisection over one list: the
-   candidates ordered by (kind, layer), each preceded by its sub-units (router, experts,
-   shared_expert before their moe). Only prefixes of a range are tried, so a parent is
-   never swapped without its children, and the splits go kinds first, then layer
-   ranges, then units, then sub-units. A half that does not fix stays swapped while
+   candidates from the last layer to the first (lm_head and the final norm before the
+   last layer, the embedding after the first; execution order within a layer), each
+   preceded by its sub-units (router, experts, shared_expert before their moe). Only
+   prefixes of a range are tried, so a parent is never swapped without its children,
+   and the splits go layer ranges first, then units, then sub-units. Later layers
+   first: a trial's earliest swapped layer then stays as late as the search allows, so
+   prefix reuse (`numbisect.prefix`) replays every layer before it. A half that does not fix stays swapped while
    the other half is bisected, so that half needs no trial of its own (a single unit
    is tried alone, unless some unit has three or more sub-units); the unit found is
    then tried alone, and only if that does not fix are the failed halves minimised
@@ -311,11 +314,11 @@ class _Search:
     def _unit_list(self) -> tuple[str, ...]:
         """Every unit the search can name: each candidate preceded by its sub-units
         (children before their parent, so a tried prefix never swaps a parent without
-        its children); candidates ordered by kind (in order of first appearance), then
-        layer, so the first splits separate kinds and later ones layer ranges."""
-        kind_rank: dict[str, int] = {}
-        for c in sorted(self.cands, key=self._order):
-            kind_rank.setdefault(self._kind(c), len(kind_rank))
+        its children); candidates from the last layer to the first, in execution order
+        within a layer, so the first splits separate layer ranges and every trial's
+        earliest swapped layer is as late as it can be (the layers before it are
+        replayed by prefix reuse, and their order within the list costs no trials: a
+        single fault takes the same bound wherever it sits)."""
         layered = [d["order"] for _, d in self.g.nodes(data=True) if d.get("layer") is not None]
         first_layer = min(layered, default=0)
 
@@ -323,7 +326,7 @@ class _Search:
             layer = self.g.nodes[c]["layer"]
             if layer is None:
                 layer = -1 if self._order(c) < first_layer else 1 << 30
-            return (kind_rank[self._kind(c)], layer, self._order(c))
+            return (-layer, self._order(c))
 
         def post_order(u):
             out = []
@@ -471,9 +474,9 @@ class _Search:
         """(a, b): a (a prefix) is tried next; b is kept if a does not fix.
 
         The size of a keeps the worst case and then the sum of trials least (see
-        `_plan_lengths`); among equal sizes the cut prefers a kind boundary, then a
-        layer boundary, then a candidate boundary, then the half holding the unit with
-        the largest local error first.
+        `_plan_lengths`); among equal sizes the cut prefers a layer boundary, then a
+        candidate boundary, then the half holding the unit with the largest local error
+        first.
         """
         n, i = len(items), self.pos.get(items[0], -1)
         if self.units[i : i + n] != items:  # not a run of the unit list (not expected)
@@ -489,7 +492,6 @@ class _Search:
             rank_b = min((self.local_rank.get(u, math.inf) for u in items[a:]), default=math.inf)
             return (
                 t > best_total,
-                self._kind(lt) == self._kind(rt),
                 self.g.nodes[lt]["layer"] == self.g.nodes[rt]["layer"],
                 lt == rt,
                 not rank_a < rank_b,
