@@ -44,7 +44,6 @@ class UnitStats:
         self.n_differ = 0
         self.nan = False
         self.ulps_all = 0
-        self.ref_max = 0.0
         self.ulps_floor = 0  # max over samples of max ulps above that sample's floor
 
     def update(self, ref: torch.Tensor, eng: torch.Tensor, sample: int) -> None:
@@ -86,51 +85,84 @@ def fold(stats: dict, pairs: dict, sample: int) -> None:
         per = max(1, STACK_ELEMENTS // max(1, shape[0] * shape[1]))  # bounded working set per stack
         for c in range(0, len(items), per):
             chunk = items[c : c + per]
-            R = torch.stack([r.to(torch.float64) for _, r, _ in chunk])  # [U, T, W]
-            E = torch.stack([e.to(torch.float64) for _, _, e in chunk])
-            _fold_group([stats[k] for k, _, _ in chunk], R, E, dtype, sample,
-                        torch.stack([r.float() for _, r, _ in chunk]), torch.stack([e.float() for _, _, e in chunk]))
+            _fold_group([stats[k] for k, _, _ in chunk], _stack([r for _, r, _ in chunk]), _stack([e for _, _, e in chunk]),
+                        dtype, sample)
 
 
 STACK_ELEMENTS = 1 << 18  # elements of one stacked group (float64: 2 MB per temporary)
 
 
-def _fold_group(sts, R, E, dtype, sample, R32, E32) -> None:
-    U = R.shape[0]
-    D = E - R
-    AD = D.abs()
-    row_r = torch.linalg.vector_norm(R, dim=2)
-    row_d = torch.linalg.vector_norm(D, dim=2)
-    sums = torch.stack([R.square().sum((1, 2)), E.square().sum((1, 2)), D.square().sum((1, 2)), (R * E).sum((1, 2)),
-                        AD.sum((1, 2)), AD.amax((1, 2)) if AD.numel() else torch.zeros(U, dtype=torch.float64)], 1).tolist()
-    row_rel = torch.nan_to_num(torch.where(row_r > 0, row_d / torch.where(row_r > 0, row_r, 1.0), row_d), nan=math.inf)
-    tv, ti = row_rel.max(1) if row_rel.shape[1] else (torch.full((U,), -math.inf), torch.zeros(U, dtype=torch.long))
-    tv, ti = tv.tolist(), ti.tolist()
-    rq = R32.to(dtype)
-    eq = E32.to(dtype)
+def _stack(ts: list) -> torch.Tensor:
+    """[U, T, W] of one dtype; a single tensor is viewed, not copied."""
+    if len(ts) == 1:
+        return ts[0].unsqueeze(0)
+    dt = ts[0].dtype if all(t.dtype == ts[0].dtype for t in ts) else torch.float32
+    return torch.stack([t.to(dt) for t in ts])
+
+
+def _ordered(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`metrics._ordered` without a select: for sign s (0 or -1 after the arithmetic
+    shift) and magnitude bits m, (bits ^ (s & MASK)) - s is m when s = 0 and -m when
+    s = -1, in the float's own integer width (-m and m both fit)."""
+    idt, mask = M._INT_VIEW[dtype]
+    bits = x.view(idt)
+    sign = bits >> (8 * bits.element_size() - 1)
+    return (bits ^ (sign & mask)) - sign
+
+
+def _fold_group(sts, R, E, dtype, sample) -> None:
+    """Fold one stack of units ([U, T, W], the tensors' own dtype) into their stats:
+    the error sums in float64, the ULP distances in integer arithmetic on the bits
+    (skipped for units whose bits all agree)."""
+    U, T, W = R.shape
+    f64 = torch.float64
+    R64, E64 = R.to(f64), E.to(f64)
+    D = E64 - R64
+    norm = torch.linalg.vector_norm
+    if T and W:  # row norms first; the unit's sums of squares are the sums of their squares
+        row_r, row_d = norm(R64, dim=2), norm(D, dim=2)
+        row_rel = torch.where(row_r > 0, row_d / torch.where(row_r > 0, row_r, 1.0), row_d)
+        ti = torch.nan_to_num(row_rel, nan=math.inf).argmax(1)  # a NaN row is the worst, and reported as NaN
+        tv, ti = row_rel.gather(1, ti[:, None]).reshape(U).tolist(), ti.tolist()
+        Rf, Ef, Df = R64.reshape(U, 1, -1), E64.reshape(U, -1, 1), D.reshape(U, -1)
+        sums = torch.stack([row_r.square().sum(1), norm(E64, dim=(1, 2)).square(), row_d.square().sum(1),
+                            torch.bmm(Rf, Ef).reshape(U), norm(Df, ord=1, dim=1), norm(Df, ord=math.inf, dim=1)], 1).tolist()
+    else:
+        tv, ti = [-math.inf] * U, [0] * U
+        sums = [[0.0] * 6 for _ in range(U)]
+    del R64, E64, D
+    rq = R if R.dtype == dtype else R.to(dtype)
+    eq = E if E.dtype == dtype else E.to(dtype)
     idt = M._INT_VIEW[dtype][0]
-    nan = torch.isnan(rq) | torch.isnan(eq)
-    differ = ((rq.view(idt) != eq.view(idt)) | nan).sum((1, 2)).tolist()
-    anynan = nan.any(2).any(1).tolist()
-    ulps = (M._ordered(rq, dtype) - M._ordered(eq, dtype)).abs().reshape(U, -1)
-    r_abs = rq.to(torch.float64).abs().reshape(U, -1)
-    ulps_all = ulps.amax(1).tolist() if ulps.shape[1] else [0] * U
-    fin = torch.where(torch.isfinite(r_abs), r_abs, torch.zeros_like(r_abs))
-    rmax = fin.amax(1).tolist() if fin.shape[1] else [0.0] * U
-    # max ulps over elements with |ref| >= 1e-3 of the largest finite |ref| of this sample and unit
-    floor = 1e-3 * fin.amax(1, keepdim=True) if fin.shape[1] else torch.zeros(U, 1, dtype=torch.float64)
-    kept = torch.where(r_abs >= floor, ulps, torch.zeros_like(ulps))
-    ulps_floor = kept.amax(1).tolist() if kept.shape[1] else [0] * U
+    differ_mask = rq.view(idt) != eq.view(idt)
+    if any(math.isnan(x[2]) for x in sums):  # a NaN difference: NaN on a side (or inf - inf); the exact masks
+        nan = torch.isnan(rq) | torch.isnan(eq)
+        differ = (differ_mask | nan).sum((1, 2)).tolist()
+        anynan = nan.flatten(1).any(1).tolist()
+    else:
+        differ = differ_mask.sum((1, 2)).tolist()
+        anynan = [False] * U
+    del differ_mask
+    if any(differ[u] and not anynan[u] for u in range(U)):
+        wide = torch.int32 if rq.element_size() == 2 else torch.int64
+        ulps = (_ordered(rq, dtype).to(wide) - _ordered(eq, dtype).to(wide)).abs_().reshape(U, -1)
+        r_abs = rq.abs().reshape(U, -1)
+        # max ulps over elements with |ref| >= 1e-3 of the largest finite |ref| of this sample and unit
+        fin_max = r_abs.nan_to_num(nan=0.0, posinf=0.0).amax(1, keepdim=True).to(f64)
+        kept = ulps.masked_fill(r_abs < 1e-3 * fin_max, 0)
+        ulps_all, ulps_floor = ulps.amax(1).tolist(), kept.amax(1).tolist()
+    else:
+        ulps_all = ulps_floor = [0] * U
     for u, st in enumerate(sts):
-        st.n += R.shape[1] * R.shape[2]
+        st.n += T * W
         rr, ee, dd, re_, a, mx = sums[u]
         st.rr += rr
         st.ee += ee
         st.dd += dd
         st.re += re_
         st.abs_sum += a
-        st.max_abs = max(st.max_abs, mx)
-        if tv[u] > st.tok_rel:
+        st.max_abs = mx if math.isnan(mx) or mx > st.max_abs else st.max_abs  # a NaN stays
+        if math.isnan(tv[u]) and not math.isnan(st.tok_rel) or tv[u] > st.tok_rel:
             st.tok_rel, st.worst = tv[u], {"sample": sample, "token": ti[u]}
         st.n_differ += int(differ[u])
         if anynan[u]:
@@ -138,7 +170,6 @@ def _fold_group(sts, R, E, dtype, sample, R32, E32) -> None:
         if st.nan:
             continue
         st.ulps_all = max(st.ulps_all, int(ulps_all[u]))
-        st.ref_max = max(st.ref_max, rmax[u])
         st.ulps_floor = max(st.ulps_floor, int(ulps_floor[u]))
 
 

@@ -25,7 +25,8 @@ def _same(a: dict, b: dict, where: str) -> None:
             continue
         x, y = a[key], b[key]
         if isinstance(x, float) and isinstance(y, float):
-            assert math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) or (math.isinf(x) and x == y), (where, key, x, y)
+            assert (math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) or (math.isinf(x) and x == y)
+                    or (math.isnan(x) and math.isnan(y))), (where, key, x, y)
         else:
             assert x == y, (where, key, x, y)
 
@@ -92,3 +93,45 @@ def test_max_capture_mb_too_small_is_one_clear_error(tmp_path):
     assert not (tmp_path / "c").exists()  # nothing half-written
     done = subprocess.run(cmd[:-5] + ["-q"], capture_output=True, text=True, env=child_env(), cwd=ROOT)
     assert done.returncode == 2 and "--capture full needs --capture-dir" in done.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ordered_bits_match_the_metrics_definition(dtype):
+    from numbisect.capture import _ordered
+
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 1e-40, -1e-40, 3e38, -3e38]).to(dtype)
+    x = torch.cat([special, (torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)])
+    tiny = torch.tensor([torch.finfo(dtype).tiny, -torch.finfo(dtype).tiny, torch.finfo(dtype).max, -torch.finfo(dtype).max], dtype=dtype)
+    x = torch.cat([x, tiny])
+    assert torch.equal(_ordered(x, dtype).to(torch.int64), M._ordered(x, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_units_with_equal_nan_inf_and_zero_tensors_match_the_joined_metrics(dtype):
+    """Units of one shape are folded as one stack; each must still get its own numbers,
+    whether its bits all agree (the ULP pass is skipped), hold a NaN, an inf on both
+    sides (inf - inf), or are all zero."""
+    from numbisect.capture import fold
+
+    g = torch.Generator().manual_seed(1)
+    base = [(torch.randn(6, 8, generator=g) * 3).to(dtype) for _ in range(3)]
+    cases = {
+        "equal": [(b, b.clone()) for b in base],
+        "noisy": [(b, (b.float() * (1 + 1e-2 * torch.randn(b.shape, generator=g))).to(dtype)) for b in base],
+        "nan": [(b, b.clone().index_put_((torch.tensor([1]), torch.tensor([2])), torch.tensor(float("nan"), dtype=dtype))) for b in base],
+        "inf": [(b.clone().fill_(float("inf")), b.clone().fill_(float("inf"))) for b in base],
+        "zero": [(torch.zeros_like(b), torch.zeros_like(b)) for b in base],
+    }
+    stats = {k: UnitStats(dtype) for k in cases}
+    for i in range(3):
+        fold(stats, {k: v[i] for k, v in cases.items()}, i)
+    for k, pairs in cases.items():
+        want = C._unit_error([r for r, _ in pairs], [e for _, e in pairs], dtype)
+        got = stats[k].result()
+        _same({a: b for a, b in want.items() if a != "ulps"}, {a: b for a, b in got.items() if a != "ulps"}, k)
+        for key in ("bitwise_equal", "frac_differ", "max_ulps_all"):
+            assert got["ulps"][key] == want["ulps"][key], (k, key)
+        if want["ulps"]["max_ulps"] is None:
+            assert got["ulps"]["max_ulps"] is None, k
+        else:
+            assert got["ulps"]["max_ulps"] == max(M.ulp_stats(r, e, dtype)["max_ulps"] for r, e in pairs), k
