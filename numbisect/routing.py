@@ -267,7 +267,7 @@ def routing_report(samples, spec: RouterSpec, units: list[str], ref_ids: dict, r
 REPLAY_DIRECTIONS = ("ref", "engine")
 
 
-def check_replay(direction: str | None, config, engine_kind: str) -> None:
+def check_replay(direction: str | None, config, engine_kind: str, engine_opts: dict | None = None) -> None:
     """Refuse a replay that cannot run, before any model loads."""
     from numbisect.errors import InputError
 
@@ -279,8 +279,12 @@ def check_replay(direction: str | None, config, engine_kind: str) -> None:
         from numbisect.arch import arch_for
 
         raise InputError(f"--replay-routing needs a MoE model; {arch_for(config).name} is dense (no router to replay)")
-    if engine_kind == "rollout":
-        raise InputError("--replay-routing needs an engine that runs (hf: or vllm:), not rollout")
+    if engine_kind in ("rollout", "dump"):
+        raise InputError(f"--replay-routing needs an engine that runs (hf: or vllm:), not {engine_kind}")
+    tp = int((engine_opts or {}).get("tensor_parallel_size", 1) or 1)
+    if engine_kind == "vllm" and tp > 1:
+        raise InputError(f"--replay-routing does not run under tensor parallelism yet (tensor_parallel_size={tp}): "
+                         "the expert ids are not forced inside the workers; replay on tensor_parallel_size=1")
 
 
 def _biases(backend, units) -> dict:

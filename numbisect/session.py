@@ -84,7 +84,7 @@ class Session:
         ref_arch = arch_for(ref_cfg)
         from numbisect.routing import check_replay
 
-        check_replay(spec.replay_routing, ref_cfg, eng_kind)
+        check_replay(spec.replay_routing, ref_cfg, eng_kind, spec.engine_opts)
         if spec.replay_routing and spec.engine_mode == "decode":
             raise InputError("--replay-routing works in prefill mode only (--engine-mode decode records no expert ids yet)")
         check_vocab(self.trace, ref_cfg.get_text_config().vocab_size)

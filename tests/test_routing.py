@@ -177,6 +177,20 @@ def test_replay_routing_with_rollout_is_a_one_line_error(tmp_path, capsys):
     assert code == 2 and len(err) == 1 and "needs an engine that runs" in err[0]
 
 
+@pytest.mark.parametrize("engine, opts, words", [
+    ("dump:{tmp}", [], "needs an engine that runs (hf: or vllm:), not dump"),
+    ("vllm:{d}", ["--engine-opt", "tensor_parallel_size=2"], "does not run under tensor parallelism yet (tensor_parallel_size=2)"),
+])
+def test_replay_routing_on_a_dump_or_under_tensor_parallel_is_a_one_line_error(tmp_path, capsys, engine, opts, words):
+    d = model_dir("qwen3_moe")
+    out = tmp_path / "r.json"
+    code = main(["compare", "--ref", f"hf:{d}", "--engine", engine.format(tmp=tmp_path, d=d), *opts,
+                 "--trace", trace_path("qwen3_moe"), "--replay-routing", "ref", "--out", str(out), "-q"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and len(err) == 1 and not out.exists(), err
+    assert words in err[0]
+
+
 def test_batched_hf_engine_records_and_replays_per_sample():
     """hf with batch_size 4 (right padding): ids are cut back per sample and replayed per sample."""
     from numbisect.backends.hf import HFBackend
