@@ -110,3 +110,19 @@ def test_trace_groups_are_dropped_when_the_trace_is_not_the_reports():
     assert td.groups == ["completion", "prompt", "all"] and "differs" in td.note
     r["inputs"]["trace"]["path"] = "no/such/trace.jsonl"
     assert "not found" in M.token_data(r, REPORT).note
+
+
+def test_a_culprits_precision_whatifs_show_in_its_unit_detail():
+    from numbisect.tui.widgets.unit_detail import detail_text
+
+    r = read(REPORT)
+    c = r["culprits"][0]
+    c["precision"] = {"suggested": "accumulate the expert weighted sum in fp32: k3-mean 1.2e-08 -> 3.3e-14 (fixes it)",
+                      "whatifs": [{"whatif": "fp32 weighted sum", "line": "k3-mean 1.2e-08 -> 3.3e-14 (fixes it)"},
+                                  {"whatif": "fp32 unit", "line": "k3-mean 1.2e-08 -> 1.1e-08 (does not help)"}]}
+    text = detail_text(r, c["unit"], "propagated", r["trials"], []).plain
+    assert "suggested fix: accumulate the expert weighted sum in fp32" in text
+    assert "  fp32 weighted sum: k3-mean 1.2e-08 -> 3.3e-14 (fixes it)" in text
+    assert "  fp32 unit: k3-mean 1.2e-08 -> 1.1e-08 (does not help)" in text
+    other = next(u["name"] for u in r["units"] if u["name"] != c["unit"])
+    assert "suggested fix" not in detail_text(r, other, "propagated", r["trials"], []).plain

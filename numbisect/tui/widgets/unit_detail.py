@@ -84,6 +84,12 @@ def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: 
                 f"all others swapped {fmt(c['complement'])}\n",
                 style="bold magenta",
             )
+            p = c.get("precision")
+            if isinstance(p, dict):
+                t.append(f"suggested fix: {p.get('suggested')}\n", style="bold")
+                for w in p.get("whatifs") or []:
+                    if isinstance(w, dict):
+                        t.append(f"  {w.get('whatif')}: {w.get('line')}\n")
     rank = (report.get("local_ranking") or {}).get(name)
     if rank:
         t.append(f"local-error rank {rank} of {len(report['local_ranking'])}\n")
