@@ -158,6 +158,11 @@ class Session:
             self.ref_routing = probe.ids if probe else None
         return self._ref_result
 
+    def reference_tokens(self) -> ForwardResult:
+        """The reference's log-probs: from the streamed compare when there was one (no
+        second reference forward, no unit kept), else from `reference()`."""
+        return self._ref_tokens or self.reference()
+
     def routing_probe(self, backend, replay=None):
         """A recorder (and replayer) of expert ids for `backend`; None on a dense model."""
         from numbisect.routing import RoutingProbe, router_spec
@@ -314,7 +319,7 @@ class Session:
         """One engine forward with `swapped` units replaced: (judged value, summary)."""
         if self.engine_kind == "dump":
             raise InputError("--engine dump:DIR can be compared, not searched: a dump cannot run swap trials")
-        ref = self._ref_tokens or self.reference()
+        ref = self.reference_tokens()
         t0 = time.perf_counter()
         res, replayed = self._trial_forward(swapped)
         tokens = C.token_report(self.samples, ref, res, self.settings, self.groups)

@@ -213,7 +213,7 @@ def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=
     """Add `precision` (what-ifs and the suggested fix) to each culprit dict, in place."""
     if session.engine is None or not culprits:
         return
-    ref = session.reference()
+    ref = session.reference_tokens()
     st = session.settings
     names = [c["unit"] for c in culprits]
     for c in culprits:

@@ -34,6 +34,9 @@ def test_fp32_weighted_sum_fixes_a_planted_moe_combine_fault():
     assert w["replaced_faults"] == ["moe_combine_bf16@layers.2.moe"]
     assert c["precision"]["suggested"].startswith("accumulate the expert weighted sum in fp32")
     assert "fixes it" in c["precision"]["suggested"]
+    # stats capture (the default): the what-ifs reuse the streamed reference log-probs; no
+    # whole-run reference capture (every unit of every sample) is ever made
+    assert s.spec.capture == "stats" and s._ref_result is None
 
 
 def test_an_upcast_that_does_not_help_is_reported_as_not_helping():
