@@ -12,6 +12,8 @@ def fmt(x, digits: int = 2) -> str:
         return "-"
     if isinstance(x, str):
         return x
+    if isinstance(x, bool) or not isinstance(x, (int, float)):  # a hostile report's value, shown as it is
+        return str(x)
     if x == 0:
         return "0"
     return f"{x:.{digits}e}" if abs(x) < 1e-2 or abs(x) >= 1e4 else f"{x:.{digits + 2}g}"
@@ -134,7 +136,12 @@ def _group_evidence(r: dict, unit: str) -> str | None:
     alone = next((t for t in trials if t.get("swapped") == [unit]), None)
     if base is None or alone is None:
         return None
-    bg, ag = (base.get("metrics") or {}).get("groups") or {}, (alone.get("metrics") or {}).get("groups") or {}
+    def groups(t):
+        m = t.get("metrics")
+        g = m.get("groups") if isinstance(m, dict) else None
+        return {k: v for k, v in g.items() if isinstance(v, dict)} if isinstance(g, dict) else {}
+
+    bg, ag = groups(base), groups(alone)
     cells = [f"{g} {fmt(bg[g].get('k3_mean'))} -> {fmt(ag[g].get('k3_mean'))}" for g in bg if g in ag and bg[g].get("k3_mean") is not None]
     return f"  k3 mean per group, baseline -> {unit} swapped: " + ", ".join(cells) if cells else None
 

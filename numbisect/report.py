@@ -2,7 +2,10 @@
 
 Compatibility promise: `schema_version` is an integer. Fields are only added within a
 version (readers must ignore unknown fields); a field removed or whose meaning changes
-bumps the version. This tool reads every version up to its own and refuses newer ones
+bumps the version. Sets that grow with the tool (unit kinds, backends, engine modes,
+what-ifs) are open strings in the schema: a later version may add values within a
+version, and readers show a value they do not know as it is. Closed sets (verdicts,
+report kinds) only change with the version. This tool reads every version up to its own and refuses newer ones
 with a message naming both. `numbisect/schemas/report-v1.json` is the JSON Schema.
 """
 

@@ -404,6 +404,21 @@ def test_schema_valid_report_missing_a_field_render_needs(tmp_path, path):
     assert rc == 2 or (rc == 1 and out and not err), (rc, err)
 
 
+@pytest.mark.parametrize("value", [None, [1], "x", {"k3_mean": [0.1]}])
+def test_trial_group_metrics_of_any_shape_do_not_crash_the_summary(tmp_path, value):
+    """Found by the generated cases: the per-group evidence line read a trial's
+    metrics.groups entries as dicts of numbers (AttributeError / TypeError, exit 3)."""
+    r = copy.deepcopy(BASE)
+    unit = r["culprits"][0]["unit"]
+    alone = next(t for t in r["trials"] if t["swapped"] == [unit])
+    alone["metrics"]["groups"]["completion"] = value
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(r))
+    for args in (["show", str(f)], ["md", str(f)], ["diff", str(REPORT), str(f)]):
+        rc, out, err = cli(["report", *args])
+        assert rc in (0, 1) and out and not err.strip(), (args, rc, err)
+
+
 def test_hostile_report_case_count():
     print(f"hostile report cases run: {RAN['report']}")
     assert RAN["report"] >= 80

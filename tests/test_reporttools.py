@@ -278,3 +278,43 @@ def test_report_tools_need_no_models_and_no_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0, 0, 1, 0] []"
+
+
+# -- values a later version may add -------------------------------------------------------------
+def future(planted: dict) -> dict:
+    """The planted-fault report as a later numbisect might write it within v1: a unit kind,
+    a backend, an engine mode and a what-if this version does not know."""
+    r = copy.deepcopy(planted)
+    c = r["culprits"][0]
+    for u in r["units"]:
+        if u["name"] == c["unit"]:
+            u["kind"] = "ssm_mixer"
+    c["kind"] = "ssm_mixer"
+    r["inputs"]["engine"]["backend"] = "sglang"
+    r["inputs"]["engine"]["mode"] = "speculative"
+    c["precision"] = {"suggested": "accumulate the scan in fp32: k3-mean 5.1e-03 -> 4.0e-05 (fixes it)",
+                      "whatifs": [{"whatif": "fp32 scan", "fix": "accumulate the scan in fp32", "metric": "k3-mean",
+                                   "threshold": 1e-3, "before": 5.1e-3, "value": 4e-5, "k3_mean": 4e-5, "verdict": "fixes",
+                                   "line": "accumulate the scan in fp32: k3-mean 5.1e-03 -> 4.0e-05 (fixes it)",
+                                   "replaced_faults": [], "faults_not_carried": []}]}
+    return r
+
+
+def test_open_set_values_from_a_later_version_load_and_render(planted, tmp_path, capsys):
+    from numbisect.render import render
+    from numbisect.report import load_report, validate
+
+    r = future(planted)
+    assert validate(r) == []
+    path = write(tmp_path, r, "future.json")
+    assert load_report(path)["inputs"]["engine"]["backend"] == "sglang"
+    assert "ssm_mixer" in render(r) and "accumulate the scan in fp32" in render(r)
+    for args in (["report", "show", path], ["report", "md", path], ["report", "validate", path],
+                 ["report", "diff", str(PLANTED), path]):
+        code = main(args)
+        out, err = capsys.readouterr()
+        assert code in (0, 1) and "Traceback" not in err, (args, err)
+    assert "ssm_mixer" in markdown(r)
+    # closed sets stay closed: an unknown verdict is still refused
+    r["verdict"] = "mostly_fine"
+    assert any(e.startswith("verdict:") for e in validate(r))

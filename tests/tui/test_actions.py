@@ -270,3 +270,30 @@ async def test_q_quits():
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("q")
     assert app.return_value == 0
+
+
+async def test_a_report_with_values_from_a_later_version_opens_and_every_tab_draws(tmp_path):
+    """Unit kinds, backends and what-ifs are open sets in the schema: the explorer shows an
+    unknown one as it is."""
+    r = read(REPORT)
+    c = r["culprits"][0]
+    for u in r["units"]:
+        if u["name"] == c["unit"]:
+            u["kind"] = "ssm_mixer"
+    c["kind"] = "ssm_mixer"
+    r["inputs"]["engine"]["backend"] = "sglang"
+    c["precision"] = {"suggested": "accumulate the scan in fp32: fixes it",
+                      "whatifs": [{"whatif": "fp32 scan", "fix": "accumulate the scan in fp32", "metric": "k3-mean",
+                                   "threshold": 1e-3, "before": 5e-3, "value": 4e-5, "k3_mean": 4e-5, "verdict": "fixes",
+                                   "line": "accumulate the scan in fp32: fixes it", "replaced_faults": [],
+                                   "faults_not_carried": []}]}
+    path = tmp_path / "future.json"
+    path.write_text(json.dumps(r))
+    app = report_app(str(path))
+    async with app.run_test(size=SIZE) as pilot:
+        for key in ("1", "2", "3", "4", "2"):
+            await pilot.press(key)
+            await pilot.pause()
+        assert app.selected == c["unit"]
+        detail = text(app.main.query_one(UnitDetail))
+        assert "(ssm_mixer)" in detail and "suggested fix: accumulate the scan in fp32" in detail
