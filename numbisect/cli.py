@@ -356,6 +356,12 @@ def report_md(file):
 @click.option("--group", default="completion", show_default=True, help="Token group judged: completion, prompt, all or a trace group.")
 @click.option("--strategy", default="hierarchical", show_default=True, type=click.Choice(["hierarchical", "linear", "ddmin"]))
 @click.option("--max-trials", type=int, default=None, help="Stop the search after this many trials.")
+@click.option("--engine-mode", default="prefill", show_default=True, type=click.Choice(["prefill", "decode"]),
+              help="Live mode: decode replays the completion one forced token per step, as a rollout does.")
+@click.option("--group-def", multiple=True, metavar="NAME=ID[,ID]", help="Live mode: a token group of the tokens with these ids (repeatable).")
+@click.option("--trace-format", type=click.Choice(["numbisect", "verl", "openrlhf", "trl"]), default=None,
+              help="Live mode: field names of an RL rollout dump (JSONL or parquet) [default: detected].")
+@click.option("--trace-fields", metavar="ROLE=FIELD,...", help="Live mode: field names of a rollout dump (see `bisect run --help`).")
 def tui(report_file, **kw):
     """Terminal UI: explore REPORT.json, or run the search live (--ref, --engine, --trace).
 

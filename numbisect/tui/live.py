@@ -120,6 +120,9 @@ def check_live(cfg: LiveConfig) -> None:
     kind, _ = parse_spec(cfg.spec.engine, "--engine")
     if kind == "rollout":
         raise InputError("bisect tui runs trials: --engine must be hf:DIR or vllm:DIR (not rollout)")
+    from numbisect import decode as D
+
+    D.check_mode(kind, cfg.spec.engine_mode)
     if cfg.strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {cfg.strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if cfg.max_trials is not None and cfg.max_trials < 1:
@@ -127,6 +130,7 @@ def check_live(cfg: LiveConfig) -> None:
     for f in cfg.spec.faults:
         parse_fault(f)
     trace = load_any(cfg.spec.trace, cfg.spec.trace_format, cfg.spec.trace_fields)
+    D.check_trace(trace, cfg.spec.engine_mode)
     from numbisect.backends.base import load_config
     from numbisect.groups import add_groups, parse_group_defs
 

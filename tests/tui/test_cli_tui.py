@@ -69,6 +69,8 @@ def test_missing_report_file(capsys, started):
         ([*LIVE, "--engine-fault", "nonsense"], "bad fault spec"),
         ([*LIVE, "--max-trials", "0"], "--max-trials must be at least 1"),
         ([*LIVE, "--group", "nope"], "unknown group 'nope'"),
+        (["--ref", "hf:fixtures/models/qwen3_moe", "--engine", "dump:/nowhere", "--trace", "fixtures/traces/qwen3_moe.jsonl",
+          "--engine-mode", "decode"], "decode"),
         (["--ref", "hf:fixtures/models/qwen3_moe", "--engine", "hf:fixtures/models/qwen3_moe", "--trace", "no/trace.jsonl"], "no/trace.jsonl"),
     ],
 )
@@ -94,6 +96,18 @@ def test_live_options_make_a_live_app_that_records_the_equivalent_run_command(st
     assert cfg.argv == ["bisect", "run", *argv[2:]]
     assert (cfg.strategy, cfg.max_trials, cfg.settings.threshold) == ("ddmin", 12, 1e-10)
     assert cfg.spec.faults == ["moe_combine_bf16@layers.2.moe"]
+
+
+def test_live_mode_takes_the_engine_mode_groups_and_rollout_dump_fields(started, monkeypatch):
+    argv = ["bisect", "tui", *LIVE, "--engine-mode", "decode", "--group-def", "digits=10,11", "--group", "digits",
+            "--trace-format", "numbisect"]
+    monkeypatch.setattr("sys.argv", ["pytest"])
+    assert main(argv[1:]) == ExitCode.ALIGNED
+    (app,) = started
+    cfg = app.live
+    assert cfg.spec.engine_mode == "decode" and cfg.spec.group_defs == ["digits=10,11"]
+    assert cfg.spec.trace_format == "numbisect" and cfg.settings.group == "digits"
+    assert cfg.argv == ["bisect", "run", *argv[2:]]
 
 
 def test_help_lists_tui(capsys):
