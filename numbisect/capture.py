@@ -59,8 +59,8 @@ class UnitStats:
         elif rn == 0 or en == 0:
             cos = 0.0
         else:
-            cos = max(-1.0, min(1.0, self.re / (rn * en)))
-        sq = math.inf if dn == 0 else (-math.inf if rn == 0 else 20.0 * math.log10(rn / dn))
+            cos = M.clamp_cosine(self.re / (rn * en))
+        sq = M.sqnr(rn, dn)
         out = {"max_abs": self.max_abs, "mean_abs": self.abs_sum / self.n, "rel_l2": rel, "cosine": cos, "sqnr_db": sq,
                "token_rel_max": self.tok_rel, "worst_token": self.worst}
         ulps = {"bitwise_equal": self.n_differ == 0, "frac_differ": self.n_differ / self.n}
@@ -93,10 +93,13 @@ STACK_ELEMENTS = 1 << 18  # elements of one stacked group (float64: 2 MB per tem
 
 
 def _stack(ts: list) -> torch.Tensor:
-    """[U, T, W] of one dtype; a single tensor is viewed, not copied."""
+    """[U, T, W] of one dtype (float64 if any is, else float32 when they differ); a single
+    tensor is viewed, not copied."""
     if len(ts) == 1:
         return ts[0].unsqueeze(0)
-    dt = ts[0].dtype if all(t.dtype == ts[0].dtype for t in ts) else torch.float32
+    dt = ts[0].dtype
+    if any(t.dtype != dt for t in ts):
+        dt = torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
     return torch.stack([t.to(dt) for t in ts])
 
 

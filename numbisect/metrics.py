@@ -205,6 +205,24 @@ def _rows(x: Tensor) -> Tensor:
     return x.reshape(x.shape[0], -1)
 
 
+def clamp_cosine(c: float) -> float:
+    """A cosine clamped to [-1, 1]; NaN (a NaN or inf/inf on a side) stays NaN."""
+    return c if math.isnan(c) else max(-1.0, min(1.0, c))
+
+
+def sqnr(r_norm: float, d_norm: float) -> float:
+    """20 log10(||r|| / ||e - r||): inf when equal, -inf when the reference is zero or
+    the error infinite (an engine that overflowed), NaN when either norm is NaN."""
+    if math.isnan(r_norm) or math.isnan(d_norm):
+        return math.nan
+    if d_norm == 0:
+        return math.inf
+    ratio = r_norm / d_norm
+    if math.isnan(ratio):  # inf / inf
+        return math.nan
+    return -math.inf if ratio == 0 else 20.0 * math.log10(ratio)
+
+
 def activation_error(ref: Tensor, eng: Tensor) -> dict:
     """How far an engine activation is from the reference one; both [tokens, ...].
 
@@ -237,14 +255,8 @@ def activation_error(ref: Tensor, eng: Tensor) -> dict:
     elif r_norm == 0 or e_norm == 0:
         cosine = 0.0
     else:
-        cosine = max(-1.0, min(1.0, (r * e).sum().item() / (r_norm * e_norm)))
-
-    if d_norm == 0:
-        sqnr_db = math.inf
-    elif r_norm == 0:
-        sqnr_db = -math.inf
-    else:
-        sqnr_db = 20.0 * math.log10(r_norm / d_norm)
+        cosine = clamp_cosine((r * e).sum().item() / (r_norm * e_norm))
+    sqnr_db = sqnr(r_norm, d_norm)
 
     row_r = torch.linalg.vector_norm(r, dim=1)
     row_d = torch.linalg.vector_norm(d, dim=1)

@@ -121,6 +121,10 @@ def test_stacked_units_with_equal_nan_inf_and_zero_tensors_match_the_joined_metr
         "nan": [(b, b.clone().index_put_((torch.tensor([1]), torch.tensor([2])), torch.tensor(float("nan"), dtype=dtype))) for b in base],
         "inf": [(b.clone().fill_(float("inf")), b.clone().fill_(float("inf"))) for b in base],
         "zero": [(torch.zeros_like(b), torch.zeros_like(b)) for b in base],
+        "overflow": [(b, b.clone().index_put_((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("inf"), dtype=dtype)))
+                     for b in base],  # an engine that overflowed: sqnr -inf, not a math domain error
+        # float64 tensors (a dump may hold them) stacked with the others keep their precision
+        "float64": [(b.double() + 1e-12, b.double()) for b in base],
     }
     stats = {k: UnitStats(dtype) for k in cases}
     for i in range(3):
