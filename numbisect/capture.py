@@ -311,7 +311,10 @@ def stream_compare(session, local: bool = True) -> dict:
         raise InputError(f"unknown capture mode {mode!r}; choose stats or full")
     units = eng.units if eng is not None else []
     names = [u.name for u in units]
-    feed_names = C.local_feed_names(ref) if eng is not None else []
+    remote = eng is not None and getattr(eng, "remote", False)  # tensor parallel: faults and hooks live in the workers
+    if remote:
+        local = False  # no teacher forcing into the workers yet
+    feed_names = C.local_feed_names(ref) if eng is not None and local else []
     store = None
     if mode == "full":
         if not getattr(spec, "capture_dir", None):
@@ -323,8 +326,10 @@ def stream_compare(session, local: bool = True) -> dict:
     prop = {n: UnitStats(edtype) for n in names}
     loc = {n: UnitStats(edtype) for n in names}
     ref_tok, ref_full, eng_tok, eng_full = [], [], [], []
-    planted = apply_faults(eng, session.faults) if eng is not None and not dump else None
+    planted = apply_faults(eng, session.faults) if eng is not None and not dump and not remote else None
     session.say(f"reference and engine, sample by sample ({mode} capture)")
+    if remote:
+        eng.prepare(session.faults, [], ref)
     try:
         for i, s in enumerate(session.samples):
             r = ref.forward([s], full_logits=True, capture=names, capture_inputs=feed_names)
@@ -369,6 +374,8 @@ def stream_compare(session, local: bool = True) -> dict:
             unpatch(eng)
             eng.restore()
             planted.undo()
+        if remote:
+            eng.undo()
     if store is not None:
         store.flush()
     ref_res = ForwardResult(token_logprobs=ref_tok, full_logprobs=ref_full)

@@ -257,10 +257,10 @@ class Session:
             from numbisect.layerstream import stream_compare_layers
 
             return stream_compare_layers(self, local)
-        # stats / full: streamed sample by sample (numbisect.capture). Decode mode and the
-        # routing replay compare whole runs against each other, so they keep every tensor.
-        remote = getattr(self.engine, "remote", False)  # tensor parallel: whole-run captures gathered from the workers
-        if self.spec.capture != "memory" and self.mode == "prefill" and not self.spec.replay_routing and not remote:
+        # stats / full: streamed sample by sample (numbisect.capture; under tensor
+        # parallelism each sample's captures are gathered from the workers, then folded).
+        # Decode mode and the routing replay compare whole runs, so they keep every tensor.
+        if self.spec.capture != "memory" and self.mode == "prefill" and not self.spec.replay_routing:
             from numbisect.capture import stream_compare
 
             body = stream_compare(self, local)

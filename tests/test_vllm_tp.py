@@ -46,30 +46,60 @@ def test_search_under_tensor_parallel_names_a_fault_planted_in_the_row_parallel_
     assert pr["enabled"] and pr["trials_replayed"] > 0  # replayed inside both workers
 
 
-def test_prefix_reuse_in_the_workers_equals_full_recomputation():
-    """Each worker records and replays its own layers; faults in the prefix included."""
-    import torch
-
+@pytest.fixture(scope="module")
+def tp_engine():
     from numbisect.backends.vllm_tp import VLLMTPBackend
+
+    eng = VLLMTPBackend(model_dir("qwen3_moe"), "bfloat16", tensor_parallel_size=2)
+    yield eng
+    eng.close()
+
+
+def _tp_session(eng, capture="stats", samples=6):
     from numbisect.compare import Settings
     from numbisect.session import Session, Spec
 
     m = model_dir("qwen3_moe")
-    eng = VLLMTPBackend(m, "bfloat16", tensor_parallel_size=2)
-    try:
-        spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=trace_path("qwen3_moe"),
-                    faults=["output_noise=10@layers.1.attn", "output_noise=10@layers.3.moe.experts"])
-        s = Session(spec, Settings(threshold=3e-4), backends={"ref": hf("qwen3_moe", "bfloat16"), "engine": eng})
-        s.samples = s.samples[:6]
-        cases = [((), 0), (("layers.2.attn",), 2), (("layers.3.moe.experts",), 3), (("lm_head",), 4),
-                 (("layers.1.moe", "layers.3.attn"), 1), (("layers.1.moe", "layers.2.moe.experts"), 2)]
-        for swapped, depth in cases:
-            s.prefix_reuse = True
-            reused, replayed = s._trial_forward(swapped)
-            s.prefix_reuse = False
-            full, _ = s._trial_forward(swapped)
-            assert replayed == depth, swapped
-            for a, b in zip(reused.full_logprobs, full.full_logprobs):
-                assert torch.equal(a, b), swapped
-    finally:
-        eng.close()
+    spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=trace_path("qwen3_moe"), capture=capture,
+                faults=["output_noise=10@layers.1.attn", "output_noise=10@layers.3.moe.experts"])
+    s = Session(spec, Settings(threshold=3e-4), backends={"ref": hf("qwen3_moe", "bfloat16"), "engine": eng})
+    s.samples = s.samples[:samples]
+    return s
+
+
+def test_prefix_reuse_in_the_workers_equals_full_recomputation(tp_engine):
+    """Each worker records and replays its own layers; faults in the prefix included."""
+    import torch
+
+    s = _tp_session(tp_engine)
+    cases = [((), 0), (("layers.2.attn",), 2), (("layers.3.moe.experts",), 3), (("lm_head",), 4),
+             (("layers.1.moe", "layers.3.attn"), 1), (("layers.1.moe", "layers.2.moe.experts"), 2)]
+    for swapped, depth in cases:
+        s.prefix_reuse = True
+        reused, replayed = s._trial_forward(swapped)
+        s.prefix_reuse = False
+        full, _ = s._trial_forward(swapped)
+        assert replayed == depth, swapped
+        for a, b in zip(reused.full_logprobs, full.full_logprobs):
+            assert torch.equal(a, b), swapped
+
+
+def test_stats_capture_under_tensor_parallel_equals_whole_run_captures(tp_engine):
+    """Streamed per-sample statistics gathered from both workers: the numbers of the
+    whole-run (memory) compare, with the planted faults in the workers and removed after."""
+    stats = _tp_session(tp_engine, "stats").compare()
+    memory = _tp_session(tp_engine, "memory").compare()
+    assert stats["capture"]["mode"] == "stats"
+    assert stats["baseline"]["value"] == memory["baseline"]["value"] > 3e-4
+    rows = {r["name"]: r for r in memory["units"]}
+    for r in stats["units"]:
+        want = rows[r["name"]]["propagated"]
+        assert r["local"] is None and rows[r["name"]]["local"] is None  # no teacher forcing under TP yet
+        for key in ("rel_l2", "max_abs", "mean_abs"):
+            assert r["propagated"][key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), (r["name"], key)
+        assert r["propagated"]["ulps"]["frac_differ"] == want["ulps"]["frac_differ"]
+    assert stats["first_divergence"] == memory["first_divergence"]
+    # the faults were taken out of the workers: a plain forward is back to the engine's own
+    clean = _tp_session(tp_engine, "stats")
+    clean.faults = []
+    assert clean.compare()["baseline"]["value"] < 3e-4
