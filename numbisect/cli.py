@@ -212,6 +212,8 @@ def compare(**kw):
 @click.option("--whatif/--no-whatif", default=True, show_default=True, help="Rerun each culprit with its arithmetic in fp32 (suggested fix).")
 @click.option("--prefix-reuse/--no-prefix-reuse", default=True, show_default=True,
               help="A trial replays the leading layers it shares with the baseline or an earlier trial instead of recomputing them (same results).")
+@click.option("--prefix-cache-mb", type=float, default=None, metavar="MB",
+              help="RAM for the layer outputs prefix reuse keeps across trials; over it, older recordings are dropped [default: 4096].")
 def run(**kw):
     """Swap reference modules into the engine and search for the culprit units."""
     from numbisect.report import command_line, new_report
@@ -223,9 +225,11 @@ def run(**kw):
         raise InputError("--engine dump:DIR works with `bisect compare` only: a dump cannot run swap trials")
     if kw["max_trials"] is not None and kw["max_trials"] < 1:
         raise InputError("--max-trials must be at least 1")
+    if kw["prefix_cache_mb"] is not None and not kw["prefix_cache_mb"] > 0:
+        raise InputError(f"--prefix-cache-mb must be positive (got {kw['prefix_cache_mb']:g})")
     with Progress(kw["quiet"]) as say:
         spec, settings = _spec_settings(kw, say)
-        session = Session(spec, settings, progress=say, prefix_reuse=kw["prefix_reuse"])
+        session = Session(spec, settings, progress=say, prefix_reuse=kw["prefix_reuse"], prefix_cache_mb=kw["prefix_cache_mb"])
         try:
             body, code = do_run(
                 session,

@@ -26,10 +26,15 @@
    run the trace as the recording did), never a silent mix of two runs.
 
 Memory: a recording holds layers x tokens x hidden values (twice on vLLM), as much as a
-capture of every layer's output; later recordings hold only the layers they computed.
-The baseline and the `keep` most recently used other recordings are kept. With tensor
-parallelism each worker keeps its own recordings and this side only the swapped sets
-(`note`); both make the same choices from the same sequence of trials.
+capture of every layer's output; later recordings hold only the layers they computed
+(the replayed layers' entries are shared, and counted once). The baseline and the
+`keep` most recently used other recordings are kept, within `max_bytes`
+(`--prefix-cache-mb`, default `DEFAULT_MB`): the least recently used others are dropped
+first; when the baseline alone does not fit, recording stops for the rest of the run
+(`disabled` says why) and trials recompute every layer. The peak is the budget plus the
+recording of the trial running. With tensor parallelism each worker keeps its own
+recordings and this side only the swapped sets (`note`); both make the same choices
+from the same sequence of trials, so there the count is the only bound.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from numbisect.backends.base import get_module, set_module
 from numbisect.errors import BackendError
 
 HINT = "run with --no-prefix-reuse"
+DEFAULT_MB = 4096.0  # --prefix-cache-mb: recorded layer outputs kept across trials
 
 
 def num_layers(engine) -> int:
@@ -104,6 +110,14 @@ def _hidden_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (tuple, list)):
+        return sum(_nbytes(v) for v in x)
+    return 0
+
+
 class Replay(nn.Module):
     """A decoder layer that returns its recorded outputs, one per forward call, in order."""
 
@@ -143,16 +157,31 @@ class Recording:
 class PrefixCache:
     """Recorded layer outputs of earlier trials on one engine, trace and set of faults."""
 
-    def __init__(self, keep: int = 8):
+    def __init__(self, keep: int = 8, max_bytes: int | None = None):
         self.keep = keep  # recordings kept besides the baseline's (least recently used dropped)
+        self.max_bytes = max_bytes  # None: no byte budget (tensor-parallel workers; tests)
         self.key: Any = None
         self.recordings: list[Recording] = []  # most recently used last
         self.recorded = 0  # trials recorded since the cache was made
         self.cleared = True
+        self.disabled: str | None = None  # why recording stopped (the baseline alone is over the budget)
+        self.peak_bytes = 0
+        self.dropped = 0  # recordings dropped for the byte budget
 
     def clear(self) -> None:
         self.key, self.recordings = None, []
         self.cleared = True  # a tensor-parallel engine's workers clear theirs on the next trial
+        self.disabled = None
+
+    def nbytes(self) -> int:
+        """Bytes the kept recordings hold; a layer's outputs shared by several counted once."""
+        seen, total = set(), 0
+        for rec in self.recordings:
+            for outs in rec.outputs:
+                if id(outs) not in seen:
+                    seen.add(id(outs))
+                    total += sum(_nbytes(o) for o in outs)
+        return total
 
     def plan(self, engine, swapped, key) -> tuple[Recording | None, int]:
         """The recording to replay from and how many leading layers (0: none)."""
@@ -221,3 +250,15 @@ class PrefixCache:
         others = [r for r in self.recordings if r.swapped]
         while len(others) > self.keep:
             self.recordings.remove(others.pop(0))
+        if self.max_bytes is None:
+            return
+        size = self.nbytes()
+        self.peak_bytes = max(self.peak_bytes, size)
+        while size > self.max_bytes and others:
+            self.recordings.remove(others.pop(0))
+            self.dropped += 1
+            size = self.nbytes()
+        if size > self.max_bytes:  # the baseline alone
+            self.disabled = (f"the baseline's layer outputs need {size / 2**20:.1f} MB, over --prefix-cache-mb "
+                             f"{self.max_bytes / 2**20:.4g}: every trial recomputes every layer")
+            self.recordings = []

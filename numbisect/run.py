@@ -156,12 +156,19 @@ def prefix_summary(session, trials) -> dict:
     by the baseline or an earlier trial (`numbisect.prefix`), and how many."""
     new = [t for t in trials if not t.resumed]
     replayed = [t.metrics.get("prefix_layers") or 0 for t in new]
-    return {
+    cache = session.prefix
+    out = {
         "enabled": bool(session.prefix_reuse),
         "trials_replayed": sum(1 for r in replayed if r),
         "layers_replayed": sum(replayed),
         "layers": sum(1 for u in session.engine.units if u.kind == "layer"),
     }
+    if session.prefix_reuse and cache.max_bytes is not None:
+        out.update(budget_mb=round(cache.max_bytes / 2**20, 3), peak_mb=round(cache.peak_bytes / 2**20, 3),
+                   dropped=cache.dropped)
+        if cache.disabled:
+            out["disabled"] = cache.disabled
+    return out
 
 
 def _swap_run(session, kinds: list[str], runner: S.TrialRunner, body: dict) -> int:

@@ -7,6 +7,7 @@ gives the baseline report body; `trial(swapped)` is the evaluator the search cal
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -45,15 +46,22 @@ class Spec:
 
 class Session:
     def __init__(self, spec: Spec, settings: C.Settings, progress=None, backends: dict | None = None,
-                 prefix_reuse: bool = True):
+                 prefix_reuse: bool = True, prefix_cache_mb: float | None = None):
         """`backends` may hold already-open "ref" / "engine" backends (tests share engines).
 
         `prefix_reuse`: a trial replays the leading layers it shares with the baseline or
-        an earlier trial instead of recomputing them (`numbisect.prefix`; same results).
+        an earlier trial instead of recomputing them (`numbisect.prefix`; same results),
+        keeping at most `prefix_cache_mb` of recorded layer outputs (default
+        `numbisect.prefix.DEFAULT_MB`).
         """
+        from numbisect.prefix import DEFAULT_MB
+
         self.spec = spec
         self.prefix_reuse = prefix_reuse
-        self.prefix = PrefixCache()
+        mb = DEFAULT_MB if prefix_cache_mb is None else prefix_cache_mb
+        if mb <= 0:
+            raise InputError(f"--prefix-cache-mb must be positive (got {mb:g})")
+        self.prefix = PrefixCache(max_bytes=math.ceil(mb * 2**20))
         self.settings = settings
         self.say = progress or (lambda msg: None)
         backends = backends or {}
@@ -310,7 +318,7 @@ class Session:
 
     def _trial_forward(self, swapped) -> tuple[ForwardResult, int]:
         """The engine forward of a trial, and how many leading layers it replayed."""
-        if not self.prefix_reuse or self.engine is None:
+        if not self.prefix_reuse or self.engine is None or self.prefix.disabled:
             return self.engine_forward(swapped), 0
         source, upto = self.prefix.plan(self.engine, swapped, self._prefix_key())
         return self.engine_forward(swapped, prefix=(source, upto)), upto

@@ -191,3 +191,43 @@ def test_a_replay_out_of_step_with_the_baseline_is_an_error_not_a_silent_mix():
     assert torch.equal(out, rec) and out is not rec  # a copy: fused norms update their inputs in place
     with pytest.raises(BackendError, match="called 2 times, the recorded run only 1"):
         r(torch.zeros(5, 8))
+
+
+def test_the_byte_budget_drops_older_recordings_and_results_stay_those_of_a_full_recomputation():
+    s = session("qwen3_moe", "hf", ref_dtype="float32", engine_dtype="float32", faults=HF_BEFORE + HF_AFTER,
+                threshold=1e-11)
+    s.trial(())
+    baseline = s.prefix.nbytes()
+    layer = baseline // 4
+    assert baseline > 0 and s.prefix.peak_bytes == baseline
+    # room for the baseline and about one more layer's outputs: every later recording
+    # of two or more layers pushes the older ones out
+    s.prefix.max_bytes = baseline + layer + layer // 2
+    for swapped, depth in SWAPS[:6]:
+        reused, replayed, full = forward_pair(s, swapped)
+        assert replayed == first_layer(s.engine, swapped), swapped  # only the baseline is left to share with
+        assert_bitwise(reused, full)
+        assert s.prefix.nbytes() <= s.prefix.max_bytes
+    assert s.prefix.dropped > 0 and s.prefix.disabled is None
+    assert any(r.swapped == frozenset() for r in s.prefix.recordings)  # the baseline is never dropped for another
+
+
+def test_a_budget_under_the_baseline_turns_recording_off_and_the_report_says_why(tmp_path):
+    path = tmp_path / "r.json"
+    code = main(["run", "--ref", f"hf:{model_dir('qwen3')}", "--engine", f"hf:{model_dir('qwen3')}",
+                 "--trace", trace_path("qwen3"), "--ref-dtype", "float32", "--engine-dtype", "float32",
+                 "--engine-fault", "output_noise=1e-1@layers.3.mlp", "--threshold", "1e-11", "-q",
+                 "--prefix-cache-mb", "0.01", "--out", str(path)])
+    assert code == 1
+    r = load_report(path)  # validates against the schema
+    pr = r["search"]["prefix_reuse"]
+    assert pr["enabled"] and pr["trials_replayed"] == 0 and pr["budget_mb"] == 0.01
+    assert "over --prefix-cache-mb 0.01" in pr["disabled"] and pr["peak_mb"] > 0.01
+    assert [c["unit"] for c in r["culprits"]] == ["layers.3.mlp"]
+
+
+def test_a_prefix_cache_budget_that_is_not_positive_is_a_one_line_error(capsys):
+    d = model_dir("qwen3")
+    code = main(["run", "--ref", f"hf:{d}", "--engine", f"hf:{d}", "--trace", trace_path("qwen3"), "--prefix-cache-mb", "0", "-q"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and err == ["bisect: error: --prefix-cache-mb must be positive (got 0)"]
