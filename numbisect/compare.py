@@ -139,7 +139,8 @@ def rollout_result(trace: Trace) -> ForwardResult:
     out = []
     for s in trace.samples:
         if s.rollout_logprobs is None:
-            raise InputError(f"{trace.path}:{s.line}: --engine rollout needs rollout_logprobs on every sample")
+            field = ((s.source or {}).get("rollout_logprobs") or ("rollout_logprobs",))[0]
+            raise InputError(f"{trace.path}:{s.line}: --engine rollout needs the rollout's log-probs ({field}) on every sample")
         lp = torch.full((len(s.ids) - 1,), math.nan, dtype=torch.float32)
         lp[len(s.prompt_ids) - 1 :] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         out.append(lp)

@@ -29,7 +29,7 @@ import json
 import os
 
 from numbisect.errors import InputError
-from numbisect.trace import Trace, _sample, load_trace
+from numbisect.trace import Trace, _sample, load_trace, show
 
 # Where each preset's names come from (field names in the frameworks' own code):
 # - verl: the DataProto batch keys its trainer keeps per rollout: `prompts` and
@@ -60,6 +60,8 @@ def parse_fields(text: str) -> dict[str, str]:
         role, name = role.strip(), name.strip()
         if not sep or not name or role not in ROLES:
             raise InputError(f"bad --trace-fields {text!r}: expected ROLE=FIELD pairs with ROLE one of {', '.join(ROLES)}")
+        if role in out:
+            raise InputError(f"bad --trace-fields {text!r}: {role} is given twice")
         out[role] = name
     if "sequence" in out:
         if "completion_mask" not in out:
@@ -74,19 +76,36 @@ def _required(fields: dict[str, str]) -> list[str]:
     return [fields[r] for r in roles]
 
 
-def _ones(mask: list, name: str, leading_pad: bool) -> tuple[int, int]:
-    """(start, end) of the run of ones in a 0/1 mask: zeros only before it
-    (`leading_pad`) or only after it."""
-    flags = [m in (1, True) for m in mask]
+def _ones(mask: list, name: str, leading_pad: bool, offset: int = 0) -> tuple[int, int]:
+    """(start, end) of the run of ones in a 0/1 mask: zeros only before it, the ones
+    reaching the end (`leading_pad`), or zeros only after it. `offset`: the index of
+    mask[0] in the file's field, for messages."""
+    for i, m in enumerate(mask):
+        if isinstance(m, str) or m not in (0, 1):
+            raise ValueError(f"{name}[{i + offset}] is {show(m)}, expected 0 or 1")
+    flags = [bool(m) for m in mask]
     if True not in flags:  # all padding: nothing left (the trace then says what is empty)
         return (len(flags), len(flags)) if leading_pad else (0, 0)
     start = flags.index(True)
     end = start
     while end < len(flags) and flags[end]:
         end += 1
+    where = "start" if leading_pad else "end"
     if any(flags[end:]) or (start and not leading_pad):
-        raise ValueError(f"{name}: zeros inside the ones (only padding at the {'start' if leading_pad else 'end'} is supported)")
+        raise ValueError(f"{name}: zeros inside the ones (only padding at the {where} is supported)")
+    if leading_pad and end < len(flags):
+        raise ValueError(f"{name}: zeros after the prompt's ones, at {name}[{end + offset}] (a prompt may be padded at its start only)")
     return start, end
+
+
+def _check_ids(ids, name: str) -> None:
+    """Token ids as the dump holds them: a list of non-negative integers, named by the
+    dump's own field and index."""
+    if not isinstance(ids, list):
+        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+    for i, x in enumerate(ids):
+        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            raise ValueError(f"{name}[{i}] is {show(x)}, expected a non-negative integer")
 
 
 def is_parquet(path: str) -> bool:
@@ -173,33 +192,41 @@ def to_native(rec: dict, fields: dict[str, str]) -> dict:
     lps = _list(rec[fields["logprobs"]]) if fields.get("logprobs") in rec else None
     if "sequence" in fields:
         seq, cm_raw = _list(rec[fields["sequence"]]), _list(rec[fields["completion_mask"]])
+        _check_ids(seq, fields["sequence"])
         n_resp = len(cm_raw) if isinstance(cm_raw, list) else 0
-        if not isinstance(seq, list) or not 0 < n_resp < len(seq):
+        if not 0 < n_resp < len(seq):
             raise ValueError(f"{fields['completion_mask']} must be a list shorter than {fields['sequence']} (one flag per response token)")
         prompt, completion = seq[: len(seq) - n_resp], seq[len(seq) - n_resp :]
+        names = {"prompt_ids": (fields["sequence"], 0), "completion_ids": (fields["sequence"], len(prompt))}
     else:
         prompt, completion = _list(rec[fields["prompt"]]), _list(rec[fields["completion"]])
-    if not isinstance(prompt, list) or not isinstance(completion, list):
-        return {"prompt_ids": prompt, "completion_ids": completion}  # trace reports the type
+        _check_ids(prompt, fields["prompt"])
+        _check_ids(completion, fields["completion"])
+        names = {"prompt_ids": (fields["prompt"], 0), "completion_ids": (fields["completion"], 0)}
     n_comp = len(completion)
-    am = _list(rec.get(fields["attention_mask"])) if fields.get("attention_mask") in rec else None
+    am_name = fields.get("attention_mask")
+    am = _list(rec.get(am_name)) if am_name in rec else None
     if am is not None:
         if not isinstance(am, list) or len(am) != len(prompt) + len(completion):
-            raise ValueError(f"{fields['attention_mask']} must have one flag per prompt and response token")
-        start, _ = _ones(am[: len(prompt)], fields["attention_mask"], leading_pad=True)
+            raise ValueError(f"{am_name} must have one flag per prompt and response token")
+        start, _ = _ones(am[: len(prompt)], am_name, leading_pad=True)
         prompt = prompt[start:]
-        _, n_comp = _ones(am[len(am) - len(completion) :], fields["attention_mask"], leading_pad=False)
-    cm = _list(rec.get(fields["completion_mask"])) if fields.get("completion_mask") in rec else None
+        names["prompt_ids"] = (names["prompt_ids"][0], names["prompt_ids"][1] + start)
+        _, n_comp = _ones(am[len(am) - len(completion) :], am_name, leading_pad=False, offset=len(am) - len(completion))
+    cm_name = fields.get("completion_mask")
+    cm = _list(rec.get(cm_name)) if cm_name in rec else None
     if cm is not None:
         if not isinstance(cm, list) or len(cm) != len(completion):
-            raise ValueError(f"{fields['completion_mask']} must have one flag per response token")
-        n_comp = min(n_comp, _ones(cm, fields["completion_mask"], leading_pad=False)[1])
+            raise ValueError(f"{cm_name} must have one flag per response token")
+        n_comp = min(n_comp, _ones(cm, cm_name, leading_pad=False)[1])
     if isinstance(lps, list) and len(lps) == len(completion):
         lps = lps[:n_comp]
     completion = completion[:n_comp]
     obj = {"prompt_ids": prompt, "completion_ids": completion}
     if lps is not None:
         obj["rollout_logprobs"] = lps
+    names["rollout_logprobs"] = (fields.get("logprobs", "rollout_logprobs"), 0)
+    obj["__source__"] = names
     return obj
 
 
@@ -213,10 +240,12 @@ def _rename(msg: str, fields: dict[str, str]) -> str:
 def load_rollouts(path: str, fmt: str | None = None, fields_text: str | None = None) -> Trace:
     rows, data = read_records(path)
     if fields_text:
+        if fmt and fmt != "numbisect":
+            raise InputError(f"give --trace-format {fmt} or --trace-fields, not both (--trace-fields names every field)")
         fields, fmt = parse_fields(fields_text), None
         if not rows:
             raise InputError(f"{path}: no samples (the file is empty)")
-        missing = [f for f in _required(fields) if f not in rows[0]]
+        missing = [f for f in fields.values() if f not in rows[0]]  # every field named must be there
         if missing:
             raise InputError(f"{path}: no field {', '.join(missing)}; found: {', '.join(_found(rows)) or '(none)'}")
     elif fmt:
@@ -232,7 +261,10 @@ def load_rollouts(path: str, fmt: str | None = None, fields_text: str | None = N
     for i, rec in enumerate(rows):
         where = rec.pop("__line__", i + 1)
         try:
-            samples.append(_sample(to_native(rec, fields), where, os.path.dirname(os.path.abspath(path))))
+            native = to_native(rec, fields)
+            source = native.pop("__source__", None)
+            samples.append(_sample(native, where, os.path.dirname(os.path.abspath(path))))
+            samples[-1].source = source
         except ValueError as e:
             raise InputError(f"{path}:{where}: {_rename(str(e), fields)}") from None
     if not samples:

@@ -52,6 +52,9 @@ class Sample:
     groups: dict[str, list[int]] = field(default_factory=dict)  # name -> 0/1 per token
     line: int = 0  # 1-based line number in the file
     images: "Images | None" = None  # pixel inputs of a multimodal sample
+    # Rollout dumps: (field name, index of id 0) in the file for prompt_ids / completion_ids,
+    # so messages name the dump's own field and position (left padding cut included).
+    source: dict | None = None
 
     @property
     def ids(self) -> list[int]:
@@ -103,6 +106,14 @@ class Trace:
         return sorted({name for s in self.samples for name in s.groups})
 
 
+def show(x: object) -> str:
+    """A value as JSON for a message; one JSON cannot hold (bytes, Decimal from parquet) as repr."""
+    try:
+        return json.dumps(x)
+    except (TypeError, ValueError):
+        return repr(x)
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -118,7 +129,7 @@ def _token_ids(obj: dict, key: str) -> list[int]:
         raise ValueError(f"{key} is empty (need at least one token)")
     for i, x in enumerate(ids):
         if not _is_int(x):
-            raise ValueError(f"{key}[{i}] is {json.dumps(x)}, expected a non-negative integer")
+            raise ValueError(f"{key}[{i}] is {show(x)}, expected a non-negative integer")
         if x < 0:
             raise ValueError(f"{key}[{i}] is {x}: token ids must be non-negative")
     return ids
@@ -138,7 +149,7 @@ def _logprobs(obj: dict, n: int) -> list[float] | None:
     out = []
     for i, x in enumerate(lps):
         if isinstance(x, bool) or not isinstance(x, (int, float)):
-            raise ValueError(f"rollout_logprobs[{i}] is {json.dumps(x)}, expected a number")
+            raise ValueError(f"rollout_logprobs[{i}] is {show(x)}, expected a number")
         if not math.isfinite(x):
             raise ValueError(f"rollout_logprobs[{i}] is {x}, expected a finite number")
         if x > LOGPROB_SLACK:
@@ -168,7 +179,7 @@ def _groups(obj: dict, n: int) -> dict[str, list[int]]:
             )
         for i, x in enumerate(flags):
             if not _is_int(x) or x not in (0, 1):
-                raise ValueError(f"groups[{name!r}][{i}] is {json.dumps(x)}, expected 0 or 1")
+                raise ValueError(f"groups[{name!r}][{i}] is {show(x)}, expected 0 or 1")
     return groups
 
 
@@ -214,7 +225,7 @@ def _images(obj: dict, base: str) -> Images | None:
     grid = img["image_grid_thw"]
     if (not isinstance(grid, list) or not grid
             or not all(isinstance(g, list) and len(g) == 3 and all(_is_int(x) and x > 0 for x in g) for g in grid)):
-        raise ValueError(f"images.image_grid_thw must be a list of [t, h, w] positive integers, got {json.dumps(grid)}")
+        raise ValueError(f"images.image_grid_thw must be a list of [t, h, w] positive integers, got {show(grid)}")
     pix = _read_pixels(img["pixel_values"], base)
     out = Images(pixel_values=pix, grid_thw=torch.tensor(grid, dtype=torch.int64), source=img["pixel_values"])
     if pix.shape[0] != out.patches:
@@ -291,10 +302,11 @@ def check_vocab(trace: Trace, vocab_size: int) -> None:
     """Raise InputError at the first token id >= vocab_size."""
     for s in trace.samples:
         for key in ("prompt_ids", "completion_ids"):
+            name, offset = (s.source or {}).get(key, (key, 0))
             for i, x in enumerate(getattr(s, key)):
                 if x >= vocab_size:
                     raise InputError(
-                        f"{trace.path}:{s.line}: {key}[{i}] is {x}, outside the model's "
+                        f"{trace.path}:{s.line}: {name}[{i + offset}] is {x}, outside the model's "
                         f"vocabulary of {vocab_size} tokens",
                         hint="is the trace tokenized for this model?",
                     )

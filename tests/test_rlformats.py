@@ -133,3 +133,67 @@ def test_not_parquet_nor_text(tmp_path, capsys):
     p.write_bytes(b"PAR1" + bytes(range(256)) * 4)
     code, line = _err(_args(p), capsys, tmp_path)
     assert code == 2 and "not a readable parquet file" in line
+
+
+# Found by a review with hostile dumps: each was read silently (a wrong trace) or crashed.
+def _verl(tmp_path, name="d.parquet", **over):
+    cols = {"prompts": [[0, 0, 5, 6, 7]], "responses": [[8, 9, 0]], "rollout_log_probs": [[-0.5, -1.0, 0.0]],
+            "attention_mask": [[0, 0, 1, 1, 1, 1, 1, 0]], "response_mask": [[1, 1, 0]]}
+    cols.update(over)
+    p = tmp_path / name
+    pq.write_table(pa.table(cols), p)
+    return p
+
+
+def test_a_padded_verl_row_is_cut_and_messages_name_the_dump_field_and_index(tmp_path, capsys):
+    t = load_any(str(_verl(tmp_path)))
+    assert (t.samples[0].prompt_ids, t.samples[0].completion_ids, t.samples[0].rollout_logprobs) == ([5, 6, 7], [8, 9], [-0.5, -1.0])
+    # an id outside the vocabulary: named by the dump's field and its index before the padding was cut
+    code, line = _err(_args(_verl(tmp_path, "oov.parquet", prompts=[[0, 0, 5, 999, 7]])), capsys, tmp_path)
+    assert code == 2 and "oov.parquet:1: prompts[3] is 999, outside the model's vocabulary" in line
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"attention_mask": [[1, 1, 1, 0, 0, 1, 1, 0]]}, "attention_mask: zeros after the prompt's ones, at attention_mask[3]"),
+    ({"response_mask": [[1, 2, 0]]}, "response_mask[1] is 2, expected 0 or 1"),
+    ({"response_mask": [[1.0, 0.5, 0.0]]}, "response_mask[1] is 0.5, expected 0 or 1"),
+    ({"attention_mask": [[0, 0, 1, 1, 1, 1, None, 0]]}, "attention_mask[6] is null, expected 0 or 1"),
+    ({"prompts": [[0, 0, 5, -3, 7]]}, "prompts[3] is -3, expected a non-negative integer"),
+    ({"prompts": [[b"0", b"1", b"5", b"6", b"7"]]}, "prompts[0] is b'0', expected a non-negative integer"),
+])
+def test_bad_verl_rows_are_one_line_errors(tmp_path, capsys, over, words):
+    code, line = _err(_args(_verl(tmp_path, **over)), capsys, tmp_path)
+    assert code == 2 and words in line, line
+
+
+def test_bad_openrlhf_rows_name_the_dump_fields(tmp_path, capsys):
+    rows = [{"sequences": [5, True, 7, 8, 9], "action_mask": [1, 1], "rollout_log_probs": [-0.5, -1.0]},
+            {"sequences": None, "action_mask": [1, 1], "rollout_log_probs": [-0.5, -1.0]},
+            {"sequences": [5, 6, 7, 8, 9], "action_mask": [1, "1"], "rollout_log_probs": [-0.5, -1.0]}]
+    for row, words in zip(rows, ["sequences[1] is true, expected a non-negative integer",
+                                 "sequences must be a list of token ids, got NoneType",
+                                 'action_mask[1] is "1", expected 0 or 1']):
+        p = tmp_path / "o.jsonl"
+        p.write_text(json.dumps(row) + "\n")
+        code, line = _err(_args(p), capsys, tmp_path)
+        assert code == 2 and words in line, line
+
+
+def test_trace_fields_name_every_field_once_and_exclude_a_preset(tmp_path, capsys):
+    p = tmp_path / "f.jsonl"
+    p.write_text(json.dumps({"a": [1, 2], "b": [3, 4], "lp": [-0.5, -1.0], "cm": [1, 0]}) + "\n")
+    code, line = _err(_args(p, "--trace-fields", "prompt=a,completion=b,logprobs=lp,completion_mask=typo"), capsys, tmp_path)
+    assert code == 2 and "no field typo; found: a, b, lp, cm" in line  # a mask named wrong is not ignored
+    code, line = _err(_args(p, "--trace-fields", "prompt=a,completion=b,prompt=lp"), capsys, tmp_path)
+    assert code == 2 and "prompt is given twice" in line
+    code, line = _err(_args(p, "--trace-format", "trl", "--trace-fields", "prompt=a,completion=b"), capsys, tmp_path)
+    assert code == 2 and "give --trace-format trl or --trace-fields, not both" in line
+    t = load_any(str(p), None, "prompt=a,completion=b,logprobs=lp,completion_mask=cm")
+    assert t.samples[0].completion_ids == [3] and t.samples[0].rollout_logprobs == [-0.5]
+
+
+def test_a_preset_dump_without_log_probs_names_the_presets_field(tmp_path, capsys):
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"prompt_ids": [1, 2], "completion_ids": [3, 4]}) + "\n")
+    code, line = _err(_args(p, "--trace-format", "trl"), capsys, tmp_path)
+    assert code == 2 and "needs the rollout's log-probs (sampling_per_token_logps)" in line, line
