@@ -248,7 +248,9 @@ def first_divergence(rows: list[dict], settings: Settings, key: str = "propagate
 
 
 def _num(x) -> float:
-    return float("inf") if x is None else float(x)
+    """A metric for ranking: None and NaN (nothing can be said to be small) count as inf."""
+    v = float("inf") if x is None else float(x)
+    return float("inf") if math.isnan(v) else v
 
 
 def local_ranking(rows: list[dict]) -> dict[str, int]:

@@ -27,9 +27,13 @@ Layout (version 1)::
   parallel linears, vocab-parallel logits); `row` = the shards are partial sums, add
   them (row-parallel linears before their all-reduce); `replicated` = every rank holds
   the whole tensor, rank 0 is read.
-- `COMPLETE`: JSON {"files": {NAME: {"bytes": n}}} listing every file of that rank.
-  A rank without it (a crashed engine) or a listed file of another size (a truncated
-  copy) makes the whole dump refused; files it does not list are ignored.
+- `COMPLETE`: JSON {"files": {NAME: {"bytes": n}}, "started": t0, "finished": t1}
+  listing every file of that rank, and when its writer was made and closed (seconds
+  since the epoch). A rank without it (a crashed engine) or a listed file of another
+  size (a truncated copy) makes the whole dump refused; files it does not list are
+  ignored. The ranks of one run write at the same time, so a rank whose writing
+  finished before another's started is from another run (a stale directory left by
+  an earlier dump) and the dump is refused. Sizes are checked, not contents.
 - A unit's tensors may be split over several part files (`max_buffer_mb`); PART
   counts from 0000.
 
@@ -50,6 +54,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -59,7 +65,8 @@ SHARDS = ("replicated", "column", "row")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    # A name of its own per process and thread: every rank writes the shared manifest.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()
@@ -105,6 +112,7 @@ class DumpWriter:
         self.current: int | None = None
         self.pending: dict[tuple[str, str], torch.Tensor] = {}
         self.handles: list = []
+        self.started = time.time()
         self.dir = self.root / f"rank{self.rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
         marker = self.dir / "COMPLETE"
@@ -219,5 +227,6 @@ class DumpWriter:
         for unit in list(self.buf):
             self._spill(unit)
         _atomic_write(self.root / "manifest.json", (json.dumps(self.manifest(), indent=1) + "\n").encode())
-        done = {"files": {name: {"bytes": size} for name, size in sorted(self.files.items())}}
+        done = {"files": {name: {"bytes": size} for name, size in sorted(self.files.items())},
+                "started": self.started, "finished": time.time()}
         _atomic_write(self.dir / "COMPLETE", (json.dumps(done, indent=1) + "\n").encode())

@@ -97,3 +97,16 @@ def test_fp32_engine_against_bf16_reference_diverges_per_token_and_per_unit():
     assert body["baseline"]["value"] > 1e-9
     assert body["first_divergence"]["bitwise"] is not None
     assert body["local_ranking"]  # units ranked by their own error
+
+
+def test_a_unit_whose_error_is_nan_counts_as_above_the_tolerance():
+    """A dump with NaN in one unit's tensor (same-size corruption) must not read as 'no unit above'."""
+    from numbisect.compare import Settings, first_divergence, local_ranking
+
+    def row(name, rel):
+        err = {"rel_l2": rel, "ulps": {"bitwise_equal": rel == 0.0}}
+        return {"name": name, "kind": "attn", "propagated": err, "local": err}
+
+    rows = [row("layers.0.attn", 0.0), row("layers.1.attn", float("nan")), row("layers.2.attn", 0.5)]
+    assert first_divergence(rows, Settings()) == {"bitwise": "layers.1.attn", "above_tol": "layers.1.attn"}
+    assert local_ranking(rows)["layers.1.attn"] == 1

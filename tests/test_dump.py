@@ -6,6 +6,8 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,6 +146,43 @@ def test_broken_dumps_are_refused_naming_the_problem(tmp_path_factory, tmp_path)
         (d / "manifest.json").write_text(json.dumps(m))
     refused(unknown_unit, "unknown unit 'layers.9.atn'", "unknown")
 
+    # found by a review with damaged dumps: each was read (a wrong result) or crashed (exit 3)
+    def rewrite(d, name, change):
+        from safetensors.torch import load_file, save_file
+
+        f = d / "rank0" / name
+        t = load_file(str(f))
+        change(t)
+        save_file(t, str(f))
+        done = json.loads((d / "rank0" / "COMPLETE").read_text())
+        done["files"][f.name]["bytes"] = f.stat().st_size
+        (d / "rank0" / "COMPLETE").write_text(json.dumps(done))
+
+    lp_file = sorted(p.name for p in Path(src, "rank0").glob("logprobs.*"))[0]
+    refused(lambda d: rewrite(d, lp_file, lambda t: t.update({"token.0": torch.cat([t["token.0"], t["token.0"][:1]])})),
+            "token log-probs of sample 0 have shape (", "lp_shape")
+    refused(lambda d: rewrite(d, "layers.0.attn.0000.safetensors", lambda t: t.update({"out.0": t["out.0"][:, None, :].contiguous()})),
+            "layers.0.attn output of sample 0 has shape (", "rank3")
+    refused(lambda d: rewrite(d, "layers.0.attn.0000.safetensors", lambda t: t.update({"out.0": t["out.0"].to(torch.int16)})),
+            "tensor out.0 is I16; dumped activations and log-probs must be floats", "int")
+
+    def manifest(key, value):
+        def change(d):
+            m = json.loads((d / "manifest.json").read_text())
+            m[key] = value
+            (d / "manifest.json").write_text(json.dumps(m))
+        return change
+    refused(manifest("world_size", "two"), 'world_size must be an integer >= 1, got "two"', "ws")
+    refused(manifest("tokens", None), "tokens must list 4 token counts", "tokens")
+    refused(manifest("units", ["layers.0.attn"]), "units must map each unit name", "units")
+    refused(manifest("numbisect_dump", "1"), 'numbisect_dump must be an integer layout version, got "1"', "verstr")
+
+    def files_list(d):
+        done = json.loads((d / "rank0" / "COMPLETE").read_text())
+        done["files"] = list(done["files"])
+        (d / "rank0" / "COMPLETE").write_text(json.dumps(done))
+    refused(files_list, '"files" must map each file name to {"bytes": n}', "files")
+
     # another trace (the full fixture trace has more samples)
 
     with pytest.raises(InputError) as e:
@@ -203,3 +242,51 @@ def test_dump_helper_imports_only_torch_and_safetensors():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def _hf_tp2_dump(root) -> None:
+    eng = hf("qwen3_moe", "bfloat16")
+    write_dump(eng, load_trace(short_trace("qwen3_moe", 2)), str(root), world_size=2,
+               shards={"lm_head": "column", "layers.1.attn": "row"})
+
+
+def test_a_stale_rank_from_an_earlier_run_is_refused(tmp_path):
+    """Rank 1's directory left by an earlier dump, rank 0 rewritten: never merged."""
+    _hf_tp2_dump(tmp_path / "d")
+    spec = Spec(ref=f"hf:{model_dir('qwen3_moe')}", engine=f"dump:{tmp_path / 'd'}", trace=short_trace("qwen3_moe", 2))
+    Session(spec, Settings(), backends={"ref": hf("qwen3_moe", "bfloat16")})  # as written: fine
+    marker = tmp_path / "d" / "rank1" / "COMPLETE"
+    done = json.loads(marker.read_text())
+    rank0 = json.loads((tmp_path / "d" / "rank0" / "COMPLETE").read_text())
+    done["started"], done["finished"] = rank0["started"] - 100, rank0["started"] - 50
+    marker.write_text(json.dumps(done))
+    with pytest.raises(InputError, match="rank1 finished writing before rank0 started: the ranks are from different runs"):
+        Session(spec, Settings(), backends={"ref": hf("qwen3_moe", "bfloat16")})
+
+
+def test_ranks_writing_one_dump_at_once_do_not_trip_over_the_shared_manifest(tmp_path):
+    """Every rank writes manifest.json; each through a temporary file of its own."""
+    from numbisect.dump import DumpWriter
+
+    cfg = f"{model_dir('qwen3_moe')}/config.json"
+    errors = []
+
+    def rank(r):
+        try:
+            for _ in range(20):
+                w = DumpWriter(tmp_path / "d", cfg, 1, [5], rank=r, world_size=2)
+                w.declare("layers.0.attn", "row")
+                w.add("layers.0.attn", 0, out=torch.zeros(5, 128))
+                w.logprobs(0, torch.zeros(4))
+                w.close()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all((tmp_path / "d" / f"rank{r}" / "COMPLETE").is_file() for r in (0, 1))
+    assert not list((tmp_path / "d").glob("*.tmp"))

@@ -19,7 +19,35 @@ from numbisect.arch import arch_for
 from numbisect.backends.base import Backend, parse_dtype
 from numbisect.dump import LAYOUT_VERSION, SHARDS
 from numbisect.errors import InputError
+from numbisect.trace import show
 from numbisect.units import nearby_names
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def _is_int(x, least: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= least
+
+
+def _check_manifest(m: dict, mpath) -> None:
+    """The manifest's fields have the layout's types (one line naming the first that does not)."""
+    for key in ("world_size", "config", "samples", "tokens", "units"):
+        if key not in m:
+            raise InputError(f"{mpath}: manifest has no {key!r}")
+    bad = None
+    if not _is_int(m["world_size"], 1):
+        bad = f"world_size must be an integer >= 1, got {show(m['world_size'])}"
+    elif not isinstance(m["config"], dict):
+        bad = f"config must be an object (the model's config.json), got {type(m['config']).__name__}"
+    elif not _is_int(m["samples"], 1):
+        bad = f"samples must be an integer >= 1, got {show(m['samples'])}"
+    elif not isinstance(m["tokens"], list) or len(m["tokens"]) != m["samples"] or not all(_is_int(t, 2) for t in m["tokens"]):
+        bad = f"tokens must list {m['samples']} token counts (integers >= 2), got {show(m['tokens'])[:80]}"
+    elif not isinstance(m["units"], dict) or not all(v is None or isinstance(v, dict) for v in m["units"].values()):
+        bad = 'units must map each unit name to {"shard": ...}'
+    if bad:
+        raise InputError(f"{mpath}: {bad}")
 
 
 def _config_from_dict(cfg: dict, where: str):
@@ -49,11 +77,12 @@ class DumpBackend(Backend):
             raise InputError(f"{mpath}: unreadable manifest ({e})") from None
         if not isinstance(m, dict) or "numbisect_dump" not in m:
             raise InputError(f"{mpath}: not a numbisect dump manifest (no numbisect_dump version)")
-        if m["numbisect_dump"] != LAYOUT_VERSION:
-            raise InputError(f"{path}: dump layout version {m['numbisect_dump']!r} is unknown; this numbisect reads version {LAYOUT_VERSION}")
-        for key in ("world_size", "config", "samples", "tokens", "units"):
-            if key not in m:
-                raise InputError(f"{mpath}: manifest has no {key!r}")
+        ver = m["numbisect_dump"]
+        if not isinstance(ver, int) or isinstance(ver, bool):
+            raise InputError(f"{mpath}: numbisect_dump must be an integer layout version, got {show(ver)}")
+        if ver != LAYOUT_VERSION:
+            raise InputError(f"{path}: dump layout version {ver!r} is unknown; this numbisect reads version {LAYOUT_VERSION}")
+        _check_manifest(m, mpath)
         self.manifest = m
         self.world = int(m["world_size"])
         self.config = _config_from_dict(m["config"], str(mpath))
@@ -81,7 +110,7 @@ class DumpBackend(Backend):
 
     # -- checks --------------------------------------------------------------------------------
     def _check_complete(self, root: Path) -> dict[int, list[Path]]:
-        files = {}
+        files, windows = {}, {}
         for r in range(self.world):
             d = root / f"rank{r}"
             marker = d / "COMPLETE"
@@ -89,9 +118,14 @@ class DumpBackend(Backend):
                 raise InputError(f"{self.path}: dump is incomplete: rank {r} has no COMPLETE marker (the engine stopped "
                                  "before it finished writing); refusing to read it")
             try:
-                listed = json.loads(marker.read_text())["files"]
+                done = json.loads(marker.read_text())
+                listed = done["files"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise InputError(f"{marker}: unreadable COMPLETE marker ({e})") from None
+            if not isinstance(listed, dict) or not all(isinstance(v, dict) for v in listed.values()):
+                raise InputError(f'{marker}: "files" must map each file name to {{"bytes": n}}')
+            if isinstance(done.get("started"), (int, float)) and isinstance(done.get("finished"), (int, float)):
+                windows[r] = (float(done["started"]), float(done["finished"]))
             files[r] = []
             for name, info in listed.items():
                 f = d / name
@@ -102,6 +136,14 @@ class DumpBackend(Backend):
                     raise InputError(f"{self.path}: rank{r}/{name} is truncated or changed: {size} bytes, "
                                      f"{info.get('bytes')} when written")
                 files[r].append(f)
+        # The ranks of one run write at the same time: one that finished before another
+        # started is left over from another run.
+        if len(windows) > 1:
+            late = max(windows, key=lambda r: windows[r][0])
+            early = min(windows, key=lambda r: windows[r][1])
+            if windows[late][0] > windows[early][1]:
+                raise InputError(f"{self.path}: rank{early} finished writing before rank{late} started: the ranks are "
+                                 f"from different runs (a stale rank directory from an earlier dump?); refusing to mix them")
         return files
 
     def _index_tensors(self, root: Path) -> dict:
@@ -115,7 +157,14 @@ class DumpBackend(Backend):
                 try:
                     with safe_open(str(f), framework="pt") as h:
                         for k in h.keys():
-                            index.setdefault((r, unit), {})[k] = (f, tuple(h.get_slice(k).get_shape()))
+                            sl = h.get_slice(k)
+                            index.setdefault((r, unit), {})[k] = (f, tuple(sl.get_shape()))
+                            dt = sl.get_dtype()
+                            if dt not in FLOAT_DTYPES:
+                                raise InputError(f"{self.path}: rank{r}/{f.name}: tensor {k} is {dt}; dumped activations "
+                                                 f"and log-probs must be floats ({', '.join(FLOAT_DTYPES)})")
+                except InputError:
+                    raise
                 except Exception as e:
                     raise InputError(f"{self.path}: rank{r}/{f.name} is not a readable safetensors file ({e})") from None
         n = int(self.manifest["samples"])
@@ -130,6 +179,11 @@ class DumpBackend(Backend):
         missing = [i for i in range(n) if f"token.{i}" not in lp]
         if missing:
             raise InputError(f"{self.path}: no token log-probs for sample(s) {', '.join(map(str, missing[:5]))} (rank 0 logprobs)")
+        for i, t in enumerate(self.manifest["tokens"]):
+            shape = lp[f"token.{i}"][1]
+            if shape != (t - 1,):
+                raise InputError(f"{self.path}: token log-probs of sample {i} have shape {shape}; a sample of {t} tokens "
+                                 f"has {t - 1} (one per token after the first)")
         return index
 
     def check_trace(self, trace) -> None:
@@ -155,10 +209,10 @@ class DumpBackend(Backend):
                     if shape is None:
                         continue
                     w = width if which == "out" else cfg.hidden_size
-                    if shape[0] != rows or (w is not None and shape[-1] != w):
+                    if len(shape) != 2 or shape[0] != rows or (w is not None and shape[-1] != w):
                         raise InputError(f"{self.path}: {unit} {which}put of sample {i} has shape {shape}"
                                          + (f" after merging {self.world} {shard} shards" if which == "out" and shard != "replicated" else "")
-                                         + f"; the reference expects ({rows}, {w})")
+                                         + f"; the manifest's config and tokens give ({rows}, {w})")
 
     def _merged_shape(self, unit, name, shard):
         shapes = [self._index.get((r, unit), {}).get(name, (None, None))[1] for r in range(self.world if shard != "replicated" else 1)]
