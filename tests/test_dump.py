@@ -172,6 +172,17 @@ def test_broken_dumps_are_refused_naming_the_problem(tmp_path_factory, tmp_path)
             m[key] = value
             (d / "manifest.json").write_text(json.dumps(m))
         return change
+    def holding(d, unit, key):
+        from safetensors import safe_open
+
+        for f in sorted((d / "rank0").glob(f"{unit}.*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                if key in h.keys():
+                    return f.name
+        raise AssertionError(f"no {key} for {unit}")
+
+    refused(lambda d: rewrite(d, holding(d, "layers.0.attn", "in.2"), lambda t: t.pop("in.2")),
+            "unit layers.0.attn has inputs for some samples but not for sample(s) 2", "in_gap")
     refused(manifest("world_size", "two"), 'world_size must be an integer >= 1, got "two"', "ws")
     refused(manifest("tokens", None), "tokens must list 4 token counts", "tokens")
     refused(manifest("units", ["layers.0.attn"]), "units must map each unit name", "units")

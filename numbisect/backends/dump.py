@@ -175,6 +175,10 @@ class DumpBackend(Backend):
                 if missing:
                     what = "no data" if len(missing) == n else f"no data for sample(s) {', '.join(map(str, missing[:5]))}"
                     raise InputError(f"{self.path}: unit {unit} is listed in the manifest but has {what} (rank {r})")
+                gaps = [i for i in range(n) if f"in.{i}" not in have]
+                if r == 0 and gaps and len(gaps) < n:  # inputs are optional, but for every sample or none
+                    raise InputError(f"{self.path}: unit {unit} has inputs for some samples but not for sample(s) "
+                                     f"{', '.join(map(str, gaps[:5]))}: its local error would leave them out")
         lp = index.get((0, "logprobs"), {})
         missing = [i for i in range(n) if f"token.{i}" not in lp]
         if missing:
