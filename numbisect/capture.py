@@ -328,9 +328,9 @@ def stream_compare(session, local: bool = True) -> dict:
     ref_tok, ref_full, eng_tok, eng_full = [], [], [], []
     planted = apply_faults(eng, session.faults) if eng is not None and not dump and not remote else None
     session.say(f"reference and engine, sample by sample ({mode} capture)")
-    if remote:
-        eng.prepare(session.faults, [], ref)
     try:
+        if remote:
+            eng.prepare(session.faults, [], ref)
         for i, s in enumerate(session.samples):
             r = ref.forward([s], full_logits=True, capture=names, capture_inputs=feed_names)
             ref_tok.append(r.token_logprobs[0])

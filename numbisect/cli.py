@@ -8,6 +8,7 @@ found within --max-trials, 130 interrupted. NUMBISECT_DEBUG=1 shows tracebacks.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -225,8 +226,8 @@ def run(**kw):
         raise InputError("--engine dump:DIR works with `bisect compare` only: a dump cannot run swap trials")
     if kw["max_trials"] is not None and kw["max_trials"] < 1:
         raise InputError("--max-trials must be at least 1")
-    if kw["prefix_cache_mb"] is not None and not kw["prefix_cache_mb"] > 0:
-        raise InputError(f"--prefix-cache-mb must be positive (got {kw['prefix_cache_mb']:g})")
+    if kw["prefix_cache_mb"] is not None and not (kw["prefix_cache_mb"] > 0 and math.isfinite(kw["prefix_cache_mb"])):
+        raise InputError(f"--prefix-cache-mb must be a positive number of MB (got {kw['prefix_cache_mb']:g})")
     with Progress(kw["quiet"]) as say:
         spec, settings = _spec_settings(kw, say)
         session = Session(spec, settings, progress=say, prefix_reuse=kw["prefix_reuse"], prefix_cache_mb=kw["prefix_cache_mb"])

@@ -252,13 +252,16 @@ class PrefixCache:
             self.recordings.remove(others.pop(0))
         if self.max_bytes is None:
             return
+        own = sum(_nbytes(o) for i, outs in enumerate(rec.outputs) if used is None or outs is not used.outputs[i] for o in outs)
         size = self.nbytes()
         self.peak_bytes = max(self.peak_bytes, size)
         while size > self.max_bytes and others:
             self.recordings.remove(others.pop(0))
             self.dropped += 1
             size = self.nbytes()
-        if size > self.max_bytes:  # the baseline alone
-            self.disabled = (f"the baseline's layer outputs need {size / 2**20:.1f} MB, over --prefix-cache-mb "
+        if size > self.max_bytes or (used is None and own > self.max_bytes):
+            # the baseline alone, or a trial that computed every layer (a resumed run has no
+            # baseline): no recording can ever be kept, so stop making them
+            self.disabled = (f"one trial's layer outputs need {max(size, own) / 2**20:.1f} MB, over --prefix-cache-mb "
                              f"{self.max_bytes / 2**20:.4g}: every trial recomputes every layer")
             self.recordings = []

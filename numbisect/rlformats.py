@@ -98,14 +98,17 @@ def _ones(mask: list, name: str, leading_pad: bool, offset: int = 0) -> tuple[in
     return start, end
 
 
-def _check_ids(ids, name: str) -> None:
-    """Token ids as the dump holds them: a list of non-negative integers, named by the
-    dump's own field and index."""
+def _check_list(ids, name: str) -> None:
     if not isinstance(ids, list):
         raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+
+
+def _check_ids(ids: list, name: str, offset: int) -> None:
+    """The ids the masks keep: non-negative integers, named by the dump's own field and
+    index (`offset`: the index of ids[0] there). Padding cut by a mask is not checked."""
     for i, x in enumerate(ids):
         if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-            raise ValueError(f"{name}[{i}] is {show(x)}, expected a non-negative integer")
+            raise ValueError(f"{name}[{i + offset}] is {show(x)}, expected a non-negative integer")
 
 
 def is_parquet(path: str) -> bool:
@@ -192,7 +195,7 @@ def to_native(rec: dict, fields: dict[str, str]) -> dict:
     lps = _list(rec[fields["logprobs"]]) if fields.get("logprobs") in rec else None
     if "sequence" in fields:
         seq, cm_raw = _list(rec[fields["sequence"]]), _list(rec[fields["completion_mask"]])
-        _check_ids(seq, fields["sequence"])
+        _check_list(seq, fields["sequence"])
         n_resp = len(cm_raw) if isinstance(cm_raw, list) else 0
         if not 0 < n_resp < len(seq):
             raise ValueError(f"{fields['completion_mask']} must be a list shorter than {fields['sequence']} (one flag per response token)")
@@ -200,8 +203,8 @@ def to_native(rec: dict, fields: dict[str, str]) -> dict:
         names = {"prompt_ids": (fields["sequence"], 0), "completion_ids": (fields["sequence"], len(prompt))}
     else:
         prompt, completion = _list(rec[fields["prompt"]]), _list(rec[fields["completion"]])
-        _check_ids(prompt, fields["prompt"])
-        _check_ids(completion, fields["completion"])
+        _check_list(prompt, fields["prompt"])
+        _check_list(completion, fields["completion"])
         names = {"prompt_ids": (fields["prompt"], 0), "completion_ids": (fields["completion"], 0)}
     n_comp = len(completion)
     am_name = fields.get("attention_mask")
@@ -222,6 +225,8 @@ def to_native(rec: dict, fields: dict[str, str]) -> dict:
     if isinstance(lps, list) and len(lps) == len(completion):
         lps = lps[:n_comp]
     completion = completion[:n_comp]
+    _check_ids(prompt, *names["prompt_ids"])
+    _check_ids(completion, *names["completion_ids"])
     obj = {"prompt_ids": prompt, "completion_ids": completion}
     if lps is not None:
         obj["rollout_logprobs"] = lps

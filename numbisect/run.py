@@ -163,7 +163,8 @@ def prefix_summary(session, trials) -> dict:
         "layers_replayed": sum(replayed),
         "layers": sum(1 for u in session.engine.units if u.kind == "layer"),
     }
-    if session.prefix_reuse and cache.max_bytes is not None:
+    # under tensor parallelism the recordings live in the workers, bounded by count only
+    if session.prefix_reuse and cache.max_bytes is not None and not getattr(session.engine, "remote", False):
         out.update(budget_mb=round(cache.max_bytes / 2**20, 3), peak_mb=round(cache.peak_bytes / 2**20, 3),
                    dropped=cache.dropped)
         if cache.disabled:

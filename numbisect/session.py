@@ -59,8 +59,8 @@ class Session:
         self.spec = spec
         self.prefix_reuse = prefix_reuse
         mb = DEFAULT_MB if prefix_cache_mb is None else prefix_cache_mb
-        if mb <= 0:
-            raise InputError(f"--prefix-cache-mb must be positive (got {mb:g})")
+        if not (mb > 0 and math.isfinite(mb)):
+            raise InputError(f"--prefix-cache-mb must be a positive number of MB (got {mb:g})")
         self.prefix = PrefixCache(max_bytes=math.ceil(mb * 2**20))
         self.settings = settings
         self.say = progress or (lambda msg: None)

@@ -226,8 +226,21 @@ def test_a_budget_under_the_baseline_turns_recording_off_and_the_report_says_why
     assert [c["unit"] for c in r["culprits"]] == ["layers.3.mlp"]
 
 
-def test_a_prefix_cache_budget_that_is_not_positive_is_a_one_line_error(capsys):
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_a_prefix_cache_budget_that_is_not_a_positive_number_is_a_one_line_error(capsys, value):
     d = model_dir("qwen3")
-    code = main(["run", "--ref", f"hf:{d}", "--engine", f"hf:{d}", "--trace", trace_path("qwen3"), "--prefix-cache-mb", "0", "-q"])
+    code = main(["run", "--ref", f"hf:{d}", "--engine", f"hf:{d}", "--trace", trace_path("qwen3"), "--prefix-cache-mb", value, "-q"])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert code == 2 and err == ["bisect: error: --prefix-cache-mb must be positive (got 0)"]
+    assert code == 2 and err == [f"bisect: error: --prefix-cache-mb must be a positive number of MB (got {float(value):g})"]
+
+
+def test_without_a_baseline_a_trial_over_the_budget_turns_recording_off():
+    """A resumed run has no recorded baseline: a trial that computed every layer and does
+    not fit stops the recording instead of being made and dropped on every trial."""
+    from numbisect.prefix import PrefixCache, Recording
+
+    cache = PrefixCache(max_bytes=100)
+    cache._add(Recording(frozenset({"layers.1.attn"}), [[torch.zeros(10)], [torch.zeros(10)]]), None)  # 80 bytes: kept
+    assert cache.disabled is None and len(cache.recordings) == 1
+    cache._add(Recording(frozenset({"layers.0.attn"}), [[torch.zeros(20)], [torch.zeros(20)]]), None)  # 160 bytes
+    assert cache.disabled and "over --prefix-cache-mb" in cache.disabled and cache.recordings == []

@@ -159,11 +159,17 @@ def test_a_padded_verl_row_is_cut_and_messages_name_the_dump_field_and_index(tmp
     ({"response_mask": [[1.0, 0.5, 0.0]]}, "response_mask[1] is 0.5, expected 0 or 1"),
     ({"attention_mask": [[0, 0, 1, 1, 1, 1, None, 0]]}, "attention_mask[6] is null, expected 0 or 1"),
     ({"prompts": [[0, 0, 5, -3, 7]]}, "prompts[3] is -3, expected a non-negative integer"),
-    ({"prompts": [[b"0", b"1", b"5", b"6", b"7"]]}, "prompts[0] is b'0', expected a non-negative integer"),
+    ({"prompts": [[b"0", b"1", b"5", b"6", b"7"]]}, "prompts[2] is b'5', expected a non-negative integer"),
 ])
 def test_bad_verl_rows_are_one_line_errors(tmp_path, capsys, over, words):
     code, line = _err(_args(_verl(tmp_path, **over)), capsys, tmp_path)
     assert code == 2 and words in line, line
+
+
+def test_padding_ids_cut_by_a_mask_are_not_checked(tmp_path):
+    """Some dumps pad with -1: the mask cuts them before the ids are checked."""
+    t = load_any(str(_verl(tmp_path, prompts=[[-1, -1, 5, 6, 7]], responses=[[8, 9, -1]])))
+    assert (t.samples[0].prompt_ids, t.samples[0].completion_ids) == ([5, 6, 7], [8, 9])
 
 
 def test_bad_openrlhf_rows_name_the_dump_fields(tmp_path, capsys):

@@ -20,7 +20,7 @@ from numbisect.backends.base import Backend, parse_dtype
 from numbisect.dump import LAYOUT_VERSION, SHARDS
 from numbisect.errors import InputError
 from numbisect.trace import show
-from numbisect.units import nearby_names
+from numbisect.units import VISION_KINDS, nearby_names
 
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -205,6 +205,8 @@ class DumpBackend(Backend):
         experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", None)
         for unit, shard in self.dumped.items():
             kind = self.unit_by_name[unit].kind
+            if kind in VISION_KINDS:  # rows are image patches / image tokens, not the trace's tokens
+                continue
             width = {"lm_head": cfg.vocab_size, "router": experts}.get(kind, cfg.hidden_size)
             for i in range(n):
                 rows = toks[i] - (1 if kind == "lm_head" else 0)
