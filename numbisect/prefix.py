@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from numbisect.backends.base import get_module, set_module
+from numbisect.backends.base import get_module, hidden_arg, set_module
 from numbisect.errors import BackendError
 
 HINT = "run with --no-prefix-reuse"
@@ -101,15 +101,6 @@ def _stream(out: Any) -> torch.Tensor | None:
     return None
 
 
-def _hidden_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        return kwargs["hidden_states"]
-    for a in args:  # hf: (hidden_states, ...); vLLM: (positions, hidden_states, residual)
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            return a
-    return None
-
-
 def _nbytes(x: Any) -> int:
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
@@ -135,7 +126,7 @@ class Replay(nn.Module):
                 f"{len(self.outputs)}; {HINT}"
             )
         out = self.outputs[self.calls]
-        x = _hidden_input(args, kwargs)
+        x = hidden_arg(args, kwargs)
         rec = _stream(out)
         if x is not None and rec is not None and tuple(x.shape) != tuple(rec.shape):
             raise BackendError(

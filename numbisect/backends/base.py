@@ -94,6 +94,15 @@ def hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
+def with_hidden(args: tuple, kwargs: dict, x: torch.Tensor, new: torch.Tensor) -> tuple[tuple, dict]:
+    """(args, kwargs) of a module call with its hidden-states input `x` (as `hidden_arg`
+    found it) replaced by `new`."""
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": new}
+    i = next(i for i, a in enumerate(args) if a is x)
+    return args[:i] + (new,) + args[i + 1 :], kwargs
+
+
 ENGINE_MODES = ("prefill", "decode")
 
 

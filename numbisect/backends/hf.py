@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from numbisect.backends.base import Backend, ForwardResult, fail, first, hidden_arg, register
+from numbisect.backends.base import Backend, ForwardResult, fail, first, hidden_arg, register, with_hidden
 from numbisect.backends.steps import Steps
 from numbisect.errors import InputError
 from numbisect.units import VISION_KINDS
@@ -166,11 +166,7 @@ class HFBackend(Backend):
                     x = hidden_arg(args, kwargs)
                     if name in feed and x is not None:
                         new = torch.cat(feed[name]).to(x.dtype).view(x.shape) if rows else pad(feed[name], x)
-                        if "hidden_states" in kwargs:
-                            kwargs = {**kwargs, "hidden_states": new}
-                        else:
-                            i = next(i for i, a in enumerate(args) if a is x)
-                            args = args[:i] + (new,) + args[i + 1 :]
+                        args, kwargs = with_hidden(args, kwargs, x, new)
                         x = new
                     if name in capture_inputs and x is not None and rows:
                         res.inputs[name].extend(split_rows(x, tokens=False))
@@ -233,11 +229,7 @@ class HFBackend(Backend):
                     fed = feed.get(name)
                     if fed is not None and span[1] <= fed.shape[0]:
                         new = fed[span[0] : span[1]].to(x.dtype).view(x.shape)
-                        if "hidden_states" in kwargs:
-                            kwargs = {**kwargs, "hidden_states": new}
-                        else:
-                            i = next(i for i, a in enumerate(args) if a is x)
-                            args = args[:i] + (new,) + args[i + 1 :]
+                        args, kwargs = with_hidden(args, kwargs, x, new)
                         x = new
                     if name in seen_in:
                         seen_in[name].append((*span, flat(x).detach().to("cpu", copy=True)))
