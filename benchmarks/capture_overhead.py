@@ -38,21 +38,17 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _setup import quiet_env  # noqa: E402
 
 FIXTURES = ("qwen3_moe", "qwen3", "glm4_moe", "mixtral")
 
 
-def _env() -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    warnings.filterwarnings("ignore")
 
 
 def open_engine(kind: str, name: str, dtype: str, scale: int = 1):
@@ -202,7 +198,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write every measurement here")
     ap.add_argument("--child", nargs=2, metavar=("FIXTURE", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    _env()
+    quiet_env()
     import torch
 
     MAX_MB = _set_max(args.max_capture_mb)

@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,11 +73,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="Write the figures here.")
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    warnings.filterwarnings("ignore")
+    from _setup import quiet_env
+
+    quiet_env()
     import torch
 
     torch.set_num_threads(args.threads)

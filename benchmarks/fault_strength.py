@@ -20,7 +20,6 @@ import argparse
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,11 +49,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threshold", type=float, default=None, help="default: the selftest profile's")
     ap.add_argument("--unit-kind", action="append", help="only units of this kind (repeatable)")
     args = ap.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    warnings.filterwarnings("ignore")
+    from _setup import quiet_env
+
+    quiet_env()
     import torch
 
     torch.set_num_threads(args.threads)

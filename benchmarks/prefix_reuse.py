@@ -35,7 +35,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,11 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write every measurement here")
     args = ap.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    warnings.filterwarnings("ignore")
+    from _setup import quiet_env
+
+    quiet_env()
     import torch
 
     torch.set_num_threads(args.threads)

@@ -28,7 +28,6 @@ import os
 import random
 import statistics
 import sys
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,11 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--local-rank", action="store_true", help="order the hierarchical search by local error")
     ap.add_argument("--json", help="also write every measurement here")
     args = ap.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    warnings.filterwarnings("ignore")
+    from _setup import quiet_env
+
+    quiet_env()
     import torch
 
     torch.set_num_threads(args.threads)
