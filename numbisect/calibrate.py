@@ -86,7 +86,7 @@ def plan(base, kinds: list[str], dtype_variant: str | None, batch_size: int) -> 
 
 def _metrics(samples, base, var, group: str) -> dict:
     settings = C.Settings(group=group)
-    tokens = C.token_report(samples, base, var, settings, [group])
+    tokens = C.token_report(samples, base, var, settings, [group], detail=False)
     g = tokens["groups"][group]
     diffs = [(a - b).abs()[s.position_mask(group)] for s, a, b in zip(samples, base.token_logprobs, var.token_logprobs)]
     d = torch.cat(diffs) if diffs else torch.zeros(0)

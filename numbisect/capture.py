@@ -325,7 +325,10 @@ def stream_compare(session, local: bool = True) -> dict:
     edtype = eng.dtype if eng is not None else None
     prop = {n: UnitStats(edtype) for n in names}
     loc = {n: UnitStats(edtype) for n in names}
-    ref_tok, ref_full, eng_tok, eng_full = [], [], [], []
+    # Per sample only the token log-probs and the per-position KL are kept, not the
+    # tokens x vocab log-probs; the reference's are kept for the trials of a kl-mean search.
+    keep_ref_full = session.settings.metric == "kl-mean"
+    ref_tok, ref_full, eng_tok, kl, top1 = [], [], [], [], []
     planted = apply_faults(eng, session.faults) if eng is not None and not dump and not remote else None
     session.say(f"reference and engine, sample by sample ({mode} capture)")
     try:
@@ -334,19 +337,27 @@ def stream_compare(session, local: bool = True) -> dict:
         for i, s in enumerate(session.samples):
             r = ref.forward([s], full_logits=True, capture=names, capture_inputs=feed_names)
             ref_tok.append(r.token_logprobs[0])
-            ref_full.append(r.full_logprobs[0])
+            if keep_ref_full:
+                ref_full.append(r.full_logprobs[0])
             if eng is None:
                 continue
             if dump:
                 d = eng.sample(i, units=names, inputs=feed_names)
                 eng_tok.append(d["token_logprobs"])
-                eng_full.append(d["full_logprobs"])
+                e_full = d["full_logprobs"]
                 e_out, e_in = d["outputs"], d["inputs"]
             else:
                 e = eng.forward([s], full_logits=True, capture=names)
                 eng_tok.append(e.token_logprobs[0])
-                eng_full.append(e.full_logprobs[0])
+                e_full = e.full_logprobs[0]
                 e_out, e_in = {n: v[0] for n, v in e.captures.items() if v}, {}
+            if e_full is not None and kl is not None:
+                k, t = C.position_kl(r.full_logprobs[0], e_full)
+                kl.append(k)
+                top1.append(t)
+            else:
+                kl = top1 = None  # a dump without lm_head: no KL
+            del e_full
             fold(prop, {n: (r.captures[n][0], e_out[n]) for n in names if n in e_out and r.captures.get(n)}, i)
             if store is not None:
                 for n in names:
@@ -378,13 +389,11 @@ def stream_compare(session, local: bool = True) -> dict:
             eng.undo()
     if store is not None:
         store.flush()
-    ref_res = ForwardResult(token_logprobs=ref_tok, full_logprobs=ref_full)
+    ref_res = ForwardResult(token_logprobs=ref_tok, full_logprobs=ref_full if keep_ref_full else None)
     session._ref_tokens = ref_res
-    if eng is None:
-        eng_res = C.rollout_result(session.trace)
-    else:
-        eng_res = ForwardResult(token_logprobs=eng_tok, full_logprobs=eng_full if all(x is not None for x in eng_full) else None)
-    tokens = C.token_report(session.samples, ref_res, eng_res, session.settings, session.groups)
+    eng_res = C.rollout_result(session.trace) if eng is None else ForwardResult(token_logprobs=eng_tok)
+    tokens = C.token_report(session.samples, ref_res, eng_res, session.settings, session.groups,
+                            kl=(kl, top1) if eng is not None and kl is not None else None)
     rows = []
     for u in units:
         rows.append({"name": u.name, "kind": u.kind, "layer": u.layer, "parent": u.parent,

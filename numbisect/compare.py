@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 import os
@@ -144,63 +145,114 @@ def rollout_result(trace: Trace) -> ForwardResult:
         lp = torch.full((len(s.ids) - 1,), math.nan, dtype=torch.float32)
         lp[len(s.prompt_ids) - 1 :] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         out.append(lp)
-    return ForwardResult(token_logprobs=out)
+    return ForwardResult(token_logprobs=out, partial=True)
 
 
 def group_names(trace: Trace) -> list[str]:
     return ["completion", "prompt"] + trace.group_names()
 
 
-def token_report(samples: list[Sample], ref: ForwardResult, eng: ForwardResult, settings: Settings, groups: list[str]) -> dict:
-    """Aggregates per group, RL cost and worst tokens over completion tokens."""
-    per = [M.token_metrics(a, b) for a, b in zip(ref.token_logprobs, eng.token_logprobs)]
-    if eng.full_logprobs is not None:  # an engine that runs owes a value at every position
-        for p in per:
-            broken = torch.isnan(p["k3"])
-            for key in ("log_r", "k1", "k2", "k3"):
-                p[key] = torch.where(broken, torch.full_like(p[key], math.inf), p[key])
-    kl = None
-    if ref.full_logprobs is not None and eng.full_logprobs is not None:
-        kl = [M.full_kl(e, r) for r, e in zip(ref.full_logprobs, eng.full_logprobs)]
-        top1 = [(r.argmax(-1) == e.argmax(-1)) for r, e in zip(ref.full_logprobs, eng.full_logprobs)]
+KL_CHUNK_ELEMENTS = 1 << 22  # full-vocabulary rows per KL chunk: rows x vocab (float64: 32 MB a temporary)
+
+
+def token_report(samples: list[Sample], ref: ForwardResult, eng: ForwardResult, settings: Settings, groups: list[str],
+                 detail: bool = True, kl: tuple[list, list] | None = None) -> dict:
+    """Aggregates per group, RL cost and worst tokens over completion tokens.
+
+    The full-vocabulary KL and top-1 agreement come from `kl` (per sample, from
+    `position_kl`: a streamed compare computes them as it goes and keeps no full
+    log-probs), else from both sides' `full_logprobs`, else they are None.
+    The samples are joined into one tensor per quantity (token metrics and group masks
+    element-wise, the KL in chunks of `KL_CHUNK_ELEMENTS`), so a trial costs a few dozen
+    tensor ops, not a few per sample. `detail=False` (search trials) leaves out
+    `per_sample` and `worst_tokens`, which only a report shows.
+    """
+    lens = [len(s.ids) - 1 for s in samples]
+    for i, (a, b) in enumerate(zip(ref.token_logprobs, eng.token_logprobs)):
+        if a.shape != b.shape:
+            raise ValueError(f"sample {i}: shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
+    p = M.token_metrics(_cat(ref.token_logprobs), _cat(eng.token_logprobs))
+    nan = torch.isnan(p["k3"])
+    if not eng.partial and bool(nan.any()):  # an engine that runs owes a value at every position
+        for key in ("log_r", "k1", "k2", "k3"):
+            p[key] = torch.where(nan, torch.full_like(p[key], math.inf), p[key])
+        nan = torch.zeros_like(nan)
+    top1 = None
+    if kl is not None:
+        kl, top1 = _cat(kl[0]), _cat(kl[1]).bool()
+    elif ref.full_logprobs is not None and eng.full_logprobs is not None:
+        kl, top1 = _full_kl_top1(ref.full_logprobs, eng.full_logprobs)
     out_groups = {}
     for g in groups:
-        masks = [s.position_mask(g) & ~torch.isnan(p["k3"]) for s, p in zip(samples, per)]
-        n = int(sum(int(m.sum()) for m in masks))
+        mask = _cat([s.position_mask(g) for s in samples]) & ~nan
+        n = int(mask.sum())
         entry: dict = {"tokens": n}
         for key in ("k1", "k2", "k3"):
-            entry[key] = M.aggregate(torch.cat([p[key][m] for p, m in zip(per, masks)])) if n else M.aggregate(torch.zeros(0))
-        entry["kl"] = M.aggregate(torch.cat([k[m] for k, m in zip(kl, masks)])) if (kl and n) else None
-        entry["top1_agree"] = (
-            float(torch.cat([t[m] for t, m in zip(top1, masks)]).double().mean()) if (kl and n) else None
-        )
+            entry[key] = M.aggregate(p[key][mask])
+        entry["kl"] = M.aggregate(kl[mask]) if (kl is not None and n) else None
+        entry["top1_agree"] = float(top1[mask].double().mean()) if (kl is not None and n) else None
         out_groups[g] = entry
-    judged = [s.position_mask(settings.group) & ~torch.isnan(p["k3"]) for s, p in zip(samples, per)]
-    index, vals = [], []
-    for i, (s, p, m) in enumerate(zip(samples, per, judged)):
-        for j in torch.nonzero(m).flatten().tolist():
-            if float(p["k3"][j]) > 0:
-                index.append((i, j + 1, s.ids[j + 1]))
-                vals.append(float(p["k3"][j]))
-    per_sample = []
-    for i, (s, p) in enumerate(zip(samples, per)):
-        k3 = p["k3"]
-        per_sample.append(
-            {
-                "sample": i,
-                "line": s.line,
-                "prompt_len": len(s.prompt_ids),
-                "k3": [None if math.isnan(v) else _round(v) for v in k3.tolist()],
-            }
-        )
+    judged = _cat([s.position_mask(settings.group) for s in samples]) & ~nan
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
     report = {
         "groups": out_groups,
-        "rl_cost": M.rl_cost([p["log_r"][m] for p, m in zip(per, judged)], settings.rl),
-        "worst_tokens": M.worst_tokens(torch.tensor(vals, dtype=torch.float64), index, k=10) if vals else [],
-        "per_sample": per_sample,
+        "rl_cost": M.rl_cost([p["log_r"][a:b][judged[a:b]] for a, b in zip(starts, starts[1:])], settings.rl),
     }
+    if detail:
+        report["worst_tokens"] = _worst(samples, p["k3"], judged, starts)
+        report["per_sample"] = [
+            {"sample": i, "line": s.line, "prompt_len": len(s.prompt_ids),
+             "k3": [None if math.isnan(v) else _round(v) for v in p["k3"][a:b].tolist()]}
+            for i, (s, a, b) in enumerate(zip(samples, starts, starts[1:]))
+        ]
     report["value"] = judged_value(report, settings)
     return report
+
+
+def _cat(ts: list) -> torch.Tensor:
+    return torch.cat(ts) if ts else torch.zeros(0)
+
+
+def position_kl(ref_full: torch.Tensor, eng_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample's full-vocabulary KL(engine || reference) per position, and whether the
+    two sides' top-1 tokens agree there."""
+    return M.full_kl(eng_full, ref_full), ref_full.argmax(-1) == eng_full.argmax(-1)
+
+
+def _full_kl_top1(refs: list, engs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position full-vocabulary KL and top-1 agreement, samples joined in chunks."""
+    kl, top1 = [], []
+    i = 0
+    while i < len(refs):
+        j, rows = i, 0
+        while j < len(refs) and (j == i or (rows + refs[j].shape[0]) * refs[j].shape[-1] <= KL_CHUNK_ELEMENTS):
+            rows += refs[j].shape[0]
+            j += 1
+        r, e = (refs[i], engs[i]) if j == i + 1 else (torch.cat(refs[i:j]), torch.cat(engs[i:j]))
+        k, t = position_kl(r, e)
+        kl.append(k)
+        top1.append(t)
+        i = j
+    return _cat(kl), _cat(top1).bool()
+
+
+def _worst(samples, k3: torch.Tensor, judged: torch.Tensor, starts: list[int], k: int = 10) -> list[dict]:
+    """`metrics.worst_tokens` over the judged tokens with k3 > 0, given only the candidates
+    (every value at or above the k-th largest), so no Python object is made per token."""
+    pos = torch.nonzero(judged & (k3 > 0)).flatten()
+    if not pos.numel():
+        return []
+    vals = k3[pos]
+    kth = torch.topk(vals, min(k, vals.numel())).values[-1]
+    keep = pos[vals >= kth].tolist()
+    index = []
+    for flat in keep:
+        i = bisect.bisect_right(starts, flat) - 1
+        j = flat - starts[i]
+        index.append((i, j + 1, samples[i].ids[j + 1]))
+    return M.worst_tokens(k3[keep], index, k=k)
 
 
 def judged_value(tokens: dict, settings: Settings) -> float:

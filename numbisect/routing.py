@@ -313,7 +313,7 @@ def _replay_trial(session, direction: str, replay: dict, eng_prop):
     if direction == "ref":
         probe = session.routing_probe(session.engine, replay)
         res = session.engine_forward(probe=probe)
-        tokens = C.token_report(session.samples, ref, res, session.settings, session.groups)
+        tokens = C.token_report(session.samples, ref, res, session.settings, session.groups, detail=False)
     else:
         probe = session.routing_probe(session.ref, replay)
         undo = probe.install()
@@ -321,7 +321,7 @@ def _replay_trial(session, direction: str, replay: dict, eng_prop):
             res = session.ref.forward(session.samples, full_logits=True)
         finally:
             undo()
-        tokens = C.token_report(session.samples, res, eng_prop, session.settings, session.groups)
+        tokens = C.token_report(session.samples, res, eng_prop, session.settings, session.groups, detail=False)
     groups = {g: v["k3"]["mean"] for g, v in tokens["groups"].items()}
     return tokens["value"], groups, probe.ids, probe.replaced
 

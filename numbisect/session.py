@@ -179,7 +179,8 @@ class Session:
         return None if spec is None else RoutingProbe(backend, spec, self.samples, replay)
 
     # -- the engine -----------------------------------------------------------------------
-    def engine_forward(self, swapped=(), capture=(), feed=None, mode=None, probe=None, *, prefix=None) -> ForwardResult:
+    def engine_forward(self, swapped=(), capture=(), feed=None, mode=None, probe=None, *, prefix=None,
+                       full_logits=True) -> ForwardResult:
         """The engine with its planted faults, then `swapped` units replaced by the reference's,
         run in `mode` (default: the session's engine mode), and, with `probe`, its expert ids
         recorded or replayed.
@@ -190,7 +191,7 @@ class Session:
         if self.engine is None:
             return C.rollout_result(self.trace)
         if getattr(self.engine, "remote", False):  # tensor parallel: faults and swaps go into the workers
-            return self._remote_forward(swapped, capture, feed, prefix)
+            return self._remote_forward(swapped, capture, feed, prefix, full_logits)
         mode = mode or self.mode
         D.check_swappable(self.engine, list(swapped), mode)
         planted = apply_faults(self.engine, self.faults)
@@ -200,7 +201,7 @@ class Session:
             undo = probe.install() if probe else None
             ctx = self.prefix.run(self.engine, swapped, *prefix) if prefix else contextlib.nullcontext()
             with ctx:
-                return self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed, mode=mode)
+                return self.engine.forward(self.samples, full_logits=full_logits, capture=list(capture), feed=feed, mode=mode)
         finally:
             if undo:
                 undo()
@@ -208,7 +209,7 @@ class Session:
             self.engine.restore()
             planted.undo()
 
-    def _remote_forward(self, swapped, capture, feed, prefix) -> ForwardResult:
+    def _remote_forward(self, swapped, capture, feed, prefix, full_logits=True) -> ForwardResult:
         """`engine_forward` on a tensor-parallel engine: everything happens in its workers;
         this side keeps the prefix cache's bookkeeping (which trial swapped what)."""
         self.engine.prepare(self.faults, list(swapped), self.ref)
@@ -219,7 +220,7 @@ class Session:
                 self.prefix.cleared = False
             ok = False
             try:
-                res = self.engine.forward(self.samples, full_logits=True, capture=list(capture), feed=feed)
+                res = self.engine.forward(self.samples, full_logits=full_logits, capture=list(capture), feed=feed)
                 ok = True
             finally:
                 if prefix:
@@ -316,12 +317,15 @@ class Session:
         """What the recorded prefix depends on besides the session's fixed engine and trace."""
         return (tuple(self.faults), id(self.engine), id(self.samples))
 
-    def _trial_forward(self, swapped) -> tuple[ForwardResult, int]:
-        """The engine forward of a trial, and how many leading layers it replayed."""
+    def _trial_forward(self, swapped, full_logits: bool | None = None) -> tuple[ForwardResult, int]:
+        """The engine forward of a trial, and how many leading layers it replayed. Full
+        logits (tokens x vocab per sample, and a float64 KL over them) by default only when
+        the search judges the KL; otherwise a trial measures the token log-probs alone."""
+        full = self.settings.metric == "kl-mean" if full_logits is None else full_logits
         if not self.prefix_reuse or self.engine is None or self.prefix.disabled:
-            return self.engine_forward(swapped), 0
+            return self.engine_forward(swapped, full_logits=full), 0
         source, upto = self.prefix.plan(self.engine, swapped, self._prefix_key())
-        return self.engine_forward(swapped, prefix=(source, upto)), upto
+        return self.engine_forward(swapped, prefix=(source, upto), full_logits=full), upto
 
     def trial(self, swapped) -> tuple[float, dict]:
         """One engine forward with `swapped` units replaced: (judged value, summary)."""
@@ -330,7 +334,7 @@ class Session:
         ref = self.reference_tokens()
         t0 = time.perf_counter()
         res, replayed = self._trial_forward(swapped)
-        tokens = C.token_report(self.samples, ref, res, self.settings, self.groups)
+        tokens = C.token_report(self.samples, ref, res, self.settings, self.groups, detail=False)
         summary = {
             "groups": {g: {"k3_mean": v["k3"]["mean"], "k3_p99": v["k3"]["p99"], "kl_mean": (v["kl"] or {}).get("mean")} for g, v in tokens["groups"].items()},
             "seq_frac_rejected": tokens["rl_cost"]["seq_frac_rejected"],

@@ -221,7 +221,7 @@ def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=
         others = [n for n in names if n != unit.name]
 
         def judged(res) -> tuple[float, float]:
-            tokens = C.token_report(session.samples, ref, res, st, session.groups)
+            tokens = C.token_report(session.samples, ref, res, st, session.groups, detail=False)
             return tokens["value"], tokens["groups"][st.group]["k3"]["mean"] if st.group in tokens["groups"] else None
 
         if others or baseline is None:

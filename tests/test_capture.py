@@ -64,6 +64,11 @@ def test_stats_and_full_equal_memory_mode(tmp_path):
                 _same(rw[k], rg[k], f"{mode} {rw['name']} {k}")
         assert got["local_ranking"] == want["local_ranking"]
         assert got["capture"]["mode"] == mode
+        for g, w in want["baseline"]["groups"].items():  # KL and top-1 from each sample as it went
+            assert got["baseline"]["groups"][g]["kl"]["mean"] == pytest.approx(w["kl"]["mean"], rel=1e-12)
+            assert got["baseline"]["groups"][g]["top1_agree"] == w["top1_agree"]
+        # no tokens x vocab log-probs are kept for the search (its metric is k3-mean)
+        assert s.reference_tokens().full_logprobs is None
     files = sorted((tmp_path / "cap").rglob("*.safetensors"))
     # 0.2 MB cannot hold all units of all samples: units were spilled in several parts
     assert any(f.name.endswith(".0001.safetensors") for f in files)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from conftest import model_dir, session, trace_path
+from numbisect import compare as C
+from numbisect import metrics as M
+from numbisect.backends.base import ForwardResult
 from numbisect.cli import main
 from numbisect.report import load_report, validate
+from numbisect.trace import Sample
 
 
 def run_cli(args, capsys):
@@ -110,3 +116,61 @@ def test_a_unit_whose_error_is_nan_counts_as_above_the_tolerance():
     rows = [row("layers.0.attn", 0.0), row("layers.1.attn", float("nan")), row("layers.2.attn", 0.5)]
     assert first_divergence(rows, Settings()) == {"bitwise": "layers.1.attn", "above_tol": "layers.1.attn"}
     assert local_ranking(rows)["layers.1.attn"] == 1
+
+
+def _per_sample_report(samples, ref, eng, groups):
+    """The token report computed sample by sample, straight from the metric definitions."""
+    out = {}
+    for g in groups:
+        vals, kls, agree = [], [], []
+        for s, a, b, fa, fb in zip(samples, ref.token_logprobs, eng.token_logprobs, ref.full_logprobs, eng.full_logprobs):
+            k3 = M.token_metrics(a, b)["k3"]
+            k3 = torch.where(torch.isnan(k3), torch.full_like(k3, math.inf), k3)  # an engine that ran
+            m = s.position_mask(g)
+            vals.append(k3[m])
+            kls.append(M.full_kl(fb, fa)[m])
+            agree.append((fa.argmax(-1) == fb.argmax(-1))[m])
+        out[g] = (M.aggregate(torch.cat(vals)), M.aggregate(torch.cat(kls)), float(torch.cat(agree).double().mean()))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [C.KL_CHUNK_ELEMENTS, 40])
+def test_token_report_joined_over_samples_equals_the_per_sample_computation(monkeypatch, chunk):
+    """The report joins every sample into one tensor per quantity (the KL in chunks):
+    the same numbers as sample by sample, NaN log-probs counted as inf, worst tokens in place."""
+    monkeypatch.setattr(C, "KL_CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(1)
+    samples, ref, eng = [], ForwardResult([], []), ForwardResult([], [])
+    for i, (p, c) in enumerate(((3, 4), (1, 6), (5, 1), (2, 9))):
+        ids = torch.randint(0, 11, (p + c,), generator=g).tolist()
+        samples.append(Sample(ids[:p], ids[p:], line=i + 1))
+        a = torch.log_softmax(torch.randn(p + c - 1, 11, generator=g), -1)
+        b = torch.log_softmax(a + 0.05 * torch.randn(a.shape, generator=g), -1)
+        ref.full_logprobs.append(a)
+        eng.full_logprobs.append(b)
+        idx = torch.tensor(ids[1:])[:, None]
+        ref.token_logprobs.append(a.gather(1, idx)[:, 0])
+        eng.token_logprobs.append(b.gather(1, idx)[:, 0])
+    eng.token_logprobs[1][3] = math.nan  # a broken engine value: the worst token, judged as inf
+    rep = C.token_report(samples, ref, eng, C.Settings(), ["completion", "prompt"])
+    for group, (k3, kl, top1) in _per_sample_report(samples, ref, eng, ["completion", "prompt"]).items():
+        got = rep["groups"][group]
+        assert got["k3"] == k3 and got["kl"] == pytest.approx(kl, rel=1e-12) and got["top1_agree"] == top1
+    assert rep["value"] == math.inf
+    assert rep["worst_tokens"][0] == {"sample": 1, "position": 4, "token_id": samples[1].ids[4], "value": math.inf}
+    assert [len(r["k3"]) for r in rep["per_sample"]] == [len(s.ids) - 1 for s in samples]
+    light = C.token_report(samples, ref, eng, C.Settings(), ["completion"], detail=False)
+    assert light["value"] == rep["value"] and "per_sample" not in light and "worst_tokens" not in light
+
+
+def test_without_full_logits_a_broken_engine_value_still_counts_but_a_rollout_gap_does_not():
+    """Trials measure token log-probs only: a NaN there is still judged as inf; a rollout's
+    own log-probs have NaN on prompt positions, which are no values at all."""
+    s = [Sample([1, 2], [3, 4, 5], line=1)]
+    ref = ForwardResult([torch.tensor([-1.0, -2.0, -1.5, -0.5])])
+    eng = ForwardResult([torch.tensor([-1.0, -2.0, math.nan, -0.5])])
+    assert C.token_report(s, ref, eng, C.Settings(), ["completion"])["value"] == math.inf
+    eng.partial = True
+    rep = C.token_report(s, ref, eng, C.Settings(), ["completion"])
+    assert rep["groups"]["completion"]["tokens"] == 2 and rep["value"] == 0.0
+    assert rep["groups"]["completion"]["kl"] is None

@@ -50,10 +50,10 @@ def forward_pair(s, swapped):
     """(with prefix reuse, layers replayed), (full recomputation)."""
     before = modules(s.engine)
     s.prefix_reuse = True
-    reused, replayed = s._trial_forward(swapped)
+    reused, replayed = s._trial_forward(swapped, full_logits=True)
     assert modules(s.engine) == before  # replayed layers and swaps inside them all put back
     s.prefix_reuse = False
-    full, none = s._trial_forward(swapped)
+    full, none = s._trial_forward(swapped, full_logits=True)
     s.prefix_reuse = True
     assert none == 0
     return reused, replayed, full

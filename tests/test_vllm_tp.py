@@ -76,9 +76,9 @@ def test_prefix_reuse_in_the_workers_equals_full_recomputation(tp_engine):
              (("layers.1.moe", "layers.3.attn"), 1), (("layers.1.moe", "layers.2.moe.experts"), 2)]
     for swapped, depth in cases:
         s.prefix_reuse = True
-        reused, replayed = s._trial_forward(swapped)
+        reused, replayed = s._trial_forward(swapped, full_logits=True)
         s.prefix_reuse = False
-        full, _ = s._trial_forward(swapped)
+        full, _ = s._trial_forward(swapped, full_logits=True)
         assert replayed == depth, swapped
         for a, b in zip(reused.full_logprobs, full.full_logprobs):
             assert torch.equal(a, b), swapped

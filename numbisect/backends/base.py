@@ -31,6 +31,9 @@ class ForwardResult:
     full_logprobs: list[torch.Tensor] | None = None  # per sample [T-1, V] float32, when asked
     captures: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # unit -> per sample output
     inputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # unit -> per sample input
+    # NaN marks a position with no log-prob (a rollout's own log-probs cover its completion
+    # only); in an engine that ran (partial False) a NaN is a broken value, judged as inf.
+    partial: bool = False
 
 
 def parse_dtype(name: str) -> torch.dtype:
