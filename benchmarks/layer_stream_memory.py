@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def make_checkpoint(out: str, hidden: int, layers: int, dtype: str = "bfloat16") -> int:
-    """Random-weight qwen3 checkpoint in `out`; returns the bytes of its weights."""
+def make_checkpoint(out: str, hidden: int, layers: int, dtype: str = "bfloat16", vocab: int | None = None) -> int:
+    """Random-weight qwen3 checkpoint in `out` (the fixture's vocabulary of 256 unless
+    `vocab`); returns the bytes of its weights."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -37,6 +38,8 @@ def make_checkpoint(out: str, hidden: int, layers: int, dtype: str = "bfloat16")
     heads = max(2, hidden // 64)
     cfg.update(hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers, num_attention_heads=heads,
                num_key_value_heads=max(1, heads // 2), head_dim=64, torch_dtype=dtype, dtype=dtype)
+    if vocab:
+        cfg["vocab_size"] = vocab
     cfg.pop("layer_types", None)
     cfg.pop("max_window_layers", None)
     Path(out).mkdir(parents=True, exist_ok=True)

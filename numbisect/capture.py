@@ -294,6 +294,30 @@ class LazySamples:
 
 
 # -- the comparison, one sample at a time -----------------------------------------------------
+def _libc_trim():
+    """glibc's malloc_trim, or None (another C library)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def _trim() -> None:
+    """Give the heap's free pages back after a sample. Without it glibc keeps the freed
+    buffers of earlier samples (their sizes differ, so they fragment) and the peak RSS of
+    a compare grew with the trace: measured +217 MB at 725 tokens and +339 MB at 2175
+    (random qwen3, hidden 256, vocabulary 32768), +162 / +189 MB with the pages given
+    back, with no tensor alive after the compare either way. It cost the fixture's
+    compare about 6% of its time."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def stream_compare(session, local: bool = True) -> dict:
     """`Session.compare` streamed: sample by sample, the reference (captures and inputs),
     the engine on its own inputs (propagated) and teacher-forced (local), folded into
@@ -368,6 +392,7 @@ def stream_compare(session, local: bool = True) -> dict:
                     if n in e_out:
                         store.add("engine", n, i, e_out[n])
             if not local:
+                _trim()
                 continue
             if dump:  # the reference fed the engine's dumped inputs
                 fed = ref.forward([s], capture=names, feed={n: [x] for n, x in e_in.items()}) if e_in else None
@@ -380,6 +405,7 @@ def stream_compare(session, local: bool = True) -> dict:
                 for n, (a, b) in pairs.items():
                     store.add("local", n, i, b if not dump else a)
             del r
+            _trim()
     finally:
         if planted is not None:
             unpatch(eng)

@@ -217,3 +217,20 @@ def test_failed_self_check_refuses_to_search_with_exit_3(capsys, monkeypatch, tm
     assert code == ExitCode.BACKEND
     assert "self-check failed" in err and "sub-units" in err
     assert not out.exists()
+
+
+def test_trials_take_full_logits_only_when_the_kl_is_judged():
+    """A k3 search measures token log-probs only (no tokens x vocab logits, no KL); a
+    kl-mean search measures the KL. The judged k3 is the same either way."""
+    found = {}
+    for metric in ("k3-mean", "kl-mean"):
+        s = session("qwen3", engine="hf", ref_dtype="float32", engine_dtype="float32",
+                    faults=["output_noise=1e-1@layers.2.mlp"], samples=4, metric=metric)
+        s.compare()  # streamed: the reference's full log-probs are kept for a kl-mean search only
+        assert (s.reference_tokens().full_logprobs is not None) == (metric == "kl-mean")
+        found[metric] = s.trial(("layers.3.attn",))
+    value, k3_only = found["k3-mean"]
+    kl_value, with_kl = found["kl-mean"]
+    assert k3_only["groups"]["completion"]["kl_mean"] is None
+    assert with_kl["groups"]["completion"]["kl_mean"] == kl_value > 0
+    assert with_kl["groups"]["completion"]["k3_mean"] == k3_only["groups"]["completion"]["k3_mean"] == value > 0
