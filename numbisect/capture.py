@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -89,7 +90,7 @@ def fold(stats: dict, pairs: dict, sample: int) -> None:
                         dtype, sample)
 
 
-STACK_ELEMENTS = 1 << 18  # elements of one stacked group (float64: 2 MB per temporary)
+STACK_ELEMENTS = 1 << 20  # elements of one stacked group or row chunk (float64: 8 MB per temporary)
 
 
 def _stack(ts: list) -> torch.Tensor:
@@ -116,7 +117,62 @@ def _ordered(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _fold_group(sts, R, E, dtype, sample) -> None:
     """Fold one stack of units ([U, T, W], the tensors' own dtype) into their stats:
     the error sums in float64, the ULP distances in integer arithmetic on the bits
-    (skipped for units whose bits all agree)."""
+    (skipped for units whose bits all agree). Rows go in chunks of at most
+    `STACK_ELEMENTS` elements, so the float64 temporaries stay bounded however long
+    the sample and wide the unit (the logits: tokens x vocab)."""
+    U, T, W = R.shape
+    rows = max(1, STACK_ELEMENTS // max(1, U * W))
+    if T <= rows:
+        parts = [_chunk(R, E, dtype, None, 0)]
+    else:  # the ULP floor is the sample's: its largest finite |ref| first, then the chunks
+        rq = R if R.dtype == dtype else None
+        fin = torch.zeros(U, 1, dtype=torch.float64)
+        for a in range(0, T, rows):
+            x = (rq[:, a : a + rows] if rq is not None else R[:, a : a + rows].to(dtype)).abs()
+            fin = torch.maximum(fin, x.reshape(U, -1).nan_to_num(nan=0.0, posinf=0.0).amax(1, keepdim=True).to(torch.float64))
+        parts = [_chunk(R[:, a : a + rows], E[:, a : a + rows], dtype, fin, a) for a in range(0, T, rows)]
+    for u, st in enumerate(sts):
+        sums = [0.0] * 6
+        tv, ti, differ, anynan, u_all, u_floor = -math.inf, 0, 0, False, 0, 0
+        for p in parts:
+            c = p["sums"][u]
+            for k in range(5):
+                sums[k] += c[k]
+            sums[5] = math.nan if math.isnan(c[5]) or math.isnan(sums[5]) else max(sums[5], c[5])
+            if _rank(p["tv"][u]) > _rank(tv):  # the first row with the largest value (as an argmax over all rows)
+                tv, ti = p["tv"][u], p["ti"][u]
+            differ += p["differ"][u]
+            anynan = anynan or p["anynan"][u]
+            u_all, u_floor = max(u_all, p["ulps_all"][u]), max(u_floor, p["ulps_floor"][u])
+        st.n += T * W
+        rr, ee, dd, re_, a, mx = sums
+        st.rr += rr
+        st.ee += ee
+        st.dd += dd
+        st.re += re_
+        st.abs_sum += a
+        st.max_abs = mx if math.isnan(mx) or mx > st.max_abs else st.max_abs  # a NaN stays
+        if math.isnan(tv) and not math.isnan(st.tok_rel) or tv > st.tok_rel:
+            st.tok_rel, st.worst = tv, {"sample": sample, "token": ti}
+        st.n_differ += int(differ)
+        if anynan:
+            st.nan = True
+        if st.nan:
+            continue
+        st.ulps_all = max(st.ulps_all, int(u_all))
+        st.ulps_floor = max(st.ulps_floor, int(u_floor))
+
+
+def _rank(v: float) -> float:
+    """A row's rank as `torch.nan_to_num(row_rel, nan=inf)` gives it: NaN above inf above
+    every finite value."""
+    return math.inf if math.isnan(v) else min(v, sys.float_info.max)
+
+
+def _chunk(R, E, dtype, fin_max, row0: int) -> dict:
+    """Per unit of one chunk of rows: the six float64 sums, the worst row (index from
+    `row0`), differing elements, NaN, and max ULPs (above 1e-3 of `fin_max`, the sample's
+    largest finite |ref| per unit; of this chunk's own when None: the chunk is the sample)."""
     U, T, W = R.shape
     f64 = torch.float64
     R64, E64 = R.to(f64), E.to(f64)
@@ -126,7 +182,7 @@ def _fold_group(sts, R, E, dtype, sample) -> None:
         row_r, row_d = norm(R64, dim=2), norm(D, dim=2)
         row_rel = torch.where(row_r > 0, row_d / torch.where(row_r > 0, row_r, 1.0), row_d)
         ti = torch.nan_to_num(row_rel, nan=math.inf).argmax(1)  # a NaN row is the worst, and reported as NaN
-        tv, ti = row_rel.gather(1, ti[:, None]).reshape(U).tolist(), ti.tolist()
+        tv, ti = row_rel.gather(1, ti[:, None]).reshape(U).tolist(), [i + row0 for i in ti.tolist()]
         Rf, Ef, Df = R64.reshape(U, 1, -1), E64.reshape(U, -1, 1), D.reshape(U, -1)
         sums = torch.stack([row_r.square().sum(1), norm(E64, dim=(1, 2)).square(), row_d.square().sum(1),
                             torch.bmm(Rf, Ef).reshape(U), norm(Df, ord=1, dim=1), norm(Df, ord=math.inf, dim=1)], 1).tolist()
@@ -151,29 +207,14 @@ def _fold_group(sts, R, E, dtype, sample) -> None:
         ulps = (_ordered(rq, dtype).to(wide) - _ordered(eq, dtype).to(wide)).abs_().reshape(U, -1)
         r_abs = rq.abs().reshape(U, -1)
         # max ulps over elements with |ref| >= 1e-3 of the largest finite |ref| of this sample and unit
-        fin_max = r_abs.nan_to_num(nan=0.0, posinf=0.0).amax(1, keepdim=True).to(f64)
+        if fin_max is None:
+            fin_max = r_abs.nan_to_num(nan=0.0, posinf=0.0).amax(1, keepdim=True).to(f64)
         kept = ulps.masked_fill(r_abs < 1e-3 * fin_max, 0)
         ulps_all, ulps_floor = ulps.amax(1).tolist(), kept.amax(1).tolist()
     else:
         ulps_all = ulps_floor = [0] * U
-    for u, st in enumerate(sts):
-        st.n += T * W
-        rr, ee, dd, re_, a, mx = sums[u]
-        st.rr += rr
-        st.ee += ee
-        st.dd += dd
-        st.re += re_
-        st.abs_sum += a
-        st.max_abs = mx if math.isnan(mx) or mx > st.max_abs else st.max_abs  # a NaN stays
-        if math.isnan(tv[u]) and not math.isnan(st.tok_rel) or tv[u] > st.tok_rel:
-            st.tok_rel, st.worst = tv[u], {"sample": sample, "token": ti[u]}
-        st.n_differ += int(differ[u])
-        if anynan[u]:
-            st.nan = True
-        if st.nan:
-            continue
-        st.ulps_all = max(st.ulps_all, int(ulps_all[u]))
-        st.ulps_floor = max(st.ulps_floor, int(ulps_floor[u]))
+    return {"sums": sums, "tv": tv, "ti": ti, "differ": differ, "anynan": anynan, "ulps_all": ulps_all,
+            "ulps_floor": ulps_floor}
 
 
 # -- full mode: tensors to safetensors within a RAM budget ---------------------------------------

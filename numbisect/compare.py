@@ -152,7 +152,7 @@ def group_names(trace: Trace) -> list[str]:
     return ["completion", "prompt"] + trace.group_names()
 
 
-KL_CHUNK_ELEMENTS = 1 << 22  # full-vocabulary rows per KL chunk: rows x vocab (float64: 32 MB a temporary)
+KL_CHUNK_ELEMENTS = 1 << 20  # full-vocabulary rows per KL chunk: rows x vocab (float64: 8 MB a temporary)
 
 
 def token_report(samples: list[Sample], ref: ForwardResult, eng: ForwardResult, settings: Settings, groups: list[str],
@@ -217,8 +217,13 @@ def _cat(ts: list) -> torch.Tensor:
 
 def position_kl(ref_full: torch.Tensor, eng_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One sample's full-vocabulary KL(engine || reference) per position, and whether the
-    two sides' top-1 tokens agree there."""
-    return M.full_kl(eng_full, ref_full), ref_full.argmax(-1) == eng_full.argmax(-1)
+    two sides' top-1 tokens agree there; rows in chunks of `KL_CHUNK_ELEMENTS` (the KL's
+    float64 temporaries of a long sample at a real vocabulary would be gigabytes)."""
+    rows = max(1, KL_CHUNK_ELEMENTS // max(1, ref_full.shape[-1]))
+    if ref_full.shape[0] <= rows:
+        return M.full_kl(eng_full, ref_full), ref_full.argmax(-1) == eng_full.argmax(-1)
+    parts = [position_kl(ref_full[a : a + rows], eng_full[a : a + rows]) for a in range(0, ref_full.shape[0], rows)]
+    return torch.cat([k for k, _ in parts]), torch.cat([t for _, t in parts])
 
 
 def _full_kl_top1(refs: list, engs: list) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,11 +112,17 @@ def test_ordered_bits_match_the_metrics_definition(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stacked_units_with_equal_nan_inf_and_zero_tensors_match_the_joined_metrics(dtype):
+@pytest.mark.parametrize("stack", [None, 20])
+def test_stacked_units_with_equal_nan_inf_and_zero_tensors_match_the_joined_metrics(dtype, stack, monkeypatch):
     """Units of one shape are folded as one stack; each must still get its own numbers,
     whether its bits all agree (the ULP pass is skipped), hold a NaN, an inf on both
-    sides (inf - inf), or are all zero."""
+    sides (inf - inf), or are all zero. With a stack of 20 elements every unit is folded
+    alone, 2 of its 6 rows at a time (a long sample of a wide unit: the logits)."""
+    from numbisect import capture
     from numbisect.capture import fold
+
+    if stack:
+        monkeypatch.setattr(capture, "STACK_ELEMENTS", stack)
 
     g = torch.Generator().manual_seed(1)
     base = [(torch.randn(6, 8, generator=g) * 3).to(dtype) for _ in range(3)]
@@ -126,6 +132,10 @@ def test_stacked_units_with_equal_nan_inf_and_zero_tensors_match_the_joined_metr
         "nan": [(b, b.clone().index_put_((torch.tensor([1]), torch.tensor([2])), torch.tensor(float("nan"), dtype=dtype))) for b in base],
         "inf": [(b.clone().fill_(float("inf")), b.clone().fill_(float("inf"))) for b in base],
         "zero": [(torch.zeros_like(b), torch.zeros_like(b)) for b in base],
+        # the worst row in the last chunk; a NaN row after an inf one (the inf one is the worst, as in an argmax)
+        "late": [(b, b.clone().index_put_((torch.tensor([5]), torch.tensor([1])), b[5, 1] * 2)) for b in base],
+        "inf_then_nan": [(b, b.clone().index_put_((torch.tensor([1, 4]), torch.tensor([0, 0])),
+                                                  torch.tensor([float("inf"), float("nan")], dtype=dtype))) for b in base],
         "overflow": [(b, b.clone().index_put_((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("inf"), dtype=dtype)))
                      for b in base],  # an engine that overflowed: sqnr -inf, not a math domain error
         # float64 tensors (a dump may hold them) stacked with the others keep their precision
