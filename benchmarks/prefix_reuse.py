@@ -20,6 +20,13 @@
     .venv/bin/python benchmarks/prefix_reuse.py                      # hf float32 engine, the 4 fixtures
     .venv/bin/python benchmarks/prefix_reuse.py --engine vllm
     .venv/bin/python benchmarks/prefix_reuse.py qwen3_moe --deep 16  # a 16-layer model made on the fly
+    .venv/bin/python benchmarks/prefix_reuse.py --synthetic 512x16 --samples 8   # a random-weight qwen3 of real width
+
+`--synthetic HIDDENxLAYERS` runs on a random-weight dense qwen3 of that size
+(`layer_stream_memory.make_checkpoint`, vocabulary `--vocab`) with the qwen3 fixture's
+trace: the fixtures' layers are so narrow that the part of a trial replay cannot skip
+(embedding, logits, the engine's per-request work, the metrics) weighs as much as the
+layers; at a real width the layers dominate, as in the models this is for.
 
 Wall time is the search alone (its trials and bookkeeping), without the local-error
 ranking `bisect run` computes first (the same for both).
@@ -96,6 +103,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="hf: float32 pair (default); vllm: bf16 pair")
     ap.add_argument("--strategy", choices=("hierarchical", "linear"), default="hierarchical")
     ap.add_argument("--deep", type=int, default=0, metavar="N", help="run on an N-layer copy of each fixture made on the fly")
+    ap.add_argument("--synthetic", metavar="HIDDENxLAYERS", help="instead of the fixtures, a random-weight qwen3 of this size")
+    ap.add_argument("--vocab", type=int, default=32768, help="--synthetic: vocabulary size")
+    ap.add_argument("--samples", type=int, default=0, metavar="N", help="the first N samples of each trace (default: all)")
     ap.add_argument("--faults-per-fixture", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each mode per fault (median wall time)")
     ap.add_argument("--seed", type=int, default=0)
@@ -113,10 +123,18 @@ def main(argv=None) -> int:
 
     profile = ST.PROFILES[args.engine]
     rng = random.Random(args.seed)
-    tmp = Path(tempfile.mkdtemp(prefix="numbisect-deep-")) if args.deep else None
+    tmp = Path(tempfile.mkdtemp(prefix="numbisect-deep-")) if args.deep or args.synthetic or args.samples else None
+    if args.synthetic:
+        from layer_stream_memory import make_checkpoint
+
+        hidden, layers = (int(x) for x in args.synthetic.lower().split("x"))
+        make_checkpoint(str(tmp / "synthetic"), hidden, layers, dtype=profile.dtype, vocab=args.vocab)
+        args.fixtures = ["synthetic"]
     print(f"engine {args.engine} ({profile.dtype}) vs hf ({profile.dtype}), threshold {profile.threshold:g}, "
           f"{args.strategy} search, {args.repeats} repeat(s), torch threads {torch.get_num_threads()}"
-          + (f", {args.deep}-layer copies of the fixtures" if args.deep else ""))
+          + (f", {args.deep}-layer copies of the fixtures" if args.deep else "")
+          + (f", random-weight qwen3 {args.synthetic}, vocabulary {args.vocab}" if args.synthetic else "")
+          + (f", first {args.samples} samples" if args.samples else ""))
     head = (f"{'fixture':<10} {'L':>3} {'fault':<44} {'trials':>6} {'skipped':>7}  "
             f"{'off':>7} {'on':>7} {'off/on':>6}  found")
     print(head)
@@ -124,11 +142,15 @@ def main(argv=None) -> int:
     rows, mismatches = [], 0
     try:
         for name in args.fixtures:
-            model = ROOT / "fixtures" / "models" / name
+            model = tmp / name if args.synthetic else ROOT / "fixtures" / "models" / name
             if args.deep:
                 model = deep_copy_of(model, args.deep, tmp / name)
-            session = ST.open_session(f"hf:{model}", f"{args.engine}:{model}",
-                                      str(ROOT / "fixtures" / "traces" / f"{name}.jsonl"), profile)
+            trace = ROOT / "fixtures" / "traces" / f"{'qwen3' if args.synthetic else name}.jsonl"
+            if args.samples:
+                lines = trace.read_text().splitlines()[: args.samples]
+                trace = tmp / f"{name}.trace.jsonl"
+                trace.write_text("\n".join(lines) + "\n")
+            session = ST.open_session(f"hf:{model}", f"{args.engine}:{model}", str(trace), profile)
             try:
                 session.reference()  # cached: not part of either search's time
                 n_layers = sum(1 for u in session.engine.units if u.kind == "layer")
