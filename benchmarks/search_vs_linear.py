@@ -42,12 +42,17 @@ def planted_faults(engine, profile, n: int, rng: random.Random) -> list[str]:
 
     out, used = [], set()
     kinds = [p for p in profile.faults if ST.units_for(engine, ST.fault_kind(p.template), p.unit_kinds)]
-    for i in range(n):
+    i = 0
+    while len(out) < n and kinds:
         p = kinds[i % len(kinds)]
         units = [u for u in ST.units_for(engine, ST.fault_kind(p.template), p.unit_kinds) if u not in used]
+        if not units:  # this kind has been planted at every unit it applies to
+            kinds.remove(p)
+            continue
         unit = rng.choice(units)
         used.add(unit)
         out.append(f"{p.template}@{unit}")
+        i += 1
     return out
 
 

@@ -399,13 +399,17 @@ def stream_compare(session, local: bool = True) -> dict:
     try:
         if remote:
             eng.prepare(session.faults, [], ref)
-        for i, s in enumerate(session.samples):
+        kl_ok = True  # False once a sample has no engine logits (a dump without lm_head): no KL
+
+        def one(i, s) -> None:
+            """One sample: every tensor it makes is gone when this returns."""
+            nonlocal kl_ok
             r = ref.forward([s], full_logits=True, capture=names, capture_inputs=feed_names)
             ref_tok.append(r.token_logprobs[0])
             if keep_ref_full:
                 ref_full.append(r.full_logprobs[0])
             if eng is None:
-                continue
+                return
             if dump:
                 d = eng.sample(i, units=names, inputs=feed_names)
                 eng_tok.append(d["token_logprobs"])
@@ -416,13 +420,12 @@ def stream_compare(session, local: bool = True) -> dict:
                 eng_tok.append(e.token_logprobs[0])
                 e_full = e.full_logprobs[0]
                 e_out, e_in = {n: v[0] for n, v in e.captures.items() if v}, {}
-            if e_full is not None and kl is not None:
+            if e_full is None:
+                kl_ok = False
+            elif kl_ok:
                 k, t = C.position_kl(r.full_logprobs[0], e_full)
                 kl.append(k)
                 top1.append(t)
-            else:
-                kl = top1 = None  # a dump without lm_head: no KL
-            del e_full
             fold(prop, {n: (r.captures[n][0], e_out[n]) for n in names if n in e_out and r.captures.get(n)}, i)
             if store is not None:
                 for n in names:
@@ -433,8 +436,7 @@ def stream_compare(session, local: bool = True) -> dict:
                     if n in e_out:
                         store.add("engine", n, i, e_out[n])
             if not local:
-                _trim()
-                continue
+                return
             if dump:  # the reference fed the engine's dumped inputs
                 fed = ref.forward([s], capture=names, feed={n: [x] for n, x in e_in.items()}) if e_in else None
                 pairs = {n: (fed.captures[n][0], e_out[n]) for n in names if fed and n in e_in and n in e_out and fed.captures.get(n)}
@@ -445,7 +447,9 @@ def stream_compare(session, local: bool = True) -> dict:
             if store is not None:
                 for n, (a, b) in pairs.items():
                     store.add("local", n, i, b if not dump else a)
-            del r
+
+        for i, s in enumerate(session.samples):
+            one(i, s)
             _trim()
     finally:
         if planted is not None:
@@ -460,7 +464,7 @@ def stream_compare(session, local: bool = True) -> dict:
     session._ref_tokens = ref_res
     eng_res = C.rollout_result(session.trace) if eng is None else ForwardResult(token_logprobs=eng_tok)
     tokens = C.token_report(session.samples, ref_res, eng_res, session.settings, session.groups,
-                            kl=(kl, top1) if eng is not None and kl is not None else None)
+                            kl=(kl, top1) if eng is not None and kl_ok else None)
     rows = []
     for u in units:
         rows.append({"name": u.name, "kind": u.kind, "layer": u.layer, "parent": u.parent,

@@ -171,12 +171,16 @@ def token_report(samples: list[Sample], ref: ForwardResult, eng: ForwardResult, 
     for i, (a, b) in enumerate(zip(ref.token_logprobs, eng.token_logprobs)):
         if a.shape != b.shape:
             raise ValueError(f"sample {i}: shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
-    p = M.token_metrics(_cat(ref.token_logprobs), _cat(eng.token_logprobs))
-    nan = torch.isnan(p["k3"])
-    if not eng.partial and bool(nan.any()):  # an engine that runs owes a value at every position
+    eng_lp = _cat(eng.token_logprobs)
+    p = M.token_metrics(_cat(ref.token_logprobs), eng_lp)
+    # A position the engine has no log-prob for (a rollout's prompt) is left out; any other
+    # NaN is a broken value on a side that owes one (an engine that ran, or the reference)
+    # and is judged as inf.
+    nan = torch.isnan(eng_lp) if eng.partial else torch.zeros(eng_lp.shape, dtype=torch.bool)
+    broken = torch.isnan(p["k3"]) & ~nan
+    if bool(broken.any()):
         for key in ("log_r", "k1", "k2", "k3"):
-            p[key] = torch.where(nan, torch.full_like(p[key], math.inf), p[key])
-        nan = torch.zeros_like(nan)
+            p[key] = torch.where(broken, torch.full_like(p[key], math.inf), p[key])
     top1 = None
     if kl is not None:
         kl, top1 = _cat(kl[0]), _cat(kl[1]).bool()
@@ -184,7 +188,7 @@ def token_report(samples: list[Sample], ref: ForwardResult, eng: ForwardResult, 
         kl, top1 = _full_kl_top1(ref.full_logprobs, eng.full_logprobs)
     out_groups = {}
     for g in groups:
-        mask = _cat([s.position_mask(g) for s in samples]) & ~nan
+        mask = _cat([s.position_mask(g) for s in samples], torch.bool) & ~nan
         n = int(mask.sum())
         entry: dict = {"tokens": n}
         for key in ("k1", "k2", "k3"):
@@ -192,7 +196,7 @@ def token_report(samples: list[Sample], ref: ForwardResult, eng: ForwardResult, 
         entry["kl"] = M.aggregate(kl[mask]) if (kl is not None and n) else None
         entry["top1_agree"] = float(top1[mask].double().mean()) if (kl is not None and n) else None
         out_groups[g] = entry
-    judged = _cat([s.position_mask(settings.group) for s in samples]) & ~nan
+    judged = _cat([s.position_mask(settings.group) for s in samples], torch.bool) & ~nan
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
@@ -211,8 +215,8 @@ def token_report(samples: list[Sample], ref: ForwardResult, eng: ForwardResult, 
     return report
 
 
-def _cat(ts: list) -> torch.Tensor:
-    return torch.cat(ts) if ts else torch.zeros(0)
+def _cat(ts: list, dtype=torch.float32) -> torch.Tensor:
+    return torch.cat(ts) if ts else torch.zeros(0, dtype=dtype)
 
 
 def position_kl(ref_full: torch.Tensor, eng_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

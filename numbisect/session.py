@@ -251,11 +251,11 @@ class Session:
             undo()
         passes = {}
         p = self.routing_probe(self.engine)
-        passes["propagated"] = (p.ids, self.engine_forward(capture=units, probe=p).captures)
+        passes["propagated"] = (p.ids, self.engine_forward(capture=units, probe=p, full_logits=False).captures)
         if local:
             p = self.routing_probe(self.engine)
             feed = {n: ref.inputs[n] for n in units if ref.inputs.get(n)}
-            passes["local"] = (p.ids, self.engine_forward(capture=units, feed=feed, probe=p).captures)
+            passes["local"] = (p.ids, self.engine_forward(capture=units, feed=feed, probe=p, full_logits=False).captures)
         self.ref_routing = probe.ids
         return R.routing_report(self.samples, spec, units, probe.ids, ref.captures, passes,
                                 (R._biases(self.ref, units), R._biases(self.engine, units)))

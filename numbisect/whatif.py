@@ -181,7 +181,9 @@ def forward(session, whatif: str | None, unit, others: list[str]):
         if whatif is not None:
             replant = _install(session, whatif, unit)
             again = apply_faults(engine, replant) if replant else None
-        return engine.forward(session.samples, full_logits=True, mode=getattr(session, "mode", "prefill"))  # decode mode too
+        # decode mode too; full logits only when the KL is judged (as in a search trial)
+        return engine.forward(session.samples, full_logits=session.settings.metric == "kl-mean",
+                              mode=getattr(session, "mode", "prefill"))
     finally:
         if again is not None:
             again.undo()

@@ -13,6 +13,7 @@ from numbisect import compare as C
 from numbisect import metrics as M
 from numbisect.backends.base import ForwardResult
 from numbisect.cli import main
+from numbisect.errors import InputError
 from numbisect.report import load_report, validate
 from numbisect.trace import Sample
 
@@ -174,3 +175,7 @@ def test_without_full_logits_a_broken_engine_value_still_counts_but_a_rollout_ga
     rep = C.token_report(s, ref, eng, C.Settings(), ["completion"])
     assert rep["groups"]["completion"]["tokens"] == 2 and rep["value"] == 0.0
     assert rep["groups"]["completion"]["kl"] is None
+    ref.token_logprobs[0][3] = math.nan  # the reference owes a value even against a rollout
+    assert C.token_report(s, ref, eng, C.Settings(), ["completion"])["value"] == math.inf
+    with pytest.raises(InputError, match="no tokens in group 'completion'"):
+        C.token_report([], ForwardResult([], []), ForwardResult([], []), C.Settings(), ["completion"])

@@ -46,14 +46,14 @@ def modules(engine) -> list:
     return [(name, id(m)) for name, m in engine.root.named_modules()]
 
 
-def forward_pair(s, swapped):
+def forward_pair(s, swapped, full_logits=True):
     """(with prefix reuse, layers replayed), (full recomputation)."""
     before = modules(s.engine)
     s.prefix_reuse = True
-    reused, replayed = s._trial_forward(swapped, full_logits=True)
+    reused, replayed = s._trial_forward(swapped, full_logits=full_logits)
     assert modules(s.engine) == before  # replayed layers and swaps inside them all put back
     s.prefix_reuse = False
-    full, none = s._trial_forward(swapped, full_logits=True)
+    full, none = s._trial_forward(swapped, full_logits=full_logits)
     s.prefix_reuse = True
     assert none == 0
     return reused, replayed, full
@@ -63,7 +63,8 @@ def assert_bitwise(a, b):
     assert len(a.token_logprobs) == len(b.token_logprobs)
     for x, y in zip(a.token_logprobs, b.token_logprobs):
         assert torch.equal(x, y)
-    for x, y in zip(a.full_logprobs, b.full_logprobs):
+    assert (a.full_logprobs is None) == (b.full_logprobs is None)
+    for x, y in zip(a.full_logprobs or [], b.full_logprobs or []):
         assert torch.equal(x, y)
 
 
@@ -74,6 +75,10 @@ def check_equal_to_full_recomputation(s, faults_before):
         reused, replayed, full = forward_pair(s, swapped)
         assert replayed == depth, swapped
         assert_bitwise(reused, full)
+    # a k3 search's trials take the token log-probs only: the same with replay
+    reused, replayed, full = forward_pair(s, ("layers.2.attn", "lm_head"), full_logits=False)
+    assert replayed > 0 and reused.full_logprobs is None
+    assert_bitwise(reused, full)
     # The fault before the first swapped layer is in the replayed prefix: without it the
     # same trial gives other log-probs.
     with_fault, replayed, _ = forward_pair(s, ("layers.3.attn",))

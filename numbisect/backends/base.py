@@ -32,7 +32,8 @@ class ForwardResult:
     captures: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # unit -> per sample output
     inputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # unit -> per sample input
     # NaN marks a position with no log-prob (a rollout's own log-probs cover its completion
-    # only); in an engine that ran (partial False) a NaN is a broken value, judged as inf.
+    # only); otherwise (partial False: an engine that ran) a NaN is a broken value, judged
+    # as inf, as is a NaN on the reference side in either case.
     partial: bool = False
 
 
