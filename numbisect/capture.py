@@ -104,16 +104,6 @@ def _stack(ts: list) -> torch.Tensor:
     return torch.stack([t.to(dt) for t in ts])
 
 
-def _ordered(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`metrics._ordered` without a select: for sign s (0 or -1 after the arithmetic
-    shift) and magnitude bits m, (bits ^ (s & MASK)) - s is m when s = 0 and -m when
-    s = -1, in the float's own integer width (-m and m both fit)."""
-    idt, mask = M._INT_VIEW[dtype]
-    bits = x.view(idt)
-    sign = bits >> (8 * bits.element_size() - 1)
-    return (bits ^ (sign & mask)) - sign
-
-
 def _fold_group(sts, R, E, dtype, sample) -> None:
     """Fold one stack of units ([U, T, W], the tensors' own dtype) into their stats:
     the error sums in float64, the ULP distances in integer arithmetic on the bits
@@ -183,38 +173,69 @@ def _chunk(R, E, dtype, fin_max, row0: int) -> dict:
         row_rel = torch.where(row_r > 0, row_d / torch.where(row_r > 0, row_r, 1.0), row_d)
         ti = torch.nan_to_num(row_rel, nan=math.inf).argmax(1)  # a NaN row is the worst, and reported as NaN
         tv, ti = row_rel.gather(1, ti[:, None]).reshape(U).tolist(), [i + row0 for i in ti.tolist()]
-        Rf, Ef, Df = R64.reshape(U, 1, -1), E64.reshape(U, -1, 1), D.reshape(U, -1)
-        sums = torch.stack([row_r.square().sum(1), norm(E64, dim=(1, 2)).square(), row_d.square().sum(1),
-                            torch.bmm(Rf, Ef).reshape(U), norm(Df, ord=1, dim=1), norm(Df, ord=math.inf, dim=1)], 1).tolist()
+        Rf, Ef, Df = R64.reshape(U, -1), E64.reshape(U, -1), D.reshape(U, -1)
+        # max |D| as max(max D, -min D): both propagate a NaN, and cost a pass each (norm inf costs four)
+        sums = torch.stack([row_r.square().sum(1), norm(Ef, dim=1).square(), row_d.square().sum(1),
+                            torch.linalg.vecdot(Rf, Ef), norm(Df, ord=1, dim=1),
+                            torch.maximum(Df.amax(1), -Df.amin(1))], 1).tolist()
     else:
         tv, ti = [-math.inf] * U, [0] * U
         sums = [[0.0] * 6 for _ in range(U)]
     del R64, E64, D
     rq = R if R.dtype == dtype else R.to(dtype)
     eq = E if E.dtype == dtype else E.to(dtype)
-    idt = M._INT_VIEW[dtype][0]
-    differ_mask = rq.view(idt) != eq.view(idt)
+    idt, mag = M._INT_VIEW[dtype]
+    bR, bE = rq.view(idt), eq.view(idt)
     if any(math.isnan(x[2]) for x in sums):  # a NaN difference: NaN on a side (or inf - inf); the exact masks
         nan = torch.isnan(rq) | torch.isnan(eq)
-        differ = (differ_mask | nan).sum((1, 2)).tolist()
+        differ = torch.count_nonzero((bR != bE) | nan, dim=(1, 2)).tolist()
         anynan = nan.flatten(1).any(1).tolist()
     else:
-        differ = differ_mask.sum((1, 2)).tolist()
+        differ = torch.count_nonzero(bR != bE, dim=(1, 2)).tolist()
         anynan = [False] * U
-    del differ_mask
     if any(differ[u] and not anynan[u] for u in range(U)):
-        wide = torch.int32 if rq.element_size() == 2 else torch.int64
-        ulps = (_ordered(rq, dtype).to(wide) - _ordered(eq, dtype).to(wide)).abs_().reshape(U, -1)
-        r_abs = rq.abs().reshape(U, -1)
-        # max ulps over elements with |ref| >= 1e-3 of the largest finite |ref| of this sample and unit
-        if fin_max is None:
-            fin_max = r_abs.nan_to_num(nan=0.0, posinf=0.0).amax(1, keepdim=True).to(f64)
-        kept = ulps.masked_fill(r_abs < 1e-3 * fin_max, 0)
-        ulps_all, ulps_floor = ulps.amax(1).tolist(), kept.amax(1).tolist()
+        ulps_all, ulps_floor = _max_ulps(rq, bR, bE, mag, dtype, fin_max)
     else:
         ulps_all = ulps_floor = [0] * U
     return {"sums": sums, "tv": tv, "ti": ti, "differ": differ, "anynan": anynan, "ulps_all": ulps_all,
             "ulps_floor": ulps_floor}
+
+
+def _max_ulps(rq, bR, bE, mag: int, dtype, fin_max) -> tuple[list, list]:
+    """Per unit, the largest distance in ULPs of `dtype` (`metrics._ordered`: the bits as
+    integers that grow with the value) over every element, and over those with |ref| at or
+    above 1e-3 of `fin_max` (of this tensor's largest finite |ref| when None).
+
+    Where the signs agree the distance is the difference of the bit patterns, in the
+    float's own integer width (it cannot overflow); where they differ (values near zero,
+    few) it is the sum of the magnitudes, taken in int64 for those elements alone."""
+    U = rq.shape[0]
+    r_abs = rq.abs().reshape(U, -1)
+    if fin_max is None:
+        fin_max = r_abs.nan_to_num(nan=0.0, posinf=0.0).amax(1, keepdim=True).to(torch.float64)
+    below = r_abs < _ceil_to(1e-3 * fin_max, rq.dtype)  # |ref| < floor, compared exactly in the float's own dtype
+    opp = ((bR ^ bE) < 0).reshape(U, -1)
+    d = (bR - bE).abs_().reshape(U, -1).masked_fill_(opp, 0)
+    ulps_all, ulps_floor = d.amax(1).tolist(), d.masked_fill_(below, 0).amax(1).tolist()
+    if bool(opp.any()):
+        u, j = opp.nonzero(as_tuple=True)
+        dist = (bR.reshape(U, -1)[u, j] & mag).to(torch.int64) + (bE.reshape(U, -1)[u, j] & mag).to(torch.int64)
+        a = torch.zeros(U, dtype=torch.int64).scatter_reduce_(0, u, dist, "amax")
+        f = torch.zeros(U, dtype=torch.int64).scatter_reduce_(0, u, dist.masked_fill(below[u, j], 0), "amax")
+        ulps_all = [max(x, y) for x, y in zip(ulps_all, a.tolist())]
+        ulps_floor = [max(x, y) for x, y in zip(ulps_floor, f.tolist())]
+    return ulps_all, ulps_floor
+
+
+def _ceil_to(t: torch.Tensor, dtype) -> torch.Tensor:
+    """The smallest value of `dtype` at or above each (non-negative, float64) threshold, so
+    that for x of that dtype, x >= result exactly when x >= t."""
+    c = t.to(dtype)
+    low = c.to(torch.float64) < t
+    if bool(low.any()):  # one step up: the next bit pattern of a non-negative float
+        idt = M._INT_VIEW[dtype][0]
+        c = torch.where(low, (c.view(idt) + 1).view(dtype), c)
+    return c
 
 
 # -- full mode: tensors to safetensors within a RAM budget ---------------------------------------

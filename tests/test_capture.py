@@ -101,14 +101,26 @@ def test_max_capture_mb_too_small_is_one_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_ordered_bits_match_the_metrics_definition(dtype):
-    from numbisect.capture import _ordered
-
-    special = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 1e-40, -1e-40, 3e38, -3e38]).to(dtype)
-    x = torch.cat([special, (torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)])
-    tiny = torch.tensor([torch.finfo(dtype).tiny, -torch.finfo(dtype).tiny, torch.finfo(dtype).max, -torch.finfo(dtype).max], dtype=dtype)
-    x = torch.cat([x, tiny])
-    assert torch.equal(_ordered(x, dtype).to(torch.int64), M._ordered(x, dtype))
+def test_max_ulps_across_zero_at_the_floor_and_at_the_extremes_match_ulp_stats(dtype):
+    """The fold's ULP distance (bit patterns subtracted where the signs agree, magnitudes
+    added where they differ) and its floor (1e-3 of the largest finite |ref|, compared in
+    the float's own dtype) give what `metrics.ulp_stats` gives, element by element."""
+    fi = torch.finfo(dtype)
+    for top in (1000.0, 3.0, 7.0):  # a floor of exactly 1.0, and floors no float of the dtype holds
+        floor = 1e-3 * float(torch.tensor(top, dtype=dtype))
+        at = torch.tensor(floor, dtype=dtype)
+        up = at if float(at) >= floor else torch.nextafter(at.float(), torch.tensor(math.inf)).to(dtype)
+        ref = torch.tensor([top, float(at), -float(at), float(up), 0.0, -0.0, fi.tiny, -fi.tiny, fi.max / 4, 5.0, -5.0, 1e-6],
+                           dtype=dtype)
+        ref = torch.cat([ref, torch.randn(64, generator=torch.Generator().manual_seed(0)).to(dtype)])
+        for eng in (-ref, ref.flip(0), (ref.float() * 1.01).to(dtype), torch.zeros_like(ref), ref.clone().fill_(math.inf)):
+            pairs = [(ref[: i + 1].reshape(1, -1), eng[: i + 1].reshape(1, -1)) for i in range(ref.numel())]
+            for r, e in pairs[:14] + pairs[-1:]:
+                st = UnitStats(dtype)
+                st.update(r, e, 0)
+                want = M.ulp_stats(r, e, dtype)
+                got = st.result()["ulps"]
+                assert (got["max_ulps"], got["max_ulps_all"]) == (want["max_ulps"], want["max_ulps_all"]), (top, r, e)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
