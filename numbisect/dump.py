@@ -19,7 +19,9 @@ Layout (version 1)::
   `[T_i, ...]` (`lm_head`: the T_i - 1 rows of logits that predict tokens 1..T_i-1;
   a layer: the residual stream after it, hidden + residual); optionally `in.{i}`, its
   input (`[T_i, hidden]`; for a norm or a layer the residual stream before it). Any
-  float dtype; the engine's own is best (bitwise comparisons).
+  float dtype; the engine's own is best (bitwise comparisons). Vision units (`vision`,
+  `vision.projector`) run for the samples with images only: their tensors are there
+  for exactly those samples, with image patches / image tokens as rows.
 - `logprobs.*.safetensors` (rank 0): `token.{i}`, float32 `[T_i - 1]`, log p(ids[t] |
   ids[:t]) for t = 1..T_i-1.
 - Tensor parallel: each rank writes its own shard under `rank{R}`. `shard` says how

@@ -301,3 +301,30 @@ def test_ranks_writing_one_dump_at_once_do_not_trip_over_the_shared_manifest(tmp
     assert errors == []
     assert all((tmp_path / "d" / f"rank{r}" / "COMPLETE").is_file() for r in (0, 1))
     assert not list((tmp_path / "d").glob("*.tmp"))
+
+
+def test_a_multimodal_engines_dump_holds_its_vision_units_for_the_samples_with_images(tmp_path):
+    """Vision units run only for samples with images: the dump writes them for those, the
+    reader asks them for exactly those, and the compare measures them there."""
+    trace = load_trace(trace_path("qwen3_vl_moe"))
+    with_images = [i for i, s in enumerate(trace.samples) if s.images is not None]
+    assert 0 < len(with_images) < len(trace.samples)
+    d = str(tmp_path / "dump")
+    write_dump(hf("qwen3_vl_moe", "float32"), trace, d)
+    spec = Spec(ref=f"hf:{model_dir('qwen3_vl_moe')}", engine=f"dump:{d}", trace=trace_path("qwen3_vl_moe"),
+                ref_dtype="float32", engine_dtype="float32")
+    s = Session(spec, Settings(), backends={"ref": hf("qwen3_vl_moe", "float32")})
+    body = s.compare()
+    assert body["baseline"]["value"] == 0.0  # the reference against its own dump
+    vision = {r["name"]: r for r in body["units"] if r["kind"] in ("vision", "projector")}
+    assert vision and all(r["propagated"]["rel_l2"] == 0.0 and r["local"]["rel_l2"] == 0.0 for r in vision.values())
+    # the same tokens without images (what a writer that records no trace digest could be
+    # given) are refused, naming the unit
+    text_only = tmp_path / "text.jsonl"
+    text_only.write_text("".join(json.dumps({"prompt_ids": s.prompt_ids, "completion_ids": s.completion_ids}) + "\n"
+                                 for s in trace.samples))
+    from numbisect.backends.dump import DumpBackend
+
+    eng = DumpBackend(d)
+    with pytest.raises(InputError, match=r"unit vision(\.projector)? has data for sample\(s\) .*which have no images"):
+        eng._check_vision(load_trace(str(text_only)))

@@ -169,6 +169,8 @@ class DumpBackend(Backend):
                     raise InputError(f"{self.path}: rank{r}/{f.name} is not a readable safetensors file ({e})") from None
         n = int(self.manifest["samples"])
         for unit in self.dumped:
+            if self.unit_by_name[unit].kind in VISION_KINDS:  # data for the samples with images: `check_trace`
+                continue
             for r in range(self.world if self.dumped[unit] != "replicated" else 1):
                 have = index.get((r, unit), {})
                 missing = [i for i in range(n) if f"out.{i}" not in have]
@@ -201,6 +203,7 @@ class DumpBackend(Backend):
         want = self.manifest.get("trace_sha256")
         if want and want != trace.sha256:
             raise InputError(f"{self.path}: dump was written for another trace (trace sha256 differs from {trace.path})")
+        self._check_vision(trace)
         cfg = self.config.get_text_config()
         experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", None)
         for unit, shard in self.dumped.items():
@@ -219,6 +222,28 @@ class DumpBackend(Backend):
                         raise InputError(f"{self.path}: {unit} {which}put of sample {i} has shape {shape}"
                                          + (f" after merging {self.world} {shard} shards" if which == "out" and shard != "replicated" else "")
                                          + f"; the manifest's config and tokens give ({rows}, {w})")
+
+    def _check_vision(self, trace) -> None:
+        """A vision unit runs for the samples with images only: its data must be there for
+        each of them, and for no other sample (that would be another trace)."""
+        images = [i for i, s in enumerate(trace.samples) if s.images is not None]
+        for unit, shard in self.dumped.items():
+            if self.unit_by_name[unit].kind not in VISION_KINDS:
+                continue
+            for r in range(self.world if shard != "replicated" else 1):
+                have = self._index.get((r, unit), {})
+                missing = [i for i in images if f"out.{i}" not in have]
+                if missing:
+                    raise InputError(f"{self.path}: unit {unit} has no data for sample(s) {', '.join(map(str, missing[:5]))}, "
+                                     f"which have images (rank {r})")
+                extra = [i for i in range(len(trace.samples)) if i not in images and f"out.{i}" in have]
+                if extra:
+                    raise InputError(f"{self.path}: unit {unit} has data for sample(s) {', '.join(map(str, extra[:5]))}, "
+                                     f"which have no images in {trace.path} (rank {r})")
+            gaps = [i for i in images if f"in.{i}" not in self._index.get((0, unit), {})]
+            if gaps and len(gaps) < len(images):
+                raise InputError(f"{self.path}: unit {unit} has inputs for some samples with images but not for sample(s) "
+                                 f"{', '.join(map(str, gaps[:5]))}: its local error would leave them out")
 
     def _merged_shape(self, unit, name, shard):
         shapes = [self._index.get((r, unit), {}).get(name, (None, None))[1] for r in range(self.world if shard != "replicated" else 1)]
@@ -308,6 +333,8 @@ def write_dump(backend: Backend, trace, root: str, units=None, world_size: int =
         res = backend.forward([s], capture=names, capture_inputs=feed)
         writers[0].logprobs(i, res.token_logprobs[0])
         for n in names:
+            if not res.captures.get(n):  # a vision unit on a sample without images
+                continue
             out = res.captures[n][0]
             inp = res.inputs[n][0] if res.inputs.get(n) else None
             parts = _split(out, shards.get(n, "replicated"), world_size)
