@@ -5,7 +5,8 @@ Modes (`bisect compare --capture ...`):
   for every sample in RAM (the only capture before issue 6);
 - `stats`: sample by sample, the engine's forward with every unit captured is folded
   into per-unit streaming statistics (`numbisect.capture.UnitStats`) against the
-  reference's tensors of that sample, then dropped;
+  reference's tensors of that sample, then dropped; as in `compare`, the fold runs on a
+  worker thread during the next sample's forward;
 - `full`: as stats, and every tensor also goes through `SpillStore` to safetensors in a
   temporary directory within `--max-capture-mb` (default 16).
 
@@ -72,18 +73,24 @@ def perturbed(caps: dict) -> dict:
 
 
 def stats_pass(engine, samples, names, refs=None, store=None) -> int:
-    """Per sample: the reference's tensors (given, or a forward), the engine's, folded into UnitStats."""
-    from numbisect.capture import UnitStats, fold
+    """Per sample: the reference's tensors (given, or a forward), the engine's, folded into
+    UnitStats as `compare` does it (on a worker thread, during the next sample's forward)."""
+    from numbisect.capture import UnitStats, _Behind, fold
 
     stats = {n: UnitStats(engine.dtype) for n in names}
-    for i, s in enumerate(samples):
-        r = refs[i] if refs is not None else perturbed({n: v[0] for n, v in engine.forward([s], capture=names).captures.items()})
-        e = engine.forward([s], capture=names)
-        fold(stats, {n: (r[n], e.captures[n][0]) for n in names}, i)
-        for n in names:
-            if store is not None:
-                store.add("ref", n, i, r[n])
-                store.add("engine", n, i, e.captures[n][0])
+    behind = _Behind()
+    try:
+        for i, s in enumerate(samples):
+            r = refs[i] if refs is not None else perturbed({n: v[0] for n, v in engine.forward([s], capture=names).captures.items()})
+            e = engine.forward([s], capture=names)
+            behind.submit(fold, stats, {n: (r[n], e.captures[n][0]) for n in names}, i)
+            for n in names:
+                if store is not None:
+                    store.add("ref", n, i, r[n])
+                    store.add("engine", n, i, e.captures[n][0])
+        behind.wait()
+    finally:
+        behind.close()
     if store is not None:
         store.flush()
     return sum(st.n for st in stats.values())

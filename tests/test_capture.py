@@ -166,3 +166,26 @@ def test_stacked_units_with_equal_nan_inf_and_zero_tensors_match_the_joined_metr
             assert got["ulps"]["max_ulps"] is None, k
         else:
             assert got["ulps"]["max_ulps"] == max(M.ulp_stats(r, e, dtype)["max_ulps"] for r, e in pairs), k
+
+
+def test_folds_behind_the_forwards_run_in_order_and_their_errors_surface():
+    """`compare` folds a sample on a worker thread while the next one runs: the folds
+    keep their order (the statistics equal folding in line) and an error in one is raised
+    at the next submit, not lost."""
+    from numbisect.capture import _Behind, fold
+
+    g = torch.Generator().manual_seed(2)
+    pairs = [(torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)) for _ in range(6)]
+    inline, behind = UnitStats(torch.float32), UnitStats(torch.float32)
+    b = _Behind()
+    try:
+        for i, (r, e) in enumerate(pairs):
+            fold({0: inline}, {0: (r, e)}, i)
+            b.submit(fold, {0: behind}, {0: (r, e)}, i)
+        b.wait()
+        with pytest.raises(ValueError, match="shape mismatch"):
+            b.submit(fold, {0: behind}, {0: (pairs[0][0], pairs[0][1][:3])}, 6)
+            b.submit(fold, {0: behind}, {0: pairs[1]}, 7)
+    finally:
+        b.close()
+    assert inline.result() == behind.result()
