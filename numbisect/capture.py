@@ -444,19 +444,16 @@ def stream_compare(session, local: bool = True) -> dict:
     loc = {n: UnitStats(edtype) for n in names}
     # Per sample only the token log-probs and the per-position KL are kept, not the
     # tokens x vocab log-probs; the reference's are kept for the trials of a kl-mean search.
-    keep_ref_full = session.settings.metric == "kl-mean"
-    ref_tok, ref_full, eng_tok, kl, top1 = [], [], [], [], []
+    keep_ref_full = session.settings.judges_kl
+    ref_tok, ref_full, eng_tok, kl = [], [], [], C.PositionKL()
     planted = apply_faults(eng, session.faults) if eng is not None and not dump and not remote else None
     session.say(f"reference and engine, sample by sample ({mode} capture)")
     behind = _Behind()
     try:
         if remote:
             eng.prepare(session.faults, [], ref)
-        kl_ok = True  # False once a sample has no engine logits (a dump without lm_head): no KL
-
         def one(i, s) -> None:
             """One sample: every tensor it makes is gone when this returns."""
-            nonlocal kl_ok
             r = ref.forward([s], full_logits=True, capture=names, capture_inputs=feed_names)
             ref_tok.append(r.token_logprobs[0])
             if keep_ref_full:
@@ -473,12 +470,7 @@ def stream_compare(session, local: bool = True) -> dict:
                 eng_tok.append(e.token_logprobs[0])
                 e_full = e.full_logprobs[0]
                 e_out, e_in = {n: v[0] for n, v in e.captures.items() if v}, {}
-            if e_full is None:
-                kl_ok = False
-            elif kl_ok:
-                k, t = C.position_kl(r.full_logprobs[0], e_full)
-                kl.append(k)
-                top1.append(t)
+            kl.add(r.full_logprobs[0], e_full)
             behind.submit(fold, prop, {n: (r.captures[n][0], e_out[n]) for n in names if n in e_out and r.captures.get(n)}, i)
             if store is not None:
                 for n in names:
@@ -519,7 +511,7 @@ def stream_compare(session, local: bool = True) -> dict:
     session._ref_tokens = ref_res
     eng_res = C.rollout_result(session.trace) if eng is None else ForwardResult(token_logprobs=eng_tok)
     tokens = C.token_report(session.samples, ref_res, eng_res, session.settings, session.groups,
-                            kl=(kl, top1) if eng is not None and kl_ok else None)
+                            kl=kl.result() if eng is not None else None)
     rows = []
     for u in units:
         rows.append({"name": u.name, "kind": u.kind, "layer": u.layer, "parent": u.parent,

@@ -41,6 +41,12 @@ class Settings:
     rl: M.RLThresholds = field(default_factory=M.RLThresholds)
     threshold_origin: dict | None = None  # where a `--threshold floor[xN]` came from (numbisect.calibrate)
 
+    @property
+    def judges_kl(self) -> bool:
+        """The verdict needs the full-vocabulary KL: only then does a trial (or what-if)
+        take the engine's full logits, and a compare keep the reference's."""
+        return self.metric == "kl-mean"
+
     def to_dict(self) -> dict:
         d = {"threshold": self.threshold, "metric": self.metric, "group": self.group, "unit_tol": self.unit_tol}
         if self.threshold_origin is not None:
@@ -228,6 +234,28 @@ def position_kl(ref_full: torch.Tensor, eng_full: torch.Tensor) -> tuple[torch.T
         return M.full_kl(eng_full, ref_full), ref_full.argmax(-1) == eng_full.argmax(-1)
     parts = [position_kl(ref_full[a : a + rows], eng_full[a : a + rows]) for a in range(0, ref_full.shape[0], rows)]
     return torch.cat([k for k, _ in parts]), torch.cat([t for _, t in parts])
+
+
+class PositionKL:
+    """Per-position KL and top-1 agreement gathered sample by sample (`position_kl`), so
+    no sample's full log-probs need be kept; none at all once a sample comes without
+    engine logits (a dump without lm_head). `result()` is `token_report`'s `kl`."""
+
+    def __init__(self):
+        self.kl: list = []
+        self.top1: list = []
+        self.complete = True
+
+    def add(self, ref_full: torch.Tensor, eng_full: torch.Tensor | None) -> None:
+        if eng_full is None:
+            self.complete = False
+        elif self.complete:
+            k, t = position_kl(ref_full, eng_full)
+            self.kl.append(k)
+            self.top1.append(t)
+
+    def result(self) -> tuple[list, list] | None:
+        return (self.kl, self.top1) if self.complete else None
 
 
 def _full_kl_top1(refs: list, engs: list) -> tuple[torch.Tensor, torch.Tensor]:

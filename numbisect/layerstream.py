@@ -197,19 +197,14 @@ def stream_compare_layers(session, local: bool = True) -> dict:
 
     session.say("layer-streamed reference")
     tok, full, _ = ref.stream(session.samples, on_layer=on_layer)
-    eng_tok, kl, top1 = [], [], []
+    eng_tok, kl = [], C.PositionKL()
     for i in range(n):  # one sample's dumped logits at a time
         d = eng.sample(i, units=[], inputs=[])
         eng_tok.append(d["token_logprobs"])
-        if d["full_logprobs"] is None:
-            kl = top1 = None
-        elif kl is not None:
-            k, t = C.position_kl(full[i], d["full_logprobs"])
-            kl.append(k)
-            top1.append(t)
+        kl.add(full[i], d["full_logprobs"])
         del d
     tokens = C.token_report(session.samples, ForwardResult(token_logprobs=tok), ForwardResult(token_logprobs=eng_tok),
-                            session.settings, session.groups, kl=None if kl is None else (kl, top1))
+                            session.settings, session.groups, kl=kl.result())
     rows = []
     for u in eng.units:
         p, l_ = prop.get(u.name), loc.get(u.name)

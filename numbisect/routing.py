@@ -312,7 +312,7 @@ def _replay_trial(session, direction: str, replay: dict, eng_prop):
     ref = session.reference()
     if direction == "ref":
         probe = session.routing_probe(session.engine, replay)
-        res = session.engine_forward(probe=probe, full_logits=session.settings.metric == "kl-mean")
+        res = session.engine_forward(probe=probe, full_logits=session.settings.judges_kl)
         tokens = C.token_report(session.samples, ref, res, session.settings, session.groups, detail=False)
     else:
         probe = session.routing_probe(session.ref, replay)

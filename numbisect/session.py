@@ -321,7 +321,7 @@ class Session:
         """The engine forward of a trial, and how many leading layers it replayed. Full
         logits (tokens x vocab per sample, and a float64 KL over them) by default only when
         the search judges the KL; otherwise a trial measures the token log-probs alone."""
-        full = self.settings.metric == "kl-mean" if full_logits is None else full_logits
+        full = self.settings.judges_kl if full_logits is None else full_logits
         if not self.prefix_reuse or self.engine is None or self.prefix.disabled:
             return self.engine_forward(swapped, full_logits=full), 0
         source, upto = self.prefix.plan(self.engine, swapped, self._prefix_key())

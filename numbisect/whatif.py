@@ -182,7 +182,7 @@ def forward(session, whatif: str | None, unit, others: list[str]):
             replant = _install(session, whatif, unit)
             again = apply_faults(engine, replant) if replant else None
         # decode mode too; full logits only when the KL is judged (as in a search trial)
-        return engine.forward(session.samples, full_logits=session.settings.metric == "kl-mean",
+        return engine.forward(session.samples, full_logits=session.settings.judges_kl,
                               mode=getattr(session, "mode", "prefill"))
     finally:
         if again is not None:
