@@ -11,7 +11,7 @@
 
 `UnitStats.result()` equals `compare._unit_error` on the joined samples (same keys:
 the activation error of `metrics.activation_error_multi` and `ulps` of
-`metrics.ulp_stats`) but for one thing: `max_ulps` is taken above each sample's own
+`metrics.ulp_stats`, a NaN measure replaced by its worst value as there) but for one thing: `max_ulps` is taken above each sample's own
 floor (1e-3 of that sample's largest finite |ref|), not the floor of all samples
 together, which is only known at the end; `ulps.floor` says "per_sample". It is the
 largest of `ulp_stats(ref_i, eng_i)["max_ulps"]` over samples i.
@@ -63,8 +63,8 @@ class UnitStats:
         else:
             cos = M.clamp_cosine(self.re / (rn * en))
         sq = M.sqnr(rn, dn)
-        out = {"max_abs": self.max_abs, "mean_abs": self.abs_sum / self.n, "rel_l2": rel, "cosine": cos, "sqnr_db": sq,
-               "token_rel_max": self.tok_rel, "worst_token": self.worst}
+        out = M.worst_if_nan({"max_abs": self.max_abs, "mean_abs": self.abs_sum / self.n, "rel_l2": rel, "cosine": cos,
+                              "sqnr_db": sq, "token_rel_max": self.tok_rel, "worst_token": self.worst})
         ulps = {"bitwise_equal": self.n_differ == 0, "frac_differ": self.n_differ / self.n}
         if self.nan:
             ulps.update(max_ulps=None, max_ulps_all=None)

@@ -227,11 +227,13 @@ def _cat(ts: list, dtype=torch.float32) -> torch.Tensor:
 
 def position_kl(ref_full: torch.Tensor, eng_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One sample's full-vocabulary KL(engine || reference) per position, and whether the
-    two sides' top-1 tokens agree there; rows in chunks of `KL_CHUNK_ELEMENTS` (the KL's
+    two sides' top-1 tokens agree there (never where either row holds a NaN: a NaN
+    distribution is the worst divergence, inf KL, and agrees with nothing); rows in chunks of `KL_CHUNK_ELEMENTS` (the KL's
     float64 temporaries of a long sample at a real vocabulary would be gigabytes)."""
     rows = max(1, KL_CHUNK_ELEMENTS // max(1, ref_full.shape[-1]))
     if ref_full.shape[0] <= rows:
-        return M.full_kl(eng_full, ref_full), ref_full.argmax(-1) == eng_full.argmax(-1)
+        broken = torch.isnan(ref_full).any(-1) | torch.isnan(eng_full).any(-1)
+        return M.full_kl(eng_full, ref_full), (ref_full.argmax(-1) == eng_full.argmax(-1)) & ~broken
     parts = [position_kl(ref_full[a : a + rows], eng_full[a : a + rows]) for a in range(0, ref_full.shape[0], rows)]
     return torch.cat([k for k, _ in parts]), torch.cat([t for _, t in parts])
 

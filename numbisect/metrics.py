@@ -15,6 +15,12 @@ the reference (trainer) policy is p. Per token, log_r = logp_ref - logp_engine.
 All math runs in float64 on CPU. Results are plain Python numbers, lists and
 dicts, except `token_metrics` and `full_kl`, which return tensors. A few values
 can be `math.inf` (documented per function); the report writer maps them.
+
+NaN rule: a NaN anywhere a metric reads is a divergence, never a value that drops out
+or compares as small. It becomes the worst value the metric has: inf for a KL, an
+aggregate, an error norm; a rejected token and sequence in the RL cost; top-1
+disagreement; cosine -1 and SQNR -inf (`worst_if_nan`). Exponentials saturate (to inf)
+instead of overflowing: a log-ratio of 1000 is a rejected token, not an error.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ def token_metrics(logp_ref: Tensor, logp_eng: Tensor) -> dict[str, Tensor]:
     if logp_ref.shape != logp_eng.shape:
         raise ValueError(f"shape mismatch: {tuple(logp_ref.shape)} vs {tuple(logp_eng.shape)}")
     log_r = _f64(logp_ref) - _f64(logp_eng)
-    k3 = (torch.expm1(log_r) - log_r).clamp_min(0.0)
+    k3 = k3_of(log_r)
     return {
         "log_r": log_r,
         "k1": -log_r,
@@ -50,11 +56,25 @@ def token_metrics(logp_ref: Tensor, logp_eng: Tensor) -> dict[str, Tensor]:
     }
 
 
+def k3_of(log_r: Tensor) -> Tensor:
+    """k3 = exp(log_r) - 1 - log_r (>= 0) of float64 log-ratios; inf where log_r is +-inf
+    (exp(inf) - inf would be NaN), NaN where log_r is NaN."""
+    k3 = (torch.expm1(log_r) - log_r).clamp_min(0.0)
+    return torch.where(torch.isinf(log_r), torch.full_like(k3, math.inf), k3)
+
+
+def nan_to_inf(x: Tensor) -> Tensor:
+    """x with every NaN replaced by inf (+-inf and finite values kept)."""
+    return torch.where(torch.isnan(x), torch.full_like(x, math.inf), x)
+
+
 def full_kl(logprobs_eng: Tensor, logprobs_ref: Tensor) -> Tensor:
     """Exact KL(q||p) per position from full-vocabulary log-probs [N, V] (float64).
 
     q is the engine, p the reference: sum_v q_v (log q_v - log p_v). Entries with
-    q_v == 0 contribute 0; q_v > 0 where p_v == 0 gives inf.
+    q_v == 0 contribute 0; q_v > 0 where p_v == 0 gives inf. A position with a NaN
+    log-prob on either side (anywhere in its row) is inf: a broken distribution is
+    the worst divergence, not a term that drops out.
     """
     if logprobs_eng.shape != logprobs_ref.shape:
         raise ValueError(
@@ -64,7 +84,9 @@ def full_kl(logprobs_eng: Tensor, logprobs_ref: Tensor) -> Tensor:
     log_p = _f64(logprobs_ref)
     q = torch.exp(log_q)
     terms = torch.where(q > 0, q * (log_q - log_p), torch.zeros_like(q))
-    return terms.sum(dim=-1).clamp_min(0.0)
+    kl = terms.sum(dim=-1).clamp_min(0.0)
+    broken = torch.isnan(log_q).any(dim=-1) | torch.isnan(log_p).any(dim=-1)
+    return nan_to_inf(torch.where(broken, torch.full_like(kl, math.inf), kl))
 
 
 def _quantile(sorted_values: Tensor, q: float) -> float:
@@ -83,9 +105,10 @@ def aggregate(values: Tensor) -> dict:
     """{"count", "mean", "p50", "p99", "max"} of all elements; stats are None when empty.
 
     Percentiles interpolate linearly between order statistics (as torch.quantile,
-    but with no size limit).
+    but with no size limit). A NaN element counts as inf (the worst value), so the mean
+    and max of values holding one are inf.
     """
-    v = _f64(values).flatten()
+    v = nan_to_inf(_f64(values).flatten())
     n = v.numel()
     if n == 0:
         return {"count": 0, "mean": None, "p50": None, "p99": None, "max": None}
@@ -146,6 +169,10 @@ class RLThresholds:
     seq_k3_max: float = 0.01  # sequence mean k3 above this rejects the sequence
 
 
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf
+
+
 def _frac(num: int, den: int) -> float | None:
     return num / den if den else None
 
@@ -155,22 +182,24 @@ def rl_cost(log_r_per_seq: list[Tensor], th: RLThresholds) -> dict:
 
     `log_r_per_seq` holds, per sequence, log_r over its judged (completion) tokens.
     Sequences with no judged tokens are skipped. A fraction is None when there is
-    nothing to count (no tokens or no sequences).
+    nothing to count (no tokens or no sequences). A NaN log_r is a token every filter
+    rejects (as log_r = inf); the geometric mean is compared in log space, so a
+    log_r of +-1000 (a rollout log-prob of -1000) is rejected, not an overflow.
     """
     tokens = 0
     tok_tis = tok_ice = 0
     seqs = 0
     seq_tis = seq_ice = seq_geo = seq_k3 = seq_any = 0
     for log_r in log_r_per_seq:
-        lr = _f64(log_r).flatten()
+        lr = nan_to_inf(_f64(log_r).flatten())
         if lr.numel() == 0:
             continue
-        r = torch.exp(lr)
+        r = torch.exp(lr)  # saturates to inf / 0
         tis = r > th.tis_cap
         ice = (r < th.icepop_low) | (r > th.icepop_high)
-        geo_mean = math.exp(lr.mean().item())
-        geo = geo_mean < th.geo_low or geo_mean > th.geo_high
-        k3 = (torch.expm1(lr) - lr).clamp_min(0.0).mean().item() > th.seq_k3_max
+        log_geo = lr.mean().item()  # NaN when +inf and -inf meet: rejected too
+        geo = not (_log(th.geo_low) <= log_geo <= _log(th.geo_high))
+        k3 = not (k3_of(lr).mean().item() <= th.seq_k3_max)
         any_tis = bool(tis.any())
         any_ice = bool(ice.any())
 
@@ -223,6 +252,21 @@ def sqnr(r_norm: float, d_norm: float) -> float:
     return -math.inf if ratio == 0 else 20.0 * math.log10(ratio)
 
 
+WORST = {"max_abs": math.inf, "mean_abs": math.inf, "rel_l2": math.inf, "token_rel_max": math.inf,
+         "cosine": -1.0, "sqnr_db": -math.inf}
+
+
+def worst_if_nan(err: dict) -> dict:
+    """An activation error with each NaN value (a NaN on a side, inf - inf) replaced by
+    that measure's worst value (`WORST`): a broken activation counts as diverged, in
+    every measure and every comparison with a tolerance."""
+    for key, worst in WORST.items():
+        v = err.get(key)
+        if isinstance(v, float) and math.isnan(v):
+            err[key] = worst
+    return err
+
+
 def activation_error(ref: Tensor, eng: Tensor) -> dict:
     """How far an engine activation is from the reference one; both [tokens, ...].
 
@@ -232,6 +276,8 @@ def activation_error(ref: Tensor, eng: Tensor) -> dict:
     reference is zero and the engine is not); token_rel_max, the largest per-token
     relative L2 error (absolute for tokens whose reference row is zero), so a few
     bad tokens are not averaged away, and worst_token, that token's row index.
+    A NaN measure (a NaN on either side, or inf - inf) becomes its worst value
+    (`worst_if_nan`): inf errors, cosine -1, SQNR -inf.
     """
     if ref.shape != eng.shape:
         raise ValueError(f"shape mismatch: ref {tuple(ref.shape)} vs eng {tuple(eng.shape)}")
@@ -263,7 +309,7 @@ def activation_error(ref: Tensor, eng: Tensor) -> dict:
     row_rel = torch.where(row_r > 0, row_d / torch.where(row_r > 0, row_r, 1.0), row_d)
     worst = int(torch.argmax(torch.nan_to_num(row_rel, nan=math.inf)))
 
-    return {
+    return worst_if_nan({
         "max_abs": abs_d.max().item(),
         "mean_abs": abs_d.mean().item(),
         "rel_l2": rel_l2,
@@ -271,7 +317,7 @@ def activation_error(ref: Tensor, eng: Tensor) -> dict:
         "sqnr_db": sqnr_db,
         "token_rel_max": row_rel[worst].item(),
         "worst_token": worst,
-    }
+    })
 
 
 def activation_error_multi(refs: list[Tensor], engs: list[Tensor]) -> dict:

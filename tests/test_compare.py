@@ -179,3 +179,109 @@ def test_without_full_logits_a_broken_engine_value_still_counts_but_a_rollout_ga
     assert C.token_report(s, ref, eng, C.Settings(), ["completion"])["value"] == math.inf
     with pytest.raises(InputError, match="no tokens in group 'completion'"):
         C.token_report([], ForwardResult([], []), ForwardResult([], []), C.Settings(), ["completion"])
+
+
+def _nan_engine(samples_spec=((3, 4), (2, 5))):
+    """Samples with a named group, both sides' full log-probs, the engine's first sample NaN
+    at one prompt and one completion position (its token log-prob too: one forward)."""
+    g = torch.Generator().manual_seed(3)
+    samples, ref, eng = [], ForwardResult([], []), ForwardResult([], [])
+    for i, (p, c) in enumerate(samples_spec):
+        ids = torch.randint(0, 11, (p + c,), generator=g).tolist()
+        image = [1 if t in (1, 4) else 0 for t in range(p + c)]  # the NaN positions' tokens
+        samples.append(Sample(ids[:p], ids[p:], line=i + 1, groups={"image": image}))
+        a = torch.log_softmax(torch.randn(p + c - 1, 11, generator=g), -1)
+        ref.full_logprobs.append(a)
+        eng.full_logprobs.append(a.clone())
+        idx = torch.tensor(ids[1:])[:, None]
+        ref.token_logprobs.append(a.gather(1, idx)[:, 0])
+        eng.token_logprobs.append(a.gather(1, idx)[:, 0])
+    for pos in (0, 3):  # prompt position 0 (token 1), completion position 3 (token 4)
+        eng.full_logprobs[0][pos] = math.nan
+    return samples, ref, eng
+
+
+@pytest.mark.parametrize("group", ["completion", "prompt", "all", "image"])
+@pytest.mark.parametrize("detail", [True, False])
+@pytest.mark.parametrize("metric", C.METRICS)
+def test_a_nan_distribution_is_inf_kl_and_top1_disagreement_in_every_group(group, detail, metric):
+    """NaN engine logits whose token log-prob is finite (the NaN elsewhere in the row) used
+    to drop out of the KL sum: kl-mean 0, ALIGNED. Every group, trials (detail=False) too."""
+    samples, ref, eng = _nan_engine()
+    settings = C.Settings(metric=metric, group=group)
+    rep = C.token_report(samples, ref, eng, settings, ["completion", "prompt", "all", "image"], detail=detail)
+    for name, g in rep["groups"].items():
+        assert g["kl"]["mean"] == math.inf and g["kl"]["max"] == math.inf, name
+        assert g["top1_agree"] < 1.0, name
+    if metric == "kl-mean":
+        assert rep["value"] == math.inf
+    # the same through the per-sample gathering of a streamed compare
+    pk = C.PositionKL()
+    for r, e in zip(ref.full_logprobs, eng.full_logprobs):
+        pk.add(r, e)
+    streamed = C.token_report(samples, ref, ForwardResult(eng.token_logprobs), settings, [group], detail=detail, kl=pk.result())
+    assert streamed["groups"][group]["kl"] == rep["groups"][group]["kl"]
+    assert streamed["groups"][group]["top1_agree"] == rep["groups"][group]["top1_agree"]
+
+
+def test_position_kl_nan_rows_never_agree_on_top1():
+    r = torch.log_softmax(torch.tensor([[3.0, 0.0, 0.0], [3.0, 0.0, 0.0]]), -1)
+    e = r.clone()
+    e[1, 1] = math.nan  # argmax would pick the NaN (index 1), or agree by chance
+    e2 = r.clone()
+    e2[0] = math.nan
+    r2 = r.clone()
+    r2[0] = math.nan  # both sides NaN in the same place: argmax agrees, but it is no agreement
+    assert C.position_kl(r, e)[1].tolist() == [True, False]
+    assert C.position_kl(r2, e2)[1].tolist() == [False, True]
+    assert C.position_kl(r2, e2)[0].tolist() == [math.inf, 0.0]
+
+
+def _nan_weight_copy(tmp_path):
+    """fixtures/models/qwen3_moe with one layer-3 expert's down projection all NaN."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "nan_model"
+    shutil.copytree(model_dir("qwen3_moe"), d)
+    w = load_file(str(d / "model.safetensors"))
+    key = "model.layers.3.mlp.experts.5.down_proj.weight"
+    w[key] = torch.full_like(w[key], math.nan)
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def test_compare_with_a_nan_engine_is_diverged_at_inf_kl(tmp_path, capsys):
+    """The streamed compare against an engine whose weights hold NaN: kl-mean inf, exit 1
+    (it printed `OK ALIGNED kl-mean 0`)."""
+    d = _nan_weight_copy(tmp_path)
+    out = tmp_path / "r.json"
+    code, stdout, _ = run_cli(["compare", "--ref", f"hf:{model_dir('qwen3_moe')}", "--engine", f"hf:{d}", "--trace",
+                               trace_path("qwen3_moe"), "--metric", "kl-mean", "--out", str(out), "-q"], capsys)
+    assert code == 1, stdout
+    assert "DIVERGED" in stdout and "kl-mean inf" in stdout
+    r = json.loads(out.read_text())
+    for name, g in r["baseline"]["groups"].items():
+        if g["tokens"]:
+            assert g["kl"]["max"] == "inf", name
+    rows = {u["name"]: u for u in r["units"]}
+    assert rows["layers.3.moe.experts"]["local"]["rel_l2"] == "inf"
+    assert r["first_divergence"]["above_tol"] is not None
+
+
+def test_rollout_logprobs_of_minus_1000_are_rejected_not_an_overflow(tmp_path, capsys):
+    """`--engine rollout` with log-probs of -1000: math.exp raised OverflowError (exit 3)."""
+    lines = []
+    for ln in open(trace_path("qwen3_moe")).read().splitlines()[:3]:
+        o = json.loads(ln)
+        o["rollout_logprobs"] = [-1000.0] * len(o["completion_ids"])
+        lines.append(json.dumps(o))
+    t = tmp_path / "t.jsonl"
+    t.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "r.json"
+    code, stdout, err = run_cli(["compare", "--ref", f"hf:{model_dir('qwen3_moe')}", "--engine", "rollout", "--trace", str(t),
+                                 "--out", str(out), "-q"], capsys)
+    assert code == 1, err
+    rl = json.loads(out.read_text())["baseline"]["rl_cost"]
+    assert rl["seq_frac_rejected"] == 1.0 and rl["seq_frac_geo"] == 1.0 and rl["token_frac_tis"] == 1.0

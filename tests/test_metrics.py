@@ -339,3 +339,56 @@ def test_routing_agreement_one_flipped_row():
 def test_routing_agreement_shape_mismatch():
     with pytest.raises(ValueError):
         routing_agreement(torch.zeros(3, 2), torch.zeros(3, 4))
+
+
+# --- NaN and overflow: never a value that drops out or compares as small ----------------------
+
+
+def test_full_kl_row_with_a_nan_on_either_side_is_inf():
+    """A NaN engine log-prob used to drop out of the sum (q > 0 is False for NaN): KL 0."""
+    p = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.5, 0.25, 0.25], [0.5, 0.25, 0.25]]))
+    q = p.clone()
+    q[0, 1] = math.nan  # engine row 0
+    p2 = p.clone()
+    p2[1, 2] = math.nan  # reference row 1
+    assert full_kl(q, p).tolist() == [math.inf, 0.0, 0.0]
+    assert full_kl(p, p2).tolist() == [0.0, math.inf, 0.0]
+    assert full_kl(torch.full((1, 3), math.nan), p[:1]).tolist() == [math.inf]
+
+
+def test_aggregate_counts_a_nan_as_inf():
+    a = aggregate(torch.tensor([0.0, 0.0, math.nan, 0.0]))
+    assert a["count"] == 4 and a["mean"] == math.inf and a["max"] == math.inf and a["p99"] == math.inf
+    assert a["p50"] == 0.0
+
+
+def test_k3_of_an_infinite_log_ratio_is_inf_not_nan():
+    t = token_metrics(torch.tensor([0.0, -math.inf, -1.0]), torch.tensor([-math.inf, 0.0, -1.0]))
+    assert t["k3"].tolist() == [math.inf, math.inf, 0.0]
+
+
+def test_rl_cost_rejects_nan_and_saturates_huge_log_ratios():
+    """A rollout log-prob of -1000 (allowed by the trace format) made log_r ~ 1000 and
+    math.exp of the sequence mean raised OverflowError; it is a rejected sequence."""
+    for lr in ([1000.0, 999.0], [-1000.0], [0.0, math.nan, 0.0], [math.inf], [math.inf, -math.inf]):
+        out = rl_cost([torch.tensor(lr, dtype=torch.float64)], RLThresholds())
+        assert out["seq_frac_rejected"] == 1.0, lr
+        assert out["seq_frac_geo"] == 1.0 and out["seq_frac_k3"] == 1.0, (lr, out)
+        assert out["token_frac_icepop"] > 0, lr
+    clean = rl_cost([torch.tensor([0.0, 0.0])], RLThresholds())
+    assert clean["seq_frac_rejected"] == 0.0
+
+
+def test_activation_error_with_a_nan_is_the_worst_in_every_measure():
+    ref = torch.ones(4, 8)
+    eng = ref.clone()
+    eng[2, 3] = math.nan
+    for a, b in ((ref, eng), (eng, ref)):
+        out = activation_error(a, b)
+        assert out["max_abs"] == out["mean_abs"] == out["rel_l2"] == out["token_rel_max"] == math.inf, out
+        assert out["cosine"] == -1.0 and out["sqnr_db"] == -math.inf
+        assert out["worst_token"] == 2
+    inf_eng = ref.clone()
+    inf_eng[1, 0] = math.inf  # inf/inf cosine: worst, not NaN
+    out = activation_error(ref, inf_eng)
+    assert out["rel_l2"] == math.inf and out["cosine"] == -1.0
