@@ -117,10 +117,15 @@ def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: d
         raise InputError(f"--ref must be hf:DIR (got {ref!r})")
     kinds = parse_variants(variants)
     trace = _load(trace_path, trace_format, trace_fields)
-    check_vocab(trace, load_config(path).get_text_config().vocab_size)
+    cfg = load_config(path)
+    check_vocab(trace, cfg.get_text_config().vocab_size)
+    C.check_positions(trace, cfg, "the reference")
     ref_opts = dict(ref_opts or {})
     if "batch_size" in ref_opts:
         raise InputError("calibrate runs the reference with batch_size 1; vary it with --batch-size")
+    C.check_opts("hf", ref_opts, "--ref-opt")
+    if "layer_stream" in ref_opts:
+        raise InputError("calibrate runs the reference whole: --ref-opt layer_stream is not available here")
     progress(f"loading reference hf:{path} ({dtype})")
     base_b = C.open_backend("hf", path, dtype, ref_opts)
     todo = plan(base_b, kinds, dtype_variant, batch_size)
@@ -205,15 +210,9 @@ def parse_threshold(text: str) -> tuple[float | None, float | None]:
 
 def load_floor(path: str, spec, group: str) -> dict:
     """A floor file made on this reference checkpoint, dtype and trace; InputError otherwise."""
-    import json
+    from numbisect.safeio import loads_json, read_text
 
-    try:
-        with open(path) as fh:
-            doc = json.load(fh)
-    except OSError as e:
-        raise InputError(f"cannot read floor file {path}: {e.strerror or e}") from None
-    except ValueError:
-        raise InputError(f"{path}: not a numbisect floor file (not JSON)") from None
+    doc = loads_json(read_text(path, "floor file", limit=64 * 2**20), f"{path} (floor file)")
     if not isinstance(doc, dict) or doc.get("numbisect_floor") != FLOOR_VERSION or not isinstance(doc.get("floor"), dict):
         raise InputError(f"{path}: not a numbisect floor file (made by `bisect calibrate --out`)")
     _, ref_path = C.parse_spec(spec.ref, "--ref")

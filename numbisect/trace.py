@@ -254,7 +254,11 @@ def load_trace(path: str | os.PathLike) -> Trace:
 
     Samples that lack a group another sample defines get it with all flags 0.
     """
+    from numbisect.safeio import check_input
+
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        check_input(path, "trace")  # a FIFO would hang and a device never end
     try:
         with open(path, "rb") as f:
             data = f.read()

@@ -33,13 +33,20 @@ def trace_path(name: str) -> str:
 def one_thread():
     """One torch thread here and in child processes (see `child_env`): with several
     processes on a few cores, OpenMP threads that spin-wait made a tiny forward ~50x
-    slower (measured 1.4 s vs 0.02 s per trial under load)."""
+    slower (measured 1.4 s vs 0.02 s per trial under load).
+
+    `numbisect.conditions.set_threads`, not `torch.set_num_threads`: once a vLLM engine
+    has started in this process the latter is a no-op (vLLM's CPU worker replaces it), and
+    fp32 values depend on the thread count."""
     import torch
 
+    from numbisect.conditions import set_threads
+
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    set_threads(1)
+    assert torch.get_num_threads() == 1
     yield
-    torch.set_num_threads(before)
+    set_threads(before)
 
 
 def child_env() -> dict:

@@ -116,3 +116,33 @@ def test_resume_completes_like_an_uninterrupted_run(interrupted, capsys):
     assert sets == [tuple(t["swapped"]) for t in ref]
     assert [t["value"] for t in after] == [t["value"] for t in ref]
     assert len(resumed["trials"]) == len(fresh["trials"]) >= 20
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_are_an_interruption_too(sig, tmp_path):
+    """A scheduler's SIGTERM or a closed terminal's SIGHUP: exit 130 with one line naming
+    the signal, no report, and a log complete up to the last finished trial (before:
+    exit 143 / 129 with nothing said)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(TRACE.read_text().splitlines()[:4]) + "\n")
+    log, out = tmp_path / "L.jsonl", tmp_path / "R.json"
+    p = subprocess.Popen([sys.executable, "-m", "numbisect", *run_args(trace, out, "--log", str(log))],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
+    try:
+        deadline = time.monotonic() + 240
+        while len(log_lines(log)) < 2 and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert p.poll() is None, f"the run ended before it could be interrupted: {p.communicate()[1][-2000:]}"
+        p.send_signal(sig)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == f"bisect: interrupted ({sig.name})"
+    assert "Traceback" not in stderr and stdout == ""
+    assert not out.exists() and not [q for q in tmp_path.iterdir() if q.name.startswith(".R.json")]
+    assert log.read_text().endswith("\n")
+    trials = trials_of(log)
+    assert [t["index"] for t in trials] == list(range(len(trials))) and trials
