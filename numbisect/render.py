@@ -163,10 +163,22 @@ def render(r: dict) -> str:
     dl = decode_lines(r)
     if dl:
         parts += [""] + dl
-    sl = search_lines(r)
+    sl = search_lines(r) + post_search_lines(r)
     if sl:
         parts += [""] + sl
     return "\n".join(parts) + "\n"
+
+
+def post_search_lines(r: dict) -> list[str]:
+    """One line per step after the search that failed (`post_search_errors`): what-ifs,
+    summaries. The search's result above them stands."""
+    errs = r.get("post_search_errors")
+    out = []
+    for e in errs if isinstance(errs, list) else []:
+        if isinstance(e, dict):
+            unit = f" for {e.get('unit')}" if e.get("unit") else ""
+            out.append(f"!! {e.get('step')}{unit} failed after the search: {e.get('error')} (the search's result stands)")
+    return out
 
 
 def whatif_lines(r: dict) -> list[str]:

@@ -488,6 +488,12 @@ def markdown(r: dict) -> str:
     sl = _search_lines(r)
     if sl:
         parts += [""] + sl
+    errs = r.get("post_search_errors")
+    errs = [e for e in errs if isinstance(e, dict)] if isinstance(errs, list) else []
+    if errs:  # steps after the search that failed; its result above stands
+        parts += ["", "**Failed after the search** (the search's result stands):", ""]
+        parts += [f"- {_md(e.get('step'))}{' for ' + _code(e.get('unit')) if e.get('unit') else ''}: {_code(e.get('error'))}"
+                  for e in errs]
     lt = _layer_table(r)
     if lt:
         parts += ["", "Per layer, relative L2 error of the engine against the reference "

@@ -90,6 +90,7 @@ class _VllmHF(nn.Module):
         self.rdt = donor.dtype
         self.edt = engine_dtype
         self._donor_model = [donor.model]  # in a list: not a submodule of the engine
+        self._donor_arch = donor.arch  # where the donor's family keeps its rotary embedding
 
     def hf_context(self, x: torch.Tensor, positions: torch.Tensor):
         """What the transformers model hands a layer for one unpadded sequence."""
@@ -105,7 +106,7 @@ class _VllmHF(nn.Module):
             past_key_values=None,
             position_ids=pos,
         )
-        return {"attention_mask": mask, "position_ids": pos, "position_embeddings": model.model.rotary_emb(x3, pos)}
+        return {"attention_mask": mask, "position_ids": pos, "position_embeddings": self._donor_arch.rotary(model)(x3, pos)}
 
 
 class VllmEmbed(_VllmHF):
@@ -210,8 +211,7 @@ def apply_swaps(engine: Backend, donor, names: list[str] | tuple[str, ...]) -> N
 
 def _swap_hf(engine, donor, unit, ref: nn.Module) -> None:
     out_dtype = None if unit.kind == "lm_head" else engine.dtype
-    path = donor.arch.hf_rotary
-    rotary = donor.model.get_submodule(path) if path and unit.kind in ("attn", "layer") else None
+    rotary = donor.arch.layer_rotary(donor.model) if unit.kind in ("attn", "layer") else None
     engine.replace(unit.name, CastAdapter(ref, donor.dtype, out_dtype, rotary))
 
 
@@ -232,7 +232,7 @@ _PATCHED = "_numbisect_patched"
 
 
 def _runner(engine, unit):
-    return engine.module(unit.parent).experts  # the MoE block's FusedMoE runner
+    return engine.module(unit.parent + ".experts")  # the MoE block's FusedMoE runner (arch map)
 
 
 _MISSING = object()

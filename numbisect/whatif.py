@@ -101,7 +101,7 @@ def _take_hooks(wrapper: nn.Module, inner: nn.Module) -> None:
 
 
 def _vllm_slot_sum(engine, block: str) -> None:
-    routed = engine.module(block).experts.routed_experts
+    routed = engine.module(block + ".experts").routed_experts  # the block's FusedMoE runner (arch map)
     kernel = type(routed).forward_modular.__get__(routed)  # the engine's kernel, under any planted wrapper
 
     def forward_modular(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
@@ -125,6 +125,7 @@ class _Fp32Donor:
     def __init__(self, ref):
         self.ref = ref
         self.model = ref.model  # causal mask and rotary embedding for the adapters
+        self.arch = ref.arch  # where the family keeps them
 
     def original(self, name: str) -> nn.Module:
         return copy.deepcopy(self.ref.original(name)).float()
@@ -146,9 +147,9 @@ def _install(session, whatif: str, unit) -> list:
         return [f for f in session.faults if f.kind == "output_noise" and f.unit == block + ".experts"]
     if engine.kind == "hf":
         mod = engine.module(unit.name)
-        rotary = None
-        if unit.kind in ("attn", "layer"):
-            rotary = copy.deepcopy(engine.model.model.rotary_emb).float()
+        rotary = engine.arch.layer_rotary(engine.root) if unit.kind in ("attn", "layer") else None
+        if rotary is not None:  # cos/sin recomputed in fp32 (M-RoPE: the engine's, cast)
+            rotary = copy.deepcopy(rotary).float()
         out_dtype = None if unit.kind == "lm_head" else engine.dtype
         engine.replace(unit.name, CastAdapter(copy.deepcopy(mod).float(), torch.float32, out_dtype, rotary))
         return []
@@ -211,13 +212,18 @@ def describe(t: dict) -> str:
     return f"{t['fix']}: {t['metric']} {fmt(t['before'])} -> {fmt(t['value'])} ({what}{lost})"
 
 
-def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=lambda m: None) -> None:
-    """Add `precision` (what-ifs and the suggested fix) to each culprit dict, in place."""
+def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=lambda m: None,
+                names: list[str] | None = None) -> None:
+    """Add `precision` (what-ifs and the suggested fix) to each culprit dict, in place.
+
+    `names`: every culprit of the search (default: those given), each swapped while another's
+    what-if runs; `baseline` is used as "before" only when there is no other. A failure raises
+    (`run.run` records it per culprit and keeps the search's result)."""
     if session.engine is None or not culprits:
         return
     ref = session.reference_tokens()
     st = session.settings
-    names = [c["unit"] for c in culprits]
+    names = [c["unit"] for c in culprits] if names is None else list(names)
     for c in culprits:
         unit = session.engine.unit(c["unit"])
         others = [n for n in names if n != unit.name]

@@ -26,9 +26,16 @@ class ArchMap:
     hf_readers: dict[str, str] = field(default_factory=dict)  # unit pattern -> reader override
     vllm_readers: dict[str, str] = field(default_factory=dict)
     hf_auto: str = "AutoModelForCausalLM"  # the transformers auto class that loads it
-    hf_rotary: str | None = "model.rotary_emb"  # rotary module a swapped attn/layer recomputes cos/sin with
+    hf_rotary: str = "model.rotary_emb"  # the text model's rotary embedding (cos/sin from positions)
+    mrope: bool = False  # cos/sin from 3-D positions (M-RoPE): a layer's 1-D position ids cannot give them
     vision: bool = False  # has `vision` and `vision.projector` units (image inputs)
     router_spec: Callable[[Any], Any] | None = None  # text config -> routing.RouterSpec (None: dense)
+    # Checkpoint names where they differ from the transformers modules' (the layer stream reads
+    # the safetensors files itself): name fragments renamed, and one expert's weights' names
+    # -> their role in transformers' fused `experts.gate_up_proj` / `down_proj`.
+    ckpt_renames: dict[str, str] = field(default_factory=dict)
+    ckpt_expert_weights: dict[str, str] = field(
+        default_factory=lambda: {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})
 
     def units(self, config) -> list[Unit]:
         text = config.get_text_config()
@@ -39,6 +46,20 @@ class ArchMap:
         table = self.hf if backend == "hf" else self.vllm
         pattern = table.get(unit.pattern)
         return None if pattern is None else pattern.format(i=unit.layer)
+
+    def hf_path(self, pattern: str, layer: int | None = None) -> str:
+        """The transformers module path of a unit pattern (`layers.{i}.attn`, `final_norm`)."""
+        return self.hf[pattern].format(i=layer)
+
+    def rotary(self, model):
+        """The rotary embedding module of a transformers `model` of this family."""
+        return model.get_submodule(self.hf_rotary)
+
+    def layer_rotary(self, model):
+        """The rotary embedding a swapped or upcast attention/layer recomputes its cos/sin with,
+        in its own dtype, from the position ids its layer gets; None under M-RoPE, where those
+        1-D ids cannot give them (the adapter then keeps the engine's cos/sin, cast)."""
+        return None if self.mrope else self.rotary(model)
 
 
 def _registry() -> dict[str, ArchMap]:

@@ -23,4 +23,7 @@ ARCH = ArchMap(
     moe_sub_units=("router", "experts"),
     # Softmax over the experts, top-k, always renormalised.
     router_spec=lambda c: RouterSpec(c.num_experts_per_tok, c.num_local_experts, "softmax", True),
+    # Checkpoints keep the original names: `block_sparse_moe`, experts' w1 (gate), w3 (up), w2 (down).
+    ckpt_renames={"block_sparse_moe.": "mlp."},
+    ckpt_expert_weights={"w1": "gate", "w3": "up", "w2": "down"},
 )

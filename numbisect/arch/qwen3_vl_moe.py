@@ -40,7 +40,8 @@ ARCH = ArchMap(
     ffn_kind=_ffn_kind,
     moe_sub_units=("router", "experts"),
     hf_auto="AutoModelForImageTextToText",
-    hf_rotary=None,
+    hf_rotary=f"{_LM}.rotary_emb",
+    mrope=True,
     vision=True,
     # Softmax over the experts, top-k, always renormalised (its router ignores norm_topk_prob).
     router_spec=lambda c: RouterSpec(c.num_experts_per_tok, c.num_experts, "softmax", True),
