@@ -154,8 +154,12 @@ def _spec_settings(kw, progress=lambda m: None):
         set_threads(spec.threads)  # before a --threshold floor calibration runs the reference
     if spec.capture == "full" and not spec.capture_dir:
         raise InputError("--capture full needs --capture-dir DIR")
-    if spec.max_capture_mb is not None and spec.max_capture_mb <= 0:
-        raise InputError(f"--max-capture-mb must be positive (got {spec.max_capture_mb:g})")
+    if spec.capture_dir:
+        from numbisect.safeio import check_output_dir
+
+        check_output_dir(spec.capture_dir, "--capture-dir")
+    if spec.max_capture_mb is not None and not (spec.max_capture_mb > 0 and math.isfinite(spec.max_capture_mb)):
+        raise InputError(f"--max-capture-mb must be a positive number of MB (got {spec.max_capture_mb:g})")
     settings = Settings(metric=kw["metric"], group=kw["group"])
     if isinstance(kw["threshold"], float):  # the tui's own option
         settings.threshold = kw["threshold"]
@@ -184,10 +188,12 @@ def _emit(report: dict, kw) -> None:
 
 def _check_out(kw) -> None:
     """Before any model loads: every output can be written and is none of the inputs."""
-    from numbisect.safeio import check_output, same_file
+    from numbisect.safeio import check_output, check_trial_log, same_file
 
     inputs = {"--trace": kw.get("trace"), "--floor": kw.get("floor_file"), "--resume": kw.get("resume")}
     log = kw.get("log_path")
+    if kw.get("resume"):
+        check_trial_log(kw["resume"])
     if kw.get("out"):
         check_output(kw["out"], "--out", {**inputs, "--log": log})
     if log:
@@ -428,9 +434,19 @@ def tui(report_file, **kw):
         argv = command_line((click.get_current_context().obj or {}).get("argv"))
         config = LiveConfig(spec, settings, strategy=kw["strategy"], max_trials=kw["max_trials"], argv=run_argv(argv))
         check_live(config)
-    from numbisect.tui.app import BisectApp  # textual is imported only here
+    from numbisect.tui.app import BisectApp, preflight  # textual is imported only here
 
-    BisectApp(report=report, report_path=report_file, live=config).run()
+    if report is not None:
+        preflight(report, report_file)  # a report the TUI cannot draw: one line, exit 2
+    app = BisectApp(report=report, report_path=report_file, live=config)
+    app.run()
+    if app.failure is not None:  # an error inside the app, shown as one line, not a traceback
+        from numbisect.textsafe import clip, printable
+
+        what = f"{type(app.failure).__name__}: {printable(clip(app.failure, 200))}"
+        if report is not None:
+            raise InputError(f"{printable(clip(report_file, 300))}: the TUI cannot show this report ({what})")
+        raise RuntimeError(f"the TUI failed ({what})")
     return ExitCode.ALIGNED
 
 

@@ -17,6 +17,7 @@ No torch here: `bisect report ...` imports this.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -152,7 +153,14 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     if st is not None and not stat.S_ISREG(st.st_mode):
         if stat.S_ISDIR(st.st_mode):
             raise InputError(f"cannot write {path}: it is a directory")
-        with open(p, "w", encoding="utf-8") as fh:
+        try:  # non-blocking open: a FIFO nobody reads fails here instead of hanging
+            fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                raise InputError(f"cannot write {path}: it is a FIFO that no process is reading") from None
+            raise
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         return
     real = Path(os.path.realpath(p)) if p.is_symlink() else p
@@ -175,3 +183,35 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+def check_output_dir(path: str | os.PathLike, what: str) -> None:
+    """A directory to write into: an existing directory, or one that can be made."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise InputError(f"cannot write {what} {path}: it exists and is not a directory")
+    d = p if p.exists() else next((q for q in p.absolute().parents if q.exists()), None)
+    if d is None or not d.is_dir():
+        raise InputError(f"cannot write {what} {path}: no existing directory above it")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".numbisect-probe.", dir=d)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise InputError(f"cannot write {what} {path}: {d} is not writable ({e.strerror or e})") from None
+
+
+def check_trial_log(path: str | os.PathLike, what: str = "resume log") -> None:
+    """Before any model loads: `path` is a regular file whose first line is a trial log header."""
+    p = check_input(path, what)
+    try:
+        with open(p, "rb") as fh:
+            first = fh.readline(JSON_LIMIT)
+    except OSError as e:
+        raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    try:
+        header = json.loads(first)
+    except (ValueError, RecursionError):
+        header = None
+    if not isinstance(header, dict) or "numbisect_trial_log" not in header:
+        raise InputError(f"{what} {path} is not a numbisect trial log")

@@ -358,3 +358,26 @@ def test_threads_stay_pinned_after_a_vllm_engine_started():
             assert torch.get_num_threads() == n
     finally:
         set_threads(before)
+
+
+def test_out_to_a_fifo_is_written_when_read_and_refused_when_not(trace, tmp_path):
+    """`--out >(jq .)` is a pipe some process reads; a FIFO nobody reads must not hang the run."""
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = {}
+
+    def reader():
+        with open(fifo) as fh:
+            got["text"] = fh.read()
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    rc, _, err = cli(compare_args(trace, "--out", str(fifo)))
+    t.join(timeout=60)
+    assert rc in (0, 1), err
+    assert json.loads(got["text"])["kind"] == "compare"
+    rc, _, err = cli(compare_args(trace, "--out", str(fifo)))  # nobody reads it now
+    assert "no process is reading" in one_error_line(rc, err)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)

@@ -1,0 +1,106 @@
+"""Every path option against every hostile kind of path: one line, exit 2, nothing touched.
+
+Options: --trace, --floor, --resume (read); --out, --log, --capture-dir (written).
+Kinds: a FIFO (reading it would hang), /dev/zero (never ends), a directory, a missing
+file, a read-only place (/sys refuses even root), a file where a directory is needed, and
+another option's input. Each case must be refused before any model loads, with exactly
+one "bisect: error:" line, and leave every file of the case as it was (bytes and mtime).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import model_dir, trace_path
+from numbisect.cli import main
+
+MODEL = model_dir("qwen3_moe")
+
+
+@pytest.fixture(autouse=True)
+def no_model_loads(monkeypatch):
+    from numbisect.backends import hf
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the path was checked")
+
+    monkeypatch.setattr(hf.HFBackend, "__init__", refuse)
+
+
+def kinds(d: Path, trace: Path) -> dict[str, str]:
+    fifo = d / "fifo"
+    os.mkfifo(fifo)
+    (d / "subdir").mkdir()
+    return {
+        "fifo": str(fifo),
+        "dev_zero": "/dev/zero",
+        "directory": str(d / "subdir"),
+        "missing": str(d / "nope" / "x.json"),
+        "read_only": "/sys/numbisect-x",
+        "the_trace": str(trace),
+    }
+
+
+READ = ("--trace", "--floor", "--resume")
+WRITE = ("--out", "--log", "--capture-dir")
+# kinds that are fine for an option: a directory to write into, one that can be made,
+# a device that takes writes (as /dev/null does), a FIFO some process may read (`--out >(jq .)`)
+ALLOWED = {("--capture-dir", "directory"), ("--capture-dir", "missing"), ("--out", "dev_zero"), ("--out", "fifo")}
+
+
+def args_for(opt: str, path: str, trace: str) -> list[str]:
+    base = ["--ref", f"hf:{MODEL}", "--engine", f"hf:{MODEL}", "-q"]
+    t = path if opt == "--trace" else trace
+    if opt == "--floor":
+        return ["compare", *base, "--trace", t, "--threshold", "floor", "--floor", path]
+    if opt in ("--resume", "--log"):
+        return ["run", *base, "--trace", t, opt, path]
+    if opt == "--capture-dir":
+        return ["compare", *base, "--trace", t, "--capture", "full", "--capture-dir", path]
+    return ["compare", *base, "--trace", t, *(["--out", path] if opt == "--out" else [])]
+
+
+def snapshot(d: Path) -> dict:
+    return {p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in d.rglob("*") if not p.is_fifo()}
+
+
+CASES = [(o, k) for o, k in itertools.product(READ + WRITE, ["fifo", "dev_zero", "directory", "missing", "read_only", "the_trace"])
+         if (o, k) not in ALLOWED and not (o == "--trace" and k == "the_trace")]
+
+
+@pytest.mark.parametrize("opt, kind", CASES)
+def test_hostile_path(tmp_path, opt, kind):
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(Path(trace_path("qwen3_moe")).read_bytes())
+    path = kinds(tmp_path, trace)[kind]
+    if kind == "missing" and opt in ("--out", "--log"):
+        path = str(tmp_path / "nope" / "x.json")  # its directory is missing
+    before = snapshot(tmp_path)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(args_for(opt, path, str(trace)))
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    assert rc == 2, err.getvalue()
+    assert len(lines) == 1 and lines[0].startswith("bisect: error: "), err.getvalue()
+    assert out.getvalue() == ""
+    assert snapshot(tmp_path) == before, "a file the user did not name as output changed"
+
+
+@pytest.mark.parametrize("opt, value", [
+    ("--max-capture-mb", "nan"), ("--max-capture-mb", "inf"), ("--max-capture-mb", "-1"), ("--threads", "0"),
+])
+def test_bad_numbers_for_path_options(tmp_path, opt, value):
+    args = ["compare", "--ref", f"hf:{MODEL}", "--engine", f"hf:{MODEL}", "--trace", trace_path("qwen3_moe"), "-q",
+            "--capture", "full", "--capture-dir", str(tmp_path / "c"), opt, value]
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main(args)
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("bisect: error: "), err.getvalue()
+    assert not (tmp_path / "c").exists()
