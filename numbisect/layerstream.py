@@ -31,9 +31,16 @@ from numbisect.arch import arch_for
 from numbisect.backends.base import check_checkpoint, load_config, parse_dtype
 from numbisect.errors import InputError
 
-# checkpoint names of one expert's weights -> (transformers' fused name, position)
-_EXPERT = re.compile(r"^(?P<pre>.*\.)(?:block_sparse_moe|mlp)\.experts\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+def _expert_pattern(arch) -> tuple[re.Pattern, str] | None:
+    """(the checkpoint name of one expert's weight, as renamed by the family's `ckpt_renames`;
+    the experts module's path inside a decoder layer); None for a dense family."""
+    if "layers.{i}.moe.experts" not in arch.hf:
+        return None
+    layer = arch.hf_path("layers.{i}", 0)
+    rel = arch.hf_path("layers.{i}.moe.experts", 0)[len(layer) + 1:]  # e.g. mlp.experts
+    names = "|".join(re.escape(w) for w in arch.ckpt_expert_weights)
+    return re.compile(rf"^(?P<pre>(?:.*\.)?){re.escape(rel)}\.(?P<e>\d+)\.(?P<w>{names})\.weight$"), rel
 
 
 class LayerStreamRef:
@@ -44,12 +51,13 @@ class LayerStreamRef:
     def __init__(self, path: str, dtype: str = "float32"):
         check_checkpoint(path)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import transformers
         from safetensors import safe_open
-        from transformers import AutoModelForCausalLM
 
         self.path, self.dtype_name, self.dtype = path, dtype, parse_dtype(dtype)
         self.config = load_config(path)
         self.arch = arch_for(self.config)
+        self.experts = _expert_pattern(self.arch)
         self.units = self.arch.units(self.config)
         self.vocab_size = self.config.get_text_config().vocab_size
         self.files: dict[str, str] = {}  # tensor name -> file
@@ -58,9 +66,10 @@ class LayerStreamRef:
                 for k in h.keys():
                     self.files[k] = str(f)
         with torch.device("meta"):
-            self.skeleton = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
+            self.skeleton = getattr(transformers, self.arch.hf_auto).from_config(self.config, dtype=self.dtype)
         self.skeleton.eval()
-        self.rotary = type(self.skeleton.model.rotary_emb)(config=self.skeleton.config)
+        rotary = self.arch.rotary(self.skeleton)  # on the meta device: a real one from its config
+        self.rotary = type(rotary)(config=rotary.config)
         self.loaded_bytes = 0  # weights materialised right now
         self.peak_loaded_bytes = 0
 
@@ -88,18 +97,21 @@ class LayerStreamRef:
             with safe_open(f, framework="pt") as h:
                 for k in ks:
                     t = h.get_tensor(k).to(self.dtype)
-                    m = _EXPERT.match(k)
+                    name = k[len(prefix):]
+                    for old, new in self.arch.ckpt_renames.items():
+                        name = name.replace(old, new)
+                    m = self.experts[0].match(name) if self.experts else None
                     if m:
-                        experts.setdefault((m["pre"], _ROLE[m["w"]]), {})[int(m["e"])] = t
+                        role = self.arch.ckpt_expert_weights[m["w"]]
+                        experts.setdefault((m["pre"], role), {})[int(m["e"])] = t
                     else:
-                        out[k[len(prefix):].replace("block_sparse_moe.", "mlp.")] = t
-        pres = {p for p, _ in experts}
-        for p in pres:
-            rel = p[len(prefix):]
-            gate, up, down = (experts[(p, r)] for r in ("gate", "up", "down"))
+                        out[name] = t
+        for pre in {p for p, _ in experts}:  # one expert per tensor -> transformers' fused layout
+            gate, up, down = (experts[(pre, r)] for r in ("gate", "up", "down"))
             n = len(down)
-            out[f"{rel}mlp.experts.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]], 0) for e in range(n)])
-            out[f"{rel}mlp.experts.down_proj"] = torch.stack([down[e] for e in range(n)])
+            rel = self.experts[1]
+            out[f"{pre}{rel}.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]], 0) for e in range(n)])
+            out[f"{pre}{rel}.down_proj"] = torch.stack([down[e] for e in range(n)])
         return out
 
     def materialise(self, module: nn.Module, prefix: str) -> nn.Module:
@@ -140,24 +152,30 @@ class LayerStreamRef:
 
         `on_layer(i, layer)` is called while layer i is materialised (local comparisons).
         """
-        m = self.skeleton.model
-        emb = self.materialise(m.embed_tokens, "model.embed_tokens.")
+        with_images = next((s for s in samples if getattr(s, "images", None) is not None), None)
+        if with_images is not None:
+            raise InputError(f"--ref-opt layer_stream=true runs the language model only; the trace has images "
+                             f"(line {with_images.line}): leave layer_stream off for image samples")
+        path = self.arch.hf_path  # where the family keeps each module (arch map)
+        module = self.skeleton.get_submodule
+        emb = self.materialise(module(path("embed")), path("embed") + ".")
         hs = [emb(torch.tensor(s.ids)[None])[0] for s in samples]
         self.free(emb)
-        for i, layer in enumerate(m.layers):
-            self.materialise(layer, f"model.layers.{i}.")
+        for i in range(self.config.get_text_config().num_hidden_layers):
+            layer = module(path("layers.{i}", i))
+            self.materialise(layer, path("layers.{i}", i) + ".")
             hs = [self.run_layer(layer, h) for h in hs]
             if on_layer is not None:
                 on_layer(i, layer, hs)
             self.free(layer)
-        norm = self.materialise(m.norm, "model.norm.")
+        norm = self.materialise(module(path("final_norm")), path("final_norm") + ".")
         hs = [norm(h) for h in hs]
         self.free(norm)
-        head = self.skeleton.lm_head
-        if getattr(self.config.get_text_config(), "tie_word_embeddings", False) and "lm_head.weight" not in self.files:
-            head = self.materialise(m.embed_tokens, "model.embed_tokens.")
+        head_path = path("lm_head")
+        if getattr(self.config.get_text_config(), "tie_word_embeddings", False) and f"{head_path}.weight" not in self.files:
+            head = self.materialise(module(path("embed")), path("embed") + ".")
         else:
-            head = self.materialise(head, "lm_head.")
+            head = self.materialise(module(head_path), head_path + ".")
         tok, full = [], []
         for s, h in zip(samples, hs):
             w = head.weight

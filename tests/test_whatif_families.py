@@ -118,3 +118,23 @@ def test_issue_17_qwen3_vl_moe_attention_culprit_gets_its_fp32_whatif(tmp_path, 
     assert t["whatif"] == UNIT and math.isfinite(t["value"]) and t["before"] == r["search"]["baseline"]
     assert t["verdict"] != "fixes"  # noise is not precision: the fp32 attention keeps it
     assert "precision what-if for layers.1.attn" in stdout
+
+
+def test_layer_stream_takes_qwen3_vl_moe_paths_from_its_arch_map():
+    # model.language_model.* modules, its own rotary embedding and auto class: the same
+    # log-probs as the whole model on the trace's text samples; image samples refused.
+    import torch
+
+    from conftest import hf
+    from numbisect.errors import InputError
+    from numbisect.layerstream import LayerStreamRef
+    from numbisect.trace import load_trace
+
+    samples = load_trace(trace_path("qwen3_vl_moe")).samples
+    text = [s for s in samples if s.images is None][:3]
+    ls = LayerStreamRef(model_dir("qwen3_vl_moe"), "float32")
+    tok, _, _ = ls.stream(text)
+    whole = hf("qwen3_vl_moe", "float32").forward(text)
+    assert len(text) == 3 and all(torch.equal(a, b) for a, b in zip(tok, whole.token_logprobs))
+    with pytest.raises(InputError, match=r"runs the language model only; the trace has images \(line 1\)"):
+        ls.stream(samples[:2])
