@@ -226,7 +226,8 @@ def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=
     names = [c["unit"] for c in culprits] if names is None else list(names)
     for c in culprits:
         unit = session.engine.unit(c["unit"])
-        others = [n for n in names if n != unit.name]
+        # a culprit around or inside this one is not swapped for its what-if (it would hide it)
+        others = [n for n in names if not _inside(n, unit.name) and not _inside(unit.name, n)]
 
         def judged(res) -> tuple[float, float]:
             tokens = C.token_report(session.samples, ref, res, st, session.groups, detail=False)

@@ -42,7 +42,8 @@ def test_every_whatif_runs_on_every_unit_kind_of_every_family(family):
     culprits = culprits_of(s.engine)
     kinds = {c["kind"] for c in culprits}
     assert {"attn", "layer", "norm"} <= kinds and ({"moe", "experts"} <= kinds or family == "qwen3")
-    run_whatifs(s, culprits, None)
+    for c in culprits:  # each as the search's only culprit
+        run_whatifs(s, [c], None)
     for c in culprits:
         ws = {t["whatif"]: t for t in c["precision"]["whatifs"]}
         assert sorted(ws) == sorted([UNIT, WSUM] if c["kind"] in ("moe", "experts") else [UNIT]), c["unit"]
@@ -138,3 +139,22 @@ def test_layer_stream_takes_qwen3_vl_moe_paths_from_its_arch_map():
     assert len(text) == 3 and all(torch.equal(a, b) for a, b in zip(tok, whole.token_logprobs))
     with pytest.raises(InputError, match=r"runs the language model only; the trace has images \(line 1\)"):
         ls.stream(samples[:2])
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "mixtral", "qwen3"])  # with a vLLM map (dense last: a MoE engine started after a dense one in this process fails)
+def test_every_whatif_runs_on_every_unit_kind_on_real_vllm(family):
+    # vLLM's module tree: its fp32 unit is the reference's module swapped in (attention and
+    # layers recompute cos/sin with the family's rotary embedding), MoE sub-units are patched
+    # inside the block's FusedMoE runner (found through the arch map), the weighted sum per slot.
+    s = session(family, "vllm", faults=["output_noise=0.5@layers.0.attn"], samples=3)
+    culprits = culprits_of(s.engine)
+    for c in culprits:  # each as the search's only culprit
+        run_whatifs(s, [c], None)
+    for c in culprits:
+        ws = {t["whatif"]: t for t in c["precision"]["whatifs"]}
+        assert sorted(ws) == sorted([UNIT, WSUM] if c["kind"] in ("moe", "experts") else [UNIT]), c["unit"]
+        for t in ws.values():
+            assert isinstance(t["value"], float) and math.isfinite(t["value"]) and t["before"] > 0, (c["unit"], t)
+        if c["unit"] != "layers.0":  # the noise is upstream of the unit: still there after the what-if
+            assert ws[UNIT]["value"] > 0.5 * ws[UNIT]["before"], (c["unit"], ws[UNIT])
