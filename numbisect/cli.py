@@ -180,7 +180,16 @@ def _emit(report: dict, kw) -> None:
     if kw.get("as_json"):
         sys.stdout.write(json.dumps(report, indent=1) + "\n")
     else:
-        sys.stdout.write(render(report))
+        try:  # the run is done and its report written: a summary that fails must not lose it
+            text = render(report)
+        except Exception as e:
+            if os.environ.get("NUMBISECT_DEBUG"):
+                traceback.print_exc()
+            text = ""
+            where = f"; the report is in {kw['out']}" if kw.get("out") else "; --json or --out gives the report"
+            print(f"bisect: the summary could not be rendered ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){where}",
+                  file=sys.stderr)
+        sys.stdout.write(text)
         if kw.get("out"):
             sys.stdout.write(f"report: {kw['out']}\n")
     sys.stdout.flush()

@@ -97,6 +97,23 @@ def test_a_failing_whatif_keeps_the_search_its_report_and_its_exit_code(tmp_path
     assert "**Failed after the search**" in md and f"- whatif for `layers.1.attn`: `{error}`" in md
 
 
+def test_a_summary_that_cannot_be_rendered_keeps_the_report_and_the_exit_code(tmp_path, monkeypatch, capsys):
+    import numbisect.render as R
+
+    def broken(report):
+        raise KeyError("culprits")
+
+    monkeypatch.setattr(R, "render", broken)
+    out = tmp_path / "r.json"
+    code = main(run_cli("--out", str(out)))
+    cap = capsys.readouterr()
+    assert code == ExitCode.DIVERGED  # the search's, not an internal error
+    assert [c["unit"] for c in load_report(str(out))["culprits"]] == ["layers.1.attn"]
+    err = [ln for ln in cap.err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "summary could not be rendered" in err[0] and str(out) in err[0]
+    assert cap.out == f"report: {out}\n"
+
+
 def test_a_run_whose_whatifs_work_records_no_post_search_errors(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(run_cli("--out", str(out))) == ExitCode.DIVERGED
