@@ -20,6 +20,7 @@ Noise is seeded from the unit name, so a fault is the same in every trial and ru
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -52,15 +53,20 @@ class Fault:
 
 
 def parse_fault(spec: str) -> Fault:
+    """A `Fault` from `NAME[=VALUE]@UNIT`; InputError for an unknown name, a dtype not in
+    `LOWP`, a value given to a kind that takes none, or a noise scale that is not a finite
+    number >= 0 (nan, inf and negative scales are refused)."""
     what, sep, unit = spec.partition("@")
     if not sep or not unit or not what:
         raise InputError(f"bad fault spec {spec!r}: expected NAME[=VALUE]@UNIT, e.g. moe_combine_bf16@layers.2.moe")
-    name, _, val = what.partition("=")
+    name, has_val, val = what.partition("=")
     for kind in ("moe_combine", "router_logits"):
         if name.startswith(kind + "_"):
             dt = name[len(kind) + 1 :]
             if dt not in LOWP:
                 raise InputError(f"bad fault {name!r}: dtype must be one of {', '.join(LOWP)}")
+            if has_val:
+                raise InputError(f"bad fault {spec!r}: {name} takes no value (the dtype is in its name)")
             return Fault(kind, unit, dtype=dt, spec=spec)
     if name == "rmsnorm_no_upcast":
         dt = val or "bf16"
@@ -72,6 +78,8 @@ def parse_fault(spec: str) -> Fault:
             scale = float(val)
         except ValueError:
             raise InputError(f"bad fault {spec!r}: {name} needs a scale, e.g. {name}=1e-2@{unit}") from None
+        if not (math.isfinite(scale) and scale >= 0):  # NaN noise is no fault to find; a negative scale is a typo
+            raise InputError(f"bad fault {spec!r}: the scale must be a finite number >= 0, e.g. {name}=1e-2@{unit}")
         return Fault(name, unit, value=scale, spec=spec)
     known = "weight_noise=S, output_noise=S, moe_combine_{bf16,fp16,fp8}, router_logits_{bf16,fp16,fp8}, rmsnorm_no_upcast"
     raise InputError(f"unknown fault {name!r}; known: {known}")

@@ -285,3 +285,26 @@ def test_rollout_logprobs_of_minus_1000_are_rejected_not_an_overflow(tmp_path, c
     assert code == 1, err
     rl = json.loads(out.read_text())["baseline"]["rl_cost"]
     assert rl["seq_frac_rejected"] == 1.0 and rl["seq_frac_geo"] == 1.0 and rl["token_frac_tis"] == 1.0
+
+
+@pytest.mark.vllm
+def test_quiet_compare_with_a_vllm_engine_writes_nothing_on_stderr(tmp_path):
+    """`-q` with `--engine vllm:DIR` printed vLLM's "Triton is installed, but doesn't
+    include CPU backend. Disabling Triton." (logged when numbisect's logits processor
+    imported vLLM's config, outside the held-back start-up). A fresh process: the line
+    is logged once per process."""
+    import subprocess
+    import sys
+
+    from conftest import child_env, short_trace
+
+    d = model_dir("qwen3_moe")
+    args = [sys.executable, "-m", "numbisect", "compare", "-q", "--ref", f"hf:{d}", "--engine", f"vllm:{d}",
+            "--trace", short_trace("qwen3_moe", 2), "--capture", "stats", "--out", str(tmp_path / "r.json")]
+    p = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=600)
+    assert p.returncode in (0, 1), p.stderr
+    assert p.stderr == "", p.stderr
+    assert (tmp_path / "r.json").exists()
+    # errors still show under -q: one line
+    p = subprocess.run(args[:-2] + ["--engine-opt", "max_model_len=8"], capture_output=True, text=True, env=child_env(), timeout=600)
+    assert p.returncode == 2 and p.stderr.startswith("bisect: error: ") and p.stderr.count("\n") == 1, p.stderr

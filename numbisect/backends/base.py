@@ -20,6 +20,7 @@ from torch import nn
 
 from numbisect.arch import ArchMap, arch_for
 from numbisect.errors import BackendError, InputError
+from numbisect.safeio import check_input, loads_json, read_text
 from numbisect.units import Unit, nearby_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,26 +46,96 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def check_checkpoint(path: str) -> dict:
-    """Refuse a directory that is missing, has no config or no safetensors weights."""
+    """The parsed config.json of a checkpoint directory; InputError for a directory that is
+    missing, has no config or no safetensors weights, or a config.json that is not a
+    regular file (a FIFO, a link to /dev/zero), too large, not JSON (nested too deeply
+    included) or not a JSON object."""
     p = Path(path)
     if not p.is_dir():
         raise InputError(f"checkpoint directory not found: {path}")
     cfg = p / "config.json"
-    if not cfg.is_file():
+    if not os.path.lexists(cfg):
         raise InputError(f"{path}: no config.json in the checkpoint directory")
     if not list(p.glob("*.safetensors")):
         pickles = [f.name for f in p.glob("*.bin")] + [f.name for f in p.glob("*.pt")]
         extra = f" (found {', '.join(pickles)}: pickled weights are never loaded)" if pickles else ""
         raise InputError(f"{path}: no *.safetensors weights in the checkpoint directory{extra}")
-    try:
-        return json.loads(cfg.read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"{cfg}: unreadable config.json ({e})") from None
+    obj = loads_json(read_text(cfg, "config.json", limit=CONFIG_LIMIT), str(cfg))
+    if not isinstance(obj, dict):
+        raise InputError(f"{cfg}: config.json must hold a JSON object, not {type(obj).__name__}")
+    return obj
+
+
+CONFIG_LIMIT = 16 * 2**20  # a config.json larger than this is not a model config
+HEADER_LIMIT = 100 * 2**20  # the safetensors format's own limit on a header
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2")
+POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "moe_intermediate_size", "head_dim", "max_position_embeddings",
+                 "num_experts", "num_local_experts", "num_experts_per_tok", "n_routed_experts")
+
+
+def check_weights(path: str, config: dict) -> None:
+    """Read only the header of every `*.safetensors` file of a checkpoint and refuse, naming
+    the file (and tensor): a file that is not a regular file, a header that is not JSON, a
+    file shorter than its header says (truncated), and an integer (or bool) tensor unless
+    config.json declares a quantization (`quantization_config`): integer weights in a
+    float checkpoint would be cast silently."""
+    quantized = bool(config.get("quantization_config") or config.get("quantization"))
+    for f in sorted(Path(path).glob("*.safetensors")):
+        check_input(f, "weights file")
+        size = f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                head = fh.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if n < 2 or n > HEADER_LIMIT or 8 + n > size:
+                    raise InputError(f"{f}: not a safetensors file, or truncated (header of {n} bytes, file of {size})")
+                raw = fh.read(n)
+        except OSError as e:
+            raise InputError(f"cannot read weights file {f}: {e.strerror or e}") from None
+        header = loads_json(raw, f"{f}: safetensors header")
+        if not isinstance(header, dict):
+            raise InputError(f"{f}: the safetensors header is not a JSON object")
+        end = 0
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            offs = meta.get("data_offsets") if isinstance(meta, dict) else None
+            dtype = meta.get("dtype") if isinstance(meta, dict) else None
+            if (not isinstance(dtype, str) or not isinstance(offs, list) or len(offs) != 2
+                    or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs) or offs[0] > offs[1]):
+                raise InputError(f"{f}: tensor {name}: bad safetensors header entry")
+            end = max(end, offs[1])
+            if dtype not in FLOAT_DTYPES and not quantized:
+                raise InputError(f"{f}: tensor {name} is {dtype}, not a float type, and config.json declares no "
+                                 "quantization (quantization_config): refusing to cast it silently")
+        if 8 + n + end > size:
+            raise InputError(f"{f}: truncated: its header describes {8 + n + end} bytes, the file has {size}")
+
+
+def check_config_fields(cfg: dict, where: str) -> None:
+    """Refuse config.json size fields (top level or text_config) that are not positive
+    integers: transformers takes them as given and the model would fail to build."""
+    for scope in (cfg, cfg.get("text_config")):
+        if not isinstance(scope, dict):
+            continue
+        for key in POSITIVE_INTS:
+            v = scope.get(key)
+            if v is None and key in scope and key in ("head_dim", "num_key_value_heads"):
+                continue  # derived by transformers when null
+            if key in scope and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise InputError(f"{where}: {key}: expected int >= 1 (a positive integer), got {json.dumps(v)[:40]}")
+    if "text_config" in cfg and not isinstance(cfg["text_config"], dict):
+        raise InputError(f"{where}: text_config must be an object")
 
 
 def load_config(path: str):
-    """The transformers config of a local checkpoint (no hub, no remote code)."""
-    check_checkpoint(path)
+    """The transformers config of a local checkpoint (no hub, no remote code); the
+    config.json and the weights' headers checked first (`check_checkpoint`,
+    `check_config_fields`, `check_weights`)."""
+    raw = check_checkpoint(path)
+    check_config_fields(raw, f"{path}/config.json")
+    check_weights(path, raw)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
 
@@ -72,7 +143,7 @@ def load_config(path: str):
         return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises many kinds for a bad config
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        raise InputError(f"{path}/config.json: {' '.join(lines[:2])}") from None
+        raise InputError(f"{path}/config.json: {' '.join(lines[:2]) or type(e).__name__}") from None
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:

@@ -35,6 +35,8 @@ class HFBackend(Backend):
         experts_implementation: str | None = None,
         batch_size: int = 1,  # 1: no padding, so a swapped engine can match the reference bit for bit
     ):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"bad hf option batch_size={batch_size}: expected an integer >= 1")
         super().__init__(path, dtype)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import transformers
@@ -75,7 +77,7 @@ class HFBackend(Backend):
             "experts_implementation": experts_implementation,
             "batch_size": batch_size,
         }
-        self.batch_size = max(1, int(batch_size))
+        self.batch_size = batch_size
 
     @property
     def root(self):

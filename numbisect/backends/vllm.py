@@ -57,6 +57,18 @@ def quiet_stderr():
                 sys.stderr.write(tmp.read().decode(errors="replace"))
 
 
+def bad_input(e: BaseException) -> None:
+    """Raise InputError for what vLLM's constructor raises on bad engine arguments: an
+    unknown keyword (TypeError) or a value of the wrong type or range (pydantic's
+    ValidationError, from the option or the checkpoint's config.json)."""
+    try:
+        from pydantic import ValidationError
+    except ImportError:  # pragma: no cover - vLLM depends on pydantic
+        ValidationError = ()
+    if isinstance(e, (TypeError, ValidationError)):
+        raise InputError(fail(e, "bad --engine-opt or config.json for vLLM").message) from None
+
+
 def import_vllm():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -66,6 +78,10 @@ def import_vllm():
     try:
         with quiet_stderr():
             import vllm  # noqa: F401
+
+            # Its vllm.config import logs "Triton is installed, but doesn't include CPU
+            # backend" once: held back with the rest of vLLM's start-up (`-q` is quiet).
+            import numbisect.backends.vllm_force  # noqa: F401
     except ImportError:
         raise BackendError(INSTALL_HINT) from None
     return vllm
@@ -76,6 +92,9 @@ class VLLMBackend(Backend):
     modes = ("prefill", "decode")
 
     def __init__(self, path: str, dtype: str = "bfloat16", **engine_opts):
+        from numbisect.compare import check_opts
+
+        check_opts("vllm", engine_opts, "--engine-opt")  # before anything loads: names, integers, no remote code
         super().__init__(path, dtype)
         vllm = import_vllm()
         opts = {
@@ -98,11 +117,11 @@ class VLLMBackend(Backend):
                     enable_prefix_caching=False,
                     dtype=dtype,
                     logprobs_mode="raw_logprobs",
+                    trust_remote_code=False,  # never code from a checkpoint (check_opts refuses the option)
                     **opts,
                 )
-        except TypeError as e:
-            raise BackendError(f"bad --engine-opt for vLLM: {e}") from None
         except Exception as e:
+            bad_input(e)
             raise fail(e, f"vLLM could not start on {path}") from None
         models = self.llm.apply_model(lambda m: m)
         if not models or not isinstance(models[0], torch.nn.Module):

@@ -35,7 +35,7 @@ import os
 import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, register
-from numbisect.backends.vllm import _canonical_output, _wrap_routed, import_vllm, quiet_stderr
+from numbisect.backends.vllm import _canonical_output, _wrap_routed, bad_input, import_vllm, quiet_stderr
 from numbisect.errors import BackendError
 from numbisect.swap import SwapSpec, _patch, apply_swap_spec, expand, undo_swap_spec
 
@@ -185,8 +185,11 @@ class VLLMTPBackend(Backend):
     remote = True  # the session plants faults and swaps through `prepare` / `undo`
 
     def __init__(self, path: str, dtype: str = "bfloat16", tensor_parallel_size: int = 2, **engine_opts):
+        from numbisect.compare import check_opts
+
+        check_opts("vllm", {**engine_opts, "tensor_parallel_size": tensor_parallel_size}, "--engine-opt")
         super().__init__(path, dtype)
-        self.tp = int(tensor_parallel_size)
+        self.tp = tensor_parallel_size
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         if (bind or "").count("|") != self.tp - 1:  # not one CPU list per rank: one core each
@@ -206,9 +209,10 @@ class VLLMTPBackend(Backend):
                 self.llm = vllm.LLM(
                     model=path, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
                     dtype=dtype, logprobs_mode="raw_logprobs", tensor_parallel_size=self.tp,
-                    distributed_executor_backend="mp", **opts,
+                    distributed_executor_backend="mp", trust_remote_code=False, **opts,
                 )
         except Exception as e:
+            bad_input(e)
             raise fail(e, f"vLLM could not start on {path} with tensor_parallel_size={self.tp}") from None
         finally:  # the workers have their binding; an engine started later in this process must not inherit it
             if bind is None:
