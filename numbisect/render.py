@@ -2,25 +2,40 @@
 
 Everything here reads the report dict alone, so a summary can be regenerated on a
 machine without the models. Verdicts carry words and symbols, not only colour.
+A report's strings are shown through `numbisect.textsafe`: `render` works on a copy
+whose strings are printable (escape sequences and line breaks shown escaped), so a
+hostile report cannot drive the terminal or forge a line.
 """
 
 from __future__ import annotations
+
+from numbisect.textsafe import clip, printable, printable_text, printable_tree
 
 
 def fmt(x, digits: int = 2) -> str:
     if x is None:
         return "-"
     if isinstance(x, str):
-        return x
+        return printable(x)
     if isinstance(x, bool) or not isinstance(x, (int, float)):  # a hostile report's value, shown as it is
-        return str(x)
+        return printable(x)
     if x == 0:
         return "0"
-    return f"{x:.{digits}e}" if abs(x) < 1e-2 or abs(x) >= 1e4 else f"{x:.{digits + 2}g}"
+    try:
+        return f"{x:.{digits}e}" if abs(x) < 1e-2 or abs(x) >= 1e4 else f"{x:.{digits + 2}g}"
+    except OverflowError:  # an integer too large for a float
+        return printable(clip(x, 40))
 
 
 def pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
+    if x is None:
+        return "-"
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return printable(clip(x, 40))
+    try:
+        return f"{100 * x:.1f}%"
+    except OverflowError:
+        return printable(clip(x, 40))
 
 
 def header(r: dict) -> list[str]:
@@ -108,8 +123,9 @@ def search_lines(r: dict) -> list[str]:
     out = []
     sw = r.get("swap")
     if sw:
-        for line in sw.get("lines", []):
-            out.append(line)
+        lines = sw.get("lines")
+        for line in lines if isinstance(lines, list) else []:
+            out.append(fmt(line))
         return out
     out.append(f"search ({s['strategy']}): {s['trials_used']} trials; {s['stop_reason']}")
     for c in r.get("culprits") or []:
@@ -147,6 +163,8 @@ def _group_evidence(r: dict, unit: str) -> str | None:
 
 
 def render(r: dict) -> str:
+    """The plain-text summary of report `r`; every character printable (newlines aside)."""
+    r = printable_tree(r)
     b = r["baseline"]
     parts = header(r) + [""] + token_table(b) + rl_lines(b)
     ut = unit_table(r)
@@ -166,7 +184,7 @@ def render(r: dict) -> str:
     sl = search_lines(r) + post_search_lines(r)
     if sl:
         parts += [""] + sl
-    return "\n".join(parts) + "\n"
+    return printable_text("\n".join(str(p) for p in parts) + "\n")
 
 
 def post_search_lines(r: dict) -> list[str]:

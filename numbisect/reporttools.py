@@ -14,14 +14,20 @@ torch, no vLLM, so it runs on the machine of whoever reads the ticket.
 
 Non-finite numbers arrive as the strings "inf", "-inf", "nan" (the report's encoding);
 `num()` turns them back into floats.
+
+A report's strings go through `numbisect.textsafe`: `diff` and `markdown` work on copies
+whose strings are printable (no escape sequences, no line breaks), and Markdown shows
+each one as escaped text or as a code span, so it cannot end a table cell or add markup.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import shlex
 
 from numbisect.render import fmt, pct
+from numbisect.textsafe import md_code, md_text, printable, printable_text, printable_tree
 
 MAX_DIFF_UNITS = 25  # unit rows shown by render_diff before the rest are summarised
 
@@ -230,7 +236,10 @@ def _culprit_changes(a: dict, b: dict) -> list[dict]:
 
 
 def diff(a: dict, b: dict, labels: tuple[str, str] = ("A", "B")) -> dict:
-    """Compare report A (before) with report B (after). JSON-safe except for non-finite floats."""
+    """Compare report A (before) with report B (after). JSON-safe except for non-finite floats;
+    every string in it (labels included) printable."""
+    a, b = printable_tree(a), printable_tree(b)
+    labels = (printable(labels[0]), printable(labels[1]))
     ra, rb = _get(a, "baseline", "rl_cost") or {}, _get(b, "baseline", "rl_cost") or {}
     before, after = _side(a, labels[0]), _side(b, labels[1])
     return {
@@ -317,26 +326,31 @@ def render_diff(d: dict) -> str:
             )
         if len(shown) < len(changed):
             lines.append(f"(+{len(changed) - len(shown)} more changed units; --json lists all)")
-    return "\n".join(lines) + "\n"
+    return printable_text("\n".join(lines) + "\n")
 
 
 # -- markdown ---------------------------------------------------------------------------------
 def _md(s) -> str:
-    """Text safe inside a Markdown table cell."""
-    return str(s).replace("|", "\\|").replace("\n", " ")
+    """A report's string as Markdown text: printable, one line, its markup escaped
+    (safe inside a table cell too)."""
+    return md_text(s)
 
 
 def _code(s) -> str:
-    s = str(s).replace("\n", " ")
-    fence = "``" if "`" in s else "`"
-    return f"{fence}{s}{fence}"
+    """A report's string as an inline code span (outside tables)."""
+    return md_code(s)
+
+
+def _cell_code(s) -> str:
+    """A report's string as an inline code span inside a table cell."""
+    return md_code(s, table=True)
 
 
 def _engine_words(inp: dict) -> str:
     eng = inp.get("engine") or {}
     if eng.get("backend") == "rollout":
         return "the trace's rollout log-probs"
-    return f"{eng.get('backend')} {eng.get('dtype')}"
+    return f"{_md(eng.get('backend'))} {_md(eng.get('dtype'))}"
 
 
 def _evidence(r: dict, c: dict) -> str:
@@ -345,13 +359,13 @@ def _evidence(r: dict, c: dict) -> str:
     u = _unit_map(r).get(c["unit"])
     ranking = r.get("local_ranking") or {}
     text = (
-        f"Swapping {_code(c['unit'])} ({c.get('kind')}) alone for the reference's module takes {th.get('metric')} "
+        f"Swapping {_code(c['unit'])} ({_md(c.get('kind'))}) alone for the reference's module takes {_md(th.get('metric'))} "
         f"from {fmt(num(s.get('baseline')))} to {fmt(num(c.get('alone')))} (threshold {fmt(num(th.get('threshold')))}); "
         f"with every other unit swapped and this one left in, it is {fmt(num(c.get('complement')))}."
     )
     loc = _rel(u, "local")
     if loc is not None:
-        rank = f", rank {c['local_rank']} of {len(ranking)} by own error" if c.get("local_rank") else ""
+        rank = f", rank {_md(c['local_rank'])} of {len(ranking)} by own error" if c.get("local_rank") else ""
         text += f" Fed the reference's input, its output differs by rel-L2 {fmt(loc)}{rank}."
     return text
 
@@ -369,7 +383,8 @@ def _title(r: dict) -> str:
         what = "diverges, diffuse (no single culprit)"
     else:
         what = "diverges"
-    return f"numbisect {r.get('kind')}: {arch}, engine {_engine_words(inp)} vs reference {_get(inp, 'ref', 'backend')} {_get(inp, 'ref', 'dtype')}: {what}"
+    return (f"numbisect {_md(r.get('kind'))}: {_md(arch)}, engine {_engine_words(inp)} vs reference "
+            f"{_md(_get(inp, 'ref', 'backend'))} {_md(_get(inp, 'ref', 'dtype'))}: {what}")
 
 
 def _layer_table(r: dict) -> list[str]:
@@ -392,11 +407,11 @@ def _layer_table(r: dict) -> list[str]:
         out_u = next((u for u in mine if u.get("kind") == "layer"), None)
         first_ne = next((u["name"] for u in mine if _bitwise(u, side) is False), None)
         prefix = f"layers.{i}"
-        notes = [f"**culprit** {_code(c)}" for c in culprits if c == prefix or c.startswith(prefix + ".")]
-        notes += [f"planted fault {_code(f.get('spec'))}" for f in faults if str(f.get("unit", "")).startswith(prefix + ".") or f.get("unit") == prefix]
+        notes = [f"**culprit** {_cell_code(c)}" for c in culprits if c == prefix or c.startswith(prefix + ".")]
+        notes += [f"planted fault {_cell_code(f.get('spec'))}" for f in faults if str(f.get("unit", "")).startswith(prefix + ".") or f.get("unit") == prefix]
         out.append(
             f"| {i} | {fmt(_rel(attn, side))} | {fmt(_rel(ffn, side))} | {fmt(_rel(out_u, 'propagated'))} | "
-            f"{_code(first_ne) if first_ne else '-'} | {'; '.join(notes)} |"
+            f"{_cell_code(first_ne) if first_ne else '-'} | {'; '.join(notes)} |"
         )
     return out
 
@@ -408,7 +423,7 @@ def _groups_table(r: dict) -> list[str]:
     out = ["| tokens | count | k3 mean | k3 p99 | k3 max | KL mean | top-1 agree |", "|---|---:|---:|---:|---:|---:|---:|"]
     for g, v in groups.items():
         out.append(
-            f"| {_md(g)} | {v.get('tokens')} | {fmt(num(_get(v, 'k3', 'mean')))} | {fmt(num(_get(v, 'k3', 'p99')))} | "
+            f"| {_md(g)} | {_md(v.get('tokens'))} | {fmt(num(_get(v, 'k3', 'mean')))} | {fmt(num(_get(v, 'k3', 'p99')))} | "
             f"{fmt(num(_get(v, 'k3', 'max')))} | {fmt(num(_get(v, 'kl', 'mean')))} | {pct(num(v.get('top1_agree')))} |"
         )
     return out
@@ -420,10 +435,10 @@ def _rl_line(r: dict) -> str | None:
         return None
     t = c.get("thresholds") or {}
     return (
-        f"**RL cost:** {pct(num(c.get('seq_frac_rejected')))} of {c.get('sequences')} sequences would be rejected "
-        f"(TIS > {t.get('tis_cap')}: {pct(num(c.get('seq_frac_tis')))}, IcePop [{t.get('icepop_low')}, {t.get('icepop_high')}]: "
-        f"{pct(num(c.get('seq_frac_icepop')))}, geometric-mean ratio outside [{t.get('geo_low')}, {t.get('geo_high')}]: "
-        f"{pct(num(c.get('seq_frac_geo')))}, sequence k3 > {t.get('seq_k3_max')}: {pct(num(c.get('seq_frac_k3')))}); "
+        f"**RL cost:** {pct(num(c.get('seq_frac_rejected')))} of {_md(c.get('sequences'))} sequences would be rejected "
+        f"(TIS > {_md(t.get('tis_cap'))}: {pct(num(c.get('seq_frac_tis')))}, IcePop [{_md(t.get('icepop_low'))}, {_md(t.get('icepop_high'))}]: "
+        f"{pct(num(c.get('seq_frac_icepop')))}, geometric-mean ratio outside [{_md(t.get('geo_low'))}, {_md(t.get('geo_high'))}]: "
+        f"{pct(num(c.get('seq_frac_geo')))}, sequence k3 > {_md(t.get('seq_k3_max'))}: {pct(num(c.get('seq_frac_k3')))}); "
         f"tokens over the TIS cap {pct(num(c.get('token_frac_tis')))}, outside IcePop {pct(num(c.get('token_frac_icepop')))}."
     )
 
@@ -434,8 +449,9 @@ def _search_lines(r: dict) -> list[str]:
         return []
     sw = r.get("swap")
     if isinstance(sw, dict):
-        return [f"**Swap:** {_md(line.strip())}  " for line in sw.get("lines") or []]
-    out = [f"**Search** ({s.get('strategy')}): {s.get('trials_used')} trials; {s.get('stop_reason')}."]
+        lines = sw.get("lines")
+        return [f"**Swap:** {_md(str(line).strip())}  " for line in (lines if isinstance(lines, list) else [])]
+    out = [f"**Search** ({_md(s.get('strategy'))}): {_md(s.get('trials_used'))} trials; {_md(s.get('stop_reason'))}."]
     for c in _culprits(r):
         out += ["", f"**Culprit {_code(c['unit'])}:** {_evidence(r, c)}"]
         p = c.get("precision")
@@ -446,7 +462,7 @@ def _search_lines(r: dict) -> list[str]:
         out += ["", "**Diffuse:** no set smaller than every layer reaches the threshold. Per-layer contributions:", "",
                 "| layer | swapped alone | all others swapped |", "|---|---:|---:|"]
         for name, v in (s.get("contributions") or {}).items():
-            out.append(f"| {_code(name)} | {fmt(num(_get(v, 'alone')))} | {fmt(num(_get(v, 'complement')))} |")
+            out.append(f"| {_cell_code(name)} | {fmt(num(_get(v, 'alone')))} | {fmt(num(_get(v, 'complement')))} |")
     return out
 
 
@@ -454,21 +470,22 @@ def _env_lines(r: dict) -> list[str]:
     e = r.get("environment") or {}
     inp = r.get("inputs") or {}
     out = [
-        f"- numbisect {r.get('tool_version')} (report schema v{r.get('schema_version')}), created {r.get('created')}",
-        f"- python {e.get('python')}, torch {e.get('torch')}, transformers {e.get('transformers')}, vllm {e.get('vllm')}",
-        f"- {e.get('platform')} ({e.get('machine')}), device {e.get('device')}, {e.get('threads')} threads, seeds {_kv(e.get('seeds'))}",
+        f"- numbisect {_md(r.get('tool_version'))} (report schema v{_md(r.get('schema_version'))}), created {_md(r.get('created'))}",
+        f"- python {_md(e.get('python'))}, torch {_md(e.get('torch'))}, transformers {_md(e.get('transformers'))}, vllm {_md(e.get('vllm'))}",
+        f"- {_md(e.get('platform'))} ({_md(e.get('machine'))}), device {_md(e.get('device'))}, {_md(e.get('threads'))} threads, seeds {_md(_kv(e.get('seeds')))}",
     ]
     for side, what in (("ref", "reference"), ("engine", "engine")):
         v = inp.get(side) or {}
         sha = v.get("sha256") or {}
-        digest = ", ".join(f"{k} {_short(h)}" for k, h in sha.items()) if isinstance(sha, dict) else _short(sha)
+        digest = ", ".join(f"{_md(k)} {_md(_short(h))}" for k, h in sha.items()) if isinstance(sha, dict) else _md(_short(sha))
         opts = _opts(v)
         out.append(
-            f"- {what}: {v.get('backend')}:{_code(v.get('path'))} {v.get('dtype') or ''}"
+            f"- {what}: {_md(v.get('backend'))}:{_code(v.get('path'))} {_md(v.get('dtype') or '')}"
             + (f", options {_code(_kv(opts))}" if opts else "") + (f", sha256 {digest}" if digest else "")
         )
     tr = inp.get("trace") or {}
-    out.append(f"- trace: {_code(tr.get('path'))}, {tr.get('samples')} samples, {tr.get('completion_tokens')} completion tokens, sha256 {_short(tr.get('sha256'))}")
+    out.append(f"- trace: {_code(tr.get('path'))}, {_md(tr.get('samples'))} samples, {_md(tr.get('completion_tokens'))} completion tokens, "
+               f"sha256 {_md(_short(tr.get('sha256')))}")
     faults = [f.get("spec") for f in inp.get("faults") or [] if isinstance(f, dict)]
     if faults:
         out.append("- planted faults: " + ", ".join(_code(f) for f in faults))
@@ -476,12 +493,14 @@ def _env_lines(r: dict) -> list[str]:
 
 
 def markdown(r: dict) -> str:
-    """A Markdown summary of one report, to paste into a GitHub issue."""
+    """A Markdown summary of one report, to paste into a GitHub issue; a report's strings
+    show as escaped text or code spans (no markup, no control characters of their own)."""
+    r = printable_tree(r)
     th = r.get("threshold") or {}
     b = r.get("baseline") or {}
     aligned = r.get("verdict") == "aligned"
     verdict = (
-        f"**Verdict: {'aligned' if aligned else 'DIVERGED'}.** {th.get('metric')} over {th.get('group')} tokens is "
+        f"**Verdict: {'aligned' if aligned else 'DIVERGED'}.** {_md(th.get('metric'))} over {_md(th.get('group'))} tokens is "
         f"{fmt(num(b.get('value')))}, {'at or under' if aligned else 'above'} the threshold {fmt(num(th.get('threshold')))}."
     )
     parts = [f"### {_title(r)}", "", verdict]
@@ -514,5 +533,7 @@ def markdown(r: dict) -> str:
     parts += ["", "<details><summary>Environment and inputs</summary>", ""] + _env_lines(r) + ["", "</details>"]
     cmd = r.get("command") or []
     if cmd:
-        parts += ["", "To reproduce:", "", "```sh", shlex.join(str(x) for x in cmd), "```"]
-    return "\n".join(parts) + "\n"
+        line = shlex.join(str(x) for x in cmd)
+        fence = "`" * max([3] + [len(run) + 1 for run in re.findall(r"`{3,}", line)])
+        parts += ["", "To reproduce:", "", f"{fence}sh", line, fence]
+    return printable_text("\n".join(parts) + "\n")

@@ -9,6 +9,11 @@
    unit, manual swap trials); the main screen's widgets draw it (`widgets/`).
 4. Actions are key bindings with ids (footer, help screen); the mouse works on tabs,
    the tree, the tables, the footer and dialog buttons.
+5. A report's strings are shown printable (`textsafe.printable_tree`: escape sequences
+   and line breaks escaped) and never read as markup (widgets draw `Text`); the report
+   as read (`source`) is what export writes. `preflight` draws every text the app would
+   draw from a report, so `bisect tui` refuses one it cannot show with one line, before
+   the app starts.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Static, TabbedContent, Tree
 from textual.worker import get_current_worker
 
-from numbisect.errors import NumbisectError
+from numbisect.errors import InputError, NumbisectError
 from numbisect.render import fmt
 from numbisect.report import load_report, write_json_atomic
+from numbisect.textsafe import clip, printable, printable_tree
 from numbisect.tui import model as M
 from numbisect.tui.live import Cancelled, LiveConfig, open_session, run_search, swap_trial
 from numbisect.tui.messages import BaselineReady, Progress, RunDone, SwapDone, TrialDone, WorkFailed
@@ -36,13 +42,59 @@ from numbisect.tui.screens.dialogs import ErrorScreen, PathScreen
 from numbisect.tui.screens.help import HelpScreen
 from numbisect.tui.screens.main import TABS, MainScreen
 from numbisect.tui.widgets.culprit import CulpritPanel
-from numbisect.tui.widgets.overview import OverviewPanel
-from numbisect.tui.widgets.token_view import TokenView
-from numbisect.tui.widgets.trials import TrialsPanel
-from numbisect.tui.widgets.unit_detail import UnitDetail
-from numbisect.tui.widgets.unit_tree import UnitTree
+from numbisect.tui.widgets.overview import OverviewPanel, overview_text
+from numbisect.tui.widgets.token_view import TokenView, strips_text, worst_text
+from numbisect.tui.widgets.trials import TrialsPanel, _log, role, trial_text
+from numbisect.tui.widgets.unit_detail import UnitDetail, detail_text
+from numbisect.tui.widgets.unit_tree import UnitTree, row_label
 
 LIVE_ACTIONS = {"run_search", "swap_unit", "swap_kind"}
+
+
+def _draw_all(r: dict, report_path: str | None) -> None:
+    """Every text the app draws from report `r` (already printable), once."""
+    M.verdict_line(r)
+    M.culprit_lines(r)
+    overview_text(r)
+    tol = float(r["threshold"].get("unit_tol") or 1e-2)
+    M.legend(tol)
+    culprits = M.culprit_names(r)
+    first = (r.get("first_divergence") or {}).get("above_tol")
+    M.visible_units(r, "")
+    rows = M.unit_rows(r)
+    trials = list(r.get("trials") or [])
+    for row in rows:
+        for view in ("propagated", "local"):
+            row_label(row, view, tol, culprits, first)
+        detail_text(r, row.name, "propagated", trials, [])
+    detail_text(r, "model", "propagated", trials, [])
+    detail_text(r, BisectApp._default_unit(r), "local", trials, [])
+    td = M.token_data(r, report_path)
+    td.scale()
+    for g in td.groups:
+        strips_text(td, g)
+        worst_text(td, g)
+    th = float(r["threshold"]["threshold"])
+    metric = r["threshold"]["metric"]
+    universe = M.candidate_universe(r)
+    for t in trials:
+        trial_text(t, th, metric)
+        role(t)
+        M.abbreviate(t["swapped"], universe, width=60)
+        M.value_mark(t["value"], th)
+        _log(t["value"], -12.0)
+
+
+def preflight(report: dict, report_path: str | None) -> None:
+    """Refuse, with one InputError line, a (schema-valid) report the TUI cannot draw:
+    every text the app would draw is drawn once here, before the app starts."""
+    try:
+        _draw_all(printable_tree(report), report_path)
+    except Exception as e:  # a report the readers do not handle: one line, not a traceback
+        if os.environ.get("NUMBISECT_DEBUG"):
+            raise
+        name = printable(clip(report_path or "report", 300))
+        raise InputError(f"{name}: the TUI cannot show this report ({type(e).__name__}: {printable(clip(e, 200))})") from None
 
 
 class BisectApp(App[int]):
@@ -73,15 +125,16 @@ class BisectApp(App[int]):
         super().__init__()
         if report is None and live is None:
             raise ValueError("BisectApp needs a report or a live configuration")
-        self.report = report
+        self.source = report  # the report as read or built: what export writes
+        self.report = printable_tree(report) if report is not None else None  # what is shown
         self.report_path = report_path
         self.live = live
         self.live_shown = live is not None  # the report shown is the live run's (not an opened file)
         self.final = report is not None  # the report is complete (exportable)
-        self.trials: list[dict] = list((report or {}).get("trials") or [])
+        self.trials: list[dict] = list((self.report or {}).get("trials") or [])
         self.view = "propagated"
         self.filter_text = ""
-        self.selected = self._default_unit(report)
+        self.selected = self._default_unit(self.report)
         self.manual: list[dict] = []
         self.session = None
         self.busy: str | None = None  # "search" or "swap" while a worker uses the engine
@@ -89,6 +142,7 @@ class BisectApp(App[int]):
         self.last_code: int | None = None
         self._session_lock = threading.Lock()
         self._quitting = False
+        self.failure: Exception | None = None  # an error that ended the app (see _handle_exception)
         self.main = MainScreen()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -104,14 +158,14 @@ class BisectApp(App[int]):
             if self.live.autostart:
                 self.action_run_search()
         else:
-            self.set_status(f"read-only report {self.report_path or ''}; ? for help")
+            self.set_status(printable(f"read-only report {self.report_path or ''}; ? for help"))
 
     def _set_titles(self) -> None:
         if self.live_shown and self.live is not None:
             spec = self.live.spec
             self.sub_title = f"live: {spec.ref} ({spec.ref_dtype}) vs {spec.engine} ({spec.engine_dtype})"
         else:
-            self.sub_title = f"report {self.report_path or ''}"
+            self.sub_title = printable(f"report {self.report_path or ''}")
 
     @staticmethod
     def _default_unit(report: dict | None) -> str:
@@ -122,13 +176,31 @@ class BisectApp(App[int]):
             return cul[0]["unit"]
         return (report.get("first_divergence") or {}).get("above_tol") or "model"
 
+    def _handle_exception(self, error: Exception) -> None:
+        """An error inside the app: remembered (`failure`) for `bisect tui` to report in one
+        line, instead of Textual's traceback; NUMBISECT_DEBUG=1 keeps the traceback."""
+        if os.environ.get("NUMBISECT_DEBUG"):
+            super()._handle_exception(error)
+            return
+        self._return_code = 1
+        if self._exception is None:
+            self._exception = error
+            self._exception_event.set()
+        self.failure = error
+        self._close_messages_no_wait()
+
+    def _show(self, report: dict) -> None:
+        """Make `report` the one shown (a printable copy) and the one exported (as is)."""
+        self.source = report
+        self.report = printable_tree(report)
+
     # -- drawing --------------------------------------------------------------------------
     def set_status(self, text: str) -> None:
         self.status = text
         t = Text()
         if self.busy:
             t.append(f"[{self.busy}] ", style="bold")
-        t.append(text)
+        t.append(printable(text))
         self.main.query_one("#status", Static).update(t)
 
     def _live_intro(self) -> str:
@@ -258,7 +330,7 @@ class BisectApp(App[int]):
         if not path:
             return
         try:
-            write_json_atomic(path, self.report)
+            write_json_atomic(path, self.source)
         except NumbisectError as e:
             self.push_screen(ErrorScreen("cannot export", e.message))
             return
@@ -266,7 +338,7 @@ class BisectApp(App[int]):
             self.push_screen(ErrorScreen("cannot export", f"cannot write {path}: {e.strerror or e}"))
             return
         self.set_status(f"report written to {path}")
-        self.notify(f"report written to {path}", markup=False)
+        self.notify(printable(f"report written to {path}"), markup=False)
 
     def action_open(self) -> None:
         if self.busy:
@@ -279,18 +351,20 @@ class BisectApp(App[int]):
             return
         try:
             r = load_report(path)
+            preflight(r, path)
         except NumbisectError as e:
             self.push_screen(ErrorScreen("cannot open report", e.message))
             return
         self.open_report(r, path)
 
     def open_report(self, r: dict, path: str) -> None:
-        self.report, self.report_path = r, path
+        self._show(r)
+        self.report_path = path
         self.live_shown = False
         self.final = True
-        self.trials = list(r.get("trials") or [])
+        self.trials = list(self.report.get("trials") or [])
         self.manual = []
-        self.selected = self._default_unit(r)
+        self.selected = self._default_unit(self.report)
         self._set_titles()
         self.refresh_all()
         self.refresh_bindings()
@@ -416,37 +490,39 @@ class BisectApp(App[int]):
     def on_baseline_ready(self, msg: BaselineReady) -> None:
         if not self.live_shown:
             return
-        self.report = msg.report
+        self._show(msg.report)
         self.final = False
         if self.selected == "model":
-            self.selected = self._default_unit(msg.report)
+            self.selected = self._default_unit(self.report)
         self.refresh_all()
 
     def on_trial_done(self, msg: TrialDone) -> None:
         if not self.live_shown:
             return
-        self.trials.append(msg.trial)
-        self.main.query_one(TrialsPanel).add_trial(msg.trial)
+        trial = printable_tree(msg.trial)
+        self.trials.append(trial)
+        self.main.query_one(TrialsPanel).add_trial(trial)
         self.refresh_detail()
 
     def on_run_done(self, msg: RunDone) -> None:
         self._set_busy(None)
         if not self.live_shown:
             return
-        self.report = msg.report
+        self._show(msg.report)
+        r = self.report
         self.final = True
         self.last_code = msg.code
-        self.trials = list(msg.report.get("trials") or [])
-        self.selected = self._default_unit(msg.report) if self.selected in ("model", None) or msg.report.get("culprits") else self.selected
+        self.trials = list(r.get("trials") or [])
+        self.selected = self._default_unit(r) if self.selected in ("model", None) or r.get("culprits") else self.selected
         self.refresh_all()
-        s = msg.report.get("search") or {}
-        cul = ", ".join(c["unit"] for c in msg.report.get("culprits") or []) or "none"
+        s = r.get("search") or {}
+        cul = ", ".join(c["unit"] for c in r.get("culprits") or []) or "none"
         self.set_status(f"search done: {s.get('verdict')} ({s.get('trials_used')} trials); culprit: {cul}; e to export")
-        self.notify(f"search done: culprit {cul}" if msg.report.get("culprits") else f"search done: {s.get('verdict')}", markup=False)
+        self.notify(f"search done: culprit {cul}" if r.get("culprits") else f"search done: {s.get('verdict')}", markup=False)
 
     def on_swap_done(self, msg: SwapDone) -> None:
         self._set_busy(None)
-        res = msg.result
+        res = printable_tree(msg.result)
         self.manual.append(res)
         self.refresh_detail()
         words = M.metric_words(res["metric"])

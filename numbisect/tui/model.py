@@ -9,6 +9,11 @@
    the worst tokens of a group.
 
 Every verdict carries a word or a symbol, never only a colour.
+
+The app hands these functions a report whose strings are printable
+(`textsafe.printable_tree`); they accept any schema-valid report: numbers stored as
+"inf"/"nan" strings, optional fields absent or of an odd shape, unit parents that form
+a cycle.
 """
 
 from __future__ import annotations
@@ -41,15 +46,15 @@ def metric_words(metric: str) -> str:
 
 
 def _num(x) -> float | None:
-    """A report number (floats may be stored as "inf"/"nan" strings)."""
-    if x is None:
+    """A report number (floats may be stored as "inf"/"nan" strings); None for anything else."""
+    if x is None or isinstance(x, bool):
         return None
-    if isinstance(x, str):
+    if isinstance(x, (int, float, str)):
         try:
             return float(x)
-        except ValueError:
+        except (ValueError, OverflowError):
             return None
-    return float(x)
+    return None
 
 
 # -- verdict and culprit -------------------------------------------------------------------
@@ -60,8 +65,9 @@ def verdict_line(r: dict) -> tuple[str, str, str]:
     aligned = r["verdict"] == "aligned"
     mark, style = ("OK ALIGNED", "bold green") if aligned else ("!! DIVERGED", "bold red")
     ratio = ""
-    if th["threshold"] and b["value"] is not None:
-        x = b["value"] / th["threshold"]
+    t, v = _num(th["threshold"]), _num(b["value"])
+    if t and v is not None and math.isfinite(t) and math.isfinite(v):
+        x = v / t
         ratio = f" ({x:.0f}x)" if x >= 100 else f" ({x:.2g}x)"
     cmp_ = "<=" if aligned else ">"
     text = f"{metric_words(th['metric'])} {fmt(b['value'])} {cmp_} {fmt(th['threshold'])}{ratio}"
@@ -94,7 +100,8 @@ def culprit_lines(r: dict) -> list[tuple[str, str]]:
         return out
     sw = r.get("swap")
     if sw:
-        return [("bold" if sw.get("fixed") else "yellow", sw["lines"][0])]
+        lines = sw.get("lines") or [f"swap: {s.get('stop_reason')}"]
+        return [("bold" if sw.get("fixed") else "yellow", str(lines[0]))]
     verdict = s["verdict"]
     culprits = r.get("culprits") or []
     if verdict == "culprits" and culprits:
@@ -162,33 +169,44 @@ class UnitRow:
 def _units(r: dict) -> list[Unit]:
     out = []
     for i, u in enumerate(r.get("units") or []):
+        if u["name"] == "model":  # the tree's root: a unit of that name cannot be placed
+            continue
         out.append(Unit(u["name"], u["kind"], u.get("layer"), u.get("parent") or "model", i))
     return out
 
 
 def unit_rows(r: dict) -> list[UnitRow]:
-    """Depth-first rows: model > layers > attn / moe > router / experts, in execution order."""
-    by_name = {u["name"]: u for u in r.get("units") or []}
+    """Depth-first rows: model > layers > attn / moe > router / experts, in execution order.
+
+    Each unit shows once (the first entry of a repeated name); units whose parents form a
+    cycle, or that are not under the model, are not shown."""
+    by_name: dict[str, dict] = {}
+    for u in r.get("units") or []:
+        by_name.setdefault(u["name"], u)
     g = unit_graph(_units(r))
     rows: list[UnitRow] = []
-
-    def walk(name: str, parent: str, depth: int) -> None:
+    seen = {"model"}
+    stack = [(c, "model", 1) for c in reversed(children(g, "model"))]
+    while stack:  # iterative: a deep or cyclic containment cannot overflow the stack
+        name, parent, depth = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
         u = by_name.get(name)
         label = name[len(parent) + 1 :] if parent != "model" and name.startswith(parent + ".") else name
         rows.append(UnitRow(name, label, depth, u["kind"] if u else "model", u))
-        for c in children(g, name):
-            walk(c, name, depth + 1)
-
-    for c in children(g, "model"):
-        walk(c, "model", 1)
+        stack.extend((c, name, depth + 1) for c in reversed(children(g, name)) if c not in seen)
     return rows
 
 
 def ancestors(r: dict, name: str) -> list[str]:
-    parents = {u["name"]: u.get("parent") or "model" for u in r.get("units") or []}
-    out = []
+    """The units containing `name`, innermost first (a cycle of parents ends the list)."""
+    parents: dict[str, str] = {}
+    for u in r.get("units") or []:
+        parents.setdefault(u["name"], u.get("parent") or "model")
+    out: list[str] = []
     p = parents.get(name)
-    while p and p != "model":
+    while p and p != "model" and p != name and p not in out:
         out.append(p)
         p = parents.get(p)
     return out
@@ -245,9 +263,9 @@ def _compact(names) -> str:
     per_rest: dict[str, list[int]] = {}
     top: list[str] = []
     for name in names:
-        if name.startswith("layers."):
-            _, idx, *rest = name.split(".")
-            per_rest.setdefault(".".join(rest) or "layer", []).append(int(idx))
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[0] == "layers" and parts[1].isascii() and parts[1].isdigit() and len(parts[1]) < 10:
+            per_rest.setdefault(".".join(parts[2:]) or "layer", []).append(int(parts[1]))
         else:
             top.append(name)
     return " ".join([f"{k}[{_ranges(v)}]" for k, v in per_rest.items()] + top)
@@ -282,11 +300,12 @@ def abbreviate(swapped: list[str], universe: list[str] | None = None, width: int
     return text
 
 
-def value_mark(value, threshold: float) -> str:
-    v = _num(value)
-    if v is None or math.isnan(v):
+def value_mark(value, threshold) -> str:
+    """"fixed" when the value is at or under the threshold, "?" when either is not a number."""
+    v, t = _num(value), _num(threshold)
+    if v is None or t is None or math.isnan(v) or math.isnan(t):
         return "?"
-    return "fixed" if v <= threshold else ""
+    return "fixed" if v <= t else ""
 
 
 # -- tokens --------------------------------------------------------------------------------
@@ -323,13 +342,22 @@ class TokenData:
         f = flags[i][1:]
         return [bool(f[j]) if j < len(f) else False for j in range(n)]
 
+    def k3(self, i: int) -> list[float | None]:
+        """Sample i's per-token k3 as floats ("inf"/"nan" strings read as such; None kept)."""
+        return [_num(v) for v in self.per_sample[i]["k3"]]
+
     def values(self, i: int, group: str) -> list[float]:
-        return [v for v, m in zip(self.per_sample[i]["k3"], self.mask(i, group)) if m and v is not None]
+        return [v for v, m in zip(self.k3(i), self.mask(i, group)) if m and v is not None]
 
     def level(self, v: float) -> int:
-        """0..7 by decade around the threshold t: level L < t*10**(L-3); 7 is >= 1000 t."""
-        if v <= 0 or self.threshold <= 0:
+        """0..7 by decade around the threshold t: level L < t*10**(L-3); 7 is >= 1000 t
+        (and NaN, which is worse than any number)."""
+        if math.isnan(v):
+            return 7
+        if v <= 0 or not self.threshold > 0:
             return 0
+        if math.isinf(v) or math.isinf(self.threshold):
+            return 7 if math.isinf(v) else 0
         return max(0, min(7, math.floor(math.log10(v / self.threshold)) + 4))
 
     def scale(self) -> str:
@@ -340,11 +368,12 @@ class TokenData:
     def worst(self, group: str, k: int = 10) -> list[dict]:
         rows = []
         for i, ps in enumerate(self.per_sample):
-            for j, (v, m) in enumerate(zip(ps["k3"], self.mask(i, group))):
+            for j, (v, m) in enumerate(zip(self.k3(i), self.mask(i, group))):
                 if m and v is not None:
-                    tid = self.token_ids[i][j + 1] if self.token_ids and j + 1 < len(self.token_ids[i]) else None
+                    tid = self.token_ids[i][j + 1] if self.token_ids and i < len(self.token_ids) and j + 1 < len(self.token_ids[i]) else None
                     rows.append({"sample": ps["sample"], "position": j + 1, "token_id": tid, "value": v})
-        rows.sort(key=lambda d: (-d["value"], d["sample"], d["position"]))
+        # NaN first (worst), then by value
+        rows.sort(key=lambda d: (not math.isnan(d["value"]), -d["value"] if not math.isnan(d["value"]) else 0.0, d["sample"], d["position"]))
         return rows[:k]
 
 
@@ -354,13 +383,56 @@ def _resolve(path: str, report_path: str | None) -> Path | None:
     if report_path and not p.is_absolute():
         base = Path(report_path).resolve().parent
         cands += [base / p, base.parent / p, base.parent.parent / p]
-    return next((c for c in cands if c.is_file()), None)
+    for c in cands:
+        try:
+            if c.is_file():
+                return c
+        except (OSError, ValueError):  # a name the OS refuses (NUL, too long)
+            continue
+    return None
+
+
+def _flags_ok(flags, n: int) -> bool:
+    return isinstance(flags, list) and len(flags) == n and all(isinstance(f, int) and not isinstance(f, bool) for f in flags)
+
+
+def _trace_rows(data: bytes) -> list[dict] | None:
+    """The trace's JSONL rows (prompt_ids, completion_ids, groups), or None when they
+    are not ones the groups can be read from (another format, odd shapes)."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return None
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(row, dict):
+            return None
+        ids = [row.get("prompt_ids", []), row.get("completion_ids", [])]
+        if not all(isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x) for x in ids):
+            return None
+        groups = row.get("groups") or {}
+        n = len(ids[0]) + len(ids[1])
+        if not isinstance(groups, dict) or not all(isinstance(k, str) and _flags_ok(v, n) for k, v in groups.items()):
+            return None
+        rows.append(row)
+    return rows
 
 
 def token_data(r: dict, report_path: str | None = None) -> TokenData:
-    """The report's per-token k3; trace groups when the trace file (same sha256) is found."""
+    """The report's per-token k3; trace groups when the trace file (same sha256) is found
+    and is a JSONL trace whose groups cover every token (otherwise a note says why not)."""
+    from numbisect.errors import InputError
+    from numbisect.safeio import read_bytes
+    from numbisect.textsafe import printable
+
     b = r["baseline"]
-    td = TokenData(per_sample=b.get("per_sample") or [], threshold=float(r["threshold"]["threshold"]))
+    td = TokenData(per_sample=b.get("per_sample") or [], threshold=_num(r["threshold"]["threshold"]) or 0.0)
     tr = r["inputs"]["trace"]
     want = [g for g in tr.get("groups") or [] if g not in ("completion", "prompt", "all")]
     found = _resolve(tr["path"], report_path)
@@ -368,23 +440,24 @@ def token_data(r: dict, report_path: str | None = None) -> TokenData:
         if want:
             td.note = f"trace {tr['path']} not found: groups {', '.join(want)} unavailable"
         return td
-    data = found.read_bytes()
-    if hashlib.sha256(data).hexdigest() != tr.get("sha256"):
-        td.note = f"trace {found} differs from the one in the report: trace groups not shown"
+    where = printable(found)
+    try:
+        data = read_bytes(found, "trace")
+    except InputError as e:
+        td.note = printable(f"{e.message}: trace groups not shown")
         return td
-    rows = []
-    for line in data.decode("utf-8-sig").splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                td.note = f"trace {found}: unreadable line; trace groups not shown"
-                return td
+    if hashlib.sha256(data).hexdigest() != tr.get("sha256"):
+        td.note = f"trace {where} differs from the one in the report: trace groups not shown"
+        return td
+    rows = _trace_rows(data)
+    if rows is None:
+        td.note = f"trace {where}: not a JSONL trace with readable groups; trace groups not shown"
+        return td
     if len(rows) != len(td.per_sample):
         return td
     names = sorted({g for row in rows for g in (row.get("groups") or {})})
     ids = [list(row.get("prompt_ids", [])) + list(row.get("completion_ids", [])) for row in rows]
     td.token_ids = ids
     for g in names:
-        td.trace_groups[g] = [list((row.get("groups") or {}).get(g) or [0] * len(i)) for row, i in zip(rows, ids)]
+        td.trace_groups[printable(g)] = [list((row.get("groups") or {}).get(g) or [0] * len(i)) for row, i in zip(rows, ids)]
     return td

@@ -157,7 +157,7 @@ async def test_trials_table_and_sparkline_show_every_trial():
         trial = read(REPORT)["trials"][6]
         row = table.get_row_at(6)
         assert trial["swapped"] == ["layers.2.moe.experts"]
-        assert row[1] == "probe" and str(row[3]) == fmt(trial["value"]) and str(row[4]) == "fixed" and row[5] == "moe.experts[2]"
+        assert str(row[1]) == "probe" and str(row[3]) == fmt(trial["value"]) and str(row[4]) == "fixed" and str(row[5]) == "moe.experts[2]"
         await pilot.press("down")
         assert "trial 1 (all-swapped)" in text(app.main.query_one("#trial-detail", Static))
 

@@ -23,14 +23,16 @@ def overview_text(r: dict) -> Text:
     t.append(f"  judged on {M.metric_words(th['metric'])} of {th['group']} tokens, threshold {fmt(th['threshold'])}\n")
     if g:
         k3 = g["k3"]
+        t_num = M._num(th["threshold"])
         for key, label in (("mean", "k3 mean"), ("p99", "k3 p99 "), ("max", "k3 max ")):
             v = k3.get(key)
-            over = v is not None and v > th["threshold"]
+            v_num = M._num(v)
+            over = v_num is not None and t_num is not None and (v_num > t_num or v_num != v_num)  # NaN counts as over
             sym = ">" if over else "<="
             t.append(f"  {label} {fmt(v):>10}  {sym} {fmt(th['threshold'])}  ")
             t.append("over\n" if over else "under\n", style="red" if over else "green")
         if g.get("kl"):
-            t.append(f"  KL mean {fmt(g['kl']['mean']):>10}   top-1 agreement {pct(g.get('top1_agree'))}\n")
+            t.append(f"  KL mean {fmt(g['kl'].get('mean')):>10}   top-1 agreement {pct(g.get('top1_agree'))}\n")
     c = b.get("rl_cost")
     if c:
         tt = c["thresholds"]

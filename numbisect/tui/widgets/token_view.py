@@ -27,11 +27,11 @@ def strips_text(td: M.TokenData, group: str) -> Text:
     for i, ps in enumerate(td.per_sample):
         vals = td.values(i, group)
         mean = sum(vals) / len(vals) if vals else None
-        over = mean is not None and mean > td.threshold
+        over = mean is not None and (mean > td.threshold or mean != mean)  # NaN counts as over
         t.append(f"#{ps['sample']:<3}", style="bold")
         t.append(f"{fmt(mean):>9}{'!' if over else ' '} ", style="red" if over else "")
         only_group = group in ("completion", "prompt")  # the other part would be all `·`
-        for j, (v, m) in enumerate(zip(ps["k3"], td.mask(i, group))):
+        for j, (v, m) in enumerate(zip(td.k3(i), td.mask(i, group))):
             if only_group and not m:
                 continue
             if j + 1 == ps["prompt_len"] and not only_group:
@@ -50,7 +50,7 @@ def worst_text(td: M.TokenData, group: str, k: int = 10) -> Text:
     t.append(f"worst {group} tokens\n", style="bold")
     t.append(f"{'smp':>4}{'pos':>5}{'id':>5}{'k3':>10}\n", style="dim")
     for w in td.worst(group, k):
-        over = w["value"] > td.threshold
+        over = w["value"] > td.threshold or w["value"] != w["value"]
         tid = "-" if w["token_id"] is None else str(w["token_id"])
         t.append(f"{w['sample']:>4}{w['position']:>5}{tid:>5}{fmt(w['value']):>10}")
         t.append(" !\n" if over else "\n", style="red" if over else "")
@@ -88,7 +88,7 @@ class TokenView(Vertical):
         if self.group not in data.groups:
             self.group = "completion"
         with sel.prevent(Select.Changed):
-            sel.set_options([(g, g) for g in data.groups])
+            sel.set_options([(Text(g), g) for g in data.groups])  # Text: a group name is not markup
             sel.value = self.group
         self.query_one("#token-note", Static).update(Text(data.note, style="dim"))
         self.query_one("#token-legend", Static).update(Text(data.scale(), style="dim"))

@@ -16,25 +16,32 @@ from numbisect.tui import model as M
 COLUMNS = ("#", "role", "n", "value", "", "swapped")
 
 
+def role(t: dict) -> str:
+    """A trial's role (absent in some reports: "-")."""
+    return str(t.get("role") or "-")
+
+
 def _log(v, floor: float) -> float:
     """log10 of a value, floored (0 and 1000x under the threshold draw the same)."""
     x = M._num(v)
     if x is None or math.isnan(x) or x <= 0:
         return floor
-    return max(floor, math.log10(x))
+    return max(floor, math.log10(min(x, 1e300)))  # inf draws as the largest float
 
 
 def trial_text(t: dict, threshold: float, metric: str) -> Text:
     """One trial in full: every swapped unit and each group's numbers."""
     out = Text()
     fixed = M.value_mark(t["value"], threshold) == "fixed"
-    out.append(f"trial {t['index']} ({t['role']})\n", style="bold")
+    out.append(f"trial {t['index']} ({role(t)})\n", style="bold")
     out.append(f"{metric} {fmt(t['value'])} ", style="green" if fixed else "red")
     out.append("<= threshold: fixed\n" if fixed else "> threshold\n")
-    groups = (t.get("metrics") or {}).get("groups") or {}
+    metrics = t.get("metrics") if isinstance(t.get("metrics"), dict) else {}
+    groups = metrics.get("groups") if isinstance(metrics.get("groups"), dict) else {}
     for g, v in groups.items():
+        v = v if isinstance(v, dict) else {}
         out.append(f"  {g:<11} k3 mean {fmt(v.get('k3_mean')):>9}  p99 {fmt(v.get('k3_p99')):>9}\n")
-    rej = (t.get("metrics") or {}).get("seq_frac_rejected")
+    rej = M._num(metrics.get("seq_frac_rejected"))
     if rej is not None:
         out.append(f"  sequences rejected {100 * rej:.1f}%\n")
     out.append(f"swapped ({len(t['swapped'])}):\n", style="bold")
@@ -74,13 +81,13 @@ class TrialsPanel(Vertical):
         self.trials.append(t)
         fixed = M.value_mark(t["value"], self.threshold)
         self.query_one(DataTable).add_row(
-            str(t["index"]),
-            t["role"],
-            str(len(t["swapped"])),
+            Text(str(t["index"])),
+            Text(role(t)),  # Text, not str: a DataTable reads a str cell as markup
+            Text(str(len(t["swapped"]))),
             Text(fmt(t["value"]), style="green" if fixed == "fixed" else "red"),
             Text(fixed, style="green"),
-            M.abbreviate(t["swapped"], self.universe, width=60),
-            key=str(t["index"]),
+            Text(M.abbreviate(t["swapped"], self.universe, width=60)),
+            key=f"{len(self.trials) - 1}",
         )
         if redraw:
             self._redraw()
@@ -88,13 +95,14 @@ class TrialsPanel(Vertical):
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         key = event.row_key.value if event.row_key is not None else None
-        t = next((t for t in self.trials if str(t["index"]) == key), None)
+        # rows are keyed by their position: a report may repeat a trial index
+        t = self.trials[int(key)] if key is not None and key.isdigit() and int(key) < len(self.trials) else None
         self.query_one("#trial-detail", Static).update(trial_text(t, self.threshold, self.metric) if t else "")
 
     def _redraw(self) -> None:
         spark = self.query_one(Sparkline)
         spark.styles.width = max(12, 4 * len(self.trials))
-        floor = math.log10(self.threshold) - 3 if self.threshold > 0 else -12.0
+        floor = math.log10(self.threshold) - 3 if 0 < self.threshold < math.inf else -12.0
         spark.data = [_log(t["value"], floor) for t in self.trials]
         spark.display = bool(self.trials)
         n_fixed = sum(1 for t in self.trials if M.value_mark(t["value"], self.threshold) == "fixed")
