@@ -29,6 +29,7 @@ For each culprit the search named:
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from torch import nn
@@ -196,7 +197,7 @@ def forward(session, whatif: str | None, unit, others: list[str]):
 def verdict(before: float, after: float, threshold: float) -> str:
     if after <= threshold < before:
         return "fixes"
-    if after <= 0.5 * before:
+    if math.isfinite(after) and after <= 0.5 * before:  # inf -> inf is no help
         return "helps"
     return "no_help"
 

@@ -139,7 +139,7 @@ def test_floor_file_for_another_model_trace_or_dtype_is_refused(floor_files, cap
         (same_model + ["--trace", short_trace("qwen3_moe", 3), "--floor", str(floor_files["bfloat16"])], "calibrated on another trace"),
         (same_model + ["--trace", T, "--ref-dtype", "float32", "--floor", str(floor_files["bfloat16"])], "calibrated in bfloat16"),
         (same_model + ["--trace", T, "--floor", str(bad)], "not a numbisect floor file"),
-        (same_model + ["--trace", T, "--floor", str(tmp_path / "missing.json")], "cannot read floor file"),
+        (same_model + ["--trace", T, "--floor", str(tmp_path / "missing.json")], "floor file not found"),
     ]
     for args, msg in cases:
         out = tmp_path / "r.json"

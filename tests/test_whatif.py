@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import json
 
 import pytest
@@ -152,3 +153,13 @@ def test_on_vllm_a_noise_fault_the_fp32_unit_cannot_keep_is_named():
     assert w["fp32 unit"]["faults_not_carried"] == [spec] and "not carried over" in w["fp32 unit"]["line"]
     assert w["fp32 weighted sum"]["faults_not_carried"] == []  # the engine's own (noisy) experts
     assert w["fp32 weighted sum"]["value"] > 0.5 * w["fp32 weighted sum"]["before"]
+
+
+def test_a_whatif_that_leaves_an_infinite_metric_infinite_does_not_help():
+    """A NaN fault makes the metric inf; inf -> inf must not read as "helps" (inf <= inf/2)."""
+    from numbisect.whatif import verdict
+
+    assert verdict(math.inf, math.inf, 1e-3) == "no_help"
+    assert verdict(math.inf, math.nan, 1e-3) == "no_help"
+    assert verdict(math.inf, 1.0, 1e-3) == "helps"
+    assert verdict(math.inf, 1e-4, 1e-3) == "fixes"
