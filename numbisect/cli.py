@@ -333,6 +333,8 @@ def calibrate(**kw):
     from numbisect.report import write_json_atomic
 
     _check_out(kw)
+    if kw["batch_size"] < 2:  # before the reference loads
+        raise InputError("--batch-size must be at least 2 (the reference runs one sample at a time)")
     with Progress(kw["quiet"]) as say:
         doc = do_calibrate(kw["ref"], kw["trace"], dtype=kw["ref_dtype"], ref_opts=parse_opts(kw["ref_opt"], "--ref-opt"),
                            variants=kw["variants"], dtype_variant=kw["dtype_variant"], batch_size=kw["batch_size"], progress=say,

@@ -104,3 +104,12 @@ def test_bad_numbers_for_path_options(tmp_path, opt, value):
     lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("bisect: error: "), err.getvalue()
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "1", "-3"])
+def test_calibrate_batch_size_under_two_is_refused_before_the_reference_loads(value):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main(["calibrate", "--ref", f"hf:{MODEL}", "--trace", trace_path("qwen3_moe"), "-q", "--batch-size", value])
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    assert rc == 2 and lines == ["bisect: error: --batch-size must be at least 2 (the reference runs one sample at a time)"]
