@@ -21,28 +21,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 
 from numbisect import metrics as M
+from numbisect.arch.base import RouterSpec  # defined with the architecture maps (pure data)
 
 MAX_FLIPS_LISTED = 50  # flips listed per layer in the report (the count is always complete)
-
-
-@dataclass(frozen=True)
-class RouterSpec:
-    top_k: int  # experts chosen per token
-    num_experts: int  # routed experts
-    scoring: str  # "softmax" or "sigmoid": how logits become scores
-    norm_topk: bool  # chosen weights renormalised to sum to 1
-    n_group: int = 1  # expert groups (GLM): only the best topk_group groups are eligible
-    topk_group: int = 1
-    scaling: float = 1.0  # routed_scaling_factor applied to the weights
-    biased: bool = False  # e_score_correction_bias added to the scores for the choice only
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def router_spec(config) -> RouterSpec | None:

@@ -5,9 +5,8 @@ block adds the shared expert's output to the routed sum. vLLM: `mlp.gate` is a
 GateLinear; FusedMoE `mlp.experts` runs routing, the routed sum and the shared expert.
 """
 
-from numbisect.arch import ArchMap
+from numbisect.arch.base import ArchMap, RouterSpec
 from numbisect.arch.qwen3_moe import ARCH as _QWEN
-from numbisect.routing import RouterSpec
 
 
 def _router(c) -> RouterSpec:

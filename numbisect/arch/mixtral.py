@@ -3,9 +3,8 @@
 transformers names the block `mlp`; vLLM names it `block_sparse_moe`.
 """
 
-from numbisect.arch import ArchMap
+from numbisect.arch.base import ArchMap, RouterSpec
 from numbisect.arch.qwen3_moe import ARCH as _QWEN
-from numbisect.routing import RouterSpec
 
 _VLLM_BLOCK = "model.layers.{i}.block_sparse_moe"
 

@@ -1,6 +1,6 @@
 """Dense Qwen3 (Qwen3ForCausalLM): the same layer as Qwen3-MoE with a dense MLP."""
 
-from numbisect.arch import ArchMap
+from numbisect.arch.base import ArchMap
 from numbisect.arch.qwen3_moe import ARCH as _MOE
 
 ARCH = ArchMap(

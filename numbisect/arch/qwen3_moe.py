@@ -6,8 +6,7 @@ returning (logits, bias); top-k, renormalisation and the weighted sum run inside
 `mlp.experts` (FusedMoE).
 """
 
-from numbisect.arch import ArchMap
-from numbisect.routing import RouterSpec
+from numbisect.arch.base import ArchMap, RouterSpec
 
 
 def _ffn_kind(config, i: int) -> str:

