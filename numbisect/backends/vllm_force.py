@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-from numbisect.backends.vllm import FORCE_KEY
+FORCE_KEY = "numbisect_force_ids"  # the SamplingParams.extra_args key a request opts in with
 
 
 class ForceTokens(AdapterLogitsProcessor):

@@ -35,6 +35,7 @@ import os
 import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, register
+from numbisect.backends.options import check_opts
 from numbisect.backends.vllm import _canonical_output, _wrap_routed, bad_input, import_vllm, quiet_stderr
 from numbisect.errors import BackendError
 from numbisect.swap import SwapSpec, _patch, apply_swap_spec, expand, undo_swap_spec
@@ -185,8 +186,6 @@ class VLLMTPBackend(Backend):
     remote = True  # the session plants faults and swaps through `prepare` / `undo`
 
     def __init__(self, path: str, dtype: str = "bfloat16", tensor_parallel_size: int = 2, **engine_opts):
-        from numbisect.compare import check_opts
-
         check_opts("vllm", {**engine_opts, "tensor_parallel_size": tensor_parallel_size}, "--engine-opt")
         super().__init__(path, dtype)
         self.tp = tensor_parallel_size
