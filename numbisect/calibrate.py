@@ -25,7 +25,7 @@ import torch
 from numbisect import compare as C
 from numbisect.backends.base import load_config, parse_dtype
 from numbisect.errors import InputError
-from numbisect.render import fmt
+from numbisect.formatting import fmt
 from numbisect.trace import check_vocab
 
 FLOOR_VERSION = 1

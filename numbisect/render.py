@@ -9,33 +9,8 @@ hostile report cannot drive the terminal or forge a line.
 
 from __future__ import annotations
 
+from numbisect.formatting import fmt, pct  # noqa: F401  (re-exported: numbisect.render.fmt)
 from numbisect.textsafe import clip, printable, printable_text, printable_tree
-
-
-def fmt(x, digits: int = 2) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, str):
-        return printable(x)
-    if isinstance(x, bool) or not isinstance(x, (int, float)):  # a hostile report's value, shown as it is
-        return printable(x)
-    if x == 0:
-        return "0"
-    try:
-        return f"{x:.{digits}e}" if abs(x) < 1e-2 or abs(x) >= 1e4 else f"{x:.{digits + 2}g}"
-    except OverflowError:  # an integer too large for a float
-        return printable(clip(x, 40))
-
-
-def pct(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return printable(clip(x, 40))
-    try:
-        return f"{100 * x:.1f}%"
-    except OverflowError:
-        return printable(clip(x, 40))
 
 
 def header(r: dict) -> list[str]:
@@ -176,7 +151,7 @@ def render(r: dict) -> str:
     if rl:
         parts += [""] + rl
     parts += worst_lines(b)
-    from numbisect.decode import render_lines as decode_lines
+    from numbisect.decode_render import render_lines as decode_lines
 
     dl = decode_lines(r)
     if dl:

@@ -527,7 +527,7 @@ def markdown(r: dict) -> str:
     rl = _rl_line(r)
     if rl:
         parts += ["", rl]
-    from numbisect.decode import markdown_lines as decode_md
+    from numbisect.decode_render import markdown_lines as decode_md
 
     parts += decode_md(r)
     parts += ["", "<details><summary>Environment and inputs</summary>", ""] + _env_lines(r) + ["", "</details>"]

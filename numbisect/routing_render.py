@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from numbisect.render import fmt, pct
+from numbisect.formatting import fmt, pct
 
 
 def number(x):

@@ -18,7 +18,7 @@ from pathlib import Path
 from numbisect import decode as D
 from numbisect import search as S
 from numbisect.errors import BackendError, ExitCode, InputError
-from numbisect.render import fmt
+from numbisect.formatting import fmt
 from numbisect.swap import units_of_kinds
 from numbisect.units import unit_graph
 

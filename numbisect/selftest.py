@@ -32,7 +32,7 @@ from numbisect.compare import Settings, parse_spec, sanitize
 from numbisect.errors import InputError
 from numbisect.faults import KINDS as FAULT_UNIT_KINDS
 from numbisect.faults import check_fault, parse_fault
-from numbisect.render import fmt
+from numbisect.formatting import fmt
 from numbisect.units import children, unit_graph
 
 SELFTEST_VERSION = 1

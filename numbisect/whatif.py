@@ -36,7 +36,7 @@ from torch import nn
 
 from numbisect import compare as C
 from numbisect.faults import apply_faults
-from numbisect.render import fmt
+from numbisect.formatting import fmt
 from numbisect.swap import CastAdapter, _patch, apply_swaps, run_shared_experts, unpatch
 
 PRECISION_FAULTS = ("moe_combine", "router_logits", "rmsnorm_no_upcast")

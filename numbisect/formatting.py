@@ -1,0 +1,37 @@
+"""Numbers as report text: `fmt` (a metric, 2 significant digits in e-notation when small
+or large) and `pct` (a fraction as a percentage). A value that is not a number (a hostile
+report's) is shown printable, as it is.
+
+Torch-free and UI-free: the text reports (render, reporttools, routing_render,
+decode_render), the TUI and the core's progress lines all import these.
+"""
+
+from __future__ import annotations
+
+from numbisect.textsafe import clip, printable
+
+
+def fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return printable(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float)):  # a hostile report's value, shown as it is
+        return printable(x)
+    if x == 0:
+        return "0"
+    try:
+        return f"{x:.{digits}e}" if abs(x) < 1e-2 or abs(x) >= 1e4 else f"{x:.{digits + 2}g}"
+    except OverflowError:  # an integer too large for a float
+        return printable(clip(x, 40))
+
+
+def pct(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return printable(clip(x, 40))
+    try:
+        return f"{100 * x:.1f}%"
+    except OverflowError:
+        return printable(clip(x, 40))
