@@ -237,7 +237,8 @@ def _check_new_log(log: str, resume: str | None) -> None:
 @click.option("--local/--no-local", default=True, show_default=True, help="Also feed each engine unit the reference's input (local error).")
 def compare(**kw):
     """Run the trace through both models: k3, KL, RL cost and per-unit divergence."""
-    from numbisect.report import command_line, new_report
+    from numbisect.provenance import new_report
+    from numbisect.report import command_line
     from numbisect.session import Session
 
     _check_out(kw)
@@ -268,7 +269,8 @@ def compare(**kw):
               help="RAM for the layer outputs prefix reuse keeps across trials; over it, older recordings are dropped [default: 4096].")
 def run(**kw):
     """Swap reference modules into the engine and search for the culprit units."""
-    from numbisect.report import command_line, new_report
+    from numbisect.provenance import new_report
+    from numbisect.report import command_line
     from numbisect.run import run as do_run
     from numbisect.session import Session
 
@@ -378,7 +380,7 @@ def report_validate(file):
 @click.option("--json", "as_json", is_flag=True, help="Print the diff as JSON on stdout instead of text.")
 def report_diff(before, after, as_json):
     """Did the fix work? Compare report BEFORE with AFTER; exit 0 when AFTER is aligned, 1 otherwise."""
-    from numbisect.compare import sanitize
+    from numbisect.jsonsafe import sanitize
     from numbisect.report import load_report
     from numbisect.reporttools import diff, render_diff
 

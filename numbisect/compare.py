@@ -26,6 +26,7 @@ from numbisect import metrics as M
 from numbisect.backends.base import Backend, ForwardResult, check_checkpoint
 from numbisect.backends.options import HF_OPTS, VLLM_INTS, VLLM_RESERVED, check_opts, parse_opts  # noqa: F401  (re-exported)
 from numbisect.errors import InputError
+from numbisect.jsonsafe import sanitize  # noqa: F401  (re-exported: numbisect.compare.sanitize)
 from numbisect.trace import Sample, Trace
 
 METRICS = ("k3-mean", "k3-p99", "kl-mean")
@@ -343,23 +344,3 @@ def local_feed_names(backend: Backend) -> list[str]:
 
 def env_threads() -> int:
     return torch.get_num_threads()
-
-
-def sanitize(obj):
-    """JSON-safe: inf/nan floats become strings, tuples lists."""
-    if isinstance(obj, float):
-        if math.isnan(obj):
-            return "nan"
-        if math.isinf(obj):
-            return "inf" if obj > 0 else "-inf"
-        return obj
-    if isinstance(obj, dict):
-        return {str(k): sanitize(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [sanitize(v) for v in obj]
-    return obj
-
-
-def environ_flags() -> dict:
-    keys = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG")
-    return {k: os.environ[k] for k in keys if k in os.environ}

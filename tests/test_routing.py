@@ -13,7 +13,8 @@ import torch
 from conftest import hf, model_dir, session, trace_path
 from numbisect import routing as R
 from numbisect.cli import main
-from numbisect.report import new_report, validate
+from numbisect.provenance import new_report
+from numbisect.report import validate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAULT = "output_noise=0.3@layers.1.moe.router"

@@ -55,7 +55,7 @@ def open_session(cfg: LiveConfig, progress: Callable[[str], None]):
 
 def report_of(session, cfg: LiveConfig, body: dict) -> dict:
     """The report `bisect run` writes for this body."""
-    from numbisect.report import new_report
+    from numbisect.provenance import new_report
 
     return new_report("run", cfg.argv, session.inputs(), cfg.settings.to_dict(), body)
 
