@@ -101,3 +101,13 @@ def test_every_fixture_architecture_has_a_map(name):
     assert b.arch.name == name
     for u in b.units:
         assert b.module(u.name) is not None
+
+
+def test_an_unknown_backend_name_is_refused_naming_the_known_ones():
+    from numbisect.backends import BACKENDS, open_backend
+    from numbisect.errors import InputError
+
+    with pytest.raises(InputError) as e:
+        open_backend("sglang", model_dir("qwen3_moe"), "bfloat16", {})
+    assert e.value.message == f"unknown backend 'sglang'; known: {', '.join(BACKENDS)}"
+    assert set(BACKENDS) >= {"hf", "vllm"}
