@@ -34,11 +34,14 @@ MAX_DIFF_UNITS = 25  # unit rows shown by render_diff before the rest are summar
 
 # -- small helpers ----------------------------------------------------------------------------
 def num(x) -> float | None:
-    """A report number as a float: None stays None, "inf"/"-inf"/"nan" become floats."""
+    """A report number as a float: None stays None, "inf"/"-inf"/"nan" become floats (and
+    an integer too large for a float becomes an infinity); anything else is None."""
     if x is None or isinstance(x, bool):
         return None
-    if isinstance(x, (int, float)):
-        return float(x)
+    if isinstance(x, int):
+        return float(x) if abs(x) < 2**1023 else (math.inf if x > 0 else -math.inf)
+    if isinstance(x, float):
+        return x
     if isinstance(x, str):
         try:
             return float(x)
