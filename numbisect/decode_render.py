@@ -3,7 +3,7 @@ numbisect.decode computes the section). Torch-free, for `bisect report show` and
 
 from __future__ import annotations
 
-from numbisect.formatting import fmt
+from numbisect.formatting import fmt, num
 
 
 def render_lines(r: dict) -> list[str]:
@@ -29,9 +29,9 @@ def render_lines(r: dict) -> list[str]:
         f"{100 * lp.get('frac_equal', 0):.1f}% of {lp.get('tokens', 0)} completion tokens; first unit not bitwise equal: "
         f"{fu.get('bitwise') or 'none'}",
     ]
-    dec = ((em.get("decode_vs_reference") or {}).get("value"))
-    pre = ((em.get("prefill_vs_reference") or {}).get("value"))
-    own = dvp.get("value")
+    dec = num((em.get("decode_vs_reference") or {}).get("value"))
+    pre = num((em.get("prefill_vs_reference") or {}).get("value"))
+    own = num(dvp.get("value"))
     if dec is not None and pre is not None and own is not None:
         out.append("  " + _attribution(dec, pre, own, metric))
     if ns.get("units"):

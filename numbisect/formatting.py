@@ -8,6 +8,8 @@ decode_render), the TUI and the core's progress lines all import these.
 
 from __future__ import annotations
 
+import math
+
 from numbisect.textsafe import clip, printable
 
 
@@ -35,3 +37,20 @@ def pct(x) -> str:
         return f"{100 * x:.1f}%"
     except OverflowError:
         return printable(clip(x, 40))
+
+
+def num(x) -> float | None:
+    """A report number as a float: None stays None, "inf"/"-inf"/"nan" become floats (and
+    an integer too large for a float becomes an infinity); anything else is None."""
+    if x is None or isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return float(x) if abs(x) < 2**1023 else (math.inf if x > 0 else -math.inf)
+    if isinstance(x, float):
+        return x
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return None

@@ -26,6 +26,7 @@ import math
 import re
 import shlex
 
+from numbisect.formatting import num  # noqa: F401  (re-exported: numbisect.reporttools.num)
 from numbisect.render import fmt, pct
 from numbisect.textsafe import md_code, md_text, printable, printable_text, printable_tree
 
@@ -33,20 +34,6 @@ MAX_DIFF_UNITS = 25  # unit rows shown by render_diff before the rest are summar
 
 
 # -- small helpers ----------------------------------------------------------------------------
-def num(x) -> float | None:
-    """A report number as a float: None stays None, "inf"/"-inf"/"nan" become floats."""
-    if x is None or isinstance(x, bool):
-        return None
-    if isinstance(x, (int, float)):
-        return float(x)
-    if isinstance(x, str):
-        try:
-            return float(x)
-        except ValueError:
-            return None
-    return None
-
-
 def _delta(before, after) -> float | None:
     a, b = num(before), num(after)
     if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):

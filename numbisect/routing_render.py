@@ -8,8 +8,8 @@ from numbisect.formatting import fmt, pct
 def number(x):
     """A report number (non-finite floats are stored as strings); None when absent."""
     try:
-        return None if x is None else float(x)
-    except (TypeError, ValueError):
+        return None if x is None or isinstance(x, bool) else float(x)
+    except (TypeError, ValueError, OverflowError):
         return None
 
 

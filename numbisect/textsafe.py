@@ -10,8 +10,9 @@ shows a report's string goes through here:
    overrides and isolates, and lone surrogates are shown escaped (`\\x1b`, `\\n`,
    `\\u202e`, `\\ud800`); everything else is kept as it is.
 2. `printable_text(text)`: the same for a whole multi-line output, keeping newline and tab.
-3. `printable_tree(obj)`: a copy of a report (dict/list nesting) with every string, keys
-   included, made `printable`; numbers, booleans and None unchanged.
+3. `printable_tree(obj)`: a report (dict/list nesting) with every string, keys included,
+   made `printable`; numbers, booleans and None unchanged. A copy where a string changes;
+   the object itself when none does (readers must not modify it).
 4. `md_text(s)` and `md_code(s)`: a string as Markdown text (markup characters
    backslash-escaped) or as an inline code span; with `table=True` a `|` cannot end the
    table cell.
@@ -22,6 +23,7 @@ No torch, no textual: `bisect report ...` imports this.
 
 from __future__ import annotations
 
+import json
 import re
 
 # C0 (incl. \n \t), DEL, C1, line/paragraph separators, bidi embeddings/overrides/isolates
@@ -35,6 +37,9 @@ _NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
 # An underscore between two letters or digits starts no emphasis (CommonMark): kept, so
 # names such as qwen3_moe read as they are.
 _MD_RE = re.compile(r"([\\`*\[\]<>&|~]|(?<![^\W_])_|_(?![^\W_]))")
+
+
+_PLAIN = (int, float, bool, type(None))  # exact types left as they are by printable_tree
 
 
 def _escape(m: re.Match) -> str:
@@ -56,20 +61,36 @@ def printable_text(text: str) -> str:
     return _UNSAFE_TEXT_RE.sub(_escape, text)
 
 
+# What an unsafe character looks like in json.dumps(..., ensure_ascii=True) output: every
+# character outside ASCII or under 0x20 is written \uXXXX (a string that holds the text
+# "\u001b" is written "\\u001b" and only costs the full walk).
+_UNSAFE_JSON_RE = re.compile(r"\\([nrtbf]|u(00[01][0-9a-f]|007f|00[89][0-9a-f]|202[89a-e]|200[ef]|206[6-9]|d[89a-f][0-9a-f]{2}))")
+
+
 def printable_tree(obj):
-    """A copy of a JSON-like object with every string (and dict key) made `printable`.
+    """`obj` (JSON-like) with every string (and dict key) made `printable`: the object
+    itself when no string needs it (one C-speed scan of its JSON), else a copy.
 
     Reports reach here after `load_report`, which refuses nesting deeper than it allows,
     so the recursion is bounded.
     """
+    try:
+        if not _UNSAFE_JSON_RE.search(json.dumps(obj)):
+            return obj
+    except (TypeError, ValueError, RecursionError):  # not plain JSON data: walk it
+        pass
+    return _printable_walk(obj)
+
+
+def _printable_walk(obj):
     if isinstance(obj, str):
         return printable(obj)
     if isinstance(obj, dict):
-        return {(printable(k) if isinstance(k, str) else k): printable_tree(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [printable_tree(v) for v in obj]
+        return {(printable(k) if isinstance(k, str) else k): (v if type(v) in _PLAIN else _printable_walk(v)) for k, v in obj.items()}
+    if isinstance(obj, list):  # long lists of numbers (per-token k3) copied without a call per item
+        return [v if type(v) in _PLAIN else _printable_walk(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(printable_tree(v) for v in obj)
+        return tuple(_printable_walk(v) for v in obj)
     return obj
 
 

@@ -41,6 +41,66 @@ BASES = {
     "compare_hf": ROOT / "tests" / "data" / "report_compare_hf.json",
 }
 BASE = {k: json.loads(p.read_text()) for k, p in BASES.items()}
+
+
+def _every_section() -> dict:
+    """The run report with every optional section the tool writes (shapes copied from real
+    runs of the qwen3_moe fixture: decode mode, routing with replay, a floor threshold, a
+    precision what-if, a failed post-search step), so the generated cases reach their readers."""
+    r = copy.deepcopy(BASE["run"])
+    r["threshold"]["threshold_origin"] = {"source": "file", "file": "floor.json", "factor": 2.0, "floor": 0.0005, "variants": ["batch", "attn"]}
+    r["culprits"][0]["precision"] = {"suggested": "accumulate the expert weighted sum in fp32", "whatifs": [
+        {"whatif": "fp32 weighted sum", "fix": "accumulate in fp32", "metric": "k3-mean", "before": 0.005, "value": 1e-5, "k3_mean": 1e-5,
+         "verdict": "fixes", "line": "k3-mean 5.08e-03 -> 1.00e-05: fixes", "replaced_faults": [], "faults_not_carried": [], "threshold": 0.001}]}
+    r["post_search_errors"] = [{"step": "whatif", "unit": "layers.2.moe.experts", "error": "RuntimeError: out of memory"}]
+    flip = {"sample": 2, "position": 6, "token_id": 141, "completion": False, "ref_experts": [3, 7], "engine_experts": [6, 7],
+            "ref_margin": 0.0008, "engine_margin": 0.0043, "logit_max_abs": 0.0234}
+    rpass = {"tokens": 690, "agree_frac": 0.97, "flipped": 19, "completion_tokens": 429, "completion_agree_frac": 0.98,
+             "logit_error": {"rel_l2": 0.033, "max_abs": 0.14, "mean_abs": 0.016, "cosine": 0.9995}, "margin_p50_all": 0.023,
+             "margin_p50_flipped": 0.0013, "flips": [flip]}
+    r["routing"] = {"spec": {"top_k": 2, "num_experts": 8, "scoring": "softmax", "norm_topk": True}, "source": "hooked router",
+                    "layers": [{"unit": f"layers.{i}.moe.router", "layer": i, "propagated": copy.deepcopy(rpass), "local": copy.deepcopy(rpass)}
+                               for i in range(2)]}
+    r["routing_replay"] = {"direction": "ref", "replayed_on": "engine", "weights": "own router", "metric": "k3-mean", "group": "completion",
+                           "baseline": 3.6e-05, "replayed": 3.59e-05, "from_flips": -2.5e-07, "from_drift": 3.59e-05,
+                           "groups_replayed": {"completion": 3.59e-05}, "groups_baseline": {"completion": 3.6e-05},
+                           "tokens_replaced": {"layers.1.moe.router": 19},
+                           "layers": [{"unit": f"layers.{i}.moe.router", "layer": i, "flips_before": 19, "flips_after": 0,
+                                       "value_replayed_alone": 3.5e-05, "from_flips": 3.4e-07, "flips_after_alone": 0} for i in range(2)]}
+    groups = {"completion": {"tokens": 429, "k3_mean": 1.2e-08, "k3_p99": 1.5e-07, "k3_max": 8.6e-07, "kl_mean": 4.9e-08, "top1_agree": 1.0}}
+    r["engine_modes"] = {
+        "mode": "decode",
+        "prefill_vs_reference": {"value": 1.18e-08, "groups": copy.deepcopy(groups)},
+        "decode_vs_reference": {"value": 1.19e-08, "groups": copy.deepcopy(groups)},
+        "decode_vs_prefill": {"value": 5.6e-13, "groups": copy.deepcopy(groups),
+                              "logprob_diff": {"tokens": 429, "max_abs": 5.4e-06, "mean_abs": 7.3e-07, "frac_equal": 0.11},
+                              "first_unit": {"bitwise": "layers.0.attn", "above_tol": None},
+                              "units_differing": [{"name": "layers.0.attn", "rel_l2": 2.2e-07, "max_abs": 6e-07}]},
+        "not_swappable": {"units": ["layers.0.attn", "layers.0"], "kinds": ["attn", "layer"], "reason": "would need the engine's KV cache"},
+    }
+    r["inputs"]["engine"]["mode"] = "decode"
+    return r
+
+
+def _swap_run() -> dict:
+    """A `bisect run --swap moe` report (its search block is the swap's)."""
+    r = copy.deepcopy(BASE["run"])
+    r["swap"] = {"kinds": ["moe"], "units": ["layers.0.moe", "layers.1.moe"], "before": 0.005, "after": 4e-05, "fixed": True,
+                 "lines": ["swapping 2 moe units: k3-mean 5.07e-03 -> 4.00e-05: the divergence is inside moe",
+                           "  group completion   k3 mean 5.07e-03 -> 4.00e-05"]}
+    r["search"].update(strategy="swap", verdict="culprits", stop_reason=r["swap"]["lines"][0], contributions={})
+    r["culprits"] = []
+    return r
+
+
+def _diffuse_run() -> dict:
+    r = copy.deepcopy(BASE["run"])
+    r["search"].update(verdict="diffuse", contributions={f"layers.{i}": {"alone": 0.004, "complement": 0.002} for i in range(4)})
+    r["culprits"] = []
+    return r
+
+
+BASE.update(every_section=_every_section(), swap=_swap_run(), diffuse=_diffuse_run())
 OTHER = BASES["run"]  # the other side of `report diff`
 CASES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], database=None)
 TUI_CASES = settings(CASES, max_examples=8)
@@ -132,12 +192,19 @@ def _paths(obj, prefix=()):
             yield from _paths(v, prefix + (i,))
 
 
+def test_the_bases_are_valid_reports():
+    from numbisect.report import validate
+
+    for name, r in BASE.items():
+        assert validate(r) == [], name
+
+
 PATHS = {k: [p for p in _paths(r) if p] for k, r in BASE.items()}
 STRING_PATHS = {k: [p for p in ps if isinstance(_at(BASE[k], p), str)] for k, ps in PATHS.items()}
 NUMBER_PATHS = {k: [p for p in ps if isinstance(_at(BASE[k], p), (int, float)) and not isinstance(_at(BASE[k], p), bool)] for k, ps in PATHS.items()}
 # Mutations that mostly keep a report schema-valid (so the readers get to see it), and
 # those that mostly do not (so the refusal is tested); the first are drawn more often.
-KEEPS_VALID = ["string", "string", "string", "odd_number", "odd_number", "delete", "extra", "rename", "rename", "parent", "deep_extra"]
+KEEPS_VALID = ["string", "string", "string", "odd_number", "odd_number", "odd_number", "delete", "extra", "rename", "rename", "parent", "deep_extra"]
 BREAKS = ["swap_type", "empty", "deep", "replace"]
 
 
@@ -167,6 +234,11 @@ def mutation(draw, r: dict, base: str, kinds: list[str]) -> None:
     """Apply one mutation of one of `kinds` to report `r` in place."""
     kind = draw(st.sampled_from(kinds))
     paths = {"string": STRING_PATHS, "odd_number": NUMBER_PATHS}.get(kind, PATHS)[base]
+    # a section first, then a path in it: small sections are reached as often as big ones
+    sections = sorted({p[0] for p in paths})
+    if sections and kind not in ("extra", "deep_extra"):
+        top = draw(st.sampled_from(sections))
+        paths = [p for p in paths if p[0] == top]
     if kind == "rename":
         names = [u["name"] for u in r.get("units") or [] if isinstance(u, dict) and isinstance(u.get("name"), str)]
         if names:
@@ -193,6 +265,8 @@ def mutation(draw, r: dict, base: str, kinds: list[str]) -> None:
         old = parent[path[-1]]
     except (KeyError, IndexError, TypeError):
         return  # an earlier mutation changed the shape
+    if not isinstance(parent, (dict, list)):
+        return
     key = path[-1]
     if kind == "delete":
         del parent[key]
@@ -206,8 +280,8 @@ def mutation(draw, r: dict, base: str, kinds: list[str]) -> None:
             new = draw(st.one_of(ODD_STRING_NUMBER, st.builds(str, st.just(old))))
         else:
             new = draw(st.one_of(st.text(max_size=5), st.integers(), st.none()))
-    elif kind == "odd_number":
-        new = draw(ODD_NUMBER) if not isinstance(old, str) else draw(ODD_STRING_NUMBER)
+    elif kind == "odd_number":  # the report's own encoding of non-finite numbers included
+        new = draw(st.one_of(ODD_NUMBER, st.sampled_from(["nan", "inf", "-inf"]))) if not isinstance(old, str) else draw(ODD_STRING_NUMBER)
     elif kind == "empty":
         new = [] if isinstance(old, list) else ({} if isinstance(old, dict) else draw(st.sampled_from(["", [], {}])))
     elif kind == "deep":
@@ -541,3 +615,83 @@ def test_a_trace_the_tui_cannot_read_groups_from_is_a_note(tmp_path):
     r["inputs"]["trace"].update(path=str(trace), sha256=hashlib.sha256(trace.read_bytes()).hexdigest())
     td = M.token_data(r, None)
     assert td.trace_groups == {} and "not a JSONL trace with readable groups" in td.note
+
+
+# -- every field, one at a time ----------------------------------------------------------------
+def _small(r: dict) -> dict:
+    """A smaller copy (two samples of four tokens, nine units, the culprit among them):
+    the same fields, checked faster."""
+    r = copy.deepcopy(r)
+    r["baseline"]["per_sample"] = [dict(p, k3=p["k3"][:4]) for p in r["baseline"]["per_sample"][:2]]
+    keep = {c["unit"] for c in r.get("culprits") or []}
+    r["units"] = [u for i, u in enumerate(r["units"]) if i < 8 or u["name"] in keep]
+    return r
+
+
+SMALL_RUN = _small(BASE["run"])
+
+
+def _leaves(o, pre=()):
+    """Paths to the leaves (first item of each list)."""
+    if isinstance(o, dict):
+        for k, v in o.items():
+            yield from _leaves(v, pre + (k,))
+    elif isinstance(o, list):
+        if o:
+            yield from _leaves(o[0], pre + (0,))
+    else:
+        yield pre
+
+
+def _show_in_process(r: dict) -> None:
+    """What `report show|md|diff` and the TUI draw, in-process (the CLI runs are above)."""
+    from numbisect.render import render
+    from numbisect.reporttools import diff, markdown, render_diff
+    from numbisect.tui.app import preflight
+
+    other = SMALL_RUN
+    md = markdown(r)
+    markdown_tables_keep_their_columns(md)
+    for out in (render(r), md, render_diff(diff(other, r)), render_diff(diff(r, other))):
+        assert not RAW_CONTROL.search(out), RAW_CONTROL.search(out)
+        out.encode("utf-8")
+    preflight(r, None)
+
+
+@pytest.mark.parametrize("value", ["nan", 10**400, None, "\x1b[31m[/]|`x`"], ids=["'nan'", "huge-int", "null", "hostile-string"])
+def test_every_leaf_of_every_section_with_an_odd_value(value):
+    """Each leaf of a report with every section, replaced in turn by `value`: where the
+    schema accepts the result, every reader shows it. (Found here: decode-mode lines
+    multiplied a "nan" string.)"""
+    import jsonschema
+
+    from numbisect.report import schema
+
+    validator = jsonschema.Draft202012Validator(schema())
+    base = _small(BASE["every_section"])
+    shown_count = 0
+    for path in _leaves(base):
+        r = copy.deepcopy(base)
+        _at(r, path[:-1])[path[-1]] = value
+        if not validator.is_valid(r):
+            continue
+        try:
+            _show_in_process(r)
+        except Exception as e:
+            raise AssertionError(f"{'/'.join(map(str, path))} = {value!r}: {type(e).__name__}: {e}") from e
+        shown_count += 1
+    print(f"{value!r}: {shown_count} leaves shown")
+    assert shown_count >= 10
+
+
+ANY_TEXT = st.text(alphabet=st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF), max_size=8)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(obj=st.recursive(st.one_of(st.none(), st.integers(), st.floats(), ANY_TEXT),
+                        lambda kids: st.one_of(st.lists(kids, max_size=3), st.dictionaries(ANY_TEXT, kids, max_size=3)), max_leaves=10))
+def test_printable_tree_fast_path_misses_nothing(obj):
+    """printable_tree returns the object itself only when no string in it needs escaping."""
+    from numbisect.textsafe import _printable_walk, printable_tree
+
+    assert printable_tree(obj) == _printable_walk(obj)

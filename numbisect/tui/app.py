@@ -56,7 +56,7 @@ def _draw_all(r: dict, report_path: str | None) -> None:
     M.verdict_line(r)
     M.culprit_lines(r)
     overview_text(r)
-    tol = float(r["threshold"].get("unit_tol") or 1e-2)
+    tol = M.unit_tol(r)
     M.legend(tol)
     culprits = M.culprit_names(r)
     first = (r.get("first_divergence") or {}).get("above_tol")
@@ -74,7 +74,7 @@ def _draw_all(r: dict, report_path: str | None) -> None:
     for g in td.groups:
         strips_text(td, g)
         worst_text(td, g)
-    th = float(r["threshold"]["threshold"])
+    th = M.threshold_of(r)
     metric = r["threshold"]["metric"]
     universe = M.candidate_universe(r)
     for t in trials:
@@ -234,7 +234,7 @@ class BisectApp(App[int]):
         note = self._note()
         s.query_one(CulpritPanel).show(r, note)
         s.query_one(OverviewPanel).show(r, self._live_intro() if r is None and self.live else note)
-        tol = float(r["threshold"].get("unit_tol") or 1e-2) if r else 1e-2
+        tol = M.unit_tol(r) if r else 1e-2
         s.query_one("#unit-legend", Static).update(M.legend(tol))
         s.query_one(UnitTree).populate(r, self.view, self.filter_text, keep=self.selected)
         self.refresh_detail()
@@ -243,7 +243,7 @@ class BisectApp(App[int]):
 
     def refresh_trials(self) -> None:
         r = self.report
-        th = float(r["threshold"]["threshold"]) if r else (self.live.settings.threshold if self.live else 1e-3)
+        th = M.threshold_of(r) if r else (self.live.settings.threshold if self.live else 1e-3)
         metric = r["threshold"]["metric"] if r else (self.live.settings.metric if self.live else "k3-mean")
         universe = M.candidate_universe(r) if r else []
         self.main.query_one(TrialsPanel).reset(self.trials, th, metric, universe)

@@ -49,12 +49,25 @@ def _num(x) -> float | None:
     """A report number (floats may be stored as "inf"/"nan" strings); None for anything else."""
     if x is None or isinstance(x, bool):
         return None
+    if isinstance(x, int) and abs(x) >= 2**1023:  # too large for a float
+        return math.inf if x > 0 else -math.inf
     if isinstance(x, (int, float, str)):
         try:
             return float(x)
         except (ValueError, OverflowError):
             return None
     return None
+
+
+def threshold_of(r: dict) -> float:
+    """The judged threshold as a float (NaN when the report's is not a number)."""
+    t = _num(r["threshold"]["threshold"])
+    return math.nan if t is None else t
+
+
+def unit_tol(r: dict) -> float:
+    """The unit tolerance as a float (1e-2 when absent, zero or not a number)."""
+    return _num(r["threshold"].get("unit_tol")) or 1e-2
 
 
 # -- verdict and culprit -------------------------------------------------------------------

@@ -64,13 +64,13 @@ def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: 
     if name == "model" or not name:
         t.append("model", style="bold")
         t.append("\nSelect a unit (arrows, mouse) to see its error, the trials that swapped it and its worst token.\n")
-        t.append("\n" + M.legend(float(report["threshold"].get("unit_tol") or 1e-2)) + "\n", style="dim")
+        t.append("\n" + M.legend(M.unit_tol(report)) + "\n", style="dim")
         return t
     u = next((x for x in report.get("units") or [] if x["name"] == name), None)
     if u is None:
         t.append(f"{name}: not in this report\n")
         return t
-    tol = float(report["threshold"].get("unit_tol") or 1e-2)
+    tol = M.unit_tol(report)
     key, vs, _ = M.unit_severity(u, view, tol)
     sym, style, meaning = M.SEVERITY[key]
     t.append(name, style="bold")

@@ -37,7 +37,7 @@ class UnitTree(Tree[str]):
         if report is None or not report.get("units"):
             self.root.set_label(Text("model (no per-unit data)", style="italic"))
             return
-        tol = float(report["threshold"].get("unit_tol") or 1e-2)
+        tol = M.unit_tol(report)
         culprits = M.culprit_names(report)
         first = (report.get("first_divergence") or {}).get("above_tol")
         shown = M.visible_units(report, filter_text)
