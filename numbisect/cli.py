@@ -520,6 +520,8 @@ def _install_signals() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from numbisect.textsafe import printable
+
     _quiet_libraries()
     debug = bool(os.environ.get("NUMBISECT_DEBUG"))
     previous = _install_signals()
@@ -531,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         hint = f" ({e.hint})" if e.hint else ""
-        print(f"bisect: error: {e.message}{hint}", file=sys.stderr)
+        print(printable(f"bisect: error: {e.message}{hint}"), file=sys.stderr)  # one line, no terminal escapes
         return int(e.code)
     except (click.exceptions.Abort, KeyboardInterrupt) as e:  # click turns Ctrl-C into Abort
         sig = e.__cause__ if isinstance(e, click.exceptions.Abort) else e
@@ -539,14 +541,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bisect: interrupted{why}", file=sys.stderr)
         return int(ExitCode.INTERRUPTED)
     except click.ClickException as e:
-        print(f"bisect: error: {e.format_message()}", file=sys.stderr)
+        print(printable(f"bisect: error: {e.format_message()}"), file=sys.stderr)
         return int(ExitCode.USAGE)
     except click.exceptions.Exit as e:
         return int(e.exit_code)
     except Exception as e:  # a bug: still one line unless debugging
         if debug:
             raise
-        print(f"bisect: internal error: {type(e).__name__}: {e} (set NUMBISECT_DEBUG=1 for the traceback)", file=sys.stderr)
+        print(printable(f"bisect: internal error: {type(e).__name__}: {e} (set NUMBISECT_DEBUG=1 for the traceback)"), file=sys.stderr)
         return int(ExitCode.BACKEND)
     finally:
         for sig, handler in previous.items():

@@ -113,3 +113,15 @@ def test_calibrate_batch_size_under_two_is_refused_before_the_reference_loads(va
         rc = main(["calibrate", "--ref", f"hf:{MODEL}", "--trace", trace_path("qwen3_moe"), "-q", "--batch-size", value])
     lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
     assert rc == 2 and lines == ["bisect: error: --batch-size must be at least 2 (the reference runs one sample at a time)"]
+
+
+@pytest.mark.parametrize("name", ["a\x1b[31mred\x1b[0m.jsonl", "two\nlines.jsonl", "bell\x07.jsonl", "rtl\u202e.jsonl"])
+def test_error_lines_escape_what_a_path_smuggles_in(tmp_path, name):
+    """A path is the user's, but it may come from a script or a file: an error line that
+    names it must stay one line and never send an escape sequence to the terminal."""
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main(["compare", "--ref", f"hf:{MODEL}", "--engine", f"hf:{MODEL}", "--trace", str(tmp_path / name), "-q"])
+    text = err.getvalue()
+    assert rc == 2 and text.count("\n") == 1 and text.startswith("bisect: error: "), text
+    assert not any(c in text[:-1] for c in "\x1b\x07\n\u202e"), repr(text)
