@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import model_dir, session, trace_path
+from conftest import child_env, model_dir, session, short_trace, trace_path
 from numbisect import compare as C
 from numbisect import metrics as M
 from numbisect.backends.base import ForwardResult
@@ -297,7 +297,6 @@ def test_quiet_compare_with_a_vllm_engine_writes_nothing_on_stderr(tmp_path):
     import subprocess
     import sys
 
-    from conftest import child_env, short_trace
 
     d = model_dir("qwen3_moe")
     args = [sys.executable, "-m", "numbisect", "compare", "-q", "--ref", f"hf:{d}", "--engine", f"vllm:{d}",

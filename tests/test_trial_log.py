@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import model_dir, short_trace
+from conftest import model_dir, short_trace, vllm
 from numbisect.cli import main
 
 MODEL = model_dir("qwen3_moe")
@@ -347,7 +347,6 @@ def test_threads_stay_pinned_after_a_vllm_engine_started():
     values of every later hf forward then depend on whatever count was left."""
     import torch
 
-    from conftest import vllm
     from numbisect.conditions import set_threads
 
     vllm("qwen3_moe")

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from conftest import model_dir, session, short_trace, trace_path
+from conftest import hf, model_dir, session, short_trace, trace_path
 from numbisect.cli import main
 from numbisect.errors import ExitCode
 from numbisect.report import load_report
@@ -143,7 +143,6 @@ def test_layer_stream_takes_qwen3_vl_moe_paths_from_its_arch_map():
     # log-probs as the whole model on the trace's text samples; image samples refused.
     import torch
 
-    from conftest import hf
     from numbisect.errors import InputError
     from numbisect.layerstream import LayerStreamRef
     from numbisect.trace import load_trace
