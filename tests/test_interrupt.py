@@ -51,27 +51,32 @@ def trials_of(path: Path) -> list[dict]:
     return [json.loads(x) for x in lines[1:]]
 
 
+def interrupt(trace: Path, out: Path, log: Path, sig: int, trials: int) -> dict:
+    """A real `bisect run --log` process, sent `sig` once its log holds `trials` trials."""
+    p = subprocess.Popen([sys.executable, "-m", "numbisect", *run_args(trace, out, "--log", str(log))],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
+    try:
+        deadline = time.monotonic() + 240
+        while len(log_lines(log)) < 1 + trials and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert p.poll() is None, f"the run ended before it could be interrupted: {p.communicate()[1][-2000:]}"
+        seen = len(log_lines(log)) - 1
+        p.send_signal(sig)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return {"rc": p.returncode, "stdout": stdout, "stderr": stderr, "seen": seen}
+
+
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
     d = tmp_path_factory.mktemp("intr")
     trace = d / "t.jsonl"
     trace.write_text("\n".join(TRACE.read_text().splitlines()[:8]) + "\n")
     log, out = d / "L.jsonl", d / "R.json"
-    p = subprocess.Popen([sys.executable, "-m", "numbisect", *run_args(trace, out, "--log", str(log))],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
-    try:
-        deadline = time.monotonic() + 240
-        while len(log_lines(log)) < 1 + WAIT_FOR_TRIALS and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert p.poll() is None, f"the run ended before it could be interrupted: {p.communicate()[1][-2000:]}"
-        seen = len(log_lines(log)) - 1
-        p.send_signal(signal.SIGINT)
-        stdout, stderr = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    return {"dir": d, "trace": trace, "log": log, "out": out, "rc": p.returncode, "stdout": stdout, "stderr": stderr, "seen": seen}
+    return {"dir": d, "trace": trace, "log": log, "out": out, **interrupt(trace, out, log, signal.SIGINT, WAIT_FOR_TRIALS)}
 
 
 def test_sigint_exits_130_without_a_report(interrupted):
@@ -126,20 +131,9 @@ def test_sigterm_and_sighup_are_an_interruption_too(sig, tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(TRACE.read_text().splitlines()[:4]) + "\n")
     log, out = tmp_path / "L.jsonl", tmp_path / "R.json"
-    p = subprocess.Popen([sys.executable, "-m", "numbisect", *run_args(trace, out, "--log", str(log))],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
-    try:
-        deadline = time.monotonic() + 240
-        while len(log_lines(log)) < 2 and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert p.poll() is None, f"the run ended before it could be interrupted: {p.communicate()[1][-2000:]}"
-        p.send_signal(sig)
-        stdout, stderr = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == 130, stderr[-2000:]
+    r = interrupt(trace, out, log, sig, 1)
+    stdout, stderr = r["stdout"], r["stderr"]
+    assert r["rc"] == 130, stderr[-2000:]
     assert stderr.strip().splitlines()[-1] == f"bisect: interrupted ({sig.name})"
     assert "Traceback" not in stderr and stdout == ""
     assert not out.exists() and not [q for q in tmp_path.iterdir() if q.name.startswith(".R.json")]

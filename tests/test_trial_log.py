@@ -321,26 +321,6 @@ def test_a_write_that_fails_at_the_end_is_one_line(trace):
     assert "No space left" in one_error_line(rc, err)
 
 
-@pytest.mark.parametrize("what", ["fifo", "dev_zero", "directory"])
-def test_a_trace_that_is_not_a_regular_file_is_refused_without_hanging(tmp_path, what, no_model_loads):
-    path = {"dev_zero": "/dev/zero", "directory": str(tmp_path)}.get(what)
-    if what == "fifo":
-        path = str(tmp_path / "fifo")
-        os.mkfifo(path)
-    rc, _, err = cli(compare_args(path))
-    one_error_line(rc, err)
-
-
-@pytest.mark.parametrize("what", ["fifo", "dev_zero", "directory"])
-def test_a_resume_log_that_is_not_a_regular_file_is_refused(trace, tmp_path, what):
-    path = {"dev_zero": "/dev/zero", "directory": str(tmp_path)}.get(what)
-    if what == "fifo":
-        path = str(tmp_path / "fifo")
-        os.mkfifo(path)
-    rc, _, err = cli(run_args(trace, "--resume", path))
-    one_error_line(rc, err)
-
-
 @pytest.mark.vllm
 def test_threads_stay_pinned_after_a_vllm_engine_started():
     """vLLM's CPU worker makes torch.set_num_threads a no-op in its process; the fp32
