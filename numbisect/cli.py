@@ -223,12 +223,11 @@ def _check_new_log(log: str, resume: str | None) -> None:
         return  # check_output said what it could; opening it will say the rest
     if not stat.S_ISREG(st.st_mode):
         raise InputError(f"--log {log} is not a regular file (a trial log must be one: it is locked and appended to)")
+    from numbisect.run import holds_trials, log_in_use
+
     with open(log, "rb") as fh:
-        fh.readline()
-        rest = fh.read(1 << 16)
-    if rest.strip():
-        hint = f"continue it with --resume {log}" if not resume else "give a new --log, or the --resume log itself"
-        raise InputError(f"--log {log} already holds trials; {hint} (a trial log is never overwritten)")
+        if holds_trials(fh.read()):
+            raise log_in_use(log, resume)
 
 
 @cli.command(epilog=EPILOG)

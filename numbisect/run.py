@@ -76,7 +76,8 @@ def _check_header(path: str, header, session) -> None:
     diff = differences(then if isinstance(then, dict) else {}, want["conditions"])
     if diff:
         more = f" (+{len(diff) - 1} more)" if len(diff) > 1 else ""
-        hint = " (pin it with --threads N)" if diff[0].startswith("threads:") else ""
+        logged = then.get("threads") if isinstance(then, dict) else None
+        hint = f" (rerun with --threads {logged})" if diff[0].startswith("threads:") and isinstance(logged, int) else ""
         raise InputError(f"{path}: resume log was made under other conditions, so its trial values would not be this "
                          f"run's: {diff[0]}{more}{hint}; start a new run instead")
 
@@ -150,6 +151,17 @@ def read_log(path: str, session) -> list[S.Trial]:
     return trials
 
 
+def holds_trials(data: bytes) -> bool:
+    """Whether a trial log's bytes hold anything after its header line."""
+    return bool(data.partition(b"\n")[2].strip())
+
+
+def log_in_use(path: str, resume: str | None) -> InputError:
+    """The refusal of a --log that already holds trials: it is never overwritten."""
+    hint = f"continue it with --resume {path}" if not resume else "give a new --log, or the --resume log itself"
+    return InputError(f"--log {path} already holds trials; {hint} (a trial log is never overwritten)")
+
+
 class TrialLog:
     """Append-only JSONL: one header, then one line per finished trial, flushed and synced.
 
@@ -188,9 +200,8 @@ class TrialLog:
                     self._write_raw(b"\n")
             else:
                 size = os.fstat(fd).st_size
-                if size and any(ln.strip() for ln in os.pread(fd, size, 0).split(b"\n")[1:]):
-                    raise InputError(f"--log {self.path} already holds trials; continue it with --resume {self.path}, "
-                                     "or choose another --log (a trial log is never overwritten)")
+                if size and holds_trials(os.pread(fd, size, 0)):  # checked again here, under the lock
+                    raise log_in_use(self.path, resume)
                 os.ftruncate(fd, 0)  # empty, or a header alone (a run that ended before its first trial)
                 self._fd = fd
                 self._write(log_header(session))

@@ -200,7 +200,7 @@ def test_a_log_made_under_another_thread_count_is_refused(trace, tmp_path):
     before = log.read_bytes()
     rc, _, err = cli(run_args(trace, "--resume", str(log)))
     line = one_error_line(rc, err)
-    assert "other conditions" in line and "threads: 7 in the log, 1 now" in line and "--threads" in line
+    assert "other conditions" in line and "threads: 7 in the log, 1 now" in line and "--threads 7" in line
     assert log.read_bytes() == before
 
 
