@@ -107,8 +107,8 @@ def _parse(path: str, data: bytes, session) -> tuple[list[S.Trial], int, bool]:
     record it still holds."""
     from numbisect.safeio import loads_json
 
-    text = data.decode("utf-8", errors="replace")
-    lines = text.split("\n")
+    raw = data.split(b"\n")  # offsets in bytes: the file is cut back by them
+    lines = [b.decode("utf-8", errors="replace") for b in raw]
     if not lines[0].strip():
         raise InputError(f"{path}: not a numbisect trial log (it is empty)")
     try:
@@ -118,10 +118,10 @@ def _parse(path: str, data: bytes, session) -> tuple[list[S.Trial], int, bool]:
     _check_header(path, header, session)
     if len(lines) == 1:  # a header cut before its newline
         return [], len(data), True
-    trials, keep, newline = [], len(lines[0].encode()) + 1, False
+    trials, keep, newline = [], len(raw[0]) + 1, False
     for i, line in enumerate(lines[1:], start=2):
         last = i == len(lines)  # the text after the last newline: "" for a complete log
-        size = len(line.encode()) + (0 if last else 1)
+        size = len(raw[i - 1]) + (0 if last else 1)
         rec = None
         if line.strip():
             try:

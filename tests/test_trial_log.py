@@ -360,3 +360,16 @@ def test_out_to_a_fifo_is_written_when_read_and_refused_when_not(trace, tmp_path
     rc, _, err = cli(compare_args(trace, "--out", str(fifo)))  # nobody reads it now
     assert "no process is reading" in one_error_line(rc, err)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_a_cut_after_bytes_that_are_not_utf8_is_cut_at_the_right_byte(trace, tmp_path, uninterrupted):
+    """The log is cut back by byte offsets: a damaged byte earlier in it must not shift them."""
+    log = tmp_path / "L.jsonl"
+    partial(trace, log, 3)
+    lines = log.read_bytes().split(b"\n")
+    lines[2] = lines[2].replace(b'"role": "', b'"role": "\xff', 1)  # a stray byte inside a kept record
+    log.write_bytes(b"\n".join(lines) + json.dumps(uninterrupted[3])[:40].encode())
+    rc, _, err = cli(run_args(trace, "--resume", str(log), "--max-trials", "5"))
+    assert rc == 4, err
+    kept = log.read_bytes().split(b"\n")
+    assert kept[:4] == lines[:4] and all(json.loads(x) for x in kept[4:] if x)
