@@ -19,6 +19,7 @@ largest of `ulp_stats(ref_i, eng_i)["max_ulps"]` over samples i.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -419,8 +420,7 @@ def stream_compare(session, local: bool = True) -> dict:
     outputs with the dumped outputs."""
     from numbisect import compare as C
     from numbisect.backends.base import ForwardResult
-    from numbisect.faults import apply_faults
-    from numbisect.swap import unpatch
+    from numbisect.engine_state import arranged
 
     spec, ref, eng = session.spec, session.ref, session.engine
     mode = getattr(spec, "capture", "stats") or "stats"
@@ -446,12 +446,11 @@ def stream_compare(session, local: bool = True) -> dict:
     # tokens x vocab log-probs; the reference's are kept for the trials of a kl-mean search.
     keep_ref_full = session.settings.judges_kl
     ref_tok, ref_full, eng_tok, kl = [], [], [], C.PositionKL()
-    planted = apply_faults(eng, session.faults) if eng is not None and not dump and not remote else None
+    state = arranged(eng, ref, session.faults) if eng is not None and not dump else contextlib.nullcontext()
     session.say(f"reference and engine, sample by sample ({mode} capture)")
+    state.__enter__()
     behind = _Behind()
     try:
-        if remote:
-            eng.prepare(session.faults, [], ref)
         def one(i, s) -> None:
             """One sample: every tensor it makes is gone when this returns."""
             r = ref.forward([s], full_logits=True, capture=names, capture_inputs=feed_names)
@@ -499,12 +498,7 @@ def stream_compare(session, local: bool = True) -> dict:
         behind.wait()
     finally:
         behind.close()
-        if planted is not None:
-            unpatch(eng)
-            eng.restore()
-            planted.undo()
-        if remote:
-            eng.undo()
+        state.__exit__(None, None, None)
     if store is not None:
         store.flush()
     ref_res = ForwardResult(token_logprobs=ref_tok, full_logprobs=ref_full if keep_ref_full else None)

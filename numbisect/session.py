@@ -16,9 +16,9 @@ from numbisect import decode as D
 from numbisect.arch import arch_for
 from numbisect.backends.base import Backend, ForwardResult, load_config
 from numbisect.errors import BackendError, InputError
-from numbisect.faults import apply_faults, check_fault, parse_fault
+from numbisect.engine_state import arranged
+from numbisect.faults import check_fault, parse_fault
 from numbisect.prefix import PrefixCache
-from numbisect.swap import apply_swaps, unpatch
 from numbisect.trace import BUILTIN_GROUPS, Trace, check_vocab
 
 
@@ -205,20 +205,10 @@ class Session:
             return self._remote_forward(swapped, capture, feed, prefix, full_logits)
         mode = mode or self.mode
         D.check_swappable(self.engine, list(swapped), mode)
-        planted = apply_faults(self.engine, self.faults)
-        undo = None
-        try:
-            apply_swaps(self.engine, self.ref, list(swapped))
-            undo = probe.install() if probe else None
+        with arranged(self.engine, self.ref, self.faults, swapped, probe):
             ctx = self.prefix.run(self.engine, swapped, *prefix) if prefix else contextlib.nullcontext()
             with ctx:
                 return self.engine.forward(self.samples, full_logits=full_logits, capture=list(capture), feed=feed, mode=mode)
-        finally:
-            if undo:
-                undo()
-            unpatch(self.engine)
-            self.engine.restore()
-            planted.undo()
 
     def _remote_forward(self, swapped, capture, feed, prefix, full_logits=True) -> ForwardResult:
         """`engine_forward` on a tensor-parallel engine: everything happens in its workers;

@@ -35,9 +35,10 @@ import torch
 from torch import nn
 
 from numbisect import compare as C
+from numbisect.engine_state import arranged
 from numbisect.faults import apply_faults
 from numbisect.formatting import fmt
-from numbisect.swap import CastAdapter, _patch, apply_swaps, run_shared_experts, unpatch
+from numbisect.swap import CastAdapter, _patch, run_shared_experts
 
 PRECISION_FAULTS = ("moe_combine", "router_logits", "rmsnorm_no_upcast")
 UNIT = "fp32 unit"
@@ -176,22 +177,18 @@ def forward(session, whatif: str | None, unit, others: list[str]):
     culprits swapped, then the what-if."""
     engine = session.engine
     kept = [f for f in session.faults if whatif is None or not replaced(f, whatif, unit)]
-    planted = apply_faults(engine, kept)
-    again = None
-    try:
-        apply_swaps(engine, session.ref, others)
-        if whatif is not None:
-            replant = _install(session, whatif, unit)
-            again = apply_faults(engine, replant) if replant else None
-        # decode mode too; full logits only when the KL is judged (as in a search trial)
-        return engine.forward(session.samples, full_logits=session.settings.judges_kl,
-                              mode=getattr(session, "mode", "prefill"))
-    finally:
-        if again is not None:
-            again.undo()
-        unpatch(engine)
-        engine.restore()
-        planted.undo()
+    with arranged(engine, session.ref, kept, others):
+        again = None
+        try:
+            if whatif is not None:
+                replant = _install(session, whatif, unit)
+                again = apply_faults(engine, replant) if replant else None
+            # decode mode too; full logits only when the KL is judged (as in a search trial)
+            return engine.forward(session.samples, full_logits=session.settings.judges_kl,
+                                  mode=getattr(session, "mode", "prefill"))
+        finally:
+            if again is not None:
+                again.undo()
 
 
 def verdict(before: float, after: float, threshold: float) -> str:
