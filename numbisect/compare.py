@@ -24,7 +24,8 @@ import torch
 
 from numbisect import metrics as M
 from numbisect.backends.base import Backend, ForwardResult, check_checkpoint
-from numbisect.backends.options import HF_OPTS, VLLM_INTS, VLLM_RESERVED, check_opts, parse_opts  # noqa: F401  (re-exported)
+from numbisect.backends import BACKENDS, check_opts  # noqa: F401  (check_opts re-exported)
+from numbisect.backends.options import HF_OPTS, VLLM_INTS, VLLM_RESERVED, parse_opts  # noqa: F401  (re-exported)
 from numbisect.errors import InputError
 from numbisect.jsonsafe import sanitize  # noqa: F401  (re-exported: numbisect.compare.sanitize)
 from numbisect.trace import Sample, Trace
@@ -61,7 +62,7 @@ def parse_spec(spec: str, what: str) -> tuple[str, str | None]:
     if spec == "rollout":
         return "rollout", None
     kind, sep, path = spec.partition(":")
-    if not sep or kind not in ("hf", "vllm", "dump") or not path or (kind == "dump" and what != "--engine"):
+    if not sep or kind not in BACKENDS or not path or (not BACKENDS[kind].reference and what != "--engine"):
         raise InputError(f"bad {what} {spec!r}: expected hf:DIR, vllm:DIR" + (", dump:DIR or rollout" if what == "--engine" else ""))
     return kind, path
 

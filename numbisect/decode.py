@@ -22,13 +22,13 @@ from __future__ import annotations
 import torch
 
 from numbisect import compare as C
+from numbisect.backends import BACKENDS
 from numbisect.backends.base import ENGINE_MODES, check_engine_mode
 from numbisect.errors import InputError
 
 # Kinds whose swap needs the engine's KV cache (the reference module would see one token
 # and no past): not swappable in decode mode.
 NEEDS_KV_CACHE = ("attn", "layer")
-MODES_BY_KIND = {"vllm": ("prefill", "decode"), "hf": ("prefill", "decode"), "rollout": ()}
 
 
 def check_mode(engine_kind: str, mode: str) -> None:
@@ -41,7 +41,7 @@ def check_mode(engine_kind: str, mode: str) -> None:
         raise InputError(
             "--engine-mode decode needs an engine that runs (vllm:DIR or hf:DIR); --engine rollout only has the trace's recorded log-probs"
         )
-    check_engine_mode(engine_kind, mode, MODES_BY_KIND.get(engine_kind, ("prefill",)))
+    check_engine_mode(engine_kind, mode, BACKENDS[engine_kind].modes if engine_kind in BACKENDS else ("prefill",))
 
 
 def check_trace(trace, mode: str) -> None:

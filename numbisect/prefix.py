@@ -46,7 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from numbisect.backends.base import get_module, hidden_arg, set_module
+from numbisect.backends.base import hidden_arg
+from numbisect.backends.ledger import Ledger
 from numbisect.errors import BackendError
 
 HINT = "run with --no-prefix-reuse"
@@ -198,28 +199,21 @@ class PrefixCache:
         """
         n = num_layers(engine)
         outputs: list[list] = [source.outputs[i] if i < upto else [] for i in range(n)]
-        replays, handles, put_back = [], [], []
-        try:
+        replays = []
+        # Its own ledger, undone on the way out: the replaced layers are put back before
+        # the engine's arrangement undoes its swaps, some of which may live inside them.
+        with Ledger() as ledger:
             for i in range(upto):
                 r = Replay(i, source.outputs[i], copy=(i == upto - 1))
-                path = engine.module_path(f"layers.{i}")
-                put_back.append((path, get_module(engine.root, path)))
-                set_module(engine.root, path, r)
+                ledger.replace(engine.root, engine.module_path(f"layers.{i}"), r)
                 replays.append(r)
             for i in range(upto, n):
 
                 def hook(m, args, out, sink=outputs[i]):
                     sink.append(_copy(out, "cpu"))
 
-                handles.append(engine.module(f"layers.{i}").register_forward_hook(hook))
+                ledger.hooks(engine.module(f"layers.{i}"), post=hook, with_kwargs=False)
             yield
-        finally:
-            for h in handles:
-                h.remove()
-            # Put the layers back before the engine undoes its swaps, some of which may
-            # live inside them.
-            for path, mod in put_back:
-                set_module(engine.root, path, mod)
         short = [r for r in replays if r.calls != len(r.outputs)]
         if short:
             r = short[0]

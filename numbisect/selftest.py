@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numbisect import search as S
+from numbisect.backends import BACKENDS
 from numbisect.compare import Settings, parse_spec, sanitize
 from numbisect.errors import InputError
 from numbisect.faults import KINDS as FAULT_UNIT_KINDS
@@ -131,6 +132,7 @@ def resolve(ref: str, engine: str | None, trace: str | None) -> tuple[str, str, 
 
 def profile_for(engine: str) -> Profile:
     kind, _ = parse_spec(engine, "--engine")
+    kind = getattr(BACKENDS.get(kind), "profile", None)  # the profile the backend is measured with
     if kind not in PROFILES:
         raise InputError(f"selftest needs an engine that runs (hf:DIR or vllm:DIR), not {engine!r}")
     return PROFILES[kind]

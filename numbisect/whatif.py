@@ -7,6 +7,9 @@ For each culprit the search named:
    is copied and run in float32 (`CastAdapter`). On vLLM, whose linear weights are
    prepacked (the module's parameters are empty), it is the reference's module for
    the unit in float32 (same checkpoint), put in through the swap machinery.
+   How a what-if is put in place is the engine's backend's (`Backend.install_whatif`:
+   numbisect.backends.hf.whatif, numbisect.backends.vllm.model); this module picks
+   the what-ifs, the faults they replace, and judges them.
 2. `fp32 weighted sum` (MoE blocks and their experts): the engine's own expert
    outputs, one top-k slot at a time (weight 1, so each is the expert's output as the
    engine's kernel rounds it), multiplied by the routing weights and summed in
@@ -28,21 +31,17 @@ For each culprit the search named:
 
 from __future__ import annotations
 
-import copy
 import math
 
-import torch
-from torch import nn
-
 from numbisect import compare as C
+from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM
 from numbisect.engine_state import arranged
 from numbisect.faults import apply_faults
 from numbisect.formatting import fmt
-from numbisect.swap import CastAdapter, _patch, run_shared_experts
 
 PRECISION_FAULTS = ("moe_combine", "router_logits", "rmsnorm_no_upcast")
-UNIT = "fp32 unit"
-WSUM = "fp32 weighted sum"
+UNIT = WHATIF_UNIT
+WSUM = WHATIF_WSUM
 
 
 def _inside(name: str, unit: str) -> bool:
@@ -75,120 +74,27 @@ def fix_text(whatif: str, unit) -> str:
     return f"upcast {unit.name} ({unit.kind}) to fp32"
 
 
-# -- installing a what-if on the engine ---------------------------------------------------------
-class _SlotSum(nn.Module):
-    """transformers experts `(hidden, top_k_index, top_k_weights)`: one call of the engine's
-    experts per top-k slot with weight 1, then the weighted sum in float32."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros(hidden_states.shape, dtype=torch.float32)
-        for k in range(top_k_index.shape[1]):
-            idx = top_k_index[:, k : k + 1].contiguous()
-            y = self.inner.forward(hidden_states, idx, torch.ones_like(top_k_weights[:, k : k + 1]))
-            out += top_k_weights[:, k : k + 1].float() * y.float()
-        return out.to(hidden_states.dtype)
-
-
-def _take_hooks(wrapper: nn.Module, inner: nn.Module) -> None:
-    """The wrapper calls `inner.forward` once per slot: hooks on inner (a planted output
-    noise) must fire once, on the whole output, so they move to the wrapper."""
-    for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
-        if hasattr(inner, attr):
-            getattr(wrapper, attr).update(getattr(inner, attr))
-
-
-def _vllm_slot_sum(engine, block: str) -> None:
-    routed = engine.module(block + ".experts").routed_experts  # the block's FusedMoE runner (arch map)
-    kernel = type(routed).forward_modular.__get__(routed)  # the engine's kernel, under any planted wrapper
-
-    def forward_modular(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
-        run_shared_experts(shared_experts, shared_experts_input)
-        out = torch.zeros(x.shape, dtype=torch.float32)
-        for k in range(topk_ids.shape[1]):
-            w = topk_weights[:, k : k + 1].contiguous()
-            part = kernel(x=x, topk_weights=torch.ones_like(w), topk_ids=topk_ids[:, k : k + 1].contiguous())
-            out += w.float() * part.float()
-        return out.to(x.dtype)
-
-    _patch(engine, routed, "forward_modular", forward_modular)
-
-
-class _Fp32Donor:
-    """The reference as a swap donor whose modules run in float32 (fresh copies: a planted
-    noise put on them never touches the reference)."""
-
-    dtype = torch.float32
-
-    def __init__(self, ref):
-        self.ref = ref
-        self.model = ref.model  # causal mask and rotary embedding for the adapters
-        self.arch = ref.arch  # where the family keeps them
-
-    def original(self, name: str) -> nn.Module:
-        return copy.deepcopy(self.ref.original(name)).float()
-
-
-def _install(session, whatif: str, unit) -> list:
-    """Put the what-if in place on the engine (faults already planted); returns the faults to
-    plant again on top of it (vLLM: noise at the unit itself)."""
-    engine = session.engine
-    if whatif == WSUM:
-        block = _block(unit)
-        if engine.kind == "hf":
-            inner = engine.module(block + ".experts")
-            wrapper = _SlotSum(inner)
-            _take_hooks(wrapper, inner)
-            engine.replace(block + ".experts", wrapper)
-            return []
-        _vllm_slot_sum(engine, block)  # replaces a planted output noise on the routed sum: plant it again
-        return [f for f in session.faults if f.kind == "output_noise" and f.unit == block + ".experts"]
-    if engine.kind == "hf":
-        mod = engine.module(unit.name)
-        rotary = engine.arch.layer_rotary(engine.root) if unit.kind in ("attn", "layer") else None
-        if rotary is not None:  # cos/sin recomputed in fp32 (M-RoPE: the engine's, cast)
-            rotary = copy.deepcopy(rotary).float()
-        out_dtype = None if unit.kind == "lm_head" else engine.dtype
-        engine.replace(unit.name, CastAdapter(copy.deepcopy(mod).float(), torch.float32, out_dtype, rotary))
-        return []
-    # vLLM: the reference's module in float32, swapped in (keeping the other swaps).
-    from numbisect.swap import _swap_vllm
-
-    donor = _Fp32Donor(session.ref)
-    _swap_vllm(engine, donor, unit, donor.original(unit.name))
-    return [f for f in session.faults if f.unit == unit.name and f.kind == "output_noise"]
-
-
+# -- a what-if on the engine ------------------------------------------------------------------
 def not_carried(session, whatif: str, unit) -> list[str]:
-    """Planted noise faults this what-if cannot keep: on vLLM the fp32 unit is the reference's
-    module, so weight noise at or inside the unit, and output noise strictly inside it, are gone."""
-    if session.engine.kind != "vllm" or whatif != UNIT:
-        return []
-    return [f.spec for f in session.faults if f.kind not in PRECISION_FAULTS and _inside(f.unit, unit.name)
-            and not (f.kind == "output_noise" and f.unit == unit.name)]
+    """Planted noise faults this what-if cannot keep (the engine's backend says which: on
+    vLLM the fp32 unit is the reference's module, so weight noise at or inside the unit,
+    and output noise strictly inside it, are gone)."""
+    return session.engine.whatif_not_carried(whatif, unit, session.faults)
 
 
 def forward(session, whatif: str | None, unit, others: list[str]):
     """One engine forward: planted faults (less those the what-if replaces), the other
-    culprits swapped, then the what-if."""
+    culprits swapped, then the what-if and the faults it plants again on top of it, all
+    in the arrangement's one ledger."""
     engine = session.engine
     kept = [f for f in session.faults if whatif is None or not replaced(f, whatif, unit)]
-    with arranged(engine, session.ref, kept, others):
-        again = None
-        try:
-            if whatif is not None:
-                replant = _install(session, whatif, unit)
-                again = apply_faults(engine, replant) if replant else None
-            # decode mode too; full logits only when the KL is judged (as in a search trial)
-            return engine.forward(session.samples, full_logits=session.settings.judges_kl,
-                                  mode=getattr(session, "mode", "prefill"))
-        finally:
-            if again is not None:
-                again.undo()
+    with arranged(engine, session.ref, kept, others) as ledger:
+        if whatif is not None:
+            replant = engine.install_whatif(whatif, unit, session.ref, session.faults, ledger)
+            apply_faults(engine, replant, ledger)
+        # decode mode too; full logits only when the KL is judged (as in a search trial)
+        return engine.forward(session.samples, full_logits=session.settings.judges_kl,
+                              mode=getattr(session, "mode", "prefill"))
 
 
 def verdict(before: float, after: float, threshold: float) -> str:

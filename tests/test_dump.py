@@ -18,7 +18,6 @@ from numbisect.compare import Settings
 from numbisect.errors import InputError
 from numbisect.faults import apply_faults, parse_fault
 from numbisect.session import Session, Spec
-from numbisect.swap import unpatch
 from numbisect.trace import load_trace
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,16 +32,11 @@ def dump_dir(tmp_path_factory, key: str) -> str:
         eng = vllm("qwen3_moe")
         trace = load_trace(short_trace("qwen3_moe", N))
         d = str(tmp_path_factory.mktemp(f"dump-{key}"))
-        planted = apply_faults(eng, [parse_fault(FAULT)] if key == "fault" else [])
-        try:
+        with apply_faults(eng, [parse_fault(FAULT)] if key == "fault" else []):  # undone on the way out
             if key == "tp2":
                 write_dump(eng, trace, d, world_size=2, shards={"lm_head": "column", "layers.1.attn": "row", "layers.0.moe": "row"})
             else:
                 write_dump(eng, trace, d, max_buffer_mb=0.5)
-        finally:
-            unpatch(eng)
-            eng.restore()
-            planted.undo()
         _DUMPS[key] = d
     return _DUMPS[key]
 

@@ -393,7 +393,7 @@ def test_the_vllm_backends_tell_vllm_never_to_trust_remote_code(tp, monkeypatch)
     refused as an option, and never left to a default). LLM is replaced by a recorder that
     stops the start-up: nothing loads."""
     from numbisect.backends.vllm import VLLMBackend, import_vllm
-    from numbisect.backends.vllm_tp import VLLMTPBackend
+    from numbisect.backends.vllm.tp import VLLMTPBackend
     from numbisect.errors import BackendError, InputError
 
     vllm = import_vllm()

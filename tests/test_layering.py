@@ -97,13 +97,13 @@ def test_the_package_keeps_its_layers():
 @pytest.mark.parametrize(
     ("module", "line", "expected"),
     [
-        ("backends/hf.py", "import numbisect.search", "backend imports the search: numbisect.backends.hf reaches numbisect.search"),
+        ("backends/hf/__init__.py", "import numbisect.search", "backend imports the search: numbisect.backends.hf reaches numbisect.search"),
         ("backends/options.py", "from numbisect import session", "backend imports the search: numbisect.backends.options reaches numbisect.session"),
         ("report.py", "import torch", "report tooling imports torch: numbisect.report"),
         ("formatting.py", "from numbisect.compare import sanitize", "report tooling imports torch: numbisect.compare (via numbisect.re"),
         ("textsafe.py", "def f():\n    from transformers import AutoConfig", "report tooling imports transformers: numbisect.textsafe"),
         ("units.py", "import numbisect.arch", "import cycle: numbisect.arch -> "),
-        ("backends/base.py", "from numbisect.backends import open_backend", "import cycle: numbisect.backends -> "),
+        ("backends/options.py", "from numbisect.backends import open_backend", "import cycle: numbisect.backends -> "),
         ("metrics.py", "from numbisect.tui import model", "core imports the UI: numbisect.metrics imports numbisect.tui.model"),
         ("search.py", "def f():\n    import click", "core imports the UI: numbisect.search imports click"),
         ("swap.py", "from numbisect.cli import main", "core imports the UI: numbisect.swap imports numbisect.cli"),

@@ -203,7 +203,7 @@ def test_bare_options_mean_run(capsys, tmp_path):
 def test_failed_self_check_refuses_to_search_with_exit_3(capsys, monkeypatch, tmp_path):
     import torch
 
-    from numbisect import swap
+    from numbisect.backends.hf import swap
 
     real = swap.CastAdapter.forward
 

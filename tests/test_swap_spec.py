@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from conftest import hf, model_dir, trace_path, vllm
-from numbisect.swap import SwapSpec, apply_swap_spec, apply_swaps, undo_swap_spec
+from numbisect.backends.ledger import Ledger
+from numbisect.backends.vllm.model import apply_swap_spec, undo_swap_spec
+from numbisect.swap import SwapSpec, apply_swaps
 from numbisect.trace import load_trace
 
 
@@ -27,11 +29,9 @@ def test_swap_spec_rebuilt_through_apply_model_equals_the_direct_swap():
         rebuilt = eng.forward(ss).token_logprobs
     finally:
         eng.llm.apply_model(undo_swap_spec)
-    try:
-        apply_swaps(eng, ref, list(spec.units))
+    with Ledger() as ledger:  # undone on the way out
+        apply_swaps(eng, ref, list(spec.units), ledger)
         direct = eng.forward(ss).token_logprobs
-    finally:
-        apply_swaps(eng, ref, [])
     for a, b in zip(rebuilt, direct):
         assert torch.equal(a, b)
     assert any(not torch.equal(a, b) for a, b in zip(rebuilt, base))  # the swap did something

@@ -1,5 +1,5 @@
 """vLLM with tensor_parallel_size=2 on this machine: faults, swaps and captures go into
-both workers (`numbisect.backends.vllm_tp`).
+both workers (`numbisect.backends.vllm.tp`).
 
 Starting two workers takes 20-50 s here and the module about 70 s in all, so it runs
 with the other vLLM tests; `NUMBISECT_TP_TESTS=0` leaves it out (it binds both cores).
@@ -48,7 +48,7 @@ def test_search_under_tensor_parallel_names_a_fault_planted_in_the_row_parallel_
 
 @pytest.fixture(scope="module")
 def tp_engine():
-    from numbisect.backends.vllm_tp import VLLMTPBackend
+    from numbisect.backends.vllm.tp import VLLMTPBackend
 
     eng = VLLMTPBackend(model_dir("qwen3_moe"), "bfloat16", tensor_parallel_size=2)
     yield eng

@@ -1,13 +1,19 @@
 """Backends: each a way to run a model over a token trace (DESIGN.md, "Backend").
 
-- `base.py`: the interface every backend implements and the hook machinery they share.
-- `options.py`: `--ref-opt` / `--engine-opt` parsing and checks (torch-free).
-- `hf.py` (transformers), `vllm.py` (in-process vLLM; `vllm_force.py` forces decode
-  tokens, `vllm_tp.py` runs tensor-parallel workers), `dump.py` (activations an engine
-  wrote), `steps.py` (decode steps back into token order).
-- This module is the registry: `BACKENDS` maps a backend name to its loader, so adding
-  a backend is one line here. Loaders import their backend on first use (torch,
-  transformers and vLLM load only then).
+- `base.py`: the interface every backend implements (`Backend`) and what they share;
+  `ledger.py`: the one patch/undo ledger every change to a live model goes through;
+  `common.py`: torch pieces several engines share (fault arithmetic, the per-slot sum);
+  `options.py`: `--ref-opt` / `--engine-opt` parsing and per-backend checks (torch-free);
+  `steps.py`: decode steps back into token order.
+- One folder per engine, holding its runner, swap adapters, faults, routing probe and
+  precision what-ifs: `hf/` (transformers), `vllm/` (in-process vLLM, forced decoding,
+  tensor-parallel workers), `dump/` (activations an engine wrote).
+- This module is the registry: `BACKENDS` maps a backend name (the KIND of `--ref
+  KIND:DIR` / `--engine KIND:DIR`) to a `Registered` entry, so adding a backend is one
+  folder (or one class) plus one line here. An entry names its loader as
+  "module:function", imported on first use: torch, transformers and vLLM load only then,
+  and the registry imports no backend (the core modules that read it, compare, decode
+  and routing, form no import cycle with the backends they open).
 
 Backends sit under the search: nothing here imports numbisect.search, run, session or
 selftest (tests/test_layering.py checks it).
@@ -15,37 +21,58 @@ selftest (tests/test_layering.py checks it).
 
 from __future__ import annotations
 
-from numbisect.backends.options import check_opts
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from numbisect.backends.options import check_hf_opts, check_vllm_opts, no_remote_code, vllm_remote
 from numbisect.errors import InputError
 
 
-def _hf(path: str, dtype: str, opts: dict):
-    from numbisect.backends.hf import HFBackend
+@dataclass(frozen=True)
+class Registered:
+    """What the core knows of a backend before it loads (every field but `load` torch-free)."""
 
-    if "layer_stream" in opts:
-        raise InputError("layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
-    return HFBackend(path, dtype, **opts)
+    load: str | Callable  # "module:function" or a callable: (path, dtype, opts) -> Backend
+    modes: tuple[str, ...] = ("prefill",)  # --engine-mode values it runs (decode.check_mode)
+    runs: bool = True  # it runs the model: faults, swaps, trials, routing replay (a dump does not)
+    reference: bool = True  # it may be given as --ref (a dump may not)
+    options: Callable | None = None  # checker(opts, what) of its options; None: it takes none
+    profile: str | None = None  # the self-test profile it is measured with (selftest.PROFILES)
+    remote: Callable = lambda opts: False  # whether these options put its model in worker processes
+
+    def loader(self) -> Callable:
+        if callable(self.load):
+            return self.load
+        mod, _, fn = self.load.partition(":")
+        return getattr(importlib.import_module(mod), fn)
 
 
-def _vllm(path: str, dtype: str, opts: dict):
-    if opts.get("tensor_parallel_size", 1) > 1:  # the model lives in worker processes
-        from numbisect.backends.vllm_tp import VLLMTPBackend
-
-        return VLLMTPBackend(path, dtype, **opts)
-    from numbisect.backends.vllm import VLLMBackend
-
-    return VLLMBackend(path, dtype, **opts)
+BACKENDS: dict[str, Registered] = {
+    "hf": Registered("numbisect.backends.hf:open_hf", modes=("prefill", "decode"), options=check_hf_opts, profile="hf"),
+    "vllm": Registered("numbisect.backends.vllm:open_vllm", modes=("prefill", "decode"), options=check_vllm_opts,
+                       profile="vllm", remote=vllm_remote),
+    "dump": Registered("numbisect.backends.dump:open_dump", runs=False, reference=False),
+}
 
 
-# Backend name (the KIND of `--ref KIND:DIR` / `--engine KIND:DIR`) -> loader(path, dtype, opts).
-BACKENDS = {"hf": _hf, "vllm": _vllm}
+def check_opts(kind: str, opts: dict, what: str) -> None:
+    """Refuse, before anything loads, backend options of the wrong name, type or value
+    (the checker the backend registered); a backend that registered none (dump) and the
+    rollout engine take no options. `trust_remote_code` is refused for every kind."""
+    no_remote_code(opts, what)
+    entry = BACKENDS.get(kind)
+    if entry is not None and entry.options is not None:
+        entry.options(opts, what)
+    elif opts:
+        raise InputError(f"{what} {', '.join(repr(k) for k in sorted(opts))}: the {kind} engine takes no options")
 
 
 def open_backend(kind: str, path: str, dtype: str, opts: dict, what: str | None = None):
     """A backend of `kind` on `path`; `opts` checked first (`check_opts`, under the option
-    name `what`: --ref-opt or --engine-opt). An unknown `kind` is an InputError naming the
-    known ones."""
+    name `what`: --ref-opt or --engine-opt, the default). An unknown `kind` is an
+    InputError naming the known ones."""
     if kind not in BACKENDS:
         raise InputError(f"unknown backend {kind!r}; known: {', '.join(BACKENDS)}")
-    check_opts(kind, opts, what or ("--engine-opt" if kind == "vllm" else "--ref-opt"))
-    return BACKENDS[kind](path, dtype, opts)
+    check_opts(kind, opts, what or "--engine-opt")
+    return BACKENDS[kind].loader()(path, dtype, opts)

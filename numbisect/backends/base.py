@@ -1,4 +1,4 @@
-"""The small interface every backend implements, and the hook machinery they share.
+"""The small interface every backend implements (`Backend`), and what the backends share.
 
 A backend loads one checkpoint, runs a list of samples, and returns per-token
 log-probs, optionally full-vocabulary log-probs and the canonical captures of the
@@ -13,12 +13,13 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from numbisect.arch import ArchMap, arch_for
+from numbisect.backends.common import LOWP, LowpNorm, noise_hook, round_input_hook, round_logits_hook, seeded
+from numbisect.backends.ledger import Ledger
 from numbisect.errors import BackendError, InputError
 from numbisect.safeio import check_input, loads_json, read_text
 from numbisect.units import Unit, nearby_names
@@ -150,15 +151,6 @@ def get_module(root: nn.Module, path: str) -> nn.Module:
     return root.get_submodule(path)
 
 
-def set_module(root: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, name, new)
-
-
-def first(x: Any) -> torch.Tensor:
-    return x[0] if isinstance(x, (tuple, list)) else x
-
-
 def hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The hidden-states input of a module call: first positional tensor or `hidden_states`."""
     if "hidden_states" in kwargs:
@@ -180,14 +172,47 @@ def with_hidden(args: tuple, kwargs: dict, x: torch.Tensor, new: torch.Tensor) -
 
 ENGINE_MODES = ("prefill", "decode")
 
+# The precision what-ifs (numbisect.whatif) a backend installs.
+WHATIF_UNIT = "fp32 unit"  # the whole unit computed in float32
+WHATIF_WSUM = "fp32 weighted sum"  # an MoE block's expert weighted sum accumulated in float32
+
 
 class Backend:
-    """One way to run a model over a token trace."""
+    """One way to run a model over a token trace: the interface the core calls.
+
+    Capabilities (class attributes):
+    - `kind`: the backend's name in the registry (`numbisect.backends.BACKENDS`).
+    - `modes`: how `forward` may run the trace: "prefill" (every token in one forward)
+      and, where the backend has it, "decode" (prompt prefilled, then one forced token
+      per step).
+    - `module_names`: the table of the architecture map (`ArchMap.hf` / `ArchMap.vllm`)
+      that names the modules of its model.
+    - `remote`: the model lives in worker processes: the core arranges its state with
+      `prepare(faults, swapped, donor)` / `undo()` (numbisect.engine_state), not with
+      the methods below, and runs no precision what-if on it.
+    - `batch_size`: samples per call of the model (a routing probe counts calls by it).
+
+    State changes: each records its undo in the `Ledger` it is given
+    (numbisect.backends.ledger), so the caller puts the model back by undoing the ledger.
+    A backend that cannot make one raises an InputError naming itself (`lacks`), never
+    another engine's way. `plant_fault` here plants the faults that act on any module's
+    call; the others are the engine's own:
+    - `plant_fault(fault, ledger)`: a numbisect.faults.Fault, already checked.
+    - `swap_unit(unit, donor, ledger)`: put the donor's (the reference's) module for `unit`
+      in place, adapted to this engine's calling convention.
+    - `install_routing_probe(probe, ledger)`: route each MoE layer's expert choice
+      through `probe.route(unit, call, logits, weights, ids)` (numbisect.routing).
+    - `install_whatif(whatif, unit, donor, faults, ledger)`: put the what-if
+      (`WHATIF_UNIT`, `WHATIF_WSUM`) in place over the planted `faults`; returns those
+      to plant again on top of it. `whatif_not_carried(whatif, unit, faults)`: the
+      specs of the noise faults it loses.
+    """
 
     kind = "base"
-    # How `forward` may run the trace: "prefill" (every token in one forward) and, where
-    # the backend has it, "decode" (prompt prefilled, then one forced token per step).
     modes: tuple[str, ...] = ("prefill",)
+    module_names = "hf"
+    remote = False
+    batch_size = 1
 
     def __init__(self, path: str, dtype: str):
         self.path = path
@@ -198,7 +223,6 @@ class Backend:
         self.units: list[Unit] = self.arch.units(self.config)
         self.unit_by_name = {u.name: u for u in self.units}
         self.vocab_size: int = self.config.get_text_config().vocab_size
-        self._originals: dict[str, nn.Module] = {}  # module path -> original module, while swapped
 
     # -- what every backend implements -------------------------------------------------
     def forward(
@@ -223,6 +247,40 @@ class Backend:
     def close(self) -> None:
         pass
 
+    # -- state changes (see the class docstring) ----------------------------------------
+    def lacks(self, what: str) -> InputError:
+        return InputError(f"the {self.kind} backend cannot {what}")
+
+    def plant_fault(self, fault, ledger: Ledger) -> None:
+        mod = self.module(fault.unit)
+        if fault.kind == "weight_noise":
+            g = seeded(fault.unit)
+            for p in mod.parameters():
+                if p.is_floating_point() and p.numel():
+                    ledger.save(p)
+                    p.data.mul_(1 + fault.value * torch.randn(p.shape, generator=g))
+        elif fault.kind == "output_noise":
+            ledger.hooks(mod, post=noise_hook(fault.unit, fault.value), with_kwargs=False)
+        elif fault.kind == "router_logits":  # the router GEMM in low precision: input and logits rounded
+            dtype = LOWP[fault.dtype]
+            ledger.hooks(mod, pre=round_input_hook(dtype), post=round_logits_hook(dtype), with_kwargs=False)
+        elif fault.kind == "rmsnorm_no_upcast":
+            ledger.replace(self.root, self.module_path(fault.unit), LowpNorm(mod, LOWP[fault.dtype]))
+        else:
+            raise self.lacks(f"plant the fault {fault.kind} (at {fault.unit})")
+
+    def swap_unit(self, unit: Unit, donor, ledger: Ledger) -> None:
+        raise self.lacks(f"swap units (asked to swap {unit.name})")
+
+    def install_routing_probe(self, probe, ledger: Ledger) -> None:
+        raise self.lacks("record or replay expert routing")
+
+    def install_whatif(self, whatif: str, unit: Unit, donor, faults, ledger: Ledger) -> list:
+        raise self.lacks(f"run the precision what-if {whatif!r} (on {unit.name})")
+
+    def whatif_not_carried(self, whatif: str, unit: Unit, faults) -> list[str]:
+        return []
+
     # -- shared -------------------------------------------------------------------------
     def unit(self, name: str) -> Unit:
         try:
@@ -234,30 +292,13 @@ class Backend:
 
     def module_path(self, name: str) -> str:
         u = self.unit(name)
-        p = self.arch.path(self.kind, u)
+        p = self.arch.path(self.module_names, u)
         if p is None:
             raise InputError(f"unit {name} has no module in the {self.kind} backend of {self.arch.name}")
         return p
 
     def module(self, name: str) -> nn.Module:
         return get_module(self.root, self.module_path(name))
-
-    def replace(self, name: str, new: nn.Module) -> None:
-        """Put `new` where unit `name` lives; `restore()` puts the originals back."""
-        path = self.module_path(name)
-        if path not in self._originals:
-            self._originals[path] = get_module(self.root, path)
-        set_module(self.root, path, new)
-
-    def original(self, name: str) -> nn.Module:
-        path = self.module_path(name)
-        return self._originals.get(path) or get_module(self.root, path)
-
-    def restore(self) -> None:
-        # Innermost paths first so that a parent put back last is the original one.
-        for path in sorted(self._originals, key=len, reverse=True):
-            set_module(self.root, path, self._originals[path])
-        self._originals.clear()
 
     def describe(self) -> dict:
         return {"backend": self.kind, "path": self.path, "dtype": self.dtype_name, "arch": self.arch.name}
@@ -269,13 +310,6 @@ def check_engine_mode(kind: str, mode: str, modes: tuple[str, ...]) -> None:
         raise InputError(f"unknown engine mode {mode!r}; choose one of {', '.join(ENGINE_MODES)}")
     if mode not in modes:
         raise InputError(f"--engine-mode {mode} is not available on the {kind} engine (it runs: {', '.join(modes)})")
-
-
-def register(mod: nn.Module, handles: list, pre: Callable | None = None, post: Callable | None = None) -> None:
-    if pre is not None:
-        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-    if post is not None:
-        handles.append(mod.register_forward_hook(post, with_kwargs=True))
 
 
 def fail(e: BaseException, what: str) -> BackendError:

@@ -3,9 +3,11 @@ anything loads. Torch-free.
 
 1. `parse_opts`: KEY=VALUE pairs as a dict (values as int, float, bool, None or text);
    `trust_remote_code` refused in any spelling but false.
-2. `check_opts`: names, types and values per backend kind (`HF_OPTS`; vLLM's own engine
-   arguments less `VLLM_RESERVED`, integers in `VLLM_INTS`). The backends call it again
-   in their constructors, so one built directly is checked too.
+2. `check_hf_opts`, `check_vllm_opts`: names, types and values of one backend's options
+   (`HF_OPTS`; vLLM's own engine arguments less `VLLM_RESERVED`, integers in
+   `VLLM_INTS`). The registry (numbisect.backends) names each backend's checker and
+   `numbisect.backends.check_opts` dispatches; the backends call theirs again in their
+   constructors, so one built directly is checked too.
 """
 
 from __future__ import annotations
@@ -48,37 +50,45 @@ def _int_opt(what: str, key: str, v, least: int) -> int:
     return v
 
 
-def check_opts(kind: str, opts: dict, what: str) -> None:
-    """Refuse, before anything loads, backend options of the wrong name, type or value:
-    hf takes `HF_OPTS` (batch_size an integer >= 1, the implementations plain names; a
-    "/" would name a hub kernel) and, as --ref-opt, layer_stream=true|false; vllm takes
-    vLLM's own engine arguments but not `VLLM_RESERVED`, with integer `VLLM_INTS`.
-    Other engine kinds (rollout, dump) take no options."""
+def no_remote_code(opts: dict, what: str) -> None:
+    """Refuse `trust_remote_code` in any spelling but false (every backend's options)."""
     for k, v in opts.items():
         if k.strip().lower() == "trust_remote_code" and v is not False:
             raise InputError(f"{what} {_pair(k, v)}: numbisect never runs code from a checkpoint (trust_remote_code is refused)")
-    if kind == "hf":
-        allowed = set(HF_OPTS) | ({"layer_stream"} if what == "--ref-opt" else set())
-        bad = set(opts) - allowed
-        if bad:
-            raise InputError(f"unknown hf option {', '.join(repr(k) for k in sorted(bad))}; known: {', '.join(sorted(allowed))}")
-        if "batch_size" in opts:
-            _int_opt(what, "batch_size", opts["batch_size"], 1)
-        for k in ("attn_implementation", "experts_implementation"):
-            v = opts.get(k)
-            if v is not None and not (isinstance(v, str) and v and all(c.isalnum() or c in "_|" for c in v)):
-                raise InputError(f"bad {what} {_pair(k, v)}: expected an implementation name such as eager or sdpa")
-        if "layer_stream" in opts and not isinstance(opts["layer_stream"], bool):
-            raise InputError(f"bad {what} {_pair('layer_stream', opts['layer_stream'])}: expected true or false")
-    elif kind == "vllm":
-        bad = sorted(k for k in opts if k in VLLM_RESERVED)
-        if bad:
-            raise InputError(f"{what} {bad[0]!r} is set by numbisect (or would load code); it cannot be given")
-        for k, least in VLLM_INTS.items():
-            if k in opts:
-                _int_opt(what, k, opts[k], least)
-    elif opts:
-        raise InputError(f"{what} {', '.join(repr(k) for k in sorted(opts))}: the {kind} engine takes no options")
+
+
+def check_hf_opts(opts: dict, what: str) -> None:
+    """hf takes `HF_OPTS` (batch_size an integer >= 1, the implementations plain names; a
+    "/" would name a hub kernel) and, as --ref-opt, layer_stream=true|false."""
+    no_remote_code(opts, what)
+    allowed = set(HF_OPTS) | ({"layer_stream"} if what == "--ref-opt" else set())
+    bad = set(opts) - allowed
+    if bad:
+        raise InputError(f"unknown hf option {', '.join(repr(k) for k in sorted(bad))}; known: {', '.join(sorted(allowed))}")
+    if "batch_size" in opts:
+        _int_opt(what, "batch_size", opts["batch_size"], 1)
+    for k in ("attn_implementation", "experts_implementation"):
+        v = opts.get(k)
+        if v is not None and not (isinstance(v, str) and v and all(c.isalnum() or c in "_|" for c in v)):
+            raise InputError(f"bad {what} {_pair(k, v)}: expected an implementation name such as eager or sdpa")
+    if "layer_stream" in opts and not isinstance(opts["layer_stream"], bool):
+        raise InputError(f"bad {what} {_pair('layer_stream', opts['layer_stream'])}: expected true or false")
+
+
+def check_vllm_opts(opts: dict, what: str) -> None:
+    """vllm takes vLLM's own engine arguments but not `VLLM_RESERVED`, with integer `VLLM_INTS`."""
+    no_remote_code(opts, what)
+    bad = sorted(k for k in opts if k in VLLM_RESERVED)
+    if bad:
+        raise InputError(f"{what} {bad[0]!r} is set by numbisect (or would load code); it cannot be given")
+    for k, least in VLLM_INTS.items():
+        if k in opts:
+            _int_opt(what, k, opts[k], least)
+
+
+def vllm_remote(opts: dict) -> bool:
+    """A vllm engine with these options runs its model in worker processes (tensor parallel)."""
+    return int(opts.get("tensor_parallel_size", 1) or 1) > 1
 
 
 def _value(v: str):

@@ -1,4 +1,4 @@
-"""The `hf` backend: a transformers model on a local checkpoint, batched with right padding.
+"""The `hf` backend's runner: a transformers model on a local checkpoint, batched with right padding.
 
 Right padding with an attention mask leaves every real token's computation causal and
 unchanged; captures are cut back to each sample's length. Samples with images (a
@@ -17,15 +17,26 @@ import os
 
 import torch
 
-from numbisect.backends.base import Backend, ForwardResult, fail, first, hidden_arg, register, with_hidden
+from numbisect.backends.base import Backend, ForwardResult, fail, hidden_arg, with_hidden
+from numbisect.backends.common import first
+from numbisect.backends.hf import faults, routing, swap, whatif
+from numbisect.backends.ledger import Ledger
 from numbisect.backends.steps import Steps
 from numbisect.errors import InputError
 from numbisect.units import VISION_KINDS
 
 
+def open_hf(path: str, dtype: str, opts: dict) -> HFBackend:
+    """The registry's loader (numbisect.backends.BACKENDS["hf"])."""
+    if "layer_stream" in opts:
+        raise InputError("layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
+    return HFBackend(path, dtype, **opts)
+
+
 class HFBackend(Backend):
     kind = "hf"
     modes = ("prefill", "decode")
+    module_names = "hf"
 
     def __init__(
         self,
@@ -85,6 +96,19 @@ class HFBackend(Backend):
 
     def describe(self) -> dict:
         return {**super().describe(), "options": self.options}
+
+    # -- state changes (Backend's interface; each in its module of this package) ---------
+    def plant_fault(self, fault, ledger: Ledger) -> None:
+        faults.plant_fault(self, fault, ledger)
+
+    def swap_unit(self, unit, donor, ledger: Ledger) -> None:
+        swap.swap_unit(self, unit, donor, ledger)
+
+    def install_routing_probe(self, probe, ledger: Ledger) -> None:
+        routing.install_probe(self, probe, ledger)
+
+    def install_whatif(self, whatif_name: str, unit, donor, faults, ledger: Ledger) -> list:
+        return whatif.install(self, whatif_name, unit, ledger)
 
     def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None, mode="prefill") -> ForwardResult:
         self.check_mode(mode)
@@ -157,8 +181,7 @@ class HFBackend(Backend):
                 out[b, : x.shape[0]] = x.to(like.dtype)
             return out.view(like.shape)
 
-        handles: list = []
-        try:
+        with Ledger() as hooks:
             for name in set(capture) | set(capture_inputs) | set(feed):
                 mod = self.module(name)
 
@@ -188,14 +211,11 @@ class HFBackend(Backend):
                         else:
                             res.captures[name].extend(split(t))
 
-                register(mod, handles, pre=pre, post=post)
+                hooks.hooks(mod, pre=pre, post=post)
             try:
                 logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False, **self._image_inputs(batch, ids)).logits
             except (RuntimeError, IndexError, ValueError) as e:
                 raise fail(e, f"{self.path}: the transformers forward failed") from None
-        finally:
-            for h in handles:
-                h.remove()
         logp = torch.log_softmax(logits.float(), dim=-1)
         for b in range(B):
             n = lens[b]
@@ -215,8 +235,7 @@ class HFBackend(Backend):
         def flat(t: torch.Tensor) -> torch.Tensor:
             return t[0] if t.dim() == 3 else t  # [1, n, ...] or flat [n, ...] (MoE router/experts)
 
-        handles: list = []
-        try:
+        with Ledger() as hooks:
             for name in set(capture) | set(capture_inputs) | set(feed):
                 mod = self.module(name)
 
@@ -241,7 +260,7 @@ class HFBackend(Backend):
                     if name in seen:
                         seen[name].append((*m.__dict__["_numbisect_span"], flat(first(out)).detach().to("cpu", copy=True)))
 
-                register(mod, handles, pre=pre, post=post)
+                hooks.hooks(mod, pre=pre, post=post)
             ids = torch.tensor([sample.ids])
             try:
                 out = self.model(input_ids=ids[:, :P], use_cache=True)
@@ -253,9 +272,6 @@ class HFBackend(Backend):
                     logits.append(out.logits[0])
             except (RuntimeError, IndexError, ValueError) as e:
                 raise fail(e, f"{self.path}: the transformers decode failed") from None
-        finally:
-            for h in handles:
-                h.remove()
         logp = torch.log_softmax(torch.cat(logits)[: T - 1].float(), dim=-1)
         res.token_logprobs.append(logp.gather(1, ids[0, 1:, None]).squeeze(1).clone())
         if res.full_logprobs is not None:

@@ -60,7 +60,16 @@ def _config_from_dict(cfg: dict, where: str):
         raise InputError(f"{where}: the manifest's config is not a usable config.json ({str(e).splitlines()[0]})") from None
 
 
+def open_dump(path: str, dtype: str, opts: dict) -> DumpBackend:
+    """The registry's loader (numbisect.backends.BACKENDS["dump"]): the dump's own dtype is
+    used; a session opens it with its trace (`DumpBackend(path, trace)`) to check it."""
+    return DumpBackend(path)
+
+
 class DumpBackend(Backend):
+    """Activations an engine wrote: nothing runs, so nothing can be planted, swapped or
+    probed (the interface's state changes refuse, naming the backend)."""
+
     kind = "dump"
 
     def __init__(self, path: str, trace=None):
@@ -92,7 +101,6 @@ class DumpBackend(Backend):
         self.vocab_size = self.config.get_text_config().vocab_size
         self.dtype_name = m.get("dtype") or "bfloat16"
         self.dtype = parse_dtype(self.dtype_name)
-        self._originals = {}
         self.options = {"world_size": self.world}
         self._files = self._check_complete(root)
         self.dumped = {}
@@ -301,6 +309,9 @@ class DumpBackend(Backend):
     def root(self):
         raise InputError("a dump engine has no modules: it can be compared, not swapped")
 
+    def plant_fault(self, fault, ledger) -> None:
+        raise self.lacks(f"plant faults (it replays what an engine wrote): {fault.spec or fault.kind}")
+
     def describe(self) -> dict:
         return {"backend": "dump", "path": self.path, "dtype": self.dtype_name, "arch": self.arch.name,
                 "options": {"world_size": self.world, "units": len(self.dumped), "tp_shards": {
@@ -316,12 +327,12 @@ def write_dump(backend: Backend, trace, root: str, units=None, world_size: int =
     parallel engine holds them ("column": slices of the last dim; "row": partial sums
     that add up to the output), one rank directory each.
     """
-    from numbisect import compare as C
     from numbisect.dump import DumpWriter
 
     shards = shards or {}
     names = list(units) if units is not None else [u.name for u in backend.units]
-    feed = [n for n in C.local_feed_names(backend) if n in names]
+    # the units that can be teacher-forced (numbisect.compare.local_feed_names): all but the embedding
+    feed = [u.name for u in backend.units if u.kind != "embed" and u.name in names]
     toks = [len(s.ids) for s in trace.samples]
     writers = [DumpWriter(root, str(Path(backend.path) / "config.json"), len(toks), toks, rank=r, world_size=world_size,
                           dtype=backend.dtype_name, trace_sha256=trace.sha256, max_buffer_mb=max_buffer_mb)

@@ -34,11 +34,14 @@ import os
 
 import torch
 
-from numbisect.backends.base import Backend, ForwardResult, fail, register
-from numbisect.backends.options import check_opts
-from numbisect.backends.vllm import _canonical_output, _wrap_routed, bad_input, import_vllm, quiet_stderr
+from numbisect.backends.base import Backend, ForwardResult, fail
+from numbisect.backends.ledger import Ledger
+from numbisect.backends.options import check_vllm_opts
+from numbisect.backends.vllm import moe
+from numbisect.backends.vllm.model import apply_swap_spec, swap_ledger, undo_swap_spec, view
+from numbisect.backends.vllm.runner import _canonical_output, bad_input, import_vllm, quiet_stderr
 from numbisect.errors import BackendError
-from numbisect.swap import SwapSpec, _patch, apply_swap_spec, expand, undo_swap_spec
+from numbisect.swap import SwapSpec
 
 # How the ranks' captures of a unit kind become one canonical tensor.
 # The logits: vLLM's logits processor gathers the vocabulary shards on rank 0 (the
@@ -64,7 +67,8 @@ def worker_swap(model, spec: SwapSpec, engine_dtype: str) -> list[str]:
     names = apply_swap_spec(model, spec, engine_dtype)
     rank, world = _tp()
     if world > 1:
-        engine = model.__dict__["_numbisect_engine"]
+        engine = view(model, engine_dtype)
+        ledger = swap_ledger(model)  # undone with the swaps
         for name in names:
             kind = engine.unit(name).kind
             if GATHER.get(kind) != "sum":
@@ -77,7 +81,7 @@ def worker_swap(model, spec: SwapSpec, engine_dtype: str) -> list[str]:
                 out = _full(*args, **kwargs)
                 return out if rank == 0 else torch.zeros_like(out)
 
-            _patch(engine, obj, attr, only_rank0)
+            ledger.setattr(obj, attr, only_rank0)
     return names
 
 
@@ -89,11 +93,9 @@ def worker_faults(model, specs: list[str], engine_dtype: str) -> int:
     """Plant faults (`numbisect.faults` specs) in this worker's shard; `worker_unfault` undoes them.
     Noise is seeded from the unit name, so every rank draws the same."""
     from numbisect.faults import apply_faults, parse_fault
-    from numbisect.swap import _ModelEngine
 
     worker_unfault(model)
-    engine = model.__dict__.get("_numbisect_engine") or _ModelEngine(model, engine_dtype)
-    model.__dict__["_numbisect_planted"] = apply_faults(engine, [parse_fault(s) for s in specs])
+    model.__dict__["_numbisect_planted"] = apply_faults(view(model, engine_dtype), [parse_fault(s) for s in specs])
     return len(specs)
 
 
@@ -105,17 +107,15 @@ def worker_unfault(model) -> None:
 
 def worker_hooks(model, units: list[str], engine_dtype: str) -> int:
     """Register capture hooks on `units`; outputs pile up until `worker_take`."""
-    from numbisect.swap import _ModelEngine
-
     worker_unhook(model)
-    engine = model.__dict__.get("_numbisect_engine") or _ModelEngine(model, engine_dtype)
+    engine = view(model, engine_dtype)
     seen: dict[str, list] = {u: [] for u in units}
-    handles: list = []
+    hooks = Ledger()
     for name in units:
         kind = engine.unit(name).kind
         mod = engine.module(name)
         if kind == "experts":
-            handles.append(_wrap_routed(mod.routed_experts, seen[name]))
+            moe.record_routed(mod.routed_experts, seen[name], hooks)
             continue
 
         def post(m, args, kwargs, out, name=name, kind=kind):
@@ -123,14 +123,14 @@ def worker_hooks(model, units: list[str], engine_dtype: str) -> int:
             if isinstance(t, torch.Tensor):
                 seen[name].append(t.detach().to("cpu", copy=True))
 
-        register(mod, handles, post=post)
-    model.__dict__["_numbisect_hooks"] = (handles, seen)
-    return len(handles)
+        hooks.hooks(mod, post=post)
+    model.__dict__["_numbisect_hooks"] = (hooks, seen)
+    return len(hooks)
 
 
 def worker_take(model) -> dict[str, list[torch.Tensor]]:
     """The outputs captured since the last call (and forget them)."""
-    _, seen = model.__dict__.get("_numbisect_hooks", ([], {}))
+    _, seen = model.__dict__.get("_numbisect_hooks", (None, {}))
     out = {u: list(v) for u, v in seen.items()}
     for v in seen.values():
         v.clear()
@@ -138,9 +138,9 @@ def worker_take(model) -> dict[str, list[torch.Tensor]]:
 
 
 def worker_unhook(model) -> None:
-    handles, _ = model.__dict__.pop("_numbisect_hooks", ([], {}))
-    for h in handles:
-        h.remove()
+    hooks, _ = model.__dict__.pop("_numbisect_hooks", (None, {}))
+    if hooks is not None:
+        hooks.undo()
 
 
 def worker_prefix_begin(model, swapped: list[str], source: list[str] | None, upto: int, clear: bool,
@@ -149,7 +149,6 @@ def worker_prefix_begin(model, swapped: list[str], source: list[str] | None, upt
     recording of the trial that swapped `source`, record the others. The driver keeps the
     same cache of swapped sets and decides; every worker mirrors its recordings."""
     from numbisect.prefix import PrefixCache
-    from numbisect.swap import _ModelEngine
 
     cache = model.__dict__.setdefault("_numbisect_prefix", PrefixCache())
     if clear:
@@ -159,8 +158,7 @@ def worker_prefix_begin(model, swapped: list[str], source: list[str] | None, upt
         rec = next((r for r in cache.recordings if r.swapped == frozenset(source)), None)
         if rec is None:
             raise BackendError("prefix reuse: a worker lost the recording to replay; run with --no-prefix-reuse")
-    engine = model.__dict__.get("_numbisect_engine") or _ModelEngine(model, engine_dtype)
-    ctx = cache.run(engine, swapped, rec, upto)
+    ctx = cache.run(view(model, engine_dtype), swapped, rec, upto)
     ctx.__enter__()
     model.__dict__["_numbisect_prefix_run"] = ctx
     return upto
@@ -183,10 +181,11 @@ class VLLMTPBackend(Backend):
     """A vLLM engine with `tensor_parallel_size` > 1 (see the module docstring)."""
 
     kind = "vllm"
+    module_names = "vllm"
     remote = True  # the session plants faults and swaps through `prepare` / `undo`
 
     def __init__(self, path: str, dtype: str = "bfloat16", tensor_parallel_size: int = 2, **engine_opts):
-        check_opts("vllm", {**engine_opts, "tensor_parallel_size": tensor_parallel_size}, "--engine-opt")
+        check_vllm_opts({**engine_opts, "tensor_parallel_size": tensor_parallel_size}, "--engine-opt")
         super().__init__(path, dtype)
         self.tp = tensor_parallel_size
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

