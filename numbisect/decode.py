@@ -1,7 +1,7 @@
 """Decode mode (`--engine-mode decode`): the engine runs the trace the way a rollout does.
 
 The prompt is prefilled, then the completion is decoded one token at a time with each
-token forced to the trace's (backends/vllm_force.py, backends/steps.py). What this
+token forced to the trace's (backends/vllm/force.py, backends/steps.py). What this
 module adds on top of a session:
 
 1. Which engines can decode, checked before any model loads (`check_mode`).
