@@ -1,4 +1,5 @@
-"""Capture modes: what a comparison keeps of every unit's activations.
+"""Capture modes: what a comparison keeps of every unit's activations, and the machinery
+the streamed comparison (`numbisect.pipeline.streamed`) folds samples with.
 
 - `stats` (the default): per unit, streaming statistics of the engine against the
   reference (`UnitStats`), updated one sample at a time (on a worker thread, during the
@@ -19,7 +20,6 @@ largest of `ulp_stats(ref_i, eng_i)["max_ulps"]` over samples i.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -410,115 +410,3 @@ class _Behind:
     def close(self) -> None:
         """Stop the worker after what it runs (an error there is left to `wait`)."""
         self.pool.shutdown(wait=True)
-
-
-def stream_compare(session, local: bool = True) -> dict:
-    """`Session.compare` streamed: sample by sample, the reference (captures and inputs),
-    the engine on its own inputs (propagated) and teacher-forced (local), folded into
-    `UnitStats`; in `full` mode every tensor also goes to the `SpillStore`. For a dump
-    engine the local pass feeds the *reference* the dumped inputs and compares its
-    outputs with the dumped outputs."""
-    from numbisect import compare as C
-    from numbisect.backends.base import ForwardResult
-    from numbisect.engine_state import arranged
-
-    spec, ref, eng = session.spec, session.ref, session.engine
-    mode = getattr(spec, "capture", "stats") or "stats"
-    if mode not in MODES:
-        raise InputError(f"unknown capture mode {mode!r}; choose stats or full")
-    units = eng.units if eng is not None else []
-    names = [u.name for u in units]
-    remote = eng is not None and getattr(eng, "remote", False)  # tensor parallel: faults and hooks live in the workers
-    if remote:
-        local = False  # no teacher forcing into the workers yet
-    feed_names = C.local_feed_names(ref) if eng is not None and local else []
-    store = None
-    if mode == "full":
-        if not getattr(spec, "capture_dir", None):
-            raise InputError("--capture full needs --capture-dir DIR")
-        check_budget(units or ref.units, session.samples, ref.config, ref.dtype, spec.max_capture_mb)
-        store = SpillStore(spec.capture_dir, spec.max_capture_mb)
-    dump = eng is not None and eng.kind == "dump"
-    edtype = eng.dtype if eng is not None else None
-    prop = {n: UnitStats(edtype) for n in names}
-    loc = {n: UnitStats(edtype) for n in names}
-    # Per sample only the token log-probs and the per-position KL are kept, not the
-    # tokens x vocab log-probs; the reference's are kept for the trials of a kl-mean search.
-    keep_ref_full = session.settings.judges_kl
-    ref_tok, ref_full, eng_tok, kl = [], [], [], C.PositionKL()
-    state = arranged(eng, ref, session.faults) if eng is not None and not dump else contextlib.nullcontext()
-    session.say(f"reference and engine, sample by sample ({mode} capture)")
-    state.__enter__()
-    behind = _Behind()
-    try:
-        def one(i, s) -> None:
-            """One sample: every tensor it makes is gone when this returns."""
-            r = ref.forward([s], full_logits=True, capture=names, capture_inputs=feed_names)
-            ref_tok.append(r.token_logprobs[0])
-            if keep_ref_full:
-                ref_full.append(r.full_logprobs[0])
-            if eng is None:
-                return
-            if dump:
-                d = eng.sample(i, units=names, inputs=feed_names)
-                eng_tok.append(d["token_logprobs"])
-                e_full = d["full_logprobs"]
-                e_out, e_in = d["outputs"], d["inputs"]
-            else:
-                e = eng.forward([s], full_logits=True, capture=names)
-                eng_tok.append(e.token_logprobs[0])
-                e_full = e.full_logprobs[0]
-                e_out, e_in = {n: v[0] for n, v in e.captures.items() if v}, {}
-            kl.add(r.full_logprobs[0], e_full)
-            behind.submit(fold, prop, {n: (r.captures[n][0], e_out[n]) for n in names if n in e_out and r.captures.get(n)}, i)
-            if store is not None:
-                for n in names:
-                    if r.captures.get(n):
-                        store.add("ref", n, i, r.captures[n][0])
-                    if r.inputs.get(n):
-                        store.add("ref", n, i, r.inputs[n][0], inp=True)
-                    if n in e_out:
-                        store.add("engine", n, i, e_out[n])
-            if not local:
-                return
-            if dump:  # the reference fed the engine's dumped inputs
-                fed = ref.forward([s], capture=names, feed={n: [x] for n, x in e_in.items()}) if e_in else None
-                pairs = {n: (fed.captures[n][0], e_out[n]) for n in names if fed and n in e_in and n in e_out and fed.captures.get(n)}
-            else:  # the engine fed the reference's inputs
-                fed = eng.forward([s], capture=names, feed={n: [r.inputs[n][0]] for n in feed_names if r.inputs.get(n)})
-                pairs = {n: (r.captures[n][0], fed.captures[n][0]) for n in names if fed.captures.get(n) and r.captures.get(n)}
-            behind.submit(fold, loc, pairs, i)
-            if store is not None:
-                for n, (a, b) in pairs.items():
-                    store.add("local", n, i, b if not dump else a)
-
-        for i, s in enumerate(session.samples):
-            one(i, s)
-            _trim()
-        behind.wait()
-    finally:
-        behind.close()
-        state.__exit__(None, None, None)
-    if store is not None:
-        store.flush()
-    ref_res = ForwardResult(token_logprobs=ref_tok, full_logprobs=ref_full if keep_ref_full else None)
-    session._ref_tokens = ref_res
-    eng_res = C.rollout_result(session.trace) if eng is None else ForwardResult(token_logprobs=eng_tok)
-    tokens = C.token_report(session.samples, ref_res, eng_res, session.settings, session.groups,
-                            kl=kl.result() if eng is not None else None)
-    rows = []
-    for u in units:
-        rows.append({"name": u.name, "kind": u.kind, "layer": u.layer, "parent": u.parent,
-                     "propagated": prop[u.name].result() if prop[u.name].n else None,
-                     "local": loc[u.name].result() if (local and loc[u.name].n) else None})
-    body = {
-        "baseline": tokens,
-        "units": rows,
-        "first_divergence": C.first_divergence(rows, session.settings),
-        "verdict": "aligned" if tokens["value"] <= session.settings.threshold else "diverged",
-    }
-    if local and eng is not None:
-        body["local_ranking"] = C.local_ranking(rows)
-    body["capture"] = {"mode": mode, **({"dir": str(spec.capture_dir), "max_mb": spec.max_capture_mb,
-                                         "peak_buffered_mb": round(store.peak_held / 2**20, 3)} if store else {})}
-    return body

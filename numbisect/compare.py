@@ -323,12 +323,15 @@ def _num(x) -> float:
     return float("inf") if math.isnan(v) else v
 
 
-def local_ranking(rows: list[dict]) -> dict[str, int]:
-    """Units ranked by their own (teacher-forced) relative error, 1 = largest."""
+def local_ranking(rows: list[dict], layers: bool = False) -> dict[str, int]:
+    """Units ranked by their own (teacher-forced) relative error, 1 = largest. A NaN error
+    ranks as the largest (nothing can be said to be small); a zero error is not ranked;
+    equal errors go by name. Decoder layers (which hold the other units) are left out;
+    with `layers` they alone are ranked (a layer-streamed comparison measures nothing else)."""
     scored = [
         (r["local"]["rel_l2"], r["name"])
         for r in rows
-        if r["local"] and r["kind"] != "layer" and _num(r["local"]["rel_l2"]) > 0
+        if r["local"] and (r["kind"] == "layer") == layers and _num(r["local"]["rel_l2"]) > 0
     ]
     scored.sort(key=lambda t: (-_num(t[0]), t[1]))
     return {name: i + 1 for i, (_, name) in enumerate(scored)}

@@ -2,7 +2,7 @@
 
 The prompt is prefilled, then the completion is decoded one token at a time with each
 token forced to the trace's (backends/vllm/force.py, backends/steps.py). What this
-module adds on top of a session:
+module adds on top of the comparison pipeline:
 
 1. Which engines can decode, checked before any model loads (`check_mode`).
 2. Which units can be swapped in decode mode. A swap puts the reference's module in the
@@ -75,19 +75,21 @@ def decode_candidates(cands: list[str], engine, mode: str) -> list[str]:
 
 
 # -- decode against prefill inside the engine ------------------------------------------------
-def engine_modes(session, ref, decode, prefill, units) -> dict:
-    """The `engine_modes` section of a decode-mode report."""
-    s = session.settings
-    pre_vs_ref = C.token_report(session.samples, ref, prefill, s, session.groups)
-    dec_vs_pre = C.token_report(session.samples, prefill, decode, s, session.groups)
-    rows = C.unit_report(units, prefill, decode, None, session.engine.dtype, s)
+def engine_modes(samples, settings, groups, engine_dtype, ref, decode, prefill, units) -> dict:
+    """The `engine_modes` section of a decode-mode report: the engine's `decode` and
+    `prefill` runs (ForwardResults with every unit captured) against the reference `ref`
+    and each other."""
+    s = settings
+    pre_vs_ref = C.token_report(samples, ref, prefill, s, groups)
+    dec_vs_pre = C.token_report(samples, prefill, decode, s, groups)
+    rows = C.unit_report(units, prefill, decode, None, engine_dtype, s)
     return {
         "mode": "decode",
         "prefill_vs_reference": _groups(pre_vs_ref),
         "decode_vs_reference": None,  # filled by the caller from the baseline
         "decode_vs_prefill": {
             **_groups(dec_vs_pre),
-            "logprob_diff": _logprob_diff(session.samples, prefill, decode),
+            "logprob_diff": _logprob_diff(samples, prefill, decode),
             "first_unit": C.first_divergence(rows, s),
             "units_differing": [
                 {"name": r["name"], "rel_l2": r["propagated"]["rel_l2"], "max_abs": r["propagated"]["max_abs"]}

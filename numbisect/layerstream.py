@@ -14,6 +14,8 @@ layer_stream=true`):
    too) and on the dump's input of that layer (local: its own error against the
    dumped output). Then it is freed before the next is loaded.
 
+The comparison against the dump is `numbisect.pipeline.layer_streamed`.
+
 Memory: one layer's weights plus one layer's activations (the stream of every sample,
 tokens x hidden), plus the embedding and logits matrices while they run.
 """
@@ -184,55 +186,3 @@ class LayerStreamRef:
             tok.append(lp.gather(1, torch.tensor(s.ids[1:])[:, None]).squeeze(1))
         self.free(head)
         return tok, full, hs
-
-
-def stream_compare_layers(session, local: bool = True) -> dict:
-    """`compare` against a dump with a layer-streamed reference: token metrics, and per
-    decoder layer the propagated error (the reference's own stream) and the local error
-    (the layer fed the dump's input for it against the dumped output)."""
-    from numbisect import compare as C
-    from numbisect.backends.base import ForwardResult
-    from numbisect.capture import UnitStats
-
-    ref, eng = session.ref, session.engine
-    if eng is None or eng.kind != "dump":
-        raise InputError("--ref-opt layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
-    n = len(session.samples)
-    layer_units = [u for u in eng.units if u.kind == "layer"]
-    prop = {u.name: UnitStats(eng.dtype) for u in layer_units}
-    loc = {u.name: UnitStats(eng.dtype) for u in layer_units}
-
-    def on_layer(i, layer, hs):
-        name = f"layers.{i}"
-        if name not in eng.dumped:
-            return
-        for s in range(n):
-            out = eng.tensor(name, f"out.{s}")
-            prop[name].update(hs[s], out, s)
-            x = eng.tensor(name, f"in.{s}")
-            if local and x is not None:
-                loc[name].update(ref.run_layer(layer, x), out, s)
-
-    session.say("layer-streamed reference")
-    tok, full, _ = ref.stream(session.samples, on_layer=on_layer)
-    eng_tok, kl = [], C.PositionKL()
-    for i in range(n):  # one sample's dumped logits at a time
-        d = eng.sample(i, units=[], inputs=[])
-        eng_tok.append(d["token_logprobs"])
-        kl.add(full[i], d["full_logprobs"])
-        del d
-    tokens = C.token_report(session.samples, ForwardResult(token_logprobs=tok), ForwardResult(token_logprobs=eng_tok),
-                            session.settings, session.groups, kl=kl.result())
-    rows = []
-    for u in eng.units:
-        p, l_ = prop.get(u.name), loc.get(u.name)
-        rows.append({"name": u.name, "kind": u.kind, "layer": u.layer, "parent": u.parent,
-                     "propagated": p.result() if p is not None and p.n else None,
-                     "local": l_.result() if l_ is not None and l_.n else None})
-    body = {"baseline": tokens, "units": rows, "first_divergence": C.first_divergence(rows, session.settings),
-            "verdict": "aligned" if tokens["value"] <= session.settings.threshold else "diverged",
-            "capture": {"mode": "stats", "layer_stream": True, "peak_weights_mb": round(ref.peak_loaded_bytes / 2**20, 3)}}
-    if local:  # decoder layers are the units here: rank them by their own error
-        scored = sorted((r["local"]["rel_l2"], r["name"]) for r in rows if r["local"] and r["local"]["rel_l2"] > 0)
-        body["local_ranking"] = {name: i + 1 for i, (_, name) in enumerate(reversed(scored))}
-    return body

@@ -6,13 +6,15 @@
    (mean k3 <= 1e-7 when the dtypes match); otherwise no swap can localise anything.
 3. Either `--swap KIND[,KIND]` (baseline trial, then one trial with those kinds swapped)
    or the search (`numbisect.search`), each trial appended to a JSONL log as it ends.
-4. The report body gains `self_check`, `trials`, `culprits`, `search` (and `swap`).
+4. The report body gains `self_check`, `trials`, `culprits`, `search` (and `swap`):
+   `RunResult` holds them, `run_body` assembles the body from it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from numbisect import decode as D
@@ -254,9 +256,41 @@ class TrialLog:
 
 
 # -- the run -------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    """What `bisect run` found, one field per section it adds to the comparison's body
+    (`run_body` assembles the report's body from it)."""
+
+    compared: dict  # the comparison's report body (`Session.compare`)
+    self_check: dict  # every unit swapped must reproduce the reference
+    search: dict = field(default_factory=dict)  # verdict, strategy, trials used, stop reason, prefix reuse
+    culprits: list[dict] = field(default_factory=list)  # each with its what-ifs (`precision`) once they ran
+    trials: list[dict] = field(default_factory=list)  # every trial, resumed ones included
+    swap: dict | None = None  # --swap KIND: the one swap trial's summary
+    post_search_errors: list[dict] = field(default_factory=list)  # steps after the search that failed
+
+
+def run_body(r: RunResult) -> dict:
+    """The report's body of a run: the comparison's, then the run's sections."""
+    body = dict(r.compared)
+    body["self_check"] = r.self_check
+    if r.swap is not None:
+        body["swap"] = r.swap
+    body["search"] = r.search
+    body["culprits"] = r.culprits
+    body["trials"] = r.trials
+    if r.post_search_errors:
+        body["post_search_errors"] = r.post_search_errors
+    return body
+
+
 def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | None, log: str | None,
-        resume: str | None, progress=lambda m: None, on_trial=None, whatif: bool = True) -> tuple[dict, int]:
-    """Everything `bisect run` does; returns the report body and the exit code."""
+        resume: str | None, progress=lambda m: None, on_trial=None, whatif: bool = True,
+        on_baseline=None) -> tuple[dict, int]:
+    """Everything `bisect run` does; returns the report body and the exit code.
+
+    `on_baseline(body)`: called with the comparison's body as soon as it exists, before
+    the self-check and the trials (the TUI shows it while the search runs)."""
     if session.engine is None:
         raise InputError("bisect run needs an engine that runs (hf: or vllm:), not rollout")
     kinds = None
@@ -269,8 +303,10 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
         raise InputError(f"unknown strategy {strategy!r}; choose one of {', '.join(S.STRATEGIES)}")
     logger = TrialLog(log, session, resume)  # refused here, before any forward, if it cannot be resumed or written
     try:
-        body = session.compare(local=True)
-        body["self_check"] = check_swaps(session, progress)
+        compared = session.compare(local=True)
+        if on_baseline is not None:
+            on_baseline(compared)
+        result = RunResult(compared, check_swaps(session, progress))
     except BaseException:
         logger.close()
         raise
@@ -285,26 +321,24 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
     runner = S.TrialRunner(session.trial, max_trials=max_trials, on_trial=record, resumed=resumed)
     try:
         if kinds:
-            code = _swap_run(session, kinds, runner, body)
+            code = _swap_run(session, kinds, runner, result)
         else:
-            code = _search_run(session, strategy, runner, body)
+            code = _search_run(session, strategy, runner, result)
     finally:
         logger.close()
-    body["trials"] = [t.to_dict() for t in runner.trials]
+    result.trials = [t.to_dict() for t in runner.trials]
     # The search is done: nothing after it may lose its result (see `after_search`).
-    failed: list[dict] = []
+    failed = result.post_search_errors
     after_search(failed, "prefix_reuse", None, progress,
-                 lambda: body["search"].__setitem__("prefix_reuse", prefix_summary(session, runner.trials)))
-    if whatif and body.get("culprits") and not getattr(session.engine, "remote", False):  # not under TP yet
+                 lambda: result.search.__setitem__("prefix_reuse", prefix_summary(session, runner.trials)))
+    if whatif and result.culprits and not getattr(session.engine, "remote", False):  # not under TP yet
         from numbisect import whatif as W
 
-        names = [c["unit"] for c in body["culprits"]]
-        for c in body["culprits"]:
+        names = [c["unit"] for c in result.culprits]
+        for c in result.culprits:
             after_search(failed, "whatif", c["unit"], progress,
-                         lambda c=c: W.run_whatifs(session, [c], body["search"].get("baseline"), progress, names=names))
-    if failed:
-        body["post_search_errors"] = failed
-    return body, code
+                         lambda c=c: W.run_whatifs(session, [c], result.search.get("baseline"), progress, names=names))
+    return run_body(result), code
 
 
 def after_search(failed: list[dict], step: str, unit: str | None, progress, fn) -> None:
@@ -345,7 +379,7 @@ def prefix_summary(session, trials) -> dict:
     return out
 
 
-def _swap_run(session, kinds: list[str], runner: S.TrialRunner, body: dict) -> int:
+def _swap_run(session, kinds: list[str], runner: S.TrialRunner, result: RunResult) -> int:
     names = units_of_kinds(session.engine, kinds)
     base = runner.run((), "baseline")
     after = runner.run(names, "swap")
@@ -363,9 +397,9 @@ def _swap_run(session, kinds: list[str], runner: S.TrialRunner, body: dict) -> i
     for g, v in after.metrics["groups"].items():
         b = base.metrics["groups"][g]["k3_mean"]
         lines.append(f"  group {g:<12} k3 mean {fmt(b)} -> {fmt(v['k3_mean'])}")
-    body["swap"] = {"kinds": kinds, "units": names, "before": base.value, "after": after.value, "fixed": fixed, "lines": lines}
+    result.swap = {"kinds": kinds, "units": names, "before": base.value, "after": after.value, "fixed": fixed, "lines": lines}
     verdict = "aligned" if base.value <= th else ("culprits" if fixed else "unreachable")
-    body["search"] = {
+    result.search = {
         "verdict": verdict,
         "strategy": "swap",
         "trials_used": runner.used,
@@ -375,27 +409,27 @@ def _swap_run(session, kinds: list[str], runner: S.TrialRunner, body: dict) -> i
         "threshold": th,
         "contributions": {},
     }
-    body["culprits"] = []
+    result.culprits = []
     if base.value <= th:
         return ExitCode.ALIGNED
     return ExitCode.DIVERGED if fixed else ExitCode.NO_CULPRIT
 
 
-def _search_run(session, strategy: str, runner: S.TrialRunner, body: dict) -> int:
+def _search_run(session, strategy: str, runner: S.TrialRunner, result: RunResult) -> int:
     g = unit_graph(session.engine.units)
     cands = D.decode_candidates(S.default_candidates(g), session.engine, session.mode)
-    result = S.search(
+    found = S.search(
         g, cands, runner, session.settings.threshold, strategy,
-        local_rank=body.get("local_ranking"), metric=session.settings.metric,
+        local_rank=result.compared.get("local_ranking"), metric=session.settings.metric,
     )
-    body["search"] = result.to_dict()
-    body["search"].pop("culprits", None)
+    result.search = found.to_dict()
+    result.search.pop("culprits", None)
     left = D.not_swappable(session.engine.units, session.mode)
-    if left and result.verdict == "unreachable":
-        body["search"]["stop_reason"] += f" (decode mode: {len(left)} attention/layer units are not swappable and stay the engine's)"
-    body["culprits"] = [c.to_dict() for c in result.culprits]
-    if result.verdict == "aligned":
+    if left and found.verdict == "unreachable":
+        result.search["stop_reason"] += f" (decode mode: {len(left)} attention/layer units are not swappable and stay the engine's)"
+    result.culprits = [c.to_dict() for c in found.culprits]
+    if found.verdict == "aligned":
         return ExitCode.ALIGNED
-    if result.verdict == "culprits":
+    if found.verdict == "culprits":
         return ExitCode.DIVERGED
     return ExitCode.NO_CULPRIT

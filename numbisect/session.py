@@ -1,22 +1,24 @@
 """A debugging session: one trace, one reference, one engine, and the trials run on them.
 
-The reference runs once (captures kept); the engine runs once per trial. `compare()`
-gives the baseline report body; `trial(swapped)` is the evaluator the search calls.
+It opens and checks the inputs, then holds them: `compare()` runs the comparison
+pipeline (`numbisect.pipeline`) and keeps what it returns (the reference's log-probs the
+trials reuse, its expert ids) and gives the baseline report body; `trial(swapped)` is
+the evaluator the search calls; `self_check()` proves the swaps. The layers above
+(cli, run, selftest, the TUI) hold a Session; the layers below never see one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
 
 from numbisect import compare as C
 from numbisect import decode as D
+from numbisect import pipeline as P
 from numbisect.arch import arch_for
 from numbisect.backends.base import Backend, ForwardResult, load_config
 from numbisect.errors import BackendError, InputError
-from numbisect.engine_state import arranged
 from numbisect.faults import check_fault, parse_fault
 from numbisect.prefix import PrefixCache
 from numbisect.trace import BUILTIN_GROUPS, Trace, check_vocab
@@ -144,7 +146,8 @@ class Session:
         self.groups = C.group_names(self.trace) + (["all"] if settings.group == "all" else [])
         self._ref_result: ForwardResult | None = None
         self.ref_routing: dict | None = None  # router unit -> per-sample expert ids of the reference
-        self._ref_tokens: ForwardResult | None = None  # the reference's log-probs from a streamed compare
+        self._ref_tokens: ForwardResult | None = None  # the reference's log-probs from the last compare
+        self.comparison: P.Comparison | None = None  # the last compare's result
         self.digests = {"ref": C.checkpoint_digest(ref_path), "trace": self.trace.sha256}
         extra = G.inputs_digest(self.trace, spec.group_defs)  # pixel inputs and --group-def live outside the file
         if extra:
@@ -160,159 +163,53 @@ class Session:
 
         return open_backend(kind, path, dtype, dict(opts), "--ref-opt" if what == "loading reference" else "--engine-opt")
 
-    # -- the reference ------------------------------------------------------------------
+    # -- the comparison pipeline ------------------------------------------------------------
+    def sides(self) -> P.Sides:
+        """The pipeline's inputs, as this session holds them now (`self_check` and the
+        selftest change `faults` and `mode` between calls)."""
+        return P.Sides(ref=self.ref, engine=self.engine, trace=self.trace, settings=self.settings, groups=self.groups,
+                       faults=self.faults, mode=self.mode, say=self.say, ref_result=self._ref_result,
+                       ref_routing=self.ref_routing)
+
     def reference(self) -> ForwardResult:
+        """The whole-run reference (every unit's input and output), made once."""
         if self._ref_result is None:
-            self.say("running the reference")
-            names = C.capture_names(self.ref)
-            probe = self.routing_probe(self.ref)
-            undo = probe.install() if probe else None
-            try:
-                self._ref_result = self.ref.forward(
-                    self.samples, full_logits=True, capture=names, capture_inputs=C.local_feed_names(self.ref)
-                )
-            finally:
-                if undo:
-                    undo()
-            self.ref_routing = probe.ids if probe else None
+            self._ref_result, self.ref_routing = P.reference_run(self.sides())
         return self._ref_result
 
     def reference_tokens(self) -> ForwardResult:
-        """The reference's log-probs: from the streamed compare when there was one (no
-        second reference forward, no unit kept), else from `reference()`."""
+        """The reference's log-probs: from the last compare when there was one (a streamed
+        compare makes no second reference forward and keeps no unit), else from `reference()`."""
         return self._ref_tokens or self.reference()
 
     def routing_probe(self, backend, replay=None):
         """A recorder (and replayer) of expert ids for `backend`; None on a dense model."""
-        from numbisect.routing import RoutingProbe, router_spec
+        return self.sides().routing_probe(backend, replay)
 
-        spec = router_spec(backend.config)
-        return None if spec is None else RoutingProbe(backend, spec, self.samples, replay)
-
-    # -- the engine -----------------------------------------------------------------------
     def engine_forward(self, swapped=(), capture=(), feed=None, mode=None, probe=None, *, prefix=None,
                        full_logits=True) -> ForwardResult:
         """The engine with its planted faults, then `swapped` units replaced by the reference's,
         run in `mode` (default: the session's engine mode), and, with `probe`, its expert ids
-        recorded or replayed.
+        recorded or replayed (`pipeline.Sides.engine_forward`).
 
         `prefix=(recording, L)`: layers 0..L-1 replay the recording, the others are
-        recorded (`numbisect.prefix`; used by `trial`).
+        recorded in the session's prefix cache (`numbisect.prefix`; used by `trial`).
         """
-        if self.engine is None:
-            return C.rollout_result(self.trace)
-        if getattr(self.engine, "remote", False):  # tensor parallel: faults and swaps go into the workers
-            return self._remote_forward(swapped, capture, feed, prefix, full_logits)
-        mode = mode or self.mode
-        D.check_swappable(self.engine, list(swapped), mode)
-        with arranged(self.engine, self.ref, self.faults, swapped, probe):
-            ctx = self.prefix.run(self.engine, swapped, *prefix) if prefix else contextlib.nullcontext()
-            with ctx:
-                return self.engine.forward(self.samples, full_logits=full_logits, capture=list(capture), feed=feed, mode=mode)
-
-    def _remote_forward(self, swapped, capture, feed, prefix, full_logits=True) -> ForwardResult:
-        """`engine_forward` on a tensor-parallel engine: everything happens in its workers;
-        this side keeps the prefix cache's bookkeeping (which trial swapped what)."""
-        self.engine.prepare(self.faults, list(swapped), self.ref)
-        try:
-            if prefix:
-                source, upto = prefix
-                self.engine.prefix_begin(swapped, source, upto, clear=self.prefix.cleared)
-                self.prefix.cleared = False
-            ok = False
-            try:
-                res = self.engine.forward(self.samples, full_logits=full_logits, capture=list(capture), feed=feed)
-                ok = True
-            finally:
-                if prefix:
-                    self.engine.prefix_end(failed=not ok)
-            if prefix:
-                self.prefix.note(swapped, prefix[0])
-            return res
-        finally:
-            self.engine.undo()
-
-    def _routing_light(self, local: bool):
-        """Routing agreement for a streamed compare: both sides run once more capturing
-        only their routers (tokens x experts each), so no hidden-size tensor is kept."""
-        from numbisect import routing as R
-
-        if self.engine is None or self.engine_kind == "dump" or getattr(self.engine, "remote", False):
-            return None
-        spec = R.router_spec(self.ref.config)
-        if spec is None:
-            return None
-        units = R.router_units(self.ref)
-        self.say("routing: routers of both sides")
-        probe = self.routing_probe(self.ref)
-        undo = probe.install()
-        try:
-            ref = self.ref.forward(self.samples, capture=units, capture_inputs=units if local else ())
-        finally:
-            undo()
-        passes = {}
-        p = self.routing_probe(self.engine)
-        passes["propagated"] = (p.ids, self.engine_forward(capture=units, probe=p, full_logits=False).captures)
-        if local:
-            p = self.routing_probe(self.engine)
-            feed = {n: ref.inputs[n] for n in units if ref.inputs.get(n)}
-            passes["local"] = (p.ids, self.engine_forward(capture=units, feed=feed, probe=p, full_logits=False).captures)
-        self.ref_routing = probe.ids
-        return R.routing_report(self.samples, spec, units, probe.ids, ref.captures, passes,
-                                (R._biases(self.ref, units), R._biases(self.engine, units)))
+        return self.sides().engine_forward(swapped, capture, feed, mode, probe, prefix=prefix, cache=self.prefix,
+                                           full_logits=full_logits)
 
     def compare(self, local: bool = True) -> dict:
-        """Token metrics, RL cost and per-unit divergence of the unswapped engine."""
-        if getattr(self.ref, "kind", None) == "hf-layers":
-            from numbisect.layerstream import stream_compare_layers
-
-            return stream_compare_layers(self, local)
-        # stats / full: streamed sample by sample (numbisect.capture; under tensor
-        # parallelism each sample's captures are gathered from the workers, then folded).
-        # Decode mode and the routing replay compare whole runs, so they keep every tensor.
-        if self.spec.capture != "memory" and self.mode == "prefill" and not self.spec.replay_routing:
-            from numbisect.capture import stream_compare
-
-            body = stream_compare(self, local)
-            routing = self._routing_light(local)
-            if routing is not None:
-                body["routing"] = routing
-            return body
-        ref = self.reference()
-        self.say("running the engine")
-        units = self.engine.units if self.engine else []
-        # Routing probes record per engine call; decode mode calls once per token: prefill only.
-        probes = {"propagated": self.routing_probe(self.engine)
-                  if self.engine and self.mode == "prefill" and not getattr(self.engine, "remote", False) else None}
-        prop = self.engine_forward(capture=[u.name for u in units], probe=probes["propagated"])
-        tokens = C.token_report(self.samples, ref, prop, self.settings, self.groups)
-        loc = None
-        if local and self.engine is not None and not getattr(self.engine, "remote", False):  # no feed under TP yet
-            self.say("teacher-forced pass (local error)")
-            feed = {n: ref.inputs[n] for n in C.local_feed_names(self.engine) if ref.inputs.get(n)}
-            probes["local"] = self.routing_probe(self.engine) if self.mode == "prefill" else None
-            loc = self.engine_forward(capture=[u.name for u in units], feed=feed, probe=probes["local"])
-        rows = C.unit_report(units, ref, prop if self.engine else None, loc, self.engine.dtype if self.engine else None, self.settings)
-        body = {
-            "baseline": tokens,
-            "units": rows,
-            "first_divergence": C.first_divergence(rows, self.settings),
-            "verdict": "aligned" if tokens["value"] <= self.settings.threshold else "diverged",
-        }
-        if loc is not None:
-            body["local_ranking"] = C.local_ranking(rows)
-        if self.mode == "decode":
-            self.say("running the engine in prefill mode (decode vs prefill)")
-            pre = self.engine_forward(capture=[u.name for u in units], mode="prefill")
-            body["engine_modes"] = D.with_baseline(D.engine_modes(self, ref, prop, pre, units), tokens)
-        if probes["propagated"] is not None:
-            from numbisect import routing as R
-
-            results = {"propagated": prop, "local": loc}
-            body["routing"] = R.session_routing(self, {k: (p, results[k]) for k, p in probes.items() if p is not None})
-            if self.spec.replay_routing:
-                body["routing_replay"] = R.replay_whatif(self, self.spec.replay_routing, probes["propagated"].ids, prop, tokens)
-        return body
+        """Token metrics, RL cost and per-unit divergence of the unswapped engine: the
+        report body of the pipeline's comparison (`numbisect.pipeline.compare`)."""
+        capture = P.Capture(self.spec.capture, self.spec.capture_dir, self.spec.max_capture_mb)
+        c = P.compare(self.sides(), local, capture, self.spec.replay_routing)
+        self._ref_tokens = c.ref_tokens
+        if c.ref_result is not None:
+            self._ref_result = c.ref_result
+        if c.ref_routing is not None:
+            self.ref_routing = c.ref_routing
+        self.comparison = c
+        return P.report_body(c)
 
     def _prefix_key(self):
         """What the recorded prefix depends on besides the session's fixed engine and trace."""

@@ -6,7 +6,7 @@
 3. `run_search`: `numbisect.run.run` exactly as `bisect run` calls it, and the report
    built exactly as `bisect run` builds it, so an exported report equals the CLI's
    apart from `created` and the durations. The comparison's body is handed out as soon
-   as it exists (`on_baseline`), before the trials.
+   as it exists (`run.run`'s `on_baseline` hook), before the trials.
 4. `swap_trial`: one engine forward with some units swapped (not part of the report).
 
 Every callback may raise `Cancelled` (the app is quitting): the run stops at the next
@@ -64,28 +64,20 @@ def run_search(session, cfg: LiveConfig, progress, on_trial, on_baseline=None) -
     """Compare, self-check and search; returns (report, exit code) as `bisect run` would."""
     from numbisect.run import run
 
-    compare = session.compare
+    def tell(body: dict) -> None:
+        on_baseline(report_of(session, cfg, copy.deepcopy(body)))
 
-    def compare_and_tell(local: bool = True) -> dict:
-        body = compare(local=local)
-        if on_baseline is not None:
-            on_baseline(report_of(session, cfg, copy.deepcopy(body)))
-        return body
-
-    session.compare = compare_and_tell
-    try:
-        body, code = run(
-            session,
-            swap=[],
-            strategy=cfg.strategy,
-            max_trials=cfg.max_trials,
-            log=None,
-            resume=None,
-            progress=progress,
-            on_trial=on_trial,
-        )
-    finally:
-        del session.compare  # back to the method
+    body, code = run(
+        session,
+        swap=[],
+        strategy=cfg.strategy,
+        max_trials=cfg.max_trials,
+        log=None,
+        resume=None,
+        progress=progress,
+        on_trial=on_trial,
+        on_baseline=tell if on_baseline is not None else None,
+    )
     return report_of(session, cfg, body), int(code)
 
 
