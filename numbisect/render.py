@@ -9,7 +9,7 @@ hostile report cannot drive the terminal or forge a line.
 
 from __future__ import annotations
 
-from numbisect.formatting import fmt, pct  # noqa: F401  (re-exported: numbisect.render.fmt)
+from numbisect.formatting import fmt, pct
 from numbisect.textsafe import clip, printable, printable_text, printable_tree
 
 

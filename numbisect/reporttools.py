@@ -13,7 +13,7 @@ torch, no vLLM, so it runs on the machine of whoever reads the ticket.
    command that reproduces the run.
 
 Non-finite numbers arrive as the strings "inf", "-inf", "nan" (the report's encoding);
-`num()` turns them back into floats.
+`formatting.num()` turns them back into floats.
 
 A report's strings go through `numbisect.textsafe`: `diff` and `markdown` work on copies
 whose strings are printable (no escape sequences, no line breaks), and Markdown shows
@@ -26,8 +26,7 @@ import math
 import re
 import shlex
 
-from numbisect.formatting import num  # noqa: F401  (re-exported: numbisect.reporttools.num)
-from numbisect.render import fmt, pct
+from numbisect.formatting import fmt, num, pct
 from numbisect.textsafe import md_code, md_text, printable, printable_text, printable_tree
 
 MAX_DIFF_UNITS = 25  # unit rows shown by render_diff before the rest are summarised

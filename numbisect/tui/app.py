@@ -32,7 +32,7 @@ from textual.widgets import Input, Static, TabbedContent, Tree
 from textual.worker import get_current_worker
 
 from numbisect.errors import InputError, NumbisectError
-from numbisect.render import fmt
+from numbisect.formatting import fmt
 from numbisect.report import load_report, write_json_atomic
 from numbisect.textsafe import clip, printable, printable_tree
 from numbisect.tui import model as M

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from numbisect.render import fmt, pct
+from numbisect.formatting import fmt, num, pct
 from numbisect.units import Unit, children, unit_graph
 
 METRIC_WORDS = {"k3-mean": "mean k3", "k3-p99": "p99 k3", "kl-mean": "mean KL"}
@@ -45,29 +45,15 @@ def metric_words(metric: str) -> str:
     return METRIC_WORDS.get(metric, metric)
 
 
-def _num(x) -> float | None:
-    """A report number (floats may be stored as "inf"/"nan" strings); None for anything else."""
-    if x is None or isinstance(x, bool):
-        return None
-    if isinstance(x, int) and abs(x) >= 2**1023:  # too large for a float
-        return math.inf if x > 0 else -math.inf
-    if isinstance(x, (int, float, str)):
-        try:
-            return float(x)
-        except (ValueError, OverflowError):
-            return None
-    return None
-
-
 def threshold_of(r: dict) -> float:
     """The judged threshold as a float (NaN when the report's is not a number)."""
-    t = _num(r["threshold"]["threshold"])
+    t = num(r["threshold"]["threshold"])
     return math.nan if t is None else t
 
 
 def unit_tol(r: dict) -> float:
     """The unit tolerance as a float (1e-2 when absent, zero or not a number)."""
-    return _num(r["threshold"].get("unit_tol")) or 1e-2
+    return num(r["threshold"].get("unit_tol")) or 1e-2
 
 
 # -- verdict and culprit -------------------------------------------------------------------
@@ -78,7 +64,7 @@ def verdict_line(r: dict) -> tuple[str, str, str]:
     aligned = r["verdict"] == "aligned"
     mark, style = ("OK ALIGNED", "bold green") if aligned else ("!! DIVERGED", "bold red")
     ratio = ""
-    t, v = _num(th["threshold"]), _num(b["value"])
+    t, v = num(th["threshold"]), num(b["value"])
     if t and v is not None and math.isfinite(t) and math.isfinite(v):
         x = v / t
         ratio = f" ({x:.0f}x)" if x >= 100 else f" ({x:.2g}x)"
@@ -151,7 +137,7 @@ def unit_severity(u: dict, view: str, tol: float) -> tuple[str, str, float | Non
     m = unit_metrics(u, view)
     if not m:
         return "none", "-", None
-    v = _num(m.get("rel_l2"))
+    v = num(m.get("rel_l2"))
     if v is None:
         return "none", "-", None
     ul = m.get("ulps") or {}
@@ -315,7 +301,7 @@ def abbreviate(swapped: list[str], universe: list[str] | None = None, width: int
 
 def value_mark(value, threshold) -> str:
     """"fixed" when the value is at or under the threshold, "?" when either is not a number."""
-    v, t = _num(value), _num(threshold)
+    v, t = num(value), num(threshold)
     if v is None or t is None or math.isnan(v) or math.isnan(t):
         return "?"
     return "fixed" if v <= t else ""
@@ -357,7 +343,7 @@ class TokenData:
 
     def k3(self, i: int) -> list[float | None]:
         """Sample i's per-token k3 as floats ("inf"/"nan" strings read as such; None kept)."""
-        return [_num(v) for v in self.per_sample[i]["k3"]]
+        return [num(v) for v in self.per_sample[i]["k3"]]
 
     def values(self, i: int, group: str) -> list[float]:
         return [v for v, m in zip(self.k3(i), self.mask(i, group)) if m and v is not None]
@@ -445,7 +431,7 @@ def token_data(r: dict, report_path: str | None = None) -> TokenData:
     from numbisect.textsafe import printable
 
     b = r["baseline"]
-    td = TokenData(per_sample=b.get("per_sample") or [], threshold=_num(r["threshold"]["threshold"]) or 0.0)
+    td = TokenData(per_sample=b.get("per_sample") or [], threshold=num(r["threshold"]["threshold"]) or 0.0)
     tr = r["inputs"]["trace"]
     want = [g for g in tr.get("groups") or [] if g not in ("completion", "prompt", "all")]
     found = _resolve(tr["path"], report_path)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from numbisect.render import fmt, header, pct, search_lines, token_table
+from numbisect.formatting import fmt, num, pct
+from numbisect.render import header, search_lines, token_table
 from numbisect.tui import model as M
 
 
@@ -23,10 +24,10 @@ def overview_text(r: dict) -> Text:
     t.append(f"  judged on {M.metric_words(th['metric'])} of {th['group']} tokens, threshold {fmt(th['threshold'])}\n")
     if g:
         k3 = g["k3"]
-        t_num = M._num(th["threshold"])
+        t_num = num(th["threshold"])
         for key, label in (("mean", "k3 mean"), ("p99", "k3 p99 "), ("max", "k3 max ")):
             v = k3.get(key)
-            v_num = M._num(v)
+            v_num = num(v)
             over = v_num is not None and t_num is not None and (v_num > t_num or v_num != v_num)  # NaN counts as over
             sym = ">" if over else "<="
             t.append(f"  {label} {fmt(v):>10}  {sym} {fmt(th['threshold'])}  ")

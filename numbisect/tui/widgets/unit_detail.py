@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from numbisect.render import fmt
+from numbisect.formatting import fmt, num
 from numbisect.tui import model as M
 
 
@@ -29,7 +29,7 @@ def _metrics_block(t: Text, title: str, m: dict | None, active: bool) -> None:
 
 def _routing_block(t: Text, report: dict, name: str, flips: int = 8) -> None:
     """Expert-set agreement and flips of the MoE layer a router (or MoE block) belongs to."""
-    from numbisect.routing_render import flip_line, number
+    from numbisect.routing_render import flip_line
 
     router = name if name.endswith(".moe.router") else (name + ".router" if name.endswith(".moe") else None)
     row = next((r for r in (report.get("routing") or {}).get("layers") or [] if r["unit"] == router), None)
@@ -40,10 +40,10 @@ def _routing_block(t: Text, report: dict, name: str, flips: int = 8) -> None:
         p = row.get(side)
         if not p:
             continue
-        err = number((p.get("logit_error") or {}).get("rel_l2"))
-        t.append(f"  {side}: {100 * (number(p.get('agree_frac')) or 0):.1f}% agree, {p.get('flipped')} of {p.get('tokens')} tokens flipped, logit rel-L2 {fmt(err)}\n")
+        err = num((p.get("logit_error") or {}).get("rel_l2"))
+        t.append(f"  {side}: {100 * (num(p.get('agree_frac')) or 0):.1f}% agree, {p.get('flipped')} of {p.get('tokens')} tokens flipped, logit rel-L2 {fmt(err)}\n")
         if p.get("flipped"):
-            t.append(f"    margin p50 {fmt(number(p.get('margin_p50_all')))} over all tokens, {fmt(number(p.get('margin_p50_flipped')))} at flips\n")
+            t.append(f"    margin p50 {fmt(num(p.get('margin_p50_all')))} over all tokens, {fmt(num(p.get('margin_p50_flipped')))} at flips\n")
     p = row.get("propagated") or {}
     for f in (p.get("flips") or [])[:flips]:
         t.append("  flip " + flip_line(f) + "\n")
@@ -52,10 +52,10 @@ def _routing_block(t: Text, report: dict, name: str, flips: int = 8) -> None:
         t.append(f"  ... {more} more flips (bisect report show)\n", style="dim")
     rr = report.get("routing_replay")
     lay = next((x for x in (rr or {}).get("layers") or [] if x["unit"] == router), None)
-    if lay and number(lay.get("value_replayed_alone")) is not None:
+    if lay and num(lay.get("value_replayed_alone")) is not None:
         t.append(
             f"  replay ({rr['direction']}) here alone: {lay['flips_before']} flips -> {lay.get('flips_after_alone')}, "
-            f"{M.metric_words(str(rr.get('metric', 'k3')))} {fmt(number(rr['baseline']))} -> {fmt(number(lay['value_replayed_alone']))}\n"
+            f"{M.metric_words(str(rr.get('metric', 'k3')))} {fmt(num(rr['baseline']))} -> {fmt(num(lay['value_replayed_alone']))}\n"
         )
 
 
