@@ -1,8 +1,10 @@
-"""Text lines for a report's `routing` and `routing_replay` sections (from the report alone)."""
+"""Text lines for a report's `routing` and `routing_replay` sections (from the report
+alone, through `numbisect.reportview`). Torch-free."""
 
 from __future__ import annotations
 
 from numbisect.formatting import fmt, num, pct
+from numbisect.reportview import ReportView, view
 
 
 def _experts(e: list[int]) -> str:
@@ -18,8 +20,9 @@ def flip_line(f: dict) -> str:
     return out
 
 
-def routing_lines(r: dict, flips_per_layer: int = 3) -> list[str]:
-    ro = r.get("routing")
+def routing_lines(r: dict | ReportView, flips_per_layer: int = 3) -> list[str]:
+    v = view(r)
+    ro = v.routing
     if not ro:
         return []
     sp = ro.get("spec") or {}
@@ -37,7 +40,7 @@ def routing_lines(r: dict, flips_per_layer: int = 3) -> list[str]:
         )
         for f in (p.get("flips") or [])[:flips_per_layer]:
             out.append("    flip " + flip_line(f))
-    rr = r.get("routing_replay")
+    rr = v.routing_replay
     if rr:
         who = "the engine with the reference's" if rr["direction"] == "ref" else "the reference with the engine's"
         out.append(

@@ -7,6 +7,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from numbisect.formatting import fmt, num
+from numbisect.reportview import view as report_view
 from numbisect.tui import model as M
 
 
@@ -32,7 +33,7 @@ def _routing_block(t: Text, report: dict, name: str, flips: int = 8) -> None:
     from numbisect.routing_render import flip_line
 
     router = name if name.endswith(".moe.router") else (name + ".router" if name.endswith(".moe") else None)
-    row = next((r for r in (report.get("routing") or {}).get("layers") or [] if r["unit"] == router), None)
+    row = next((r for r in (report_view(report).routing or {}).get("layers") or [] if r["unit"] == router), None)
     if row is None:
         return
     t.append("\nrouting (top-k expert sets)\n", style="bold")
@@ -50,7 +51,7 @@ def _routing_block(t: Text, report: dict, name: str, flips: int = 8) -> None:
     more = (p.get("flipped") if isinstance(p.get("flipped"), int) else 0) - min(flips, len(p.get("flips") or []))
     if more > 0:
         t.append(f"  ... {more} more flips (bisect report show)\n", style="dim")
-    rr = report.get("routing_replay")
+    rr = report_view(report).routing_replay
     lay = next((x for x in (rr or {}).get("layers") or [] if x["unit"] == router), None)
     if lay and num(lay.get("value_replayed_alone")) is not None:
         t.append(
@@ -66,7 +67,8 @@ def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: 
         t.append("\nSelect a unit (arrows, mouse) to see its error, the trials that swapped it and its worst token.\n")
         t.append("\n" + M.legend(M.unit_tol(report)) + "\n", style="dim")
         return t
-    u = next((x for x in report.get("units") or [] if x["name"] == name), None)
+    rv = report_view(report)
+    u = rv.unit(name)
     if u is None:
         t.append(f"{name}: not in this report\n")
         return t
@@ -76,9 +78,9 @@ def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: 
     t.append(name, style="bold")
     t.append(f"  ({u['kind']})\n")
     t.append(f"{sym} {vs}: {meaning} ({view}, tolerance {fmt(tol)})\n", style=style)
-    for c in report.get("culprits") or []:
+    for c in rv.culprits:
         if c["unit"] == name:
-            s = report.get("search") or {}
+            s = rv.search or {}
             t.append(
                 f"{M.CULPRIT_MARK} CULPRIT: alone {fmt(s.get('baseline'))} -> {fmt(c['alone'])}; "
                 f"all others swapped {fmt(c['complement'])}\n",
@@ -90,14 +92,14 @@ def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: 
                 for w in p.get("whatifs") or []:
                     if isinstance(w, dict):
                         t.append(f"  {w.get('whatif')}: {w.get('line')}\n")
-    rank = (report.get("local_ranking") or {}).get(name)
+    rank = rv.local_ranking.get(name)
     if rank:
-        t.append(f"local-error rank {rank} of {len(report['local_ranking'])}\n")
+        t.append(f"local-error rank {rank} of {len(rv.local_ranking)}\n")
     _metrics_block(t, "propagated", u.get("propagated"), view == "propagated")
     _metrics_block(t, "local (teacher-forced)", u.get("local"), view == "local")
     _routing_block(t, report, name)
     hits = M.trials_with(trials, report, name)
-    th = report["threshold"]["threshold"]
+    th = rv.threshold
     t.append(f"\ntrials that swapped it: {len(hits)}\n", style="bold")
     for tr, how in hits:
         fixed = M.value_mark(tr["value"], th)
