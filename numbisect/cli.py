@@ -139,8 +139,6 @@ class ThresholdType(click.ParamType):
 class MegabytesType(click.types.FloatParamType):
     """A positive, finite number of MB; anything else one InputError line naming the option."""
 
-    name = "MB"
-
     def convert(self, value, param, ctx):
         v = super().convert(value, param, ctx)
         if not (v > 0 and math.isfinite(v)):
