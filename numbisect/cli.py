@@ -158,7 +158,11 @@ class AtLeastOneType(click.types.IntParamType):
 
 # Every option that more than one command takes, declared once: name -> click.option's
 # arguments. A command picks them with `options(...)`; only `required` differs between
-# commands (tui's --ref/--engine/--trace are optional: live mode).
+# commands (tui's --ref/--engine/--trace are optional: live mode). Options that share a
+# name but not a meaning stay with their command: calibrate's --ref-opt (no batch_size:
+# --batch-size is its own), calibrate's and selftest's --out/--json (a floor, results;
+# not a report), selftest's --engine/--trace (defaults from the fixture) and --threshold
+# (an override of the engine profile's, no floor).
 OPTIONS = {
     "ref": (("--ref",), dict(required=True, metavar="hf:DIR", help="Reference model (transformers checkpoint directory).")),
     "engine": (("--engine",), dict(required=True, metavar="SPEC", help="Engine: vllm:DIR, hf:DIR or rollout (the trace's rollout_logprobs).")),
@@ -399,7 +403,8 @@ def report():
 
 
 @cli.command(epilog=EPILOG)
-@options("ref", "trace", "ref_dtype", "ref_opt")
+@options("ref", "trace", "ref_dtype")
+@click.option("--ref-opt", multiple=True, metavar="KEY=VALUE", help="hf options of the reference: attn_implementation, experts_implementation.")
 @click.option("--variant", "variants", multiple=True, metavar="NAME[,NAME]",
               help="Variants to measure: batch, attn, experts, dtype [default: batch, attn, experts (MoE models), dtype when --dtype-variant is given].")
 @click.option("--dtype-variant", metavar="DTYPE", help="Also measure the reference in this dtype (e.g. float32).")
