@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -90,42 +91,131 @@ class Progress:
             print(f"bisect: {msg}", file=sys.stderr, flush=True)
 
 
-def session_options(f):
-    opts = [
-        click.option("--ref", required=True, metavar="hf:DIR", help="Reference model (transformers checkpoint directory)."),
-        click.option("--engine", required=True, metavar="SPEC", help="Engine: vllm:DIR, hf:DIR or rollout (the trace's rollout_logprobs)."),
-        click.option("--trace", required=True, type=click.Path(), help="Token trace, JSONL (prompt_ids, completion_ids, ...)."),
-        click.option("--ref-dtype", default="bfloat16", show_default=True, help="float32, bfloat16 or float16."),
-        click.option("--engine-dtype", default="bfloat16", show_default=True),
-        click.option("--ref-opt", multiple=True, metavar="KEY=VALUE", help="hf options: attn_implementation, experts_implementation, batch_size."),
-        click.option("--engine-opt", multiple=True, metavar="KEY=VALUE", help="Backend options (hf as above; vllm: any LLM() argument)."),
-        click.option("--engine-fault", multiple=True, metavar="SPEC", help="Plant a fault in the engine, e.g. moe_combine_bf16@layers.2.moe (repeatable)."),
-        click.option("--threshold", default="1e-3", show_default=True, metavar="X|floor|floorxN",
-                     help="Aligned when the metric is at or under this; floor / floorxN: N times the calibrated noise floor."),
-        click.option("--floor", "floor_file", type=click.Path(), metavar="FILE",
-                     help="Floor from `bisect calibrate --out` for --threshold floor[xN] [default: calibrate now on --ref and --trace]."),
-        click.option("--engine-mode", default="prefill", show_default=True, type=click.Choice(["prefill", "decode"]),
-                     help="decode: prefill the prompt, then decode the completion one forced token per step, as a rollout does (vllm and hf engines); compare also reports decode against prefill."),
-        click.option("--metric", default="k3-mean", show_default=True, type=click.Choice(["k3-mean", "k3-p99", "kl-mean"])),
-        click.option("--group", default="completion", show_default=True, help="Token group judged: completion, prompt, all or a trace group (e.g. image)."),
-        click.option("--group-def", multiple=True, metavar="NAME=ID[,ID]", help="A token group of the tokens with these ids (repeatable); `image` comes from the config's image_token_id."),
-        click.option("--trace-format", type=click.Choice(["numbisect", "verl", "openrlhf", "trl"]), default=None, help="Field names of an RL rollout dump (JSONL or parquet) [default: detected]."),
-        click.option("--trace-fields", metavar="ROLE=FIELD,...", help="Field names of a rollout dump: prompt=,completion=,logprobs= (or sequence=,completion_mask=,logprobs=)."),
-        click.option("--capture", default="stats", show_default=True, type=click.Choice(["stats", "full", "memory"]), help="Per-unit capture: streaming statistics; full: also every tensor to --capture-dir; memory: every tensor held in RAM."),
-        click.option("--capture-dir", type=click.Path(), help="--capture full: write each unit's tensors here as safetensors."),
-        click.option("--max-capture-mb", type=float, default=None, help="--capture full: RAM buffered before a unit is spilled to disk."),
-        click.option("--out", type=click.Path(), help="Write the JSON report here (atomically)."),
-        click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of the summary."),
-        click.option("--threads", type=click.IntRange(min=1), default=None, metavar="N",
-                     help="torch threads in this process (fp32 results depend on it; recorded in the trial log) [default: torch's, or vLLM's binding]."),
-        click.option("-q", "--quiet", is_flag=True, help="No progress on stderr."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+class Floor:
+    """`--threshold floor` / `floorxN` as parsed: a factor of the noise floor, resolved
+    (from --floor FILE, or by calibrating the reference) in the command body, not while
+    the arguments are parsed."""
+
+    def __init__(self, text: str, factor: float):
+        self.text, self.factor = text, factor
+
+    def __repr__(self) -> str:
+        return self.text
 
 
-def _spec_settings(kw, progress=lambda m: None):
+_FLOOR = re.compile(r"^floor(?:x(?P<n>.+))?$")
+
+
+class ThresholdType(click.ParamType):
+    """A number at or above 0, or floor / floorxN (a `Floor`). Bad text: one InputError line."""
+
+    name = "threshold"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (float, Floor)):
+            return value
+        text = str(value).strip()
+        m = _FLOOR.match(text)
+        if m:
+            n = m.group("n")
+            if n is None:
+                return Floor(text, 1.0)
+            try:
+                factor = float(n)
+            except ValueError:
+                factor = math.nan
+            if not (factor > 0 and math.isfinite(factor)):
+                raise InputError(f"bad --threshold {text!r}: floorxN needs a positive number N, e.g. floorx10")
+            return Floor(text, factor)
+        try:
+            v = float(text)
+        except ValueError:
+            raise InputError(f"bad --threshold {text!r}: give a number, floor, or floorxN (e.g. floorx10)") from None
+        if not (v >= 0 and math.isfinite(v)):
+            raise InputError(f"bad --threshold {text!r}: must be a number at or above 0")
+        return v
+
+
+class MegabytesType(click.types.FloatParamType):
+    """A positive, finite number of MB; anything else one InputError line naming the option."""
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if not (v > 0 and math.isfinite(v)):
+            raise InputError(f"{param.opts[0]} must be a positive number of MB (got {v:g})")
+        return v
+
+
+class AtLeastOneType(click.types.IntParamType):
+    """An integer of 1 or more (--max-trials)."""
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if v < 1:
+            raise InputError(f"{param.opts[0]} must be at least 1")
+        return v
+
+
+# Every option that more than one command takes, declared once: name -> click.option's
+# arguments. A command picks them with `options(...)`; only `required` differs between
+# commands (tui's --ref/--engine/--trace are optional: live mode). Options that share a
+# name but not a meaning stay with their command: calibrate's --ref-opt (no batch_size:
+# --batch-size is its own), calibrate's and selftest's --out/--json (a floor, results;
+# not a report), selftest's --engine/--trace (defaults from the fixture) and --threshold
+# (an override of the engine profile's, no floor).
+OPTIONS = {
+    "ref": (("--ref",), dict(required=True, metavar="hf:DIR", help="Reference model (transformers checkpoint directory).")),
+    "engine": (("--engine",), dict(required=True, metavar="SPEC", help="Engine: vllm:DIR, hf:DIR or rollout (the trace's rollout_logprobs).")),
+    "trace": (("--trace",), dict(required=True, type=click.Path(), help="Token trace, JSONL (prompt_ids, completion_ids, ...).")),
+    "ref_dtype": (("--ref-dtype",), dict(default="bfloat16", show_default=True, help="float32, bfloat16 or float16.")),
+    "engine_dtype": (("--engine-dtype",), dict(default="bfloat16", show_default=True)),
+    "ref_opt": (("--ref-opt",), dict(multiple=True, metavar="KEY=VALUE", help="hf options: attn_implementation, experts_implementation, batch_size.")),
+    "engine_opt": (("--engine-opt",), dict(multiple=True, metavar="KEY=VALUE", help="Backend options (hf as above; vllm: any LLM() argument).")),
+    "engine_fault": (("--engine-fault",), dict(multiple=True, metavar="SPEC", help="Plant a fault in the engine, e.g. moe_combine_bf16@layers.2.moe (repeatable).")),
+    "threshold": (("--threshold",), dict(default="1e-3", show_default=True, type=ThresholdType(), metavar="X|floor|floorxN",
+                                        help="Aligned when the metric is at or under this; floor / floorxN: N times the calibrated noise floor.")),
+    "floor": (("--floor", "floor_file"), dict(type=click.Path(), metavar="FILE",
+                                              help="Floor from `bisect calibrate --out` for --threshold floor[xN] [default: calibrate now on --ref and --trace].")),
+    "engine_mode": (("--engine-mode",), dict(default="prefill", show_default=True, type=click.Choice(["prefill", "decode"]),
+                                            help="decode: prefill the prompt, then decode the completion one forced token per step, as a rollout does (vllm and hf engines); compare also reports decode against prefill.")),
+    "metric": (("--metric",), dict(default="k3-mean", show_default=True, type=click.Choice(["k3-mean", "k3-p99", "kl-mean"]))),
+    "group": (("--group",), dict(default="completion", show_default=True, help="Token group judged: completion, prompt, all or a trace group (e.g. image).")),
+    "group_def": (("--group-def",), dict(multiple=True, metavar="NAME=ID[,ID]", help="A token group of the tokens with these ids (repeatable); `image` comes from the config's image_token_id.")),
+    "trace_format": (("--trace-format",), dict(type=click.Choice(["numbisect", "verl", "openrlhf", "trl"]), default=None, help="Field names of an RL rollout dump (JSONL or parquet) [default: detected].")),
+    "trace_fields": (("--trace-fields",), dict(metavar="ROLE=FIELD,...", help="Field names of a rollout dump: prompt=,completion=,logprobs= (or sequence=,completion_mask=,logprobs=).")),
+    "capture": (("--capture",), dict(default="stats", show_default=True, type=click.Choice(["stats", "full", "memory"]), help="Per-unit capture: streaming statistics; full: also every tensor to --capture-dir; memory: every tensor held in RAM.")),
+    "capture_dir": (("--capture-dir",), dict(type=click.Path(), help="--capture full: write each unit's tensors here as safetensors.")),
+    "max_capture_mb": (("--max-capture-mb",), dict(type=MegabytesType(), default=None, help="--capture full: RAM buffered before a unit is spilled to disk.")),
+    "out": (("--out",), dict(type=click.Path(), help="Write the JSON report here (atomically).")),
+    "json": (("--json", "as_json"), dict(is_flag=True, help="Print the report as JSON on stdout instead of the summary.")),
+    "threads": (("--threads",), dict(type=click.IntRange(min=1), default=None, metavar="N",
+                                    help="torch threads in this process (fp32 results depend on it; recorded in the trial log) [default: torch's, or vLLM's binding].")),
+    "quiet": (("-q", "--quiet"), dict(is_flag=True, help="No progress on stderr.")),
+    "replay_routing": (("--replay-routing",), dict(type=click.Choice(["ref", "engine"]), default=None, help="MoE routing replay what-if (R3): run the engine with the reference's expert ids (ref) or the reference with the engine's (engine); splits k3 into routing flips and numeric drift.")),
+    "strategy": (("--strategy",), dict(default="hierarchical", show_default=True, type=click.Choice(["hierarchical", "linear", "ddmin"]))),
+    "max_trials": (("--max-trials",), dict(type=AtLeastOneType(), default=None, help="Stop the search after this many trials (exit 4).")),
+}
+
+SESSION = ("ref", "engine", "trace", "ref_dtype", "engine_dtype", "ref_opt", "engine_opt", "engine_fault", "threshold", "floor",
+           "engine_mode", "metric", "group", "group_def", "trace_format", "trace_fields", "capture", "capture_dir", "max_capture_mb",
+           "out", "json", "threads", "quiet")
+
+
+def options(*names, required: bool | None = None):
+    """Decorator applying the shared options `names`, in that order (`required` overrides)."""
+    def apply(f):
+        for name in reversed(names):
+            decls, kw = OPTIONS[name]
+            if required is not None and "required" in kw:
+                kw = {**kw, "required": required}
+            f = click.option(*decls, **kw)(f)
+        return f
+    return apply
+
+
+def _spec_settings(kw):
+    """The run's Spec and Settings from the parsed options. A `--threshold floor[xN]` is
+    left a `Floor`: `_resolve_floor` turns it into a number (that may run the reference)."""
     from numbisect.compare import Settings, parse_opts
     from numbisect.session import Spec
 
@@ -158,17 +248,27 @@ def _spec_settings(kw, progress=lambda m: None):
         from numbisect.safeio import check_output_dir
 
         check_output_dir(spec.capture_dir, "--capture-dir")
-    if spec.max_capture_mb is not None and not (spec.max_capture_mb > 0 and math.isfinite(spec.max_capture_mb)):
-        raise InputError(f"--max-capture-mb must be a positive number of MB (got {spec.max_capture_mb:g})")
+    if kw.get("floor_file") and not isinstance(kw["threshold"], Floor):
+        raise InputError("--floor needs --threshold floor or floorxN")
     settings = Settings(metric=kw["metric"], group=kw["group"])
-    if isinstance(kw["threshold"], float):  # the tui's own option
+    if not isinstance(kw["threshold"], Floor):
         settings.threshold = kw["threshold"]
-    else:
+    return spec, settings
+
+
+def _refuse_dump(engine: str) -> None:
+    """`run` and the TUI's live mode run swap trials, which a dump cannot."""
+    if engine.startswith("dump:"):
+        raise InputError("--engine dump:DIR works with `bisect compare` only: a dump cannot run swap trials")
+
+
+def _resolve_floor(kw, spec, settings, progress) -> None:
+    """A `--threshold floor[xN]`: the floor from --floor FILE, or calibrated now (loads the reference)."""
+    if isinstance(kw["threshold"], Floor):
         from numbisect.calibrate import resolve_threshold
 
         settings.threshold, settings.threshold_origin = resolve_threshold(
-            kw["threshold"], kw.get("floor_file"), spec, kw["metric"], kw["group"], progress=progress)
-    return spec, settings
+            kw["threshold"].text, kw.get("floor_file"), spec, kw["metric"], kw["group"], progress=progress)
 
 
 def _emit(report: dict, kw) -> None:
@@ -231,8 +331,7 @@ def _check_new_log(log: str, resume: str | None) -> None:
 
 
 @cli.command(epilog=EPILOG)
-@session_options
-@click.option("--replay-routing", type=click.Choice(["ref", "engine"]), default=None, help="MoE routing replay what-if (R3): run the engine with the reference's expert ids (ref) or the reference with the engine's (engine); splits k3 into routing flips and numeric drift.")
+@options(*SESSION, "replay_routing")
 @click.option("--local/--no-local", default=True, show_default=True, help="Also feed each engine unit the reference's input (local error).")
 def compare(**kw):
     """Run the trace through both models: k3, KL, RL cost and per-unit divergence."""
@@ -242,7 +341,8 @@ def compare(**kw):
 
     _check_out(kw)
     with Progress(kw["quiet"]) as say:
-        spec, settings = _spec_settings(kw, say)
+        spec, settings = _spec_settings(kw)
+        _resolve_floor(kw, spec, settings, say)
         session = Session(spec, settings, progress=say)
         try:
             body = session.compare(local=kw["local"])
@@ -254,17 +354,15 @@ def compare(**kw):
 
 
 @cli.command(epilog=EPILOG)
-@session_options
+@options(*SESSION)
 @click.option("--swap", multiple=True, metavar="KIND[,KIND]", help="Swap every unit of these kinds (moe, attn, norm, mlp, router, experts, embed, lm_head, layer) in one trial.")
-@click.option("--replay-routing", type=click.Choice(["ref", "engine"]), default=None, help="MoE routing replay what-if (R3): run the engine with the reference's expert ids (ref) or the reference with the engine's (engine); splits k3 into routing flips and numeric drift.")
-@click.option("--strategy", default="hierarchical", show_default=True, type=click.Choice(["hierarchical", "linear", "ddmin"]))
-@click.option("--max-trials", type=int, default=None, help="Stop the search after this many trials (exit 4).")
+@options("replay_routing", "strategy", "max_trials")
 @click.option("--log", "log_path", type=click.Path(), help="Append each trial to this JSONL log as it ends.")
 @click.option("--resume", type=click.Path(), help="Continue from a trial log of an interrupted run (no trial repeated).")
 @click.option("--whatif/--no-whatif", default=True, show_default=True, help="Rerun each culprit with its arithmetic in fp32 (suggested fix).")
 @click.option("--prefix-reuse/--no-prefix-reuse", default=True, show_default=True,
               help="A trial replays the leading layers it shares with the baseline or an earlier trial instead of recomputing them (same results).")
-@click.option("--prefix-cache-mb", type=float, default=None, metavar="MB",
+@click.option("--prefix-cache-mb", type=MegabytesType(), default=None, metavar="MB",
               help="RAM for the layer outputs prefix reuse keeps across trials; over it, older recordings are dropped [default: 4096].")
 def run(**kw):
     """Swap reference modules into the engine and search for the culprit units."""
@@ -276,14 +374,10 @@ def run(**kw):
     _check_out(kw)
     if kw["swap"] and not any(k.strip() for part in kw["swap"] for k in part.split(",")):
         raise InputError("--swap needs at least one unit kind (e.g. --swap moe or --swap attn,norm)")
-    if kw["engine"].startswith("dump:"):
-        raise InputError("--engine dump:DIR works with `bisect compare` only: a dump cannot run swap trials")
-    if kw["max_trials"] is not None and kw["max_trials"] < 1:
-        raise InputError("--max-trials must be at least 1")
-    if kw["prefix_cache_mb"] is not None and not (kw["prefix_cache_mb"] > 0 and math.isfinite(kw["prefix_cache_mb"])):
-        raise InputError(f"--prefix-cache-mb must be a positive number of MB (got {kw['prefix_cache_mb']:g})")
+    _refuse_dump(kw["engine"])
     with Progress(kw["quiet"]) as say:
-        spec, settings = _spec_settings(kw, say)
+        spec, settings = _spec_settings(kw)
+        _resolve_floor(kw, spec, settings, say)
         session = Session(spec, settings, progress=say, prefix_reuse=kw["prefix_reuse"], prefix_cache_mb=kw["prefix_cache_mb"])
         try:
             body, code = do_run(
@@ -309,19 +403,16 @@ def report():
 
 
 @cli.command(epilog=EPILOG)
-@click.option("--ref", required=True, metavar="hf:DIR", help="Reference model (transformers checkpoint directory).")
-@click.option("--trace", required=True, type=click.Path(), help="Token trace, JSONL.")
-@click.option("--ref-dtype", default="bfloat16", show_default=True, help="float32, bfloat16 or float16.")
+@options("ref", "trace", "ref_dtype")
 @click.option("--ref-opt", multiple=True, metavar="KEY=VALUE", help="hf options of the reference: attn_implementation, experts_implementation.")
 @click.option("--variant", "variants", multiple=True, metavar="NAME[,NAME]",
               help="Variants to measure: batch, attn, experts, dtype [default: batch, attn, experts (MoE models), dtype when --dtype-variant is given].")
 @click.option("--dtype-variant", metavar="DTYPE", help="Also measure the reference in this dtype (e.g. float32).")
 @click.option("--batch-size", default=4, show_default=True, type=int, help="Batch size of the batch variant (right padding).")
-@click.option("--trace-format", type=click.Choice(["numbisect", "verl", "openrlhf", "trl"]), default=None, help="Field names of an RL rollout dump (JSONL or parquet) [default: detected].")
-@click.option("--trace-fields", metavar="ROLE=FIELD,...", help="Field names of a rollout dump (as for run).")
+@options("trace_format", "trace_fields")
 @click.option("--out", type=click.Path(), help="Write the floor as JSON here (for --floor).")
 @click.option("--json", "as_json", is_flag=True, help="Print the floor as JSON on stdout instead of the table.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@options("quiet")
 def calibrate(**kw):
     """Measure the noise floor: the reference against harmless variants of itself.
 
@@ -404,25 +495,9 @@ def report_md(file):
 
 @cli.command(epilog=EPILOG)
 @click.argument("report_file", required=False, type=click.Path(), metavar="[REPORT.json]")
-@click.option("--ref", metavar="hf:DIR", help="Live mode: reference model (transformers checkpoint directory).")
-@click.option("--engine", metavar="SPEC", help="Live mode: engine, vllm:DIR or hf:DIR.")
-@click.option("--trace", type=click.Path(), help="Live mode: token trace, JSONL.")
-@click.option("--ref-dtype", default="bfloat16", show_default=True, help="float32, bfloat16 or float16.")
-@click.option("--engine-dtype", default="bfloat16", show_default=True)
-@click.option("--ref-opt", multiple=True, metavar="KEY=VALUE", help="hf options: attn_implementation, experts_implementation, batch_size.")
-@click.option("--engine-opt", multiple=True, metavar="KEY=VALUE", help="Backend options (hf as above; vllm: any LLM() argument).")
-@click.option("--engine-fault", multiple=True, metavar="SPEC", help="Plant a fault in the engine, e.g. moe_combine_bf16@layers.2.moe (repeatable).")
-@click.option("--threshold", default=1e-3, show_default=True, type=float, help="Aligned when the metric is at or under this.")
-@click.option("--metric", default="k3-mean", show_default=True, type=click.Choice(["k3-mean", "k3-p99", "kl-mean"]))
-@click.option("--group", default="completion", show_default=True, help="Token group judged: completion, prompt, all or a trace group.")
-@click.option("--strategy", default="hierarchical", show_default=True, type=click.Choice(["hierarchical", "linear", "ddmin"]))
-@click.option("--max-trials", type=int, default=None, help="Stop the search after this many trials.")
-@click.option("--engine-mode", default="prefill", show_default=True, type=click.Choice(["prefill", "decode"]),
-              help="Live mode: decode replays the completion one forced token per step, as a rollout does.")
-@click.option("--group-def", multiple=True, metavar="NAME=ID[,ID]", help="Live mode: a token group of the tokens with these ids (repeatable).")
-@click.option("--trace-format", type=click.Choice(["numbisect", "verl", "openrlhf", "trl"]), default=None,
-              help="Live mode: field names of an RL rollout dump (JSONL or parquet) [default: detected].")
-@click.option("--trace-fields", metavar="ROLE=FIELD,...", help="Live mode: field names of a rollout dump (see `bisect run --help`).")
+@options("ref", "engine", "trace", required=False)
+@options("ref_dtype", "engine_dtype", "ref_opt", "engine_opt", "engine_fault", "threshold", "floor", "metric", "group", "strategy", "max_trials",
+         "engine_mode", "group_def", "trace_format", "trace_fields")
 def tui(report_file, **kw):
     """Terminal UI: explore REPORT.json, or run the search live (--ref, --engine, --trace).
 
@@ -446,6 +521,9 @@ def tui(report_file, **kw):
         argv = command_line((click.get_current_context().obj or {}).get("argv"))
         config = LiveConfig(spec, settings, strategy=kw["strategy"], max_trials=kw["max_trials"], argv=run_argv(argv))
         check_live(config)
+        _refuse_dump(kw["engine"])
+        with Progress() as say:  # the cheap checks first: a floor may run the reference
+            _resolve_floor(kw, spec, settings, say)
     from numbisect.tui.app import BisectApp, preflight  # textual is imported only here
 
     if report is not None:
@@ -463,7 +541,7 @@ def tui(report_file, **kw):
 
 
 @cli.command(epilog=EPILOG)
-@click.option("--ref", required=True, metavar="hf:DIR", help="Reference model (transformers checkpoint directory).")
+@options("ref")
 @click.option("--engine", metavar="SPEC", help="vllm:DIR or hf:DIR [default: hf on the --ref directory, both in float32].")
 @click.option("--trace", type=click.Path(), help="Token trace [default: fixtures/traces/NAME.jsonl when --ref is a fixture].")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the planted units' choice.")
@@ -472,7 +550,7 @@ def tui(report_file, **kw):
 @click.option("--threshold", type=float, default=None, help="Override the engine profile's threshold.")
 @click.option("--local-rank/--no-local-rank", default=True, show_default=True, help="Order the search by local error, as `run` does.")
 @click.option("--out", type=click.Path(), help="Write the results as JSON here (atomically).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@options("quiet")
 def selftest(**kw):
     """Plant known faults at random units and check that the search names them.
 

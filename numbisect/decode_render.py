@@ -1,17 +1,20 @@
 """Text lines for a decode-mode report's `engine_modes` section (from the report alone;
-numbisect.decode computes the section). Torch-free, for `bisect report show` and `md`."""
+numbisect.decode computes the section; read through `numbisect.reportview`). Torch-free,
+for `bisect report show` and `md`."""
 
 from __future__ import annotations
 
 from numbisect.formatting import fmt, num
+from numbisect.reportview import ReportView, view
 
 
-def render_lines(r: dict) -> list[str]:
+def render_lines(r: dict | ReportView) -> list[str]:
     """Summary lines for a decode-mode report (nothing for other reports)."""
-    em = r.get("engine_modes")
+    v = view(r)
+    em = v.engine_modes
     if not em or em.get("mode") != "decode":
         return []
-    metric = (r.get("threshold") or {}).get("metric", "k3-mean")
+    metric = v.settings.get("metric", "k3-mean")
     dvp = em["decode_vs_prefill"]
 
     def k3(sec, g="completion"):
@@ -40,7 +43,7 @@ def render_lines(r: dict) -> list[str]:
     return out
 
 
-def markdown_lines(r: dict) -> list[str]:
+def markdown_lines(r: dict | ReportView) -> list[str]:
     """The same, as a Markdown paragraph and list (for `bisect report md`)."""
     lines = render_lines(r)
     if not lines:

@@ -1,5 +1,5 @@
 """Numbers as report text: `fmt` (a metric, 2 significant digits in e-notation when small
-or large) and `pct` (a fraction as a percentage). A value that is not a number (a hostile
+or large) and `pct` (a fraction as a percentage); `num` reads a report's number. A value that is not a number (a hostile
 report's) is shown printable, as it is.
 
 Torch-free and UI-free: the text reports (render, reporttools, routing_render,
@@ -40,8 +40,10 @@ def pct(x) -> str:
 
 
 def num(x) -> float | None:
-    """A report number as a float: None stays None, "inf"/"-inf"/"nan" become floats (and
-    an integer too large for a float becomes an infinity); anything else is None."""
+    """A report number as a float, the one reader of a report's numbers (text, Markdown,
+    diff, routing lines, TUI): None stays None, a bool is None, a number string
+    ("inf", "-inf", "nan" as the report stores non-finite floats, or "1e-3") becomes a
+    float, an integer too large for a float becomes an infinity; anything else is None."""
     if x is None or isinstance(x, bool):
         return None
     if isinstance(x, int):

@@ -1,45 +1,42 @@
 """Plain-text summaries of a report, for stdout and `bisect report show`.
 
-Everything here reads the report dict alone, so a summary can be regenerated on a
-machine without the models. Verdicts carry words and symbols, not only colour.
-A report's strings are shown through `numbisect.textsafe`: `render` works on a copy
-whose strings are printable (escape sequences and line breaks shown escaped), so a
-hostile report cannot drive the terminal or forge a line.
+Everything here reads the report alone, through `numbisect.reportview` (each function
+takes a report dict or its view), so a summary can be regenerated on a machine without
+the models. Verdicts carry words and symbols, not only colour. The view's strings are
+printable (escape sequences and line breaks shown escaped), so a hostile report cannot
+drive the terminal or forge a line.
 """
 
 from __future__ import annotations
 
-from numbisect.formatting import fmt, pct  # noqa: F401  (re-exported: numbisect.render.fmt)
-from numbisect.textsafe import clip, printable, printable_text, printable_tree
+from numbisect.formatting import fmt, pct
+from numbisect.reportview import ReportView, view
+from numbisect.textsafe import printable_text
 
 
-def header(r: dict) -> list[str]:
-    inp = r["inputs"]
-    eng = inp["engine"]
+def header(r: dict | ReportView) -> list[str]:
+    v = view(r)
+    eng, ref, tr = v.engine, v.ref, v.trace
     eng_s = "rollout log-probs" if eng["backend"] == "rollout" else f"{eng['backend']}:{eng['path']} ({eng['dtype']})"
-    ref = inp["ref"]
-    tr = inp["trace"]
-    th = r["threshold"]
     lines = [
-        f"numbisect {r['kind']} | {ref.get('arch', '?')} | ref hf:{ref['path']} ({ref['dtype']}) vs engine {eng_s}",
+        f"numbisect {v.kind} | {ref.get('arch', '?')} | ref hf:{ref['path']} ({ref['dtype']}) vs engine {eng_s}",
         f"trace {tr['path']}: {tr['samples']} samples, {tr['completion_tokens']} completion tokens",
     ]
-    if inp.get("faults"):
-        lines.append("planted faults: " + ", ".join(f["spec"] for f in inp["faults"]))
-    b = r["baseline"]
-    mark = "OK ALIGNED" if r["verdict"] == "aligned" else "!! DIVERGED"
-    cmp_ = "<=" if r["verdict"] == "aligned" else ">"
-    lines.append(f"verdict: {mark}  {th['metric']} {fmt(b['value'])} {cmp_} threshold {fmt(th['threshold'])} (group {th['group']})")
-    o = th.get("threshold_origin")
-    if isinstance(o, dict):  # --threshold floor[xN]
+    if v.faults:
+        lines.append("planted faults: " + ", ".join(f["spec"] for f in v.faults))
+    mark = "OK ALIGNED" if v.aligned else "!! DIVERGED"
+    cmp_ = "<=" if v.aligned else ">"
+    lines.append(f"verdict: {mark}  {v.metric} {fmt(v.value)} {cmp_} threshold {fmt(v.threshold)} (group {v.group})")
+    o = v.threshold_origin
+    if o is not None:  # --threshold floor[xN]
         where = f"from {o.get('file')}" if o.get("file") else "calibrated now"
         lines.append(f"threshold: {fmt(o.get('factor'))} x noise floor {fmt(o.get('floor'))} ({where}; variants {', '.join(o.get('variants') or [])})")
     return lines
 
 
-def token_table(b: dict) -> list[str]:
+def token_table(r: dict | ReportView) -> list[str]:
     out = [f"{'tokens':<12}{'count':>7}{'k3 mean':>10}{'k3 p99':>10}{'k3 max':>10}{'KL mean':>10}{'top-1':>8}"]
-    for g, v in b["groups"].items():
+    for g, v in view(r).groups.items():
         kl = v["kl"]["mean"] if v.get("kl") else None
         out.append(
             f"{g:<12}{v['tokens']:>7}{fmt(v['k3']['mean']):>10}{fmt(v['k3']['p99']):>10}{fmt(v['k3']['max']):>10}"
@@ -48,8 +45,8 @@ def token_table(b: dict) -> list[str]:
     return out
 
 
-def rl_lines(b: dict) -> list[str]:
-    c = b["rl_cost"]
+def rl_lines(r: dict | ReportView) -> list[str]:
+    c = view(r).rl_cost
     t = c["thresholds"]
     return [
         f"RL cost: sequences rejected {pct(c['seq_frac_rejected'])} of {c['sequences']}"
@@ -59,13 +56,14 @@ def rl_lines(b: dict) -> list[str]:
     ]
 
 
-def unit_table(r: dict) -> list[str]:
-    rows = r.get("units") or []
+def unit_table(r: dict | ReportView) -> list[str]:
+    v = view(r)
+    rows = v.units
     if not rows:
         return []
-    culprits = {c["unit"] for c in r.get("culprits") or []}
+    culprits = {c["unit"] for c in v.culprits}
     out = [f"{'unit':<28}{'prop rel-L2':>12}{'local rel-L2':>13}{'bitwise':>9}{'max ulps':>9}{'rank':>6}"]
-    rank = r.get("local_ranking") or {}
+    rank = v.local_ranking
     for u in rows:
         p, loc = u.get("propagated"), u.get("local")
         ul = (loc or p or {}).get("ulps") or {}
@@ -76,108 +74,92 @@ def unit_table(r: dict) -> list[str]:
             f"{indent + u['name']:<28}{fmt((p or {}).get('rel_l2')):>12}{fmt((loc or {}).get('rel_l2')):>13}"
             f"{eq:>9}{fmt(ul.get('max_ulps'), 0) if ul.get('max_ulps') is not None else '-':>9}{rank.get(u['name'], '-'):>6}{mark}"
         )
-    fd = r.get("first_divergence") or {}
+    fd = v.first_divergence
     out.append(
         f"first divergence: {fd.get('bitwise') or 'none'} (first unit not bitwise equal); "
-        f"{fd.get('above_tol') or 'none'} (first above rel-L2 {fmt(r['threshold'].get('unit_tol'))})"
+        f"{fd.get('above_tol') or 'none'} (first above rel-L2 {fmt(v.unit_tol)})"
     )
     return out
 
 
-def worst_lines(b: dict, n: int = 5) -> list[str]:
-    w = b.get("worst_tokens") or []
+def worst_lines(r: dict | ReportView, n: int = 5) -> list[str]:
+    w = view(r).worst_tokens
     if not w:
         return []
     return ["worst tokens: " + "; ".join(f"sample {t['sample']} pos {t['position']} id {t['token_id']} k3 {fmt(t['value'])}" for t in w[:n])]
 
 
-def search_lines(r: dict) -> list[str]:
-    s = r.get("search")
+def search_lines(r: dict | ReportView) -> list[str]:
+    v = view(r)
+    s = v.search
     if not s:
         return []
     out = []
-    sw = r.get("swap")
-    if sw:
-        lines = sw.get("lines")
-        for line in lines if isinstance(lines, list) else []:
-            out.append(fmt(line))
-        return out
+    if v.swap:
+        return [fmt(line) for line in v.swap_lines]
     out.append(f"search ({s['strategy']}): {s['trials_used']} trials; {s['stop_reason']}")
-    for c in r.get("culprits") or []:
+    for c in v.culprits:
         rank = f", local-error rank {c['local_rank']}" if c.get("local_rank") else ""
         out.append(
-            f"culprit {c['unit']} ({c['kind']}): swapping it alone takes {r['threshold']['metric']} "
+            f"culprit {c['unit']} ({c['kind']}): swapping it alone takes {v.metric} "
             f"from {fmt(s['baseline'])} to {fmt(c['alone'])}; with every other unit swapped it is {fmt(c['complement'])}{rank}"
         )
-        per_group = _group_evidence(r, c["unit"])
+        per_group = _group_evidence(v, c["unit"])
         if per_group:
             out.append(per_group)
-    out += whatif_lines(r)
+    out += whatif_lines(v)
     if s.get("verdict") == "diffuse":
         out.append("diffuse: no set smaller than every layer reaches the threshold; per-layer contributions:")
-        for name, v in (s.get("contributions") or {}).items():
-            out.append(f"  {name:<12} alone {fmt(v.get('alone'))}  all others swapped {fmt(v.get('complement'))}")
+        for name, c in v.contributions.items():
+            out.append(f"  {name:<12} alone {fmt(c.get('alone'))}  all others swapped {fmt(c.get('complement'))}")
     return out
 
 
-def _group_evidence(r: dict, unit: str) -> str | None:
+def _group_evidence(v: ReportView, unit: str) -> str | None:
     """k3 mean per token group, baseline -> the trial that swapped only `unit`."""
-    trials = r.get("trials") or []
-    base = next((t for t in trials if not t.get("swapped")), None)
-    alone = next((t for t in trials if t.get("swapped") == [unit]), None)
+    base = next((t for t in v.trials if not t.get("swapped")), None)
+    alone = next((t for t in v.trials if t.get("swapped") == [unit]), None)
     if base is None or alone is None:
         return None
-    def groups(t):
-        m = t.get("metrics")
-        g = m.get("groups") if isinstance(m, dict) else None
-        return {k: v for k, v in g.items() if isinstance(v, dict)} if isinstance(g, dict) else {}
-
-    bg, ag = groups(base), groups(alone)
+    bg, ag = v.trial_groups(base), v.trial_groups(alone)
     cells = [f"{g} {fmt(bg[g].get('k3_mean'))} -> {fmt(ag[g].get('k3_mean'))}" for g in bg if g in ag and bg[g].get("k3_mean") is not None]
     return f"  k3 mean per group, baseline -> {unit} swapped: " + ", ".join(cells) if cells else None
 
 
-def render(r: dict) -> str:
+def render(r: dict | ReportView) -> str:
     """The plain-text summary of report `r`; every character printable (newlines aside)."""
-    r = printable_tree(r)
-    b = r["baseline"]
-    parts = header(r) + [""] + token_table(b) + rl_lines(b)
-    ut = unit_table(r)
-    if ut:
-        parts += [""] + ut
+    from numbisect.decode_render import render_lines as decode_lines
     from numbisect.routing_render import routing_lines
 
-    rl = routing_lines(r)
-    if rl:
-        parts += [""] + rl
-    parts += worst_lines(b)
-    from numbisect.decode_render import render_lines as decode_lines
-
-    dl = decode_lines(r)
+    v = view(r)
+    parts = header(v) + [""] + token_table(v) + rl_lines(v)
+    for section in (unit_table(v), routing_lines(v)):
+        if section:
+            parts += [""] + section
+    parts += worst_lines(v)
+    dl = decode_lines(v)
     if dl:
         parts += [""] + dl
-    sl = search_lines(r) + post_search_lines(r)
+    sl = search_lines(v) + post_search_lines(v)
     if sl:
         parts += [""] + sl
     return printable_text("\n".join(str(p) for p in parts) + "\n")
 
 
-def post_search_lines(r: dict) -> list[str]:
+def post_search_lines(r: dict | ReportView) -> list[str]:
     """One line per step after the search that failed (`post_search_errors`): what-ifs,
     summaries. The search's result above them stands."""
-    errs = r.get("post_search_errors")
     out = []
-    for e in errs if isinstance(errs, list) else []:
-        if isinstance(e, dict):
-            unit = f" for {e.get('unit')}" if e.get("unit") else ""
-            out.append(f"!! {e.get('step')}{unit} failed after the search: {e.get('error')} (the search's result stands)")
+    for e in view(r).post_search_errors:
+        unit = f" for {e.get('unit')}" if e.get("unit") else ""
+        out.append(f"!! {e.get('step')}{unit} failed after the search: {e.get('error')} (the search's result stands)")
     return out
 
 
-def whatif_lines(r: dict) -> list[str]:
+def whatif_lines(r: dict | ReportView) -> list[str]:
     """The what-if lines of a report's culprits (for `run`'s summary and `report show`)."""
     out = []
-    for c in r.get("culprits") or []:
+    for c in view(r).culprits:
         p = c.get("precision") if isinstance(c, dict) else None
         if not isinstance(p, dict):
             continue

@@ -12,12 +12,12 @@ torch, no vLLM, so it runs on the machine of whoever reads the ticket.
    its evidence, a small per-layer table, token groups, RL cost, environment and the
    command that reproduces the run.
 
-Non-finite numbers arrive as the strings "inf", "-inf", "nan" (the report's encoding);
-`num()` turns them back into floats.
+Both read reports through `numbisect.reportview` (a report dict or its view). Non-finite
+numbers arrive as the strings "inf", "-inf", "nan" (the report's encoding);
+`formatting.num()` turns them back into floats.
 
-A report's strings go through `numbisect.textsafe`: `diff` and `markdown` work on copies
-whose strings are printable (no escape sequences, no line breaks), and Markdown shows
-each one as escaped text or as a code span, so it cannot end a table cell or add markup.
+The view's strings are printable (no escape sequences, no line breaks), and Markdown
+shows each one as escaped text or as a code span, so it cannot end a table cell or add markup.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import math
 import re
 import shlex
 
-from numbisect.formatting import num  # noqa: F401  (re-exported: numbisect.reporttools.num)
-from numbisect.render import fmt, pct
-from numbisect.textsafe import md_code, md_text, printable, printable_text, printable_tree
+from numbisect.formatting import fmt, num, pct
+from numbisect.reportview import ReportView, bitwise, get, rel, view
+from numbisect.textsafe import md_code, md_text, printable, printable_text
 
 MAX_DIFF_UNITS = 25  # unit rows shown by render_diff before the rest are summarised
 
@@ -39,15 +39,6 @@ def _delta(before, after) -> float | None:
     if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
         return None
     return b - a
-
-
-def _get(d, *keys):
-    """d[k1][k2]... or None when any level is missing or not a dict."""
-    for k in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(k)
-    return d
 
 
 def _short(h) -> str:
@@ -74,48 +65,24 @@ def _eq(bitwise) -> str:
     return "-" if bitwise is None else ("=" if bitwise else "!=")
 
 
-def _culprits(r: dict) -> list[dict]:
-    return [c for c in (r.get("culprits") or []) if isinstance(c, dict) and c.get("unit")]
-
-
-def _searched(r: dict) -> bool:
-    """Whether the report named culprits by a search (a `run` that was not a plain swap)."""
-    s = r.get("search") or {}
-    return r.get("kind") == "run" and bool(s) and s.get("strategy") != "swap"
-
-
-def _unit_map(r: dict) -> dict[str, dict]:
-    return {u["name"]: u for u in (r.get("units") or []) if isinstance(u, dict) and "name" in u}
-
-
-def _rel(u: dict | None, side: str) -> float | None:
-    return num(_get(u, side, "rel_l2"))
-
-
-def _bitwise(u: dict | None, side: str):
-    return _get(u, side, "ulps", "bitwise_equal")
-
-
 # -- diff -------------------------------------------------------------------------------------
-def _side(r: dict, label: str) -> dict:
-    th = r.get("threshold") or {}
+def _side(v: ReportView, label: str) -> dict:
     return {
         "label": label,
-        "kind": r.get("kind"),
-        "created": r.get("created"),
-        "verdict": r.get("verdict"),
-        "value": num(_get(r, "baseline", "value")),
-        "metric": th.get("metric"),
-        "group": th.get("group"),
-        "threshold": num(th.get("threshold")),
-        "search_verdict": _get(r, "search", "verdict"),
+        "kind": v.kind,
+        "created": v.created,
+        "verdict": v.verdict,
+        "value": num(v.value),
+        "metric": v.metric,
+        "group": v.group,
+        "threshold": num(v.threshold),
+        "search_verdict": get(v.r, "search", "verdict"),
     }
 
 
-def _incomparable(a: dict, b: dict) -> list[str]:
+def _incomparable(a: ReportView, b: ReportView) -> list[str]:
     """One "not comparable: ..." line per input that differs between the two runs."""
     out = []
-    ia, ib = a.get("inputs") or {}, b.get("inputs") or {}
 
     def sha_line(what: str, sa, sb) -> None:
         if sa == sb:
@@ -128,7 +95,7 @@ def _incomparable(a: dict, b: dict) -> list[str]:
             out.append(f"not comparable: {what} checkpoint differs (sha256 {_short(sa)} vs {_short(sb)})")
 
     for side, what in (("ref", "reference"), ("engine", "engine")):
-        sa, sb = ia.get(side) or {}, ib.get(side) or {}
+        sa, sb = a.side(side), b.side(side)
         if sa.get("backend") != sb.get("backend"):
             out.append(f"not comparable: {what} backend differs ({sa.get('backend')} vs {sb.get('backend')})")
         if sa.get("arch") != sb.get("arch"):
@@ -141,93 +108,92 @@ def _incomparable(a: dict, b: dict) -> list[str]:
             keys = sorted(set(oa) | set(ob), key=str)
             parts = [f"{k} {oa.get(k)!r} vs {ob.get(k)!r}" for k in keys if oa.get(k) != ob.get(k)]
             out.append(f"not comparable: {what} options differ ({'; '.join(parts)})")
-    ma, mb = (ia.get("engine") or {}).get("mode", "prefill"), (ib.get("engine") or {}).get("mode", "prefill")
+    ma, mb = a.engine_mode, b.engine_mode
     if ma != mb:
         out.append(f"not comparable: engine mode differs ({ma} vs {mb})")
-    ta, tb = ia.get("trace") or {}, ib.get("trace") or {}
+    ta, tb = a.trace, b.trace
     if ta.get("sha256") != tb.get("sha256"):
         out.append(f"not comparable: trace differs (sha256 {_short(ta.get('sha256'))} vs {_short(tb.get('sha256'))})")
-    fa = [f.get("spec") for f in ia.get("faults") or [] if isinstance(f, dict)]
-    fb = [f.get("spec") for f in ib.get("faults") or [] if isinstance(f, dict)]
+    fa = [f.get("spec") for f in a.faults]
+    fb = [f.get("spec") for f in b.faults]
     if fa != fb:
         out.append(f"not comparable: planted faults differ ({', '.join(fa) or 'none'} vs {', '.join(fb) or 'none'})")
-    sa, sb = a.get("threshold") or {}, b.get("threshold") or {}
+    sa, sb = a.settings, b.settings
     if sa != sb:
         keys = sorted(set(sa) | set(sb))
         parts = [f"{k} {sa.get(k)!r} vs {sb.get(k)!r}" for k in keys if sa.get(k) != sb.get(k)]
         out.append(f"not comparable: verdict settings differ ({'; '.join(parts)})")
-    if a.get("tool_version") != b.get("tool_version"):
-        out.append(f"not comparable: numbisect version differs ({a.get('tool_version')} vs {b.get('tool_version')})")
-    ea, eb = a.get("environment") or {}, b.get("environment") or {}
+    if a.tool_version != b.tool_version:
+        out.append(f"not comparable: numbisect version differs ({a.tool_version} vs {b.tool_version})")
+    ea, eb = a.environment, b.environment
     for key in ("torch", "transformers", "vllm", "python", "machine", "device", "threads", "seeds"):
         if ea.get(key) != eb.get(key):
             out.append(f"not comparable: {key} differs ({ea.get(key)} vs {eb.get(key)})")
     return out
 
 
-def _groups(a: dict, b: dict) -> dict:
-    ga, gb = _get(a, "baseline", "groups") or {}, _get(b, "baseline", "groups") or {}
+def _groups(a: ReportView, b: ReportView) -> dict:
+    ga, gb = a.groups, b.groups
     out = {}
     for g in list(ga) + [g for g in gb if g not in ga]:
         va, vb = ga.get(g) or {}, gb.get(g) or {}
         row = {"tokens": [va.get("tokens"), vb.get("tokens")]}
         for key, path in (("k3_mean", ("k3", "mean")), ("k3_p99", ("k3", "p99")), ("k3_max", ("k3", "max")), ("kl_mean", ("kl", "mean"))):
-            before, after = num(_get(va, *path)), num(_get(vb, *path))
+            before, after = num(get(va, *path)), num(get(vb, *path))
             row[key] = {"before": before, "after": after, "delta": _delta(before, after)}
         out[g] = row
     return out
 
 
-def _units(a: dict, b: dict) -> list[dict]:
-    ua, ub = _unit_map(a), _unit_map(b)
+def _units(a: ReportView, b: ReportView) -> list[dict]:
+    ua, ub = a.unit_map, b.unit_map
     names = list(ua) + [n for n in ub if n not in ua]
     rows = []
     for n in names:
         x, y = ua.get(n), ub.get(n)
         row = {"name": n, "kind": (x or y).get("kind"), "in": "both" if x and y else ("a" if x else "b")}
         for side in ("propagated", "local"):
-            before, after = _rel(x, side), _rel(y, side)
+            before, after = rel(x, side), rel(y, side)
             row[side] = {"before": before, "after": after, "delta": _delta(before, after)}
-        row["bitwise"] = {"before": _bitwise(x, "local") if _get(x, "local") else _bitwise(x, "propagated"),
-                          "after": _bitwise(y, "local") if _get(y, "local") else _bitwise(y, "propagated")}
+        row["bitwise"] = {"before": bitwise(x, "local") if get(x, "local") else bitwise(x, "propagated"),
+                          "after": bitwise(y, "local") if get(y, "local") else bitwise(y, "propagated")}
         rows.append(row)
     return rows
 
 
-def _culprit_changes(a: dict, b: dict) -> list[dict]:
+def _culprit_changes(a: ReportView, b: ReportView) -> list[dict]:
     """Each culprit of either side with its status: resolved, persists, appeared or unknown."""
-    ca, cb = {c["unit"]: c for c in _culprits(a)}, {c["unit"]: c for c in _culprits(b)}
-    b_aligned = b.get("verdict") == "aligned"
-    ub = _unit_map(b)
+    ca, cb = {c["unit"]: c for c in a.named_culprits}, {c["unit"]: c for c in b.named_culprits}
+    ub = b.unit_map
     out = []
     for name, c in ca.items():
         if name in cb:
             status = "persists"
-        elif b_aligned or _searched(b):
+        elif b.aligned or b.searched:
             status = "resolved"  # B is aligned, or B's search did not name it
         else:
             status = "unknown"  # B diverged but was not searched: cannot tell
         out.append({
             "unit": name, "kind": c.get("kind"), "status": status,
             "alone_before": num(c.get("alone")), "complement_before": num(c.get("complement")),
-            "local_rel_l2_after": _rel(ub.get(name), "local"),
+            "local_rel_l2_after": rel(ub.get(name), "local"),
         })
     for name, c in cb.items():
         if name not in ca:
             out.append({
                 "unit": name, "kind": c.get("kind"),
-                "status": "appeared" if (_searched(a) or a.get("verdict") == "aligned") else "named",
+                "status": "appeared" if (a.searched or a.aligned) else "named",
                 "alone_after": num(c.get("alone")), "complement_after": num(c.get("complement")),
             })
     return out
 
 
-def diff(a: dict, b: dict, labels: tuple[str, str] = ("A", "B")) -> dict:
+def diff(a: dict | ReportView, b: dict | ReportView, labels: tuple[str, str] = ("A", "B")) -> dict:
     """Compare report A (before) with report B (after). JSON-safe except for non-finite floats;
     every string in it (labels included) printable."""
-    a, b = printable_tree(a), printable_tree(b)
+    a, b = view(a), view(b)
     labels = (printable(labels[0]), printable(labels[1]))
-    ra, rb = _get(a, "baseline", "rl_cost") or {}, _get(b, "baseline", "rl_cost") or {}
+    ra, rb = a.rl_cost, b.rl_cost
     before, after = _side(a, labels[0]), _side(b, labels[1])
     return {
         "a": before,
@@ -248,7 +214,7 @@ def diff(a: dict, b: dict, labels: tuple[str, str] = ("A", "B")) -> dict:
         "units": _units(a, b),
         "culprits": _culprit_changes(a, b),
         "not_comparable": _incomparable(a, b),
-        "aligned": b.get("verdict") == "aligned",
+        "aligned": b.aligned,
     }
 
 
@@ -333,36 +299,33 @@ def _cell_code(s) -> str:
     return md_code(s, table=True)
 
 
-def _engine_words(inp: dict) -> str:
-    eng = inp.get("engine") or {}
+def _engine_words(v: ReportView) -> str:
+    eng = v.engine
     if eng.get("backend") == "rollout":
         return "the trace's rollout log-probs"
     return f"{_md(eng.get('backend'))} {_md(eng.get('dtype'))}"
 
 
-def _evidence(r: dict, c: dict) -> str:
-    th = r.get("threshold") or {}
-    s = r.get("search") or {}
-    u = _unit_map(r).get(c["unit"])
-    ranking = r.get("local_ranking") or {}
+def _evidence(v: ReportView, c: dict) -> str:
+    s = v.search or {}
+    u = v.unit_map.get(c["unit"])
     text = (
-        f"Swapping {_code(c['unit'])} ({_md(c.get('kind'))}) alone for the reference's module takes {_md(th.get('metric'))} "
-        f"from {fmt(num(s.get('baseline')))} to {fmt(num(c.get('alone')))} (threshold {fmt(num(th.get('threshold')))}); "
+        f"Swapping {_code(c['unit'])} ({_md(c.get('kind'))}) alone for the reference's module takes {_md(v.metric)} "
+        f"from {fmt(num(s.get('baseline')))} to {fmt(num(c.get('alone')))} (threshold {fmt(num(v.threshold))}); "
         f"with every other unit swapped and this one left in, it is {fmt(num(c.get('complement')))}."
     )
-    loc = _rel(u, "local")
+    loc = rel(u, "local")
     if loc is not None:
-        rank = f", rank {_md(c['local_rank'])} of {len(ranking)} by own error" if c.get("local_rank") else ""
+        rank = f", rank {_md(c['local_rank'])} of {len(v.local_ranking)} by own error" if c.get("local_rank") else ""
         text += f" Fed the reference's input, its output differs by rel-L2 {fmt(loc)}{rank}."
     return text
 
 
-def _title(r: dict) -> str:
-    inp = r.get("inputs") or {}
-    arch = _get(inp, "ref", "arch") or "?"
-    s = r.get("search") or {}
-    culprits = _culprits(r)
-    if r.get("verdict") == "aligned":
+def _title(v: ReportView) -> str:
+    arch = v.ref.get("arch") or "?"
+    s = v.search or {}
+    culprits = v.named_culprits
+    if v.aligned:
         what = "aligned"
     elif culprits:
         what = "diverges, culprit " + ", ".join(_code(c["unit"]) for c in culprits)
@@ -370,19 +333,18 @@ def _title(r: dict) -> str:
         what = "diverges, diffuse (no single culprit)"
     else:
         what = "diverges"
-    return (f"numbisect {_md(r.get('kind'))}: {_md(arch)}, engine {_engine_words(inp)} vs reference "
-            f"{_md(_get(inp, 'ref', 'backend'))} {_md(_get(inp, 'ref', 'dtype'))}: {what}")
+    return (f"numbisect {_md(v.kind)}: {_md(arch)}, engine {_engine_words(v)} vs reference "
+            f"{_md(v.ref.get('backend'))} {_md(v.ref.get('dtype'))}: {what}")
 
 
-def _layer_table(r: dict) -> list[str]:
-    units = [u for u in (r.get("units") or []) if isinstance(u, dict) and "name" in u]
+def _layer_table(v: ReportView) -> list[str]:
+    units = v.units
     layers = sorted({u["layer"] for u in units if isinstance(u.get("layer"), int)})
     if not layers:
         return []
     has_local = any(u.get("local") for u in units)
     side = "local" if has_local else "propagated"
-    culprits = [c["unit"] for c in _culprits(r)]
-    faults = [f for f in _get(r, "inputs", "faults") or [] if isinstance(f, dict)]
+    culprits = [c["unit"] for c in v.named_culprits]
     out = [
         f"| layer | attn ({side}) | MoE / MLP ({side}) | layer output (propagated) | first unit not bitwise equal ({side}) | note |",
         "|---:|---:|---:|---:|---|---|",
@@ -392,32 +354,31 @@ def _layer_table(r: dict) -> list[str]:
         attn = next((u for u in mine if u.get("kind") == "attn"), None)
         ffn = next((u for u in mine if u.get("kind") in ("moe", "mlp")), None)
         out_u = next((u for u in mine if u.get("kind") == "layer"), None)
-        first_ne = next((u["name"] for u in mine if _bitwise(u, side) is False), None)
+        first_ne = next((u["name"] for u in mine if bitwise(u, side) is False), None)
         prefix = f"layers.{i}"
         notes = [f"**culprit** {_cell_code(c)}" for c in culprits if c == prefix or c.startswith(prefix + ".")]
-        notes += [f"planted fault {_cell_code(f.get('spec'))}" for f in faults if str(f.get("unit", "")).startswith(prefix + ".") or f.get("unit") == prefix]
+        notes += [f"planted fault {_cell_code(f.get('spec'))}" for f in v.faults if str(f.get("unit", "")).startswith(prefix + ".") or f.get("unit") == prefix]
         out.append(
-            f"| {i} | {fmt(_rel(attn, side))} | {fmt(_rel(ffn, side))} | {fmt(_rel(out_u, 'propagated'))} | "
+            f"| {i} | {fmt(rel(attn, side))} | {fmt(rel(ffn, side))} | {fmt(rel(out_u, 'propagated'))} | "
             f"{_cell_code(first_ne) if first_ne else '-'} | {'; '.join(notes)} |"
         )
     return out
 
 
-def _groups_table(r: dict) -> list[str]:
-    groups = _get(r, "baseline", "groups") or {}
-    if not groups:
+def _groups_table(v: ReportView) -> list[str]:
+    if not v.groups:
         return []
     out = ["| tokens | count | k3 mean | k3 p99 | k3 max | KL mean | top-1 agree |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for g, v in groups.items():
+    for g, x in v.groups.items():
         out.append(
-            f"| {_md(g)} | {_md(v.get('tokens'))} | {fmt(num(_get(v, 'k3', 'mean')))} | {fmt(num(_get(v, 'k3', 'p99')))} | "
-            f"{fmt(num(_get(v, 'k3', 'max')))} | {fmt(num(_get(v, 'kl', 'mean')))} | {pct(num(v.get('top1_agree')))} |"
+            f"| {_md(g)} | {_md(x.get('tokens'))} | {fmt(num(get(x, 'k3', 'mean')))} | {fmt(num(get(x, 'k3', 'p99')))} | "
+            f"{fmt(num(get(x, 'k3', 'max')))} | {fmt(num(get(x, 'kl', 'mean')))} | {pct(num(x.get('top1_agree')))} |"
         )
     return out
 
 
-def _rl_line(r: dict) -> str | None:
-    c = _get(r, "baseline", "rl_cost")
+def _rl_line(v: ReportView) -> str | None:
+    c = v.rl_cost
     if not c:
         return None
     t = c.get("thresholds") or {}
@@ -430,17 +391,15 @@ def _rl_line(r: dict) -> str | None:
     )
 
 
-def _search_lines(r: dict) -> list[str]:
-    s = r.get("search")
-    if not isinstance(s, dict):
+def _search_lines(v: ReportView) -> list[str]:
+    s = v.search
+    if s is None:
         return []
-    sw = r.get("swap")
-    if isinstance(sw, dict):
-        lines = sw.get("lines")
-        return [f"**Swap:** {_md(str(line).strip())}  " for line in (lines if isinstance(lines, list) else [])]
+    if v.swap is not None:
+        return [f"**Swap:** {_md(str(line).strip())}  " for line in v.swap_lines]
     out = [f"**Search** ({_md(s.get('strategy'))}): {_md(s.get('trials_used'))} trials; {_md(s.get('stop_reason'))}."]
-    for c in _culprits(r):
-        out += ["", f"**Culprit {_code(c['unit'])}:** {_evidence(r, c)}"]
+    for c in v.named_culprits:
+        out += ["", f"**Culprit {_code(c['unit'])}:** {_evidence(v, c)}"]
         p = c.get("precision")
         if isinstance(p, dict):
             out += ["", f"**Suggested fix** (precision what-if, measured): {_md(str(p.get('suggested')))}", ""]
@@ -448,79 +407,73 @@ def _search_lines(r: dict) -> list[str]:
     if s.get("verdict") == "diffuse":
         out += ["", "**Diffuse:** no set smaller than every layer reaches the threshold. Per-layer contributions:", "",
                 "| layer | swapped alone | all others swapped |", "|---|---:|---:|"]
-        for name, v in (s.get("contributions") or {}).items():
-            out.append(f"| {_cell_code(name)} | {fmt(num(_get(v, 'alone')))} | {fmt(num(_get(v, 'complement')))} |")
+        for name, c in v.contributions.items():
+            out.append(f"| {_cell_code(name)} | {fmt(num(get(c, 'alone')))} | {fmt(num(get(c, 'complement')))} |")
     return out
 
 
-def _env_lines(r: dict) -> list[str]:
-    e = r.get("environment") or {}
-    inp = r.get("inputs") or {}
+def _env_lines(v: ReportView) -> list[str]:
+    e = v.environment
     out = [
-        f"- numbisect {_md(r.get('tool_version'))} (report schema v{_md(r.get('schema_version'))}), created {_md(r.get('created'))}",
+        f"- numbisect {_md(v.tool_version)} (report schema v{_md(v.schema_version)}), created {_md(v.created)}",
         f"- python {_md(e.get('python'))}, torch {_md(e.get('torch'))}, transformers {_md(e.get('transformers'))}, vllm {_md(e.get('vllm'))}",
         f"- {_md(e.get('platform'))} ({_md(e.get('machine'))}), device {_md(e.get('device'))}, {_md(e.get('threads'))} threads, seeds {_md(_kv(e.get('seeds')))}",
     ]
     for side, what in (("ref", "reference"), ("engine", "engine")):
-        v = inp.get(side) or {}
-        sha = v.get("sha256") or {}
+        x = v.side(side)
+        sha = x.get("sha256") or {}
         digest = ", ".join(f"{_md(k)} {_md(_short(h))}" for k, h in sha.items()) if isinstance(sha, dict) else _md(_short(sha))
-        opts = _opts(v)
+        opts = _opts(x)
         out.append(
-            f"- {what}: {_md(v.get('backend'))}:{_code(v.get('path'))} {_md(v.get('dtype') or '')}"
+            f"- {what}: {_md(x.get('backend'))}:{_code(x.get('path'))} {_md(x.get('dtype') or '')}"
             + (f", options {_code(_kv(opts))}" if opts else "") + (f", sha256 {digest}" if digest else "")
         )
-    tr = inp.get("trace") or {}
+    tr = v.trace
     out.append(f"- trace: {_code(tr.get('path'))}, {_md(tr.get('samples'))} samples, {_md(tr.get('completion_tokens'))} completion tokens, "
                f"sha256 {_md(_short(tr.get('sha256')))}")
-    faults = [f.get("spec") for f in inp.get("faults") or [] if isinstance(f, dict)]
+    faults = [f.get("spec") for f in v.faults]
     if faults:
         out.append("- planted faults: " + ", ".join(_code(f) for f in faults))
     return out
 
 
-def markdown(r: dict) -> str:
+def markdown(r: dict | ReportView) -> str:
     """A Markdown summary of one report, to paste into a GitHub issue; a report's strings
     show as escaped text or code spans (no markup, no control characters of their own)."""
-    r = printable_tree(r)
-    th = r.get("threshold") or {}
-    b = r.get("baseline") or {}
-    aligned = r.get("verdict") == "aligned"
+    from numbisect.decode_render import markdown_lines as decode_md
+
+    v = view(r)
     verdict = (
-        f"**Verdict: {'aligned' if aligned else 'DIVERGED'}.** {_md(th.get('metric'))} over {_md(th.get('group'))} tokens is "
-        f"{fmt(num(b.get('value')))}, {'at or under' if aligned else 'above'} the threshold {fmt(num(th.get('threshold')))}."
+        f"**Verdict: {'aligned' if v.aligned else 'DIVERGED'}.** {_md(v.metric)} over {_md(v.group)} tokens is "
+        f"{fmt(num(v.value))}, {'at or under' if v.aligned else 'above'} the threshold {fmt(num(v.threshold))}."
     )
-    parts = [f"### {_title(r)}", "", verdict]
-    sl = _search_lines(r)
+    parts = [f"### {_title(v)}", "", verdict]
+    sl = _search_lines(v)
     if sl:
         parts += [""] + sl
-    errs = r.get("post_search_errors")
-    errs = [e for e in errs if isinstance(e, dict)] if isinstance(errs, list) else []
+    errs = v.post_search_errors
     if errs:  # steps after the search that failed; its result above stands
         parts += ["", "**Failed after the search** (the search's result stands):", ""]
         parts += [f"- {_md(e.get('step'))}{' for ' + _code(e.get('unit')) if e.get('unit') else ''}: {_code(e.get('error'))}"
                   for e in errs]
-    lt = _layer_table(r)
+    lt = _layer_table(v)
     if lt:
         parts += ["", "Per layer, relative L2 error of the engine against the reference "
                       "(local: the engine unit fed the reference's input; propagated: each side on its own inputs):", ""] + lt
-        fd = r.get("first_divergence") or {}
+        fd = v.first_divergence
         if fd:
             parts += ["", f"First unit not bitwise equal: {_code(fd.get('bitwise')) if fd.get('bitwise') else 'none'}; "
-                          f"first above rel-L2 {fmt(num(th.get('unit_tol')))}: {_code(fd.get('above_tol')) if fd.get('above_tol') else 'none'}."]
-    gt = _groups_table(r)
+                          f"first above rel-L2 {fmt(num(v.unit_tol))}: {_code(fd.get('above_tol')) if fd.get('above_tol') else 'none'}."]
+    gt = _groups_table(v)
     if gt:
         parts += [""] + gt
-    rl = _rl_line(r)
+    rl = _rl_line(v)
     if rl:
         parts += ["", rl]
-    from numbisect.decode_render import markdown_lines as decode_md
-
-    parts += decode_md(r)
-    parts += ["", "<details><summary>Environment and inputs</summary>", ""] + _env_lines(r) + ["", "</details>"]
-    cmd = r.get("command") or []
-    if cmd:
-        line = shlex.join(str(x) for x in cmd)
+    parts += decode_md(v)
+    parts += ["", "<details><summary>Environment and inputs</summary>", ""] + _env_lines(v) + ["", "</details>"]
+    if v.command:
+        line = shlex.join(str(x) for x in v.command)
         fence = "`" * max([3] + [len(run) + 1 for run in re.findall(r"`{3,}", line)])
         parts += ["", "To reproduce:", "", f"{fence}sh", line, fence]
     return printable_text("\n".join(parts) + "\n")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from numbisect.cli import main
-from numbisect.render import fmt, pct
-from numbisect.reporttools import MAX_DIFF_UNITS, diff, markdown, num, render_diff
+from numbisect.formatting import fmt, num, pct
+from numbisect.reporttools import MAX_DIFF_UNITS, diff, markdown, render_diff
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANTED = ROOT / "fixtures" / "reports" / "qwen3_moe_planted_fault.json"

@@ -32,8 +32,9 @@ from textual.widgets import Input, Static, TabbedContent, Tree
 from textual.worker import get_current_worker
 
 from numbisect.errors import InputError, NumbisectError
-from numbisect.render import fmt
+from numbisect.formatting import fmt
 from numbisect.report import load_report, write_json_atomic
+from numbisect.reportview import view as report_view
 from numbisect.textsafe import clip, printable, printable_tree
 from numbisect.tui import model as M
 from numbisect.tui.live import Cancelled, LiveConfig, open_session, run_search, swap_trial
@@ -59,10 +60,11 @@ def _draw_all(r: dict, report_path: str | None) -> None:
     tol = M.unit_tol(r)
     M.legend(tol)
     culprits = M.culprit_names(r)
-    first = (r.get("first_divergence") or {}).get("above_tol")
+    rv = report_view(r)
+    first = rv.first_divergence.get("above_tol")
     M.visible_units(r, "")
     rows = M.unit_rows(r)
-    trials = list(r.get("trials") or [])
+    trials = list(rv.trials)
     for row in rows:
         for view in ("propagated", "local"):
             row_label(row, view, tol, culprits, first)
@@ -75,7 +77,7 @@ def _draw_all(r: dict, report_path: str | None) -> None:
         strips_text(td, g)
         worst_text(td, g)
     th = M.threshold_of(r)
-    metric = r["threshold"]["metric"]
+    metric = rv.metric
     universe = M.candidate_universe(r)
     for t in trials:
         trial_text(t, th, metric)
@@ -131,7 +133,7 @@ class BisectApp(App[int]):
         self.live = live
         self.live_shown = live is not None  # the report shown is the live run's (not an opened file)
         self.final = report is not None  # the report is complete (exportable)
-        self.trials: list[dict] = list((self.report or {}).get("trials") or [])
+        self.trials: list[dict] = list(report_view(self.report).trials) if self.report else []
         self.view = "propagated"
         self.filter_text = ""
         self.selected = self._default_unit(self.report)
@@ -171,10 +173,10 @@ class BisectApp(App[int]):
     def _default_unit(report: dict | None) -> str:
         if not report:
             return "model"
-        cul = report.get("culprits") or []
-        if cul:
-            return cul[0]["unit"]
-        return (report.get("first_divergence") or {}).get("above_tol") or "model"
+        rv = report_view(report)
+        if rv.culprits:
+            return rv.culprits[0]["unit"]
+        return rv.first_divergence.get("above_tol") or "model"
 
     def _handle_exception(self, error: Exception) -> None:
         """An error inside the app: remembered (`failure`) for `bisect tui` to report in one
@@ -244,7 +246,7 @@ class BisectApp(App[int]):
     def refresh_trials(self) -> None:
         r = self.report
         th = M.threshold_of(r) if r else (self.live.settings.threshold if self.live else 1e-3)
-        metric = r["threshold"]["metric"] if r else (self.live.settings.metric if self.live else "k3-mean")
+        metric = report_view(r).metric if r else (self.live.settings.metric if self.live else "k3-mean")
         universe = M.candidate_universe(r) if r else []
         self.main.query_one(TrialsPanel).reset(self.trials, th, metric, universe)
 
@@ -362,7 +364,7 @@ class BisectApp(App[int]):
         self.report_path = path
         self.live_shown = False
         self.final = True
-        self.trials = list(self.report.get("trials") or [])
+        self.trials = list(report_view(self.report).trials)
         self.manual = []
         self.selected = self._default_unit(self.report)
         self._set_titles()
@@ -388,7 +390,7 @@ class BisectApp(App[int]):
 
     def _swap_target(self, whole_kind: bool) -> tuple[list[str], str] | None:
         name = self.selected
-        u = next((x for x in (self.report or {}).get("units") or [] if x["name"] == name), None)
+        u = report_view(self.report).unit(name) if self.report else None
         if u is None:
             self.notify("select a unit in the Units tab first", severity="warning", markup=False)
             return None
@@ -415,7 +417,7 @@ class BisectApp(App[int]):
         names, label = target
         self._set_busy("swap")
         self.set_status(f"swap trial: {label}")
-        self._swap_worker(names, label, self.report["baseline"]["value"])
+        self._swap_worker(names, label, report_view(self.report).value)
 
     def action_swap_unit(self) -> None:
         self._swap(False)
@@ -512,13 +514,14 @@ class BisectApp(App[int]):
         r = self.report
         self.final = True
         self.last_code = msg.code
-        self.trials = list(r.get("trials") or [])
-        self.selected = self._default_unit(r) if self.selected in ("model", None) or r.get("culprits") else self.selected
+        rv = report_view(r)
+        self.trials = list(rv.trials)
+        self.selected = self._default_unit(r) if self.selected in ("model", None) or rv.culprits else self.selected
         self.refresh_all()
-        s = r.get("search") or {}
-        cul = ", ".join(c["unit"] for c in r.get("culprits") or []) or "none"
+        s = rv.search or {}
+        cul = ", ".join(c["unit"] for c in rv.culprits) or "none"
         self.set_status(f"search done: {s.get('verdict')} ({s.get('trials_used')} trials); culprit: {cul}; e to export")
-        self.notify(f"search done: culprit {cul}" if r.get("culprits") else f"search done: {s.get('verdict')}", markup=False)
+        self.notify(f"search done: culprit {cul}" if rv.culprits else f"search done: {s.get('verdict')}", markup=False)
 
     def on_swap_done(self, msg: SwapDone) -> None:
         self._set_busy(None)

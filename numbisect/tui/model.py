@@ -10,10 +10,11 @@
 
 Every verdict carries a word or a symbol, never only a colour.
 
-The app hands these functions a report whose strings are printable
-(`textsafe.printable_tree`); they accept any schema-valid report: numbers stored as
-"inf"/"nan" strings, optional fields absent or of an odd shape, unit parents that form
-a cycle.
+Each function takes a report dict (or its `numbisect.reportview` view) and reads it
+through the view, as `bisect report show` and `md` do: its strings printable, its
+sections of the shapes the view gives. They accept any schema-valid report: numbers
+stored as "inf"/"nan" strings, optional fields absent or of an odd shape, unit parents
+that form a cycle.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from numbisect.render import fmt, pct
+from numbisect.formatting import fmt, num, pct
+from numbisect.reportview import ReportView, view
 from numbisect.units import Unit, children, unit_graph
 
 METRIC_WORDS = {"k3-mean": "mean k3", "k3-p99": "p99 k3", "kl-mean": "mean KL"}
@@ -45,85 +47,69 @@ def metric_words(metric: str) -> str:
     return METRIC_WORDS.get(metric, metric)
 
 
-def _num(x) -> float | None:
-    """A report number (floats may be stored as "inf"/"nan" strings); None for anything else."""
-    if x is None or isinstance(x, bool):
-        return None
-    if isinstance(x, int) and abs(x) >= 2**1023:  # too large for a float
-        return math.inf if x > 0 else -math.inf
-    if isinstance(x, (int, float, str)):
-        try:
-            return float(x)
-        except (ValueError, OverflowError):
-            return None
-    return None
-
-
-def threshold_of(r: dict) -> float:
+def threshold_of(r: dict | ReportView) -> float:
     """The judged threshold as a float (NaN when the report's is not a number)."""
-    t = _num(r["threshold"]["threshold"])
+    t = num(view(r).threshold)
     return math.nan if t is None else t
 
 
-def unit_tol(r: dict) -> float:
+def unit_tol(r: dict | ReportView) -> float:
     """The unit tolerance as a float (1e-2 when absent, zero or not a number)."""
-    return _num(r["threshold"].get("unit_tol")) or 1e-2
+    return num(view(r).unit_tol) or 1e-2
 
 
 # -- verdict and culprit -------------------------------------------------------------------
-def verdict_line(r: dict) -> tuple[str, str, str]:
+def verdict_line(r: dict | ReportView) -> tuple[str, str, str]:
     """(mark, style, text): the verdict with the judged value against the threshold."""
-    th = r["threshold"]
-    b = r["baseline"]
-    aligned = r["verdict"] == "aligned"
-    mark, style = ("OK ALIGNED", "bold green") if aligned else ("!! DIVERGED", "bold red")
+    rv = view(r)
+    mark, style = ("OK ALIGNED", "bold green") if rv.aligned else ("!! DIVERGED", "bold red")
     ratio = ""
-    t, v = _num(th["threshold"]), _num(b["value"])
+    t, v = num(rv.threshold), num(rv.value)
     if t and v is not None and math.isfinite(t) and math.isfinite(v):
         x = v / t
         ratio = f" ({x:.0f}x)" if x >= 100 else f" ({x:.2g}x)"
-    cmp_ = "<=" if aligned else ">"
-    text = f"{metric_words(th['metric'])} {fmt(b['value'])} {cmp_} {fmt(th['threshold'])}{ratio}"
-    rl = b.get("rl_cost") or {}
+    cmp_ = "<=" if rv.aligned else ">"
+    text = f"{metric_words(rv.metric)} {fmt(rv.value)} {cmp_} {fmt(rv.threshold)}{ratio}"
+    rl = rv.rl_cost
     if rl.get("seq_frac_rejected") is not None:
         text += f" · {pct(rl['seq_frac_rejected'])} of sequences rejected"
     return mark, style, text
 
 
-def culprit_lines(r: dict) -> list[tuple[str, str]]:
+def culprit_lines(r: dict | ReportView) -> list[tuple[str, str]]:
     """(style, sentence) lines: the answer with its evidence."""
-    th = r["threshold"]
-    words = metric_words(th["metric"])
-    s = r.get("search")
+    rv = view(r)
+    words = metric_words(rv.metric)
+    s = rv.search
     if not s:
-        if r["verdict"] == "aligned":
+        if rv.aligned:
             return [("green", "aligned: the engine agrees with the reference; nothing to bisect")]
-        rank = r.get("local_ranking") or {}
+        rank = rv.local_ranking
         top = min(rank, key=rank.get) if rank else None
-        fd = (r.get("first_divergence") or {}).get("above_tol")
+        fd = rv.first_divergence.get("above_tol")
         hint = "no search in this report (kind compare): run `bisect run`, or live mode, to name a culprit"
         out = [("yellow", hint)]
         clues = []
         if top:
             clues.append(f"largest local error: {top}")
         if fd:
-            clues.append(f"first unit over rel-L2 {fmt(th.get('unit_tol'))}: {fd}")
+            clues.append(f"first unit over rel-L2 {fmt(rv.unit_tol)}: {fd}")
         if clues:
             out.append(("", "; ".join(clues)))
         return out
-    sw = r.get("swap")
+    sw = rv.swap
     if sw:
         lines = sw.get("lines") or [f"swap: {s.get('stop_reason')}"]
         return [("bold" if sw.get("fixed") else "yellow", str(lines[0]))]
     verdict = s["verdict"]
-    culprits = r.get("culprits") or []
+    culprits = rv.culprits
     if verdict == "culprits" and culprits:
         out = []
         for c in culprits:
             out.append(
                 ("bold magenta", f"{c['unit']}: swapping it alone takes {words} from {fmt(s['baseline'])} to {fmt(c['alone'])}")
             )
-        ev = [f"{CULPRIT_MARK} culprit" + ("s" if len(culprits) > 1 else ""), f"threshold {fmt(th['threshold'])}"]
+        ev = [f"{CULPRIT_MARK} culprit" + ("s" if len(culprits) > 1 else ""), f"threshold {fmt(rv.threshold)}"]
         if len(culprits) == 1:
             c = culprits[0]
             ev.append(f"all others swapped: {fmt(c['complement'])}")
@@ -134,7 +120,7 @@ def culprit_lines(r: dict) -> list[tuple[str, str]]:
         out.append(("", " · ".join(ev)))
         return out
     if verdict == "aligned":
-        return [("green", f"aligned: {words} {fmt(s['baseline'])} <= {fmt(th['threshold'])} before any swap")]
+        return [("green", f"aligned: {words} {fmt(s['baseline'])} <= {fmt(rv.threshold)} before any swap")]
     if verdict == "diffuse":
         return [("yellow", "diffuse: no set smaller than every layer reaches the threshold; see the per-layer contributions (Trials)")]
     return [("yellow", f"{verdict}: {s['stop_reason']}")]
@@ -151,7 +137,7 @@ def unit_severity(u: dict, view: str, tol: float) -> tuple[str, str, float | Non
     m = unit_metrics(u, view)
     if not m:
         return "none", "-", None
-    v = _num(m.get("rel_l2"))
+    v = num(m.get("rel_l2"))
     if v is None:
         return "none", "-", None
     ul = m.get("ulps") or {}
@@ -179,24 +165,25 @@ class UnitRow:
     data: dict | None  # the report's unit entry (None for the model root)
 
 
-def _units(r: dict) -> list[Unit]:
+def _units(rv: ReportView) -> list[Unit]:
     out = []
-    for i, u in enumerate(r.get("units") or []):
+    for i, u in enumerate(rv.units):
         if u["name"] == "model":  # the tree's root: a unit of that name cannot be placed
             continue
         out.append(Unit(u["name"], u["kind"], u.get("layer"), u.get("parent") or "model", i))
     return out
 
 
-def unit_rows(r: dict) -> list[UnitRow]:
+def unit_rows(r: dict | ReportView) -> list[UnitRow]:
     """Depth-first rows: model > layers > attn / moe > router / experts, in execution order.
 
     Each unit shows once (the first entry of a repeated name); units whose parents form a
     cycle, or that are not under the model, are not shown."""
+    rv = view(r)
     by_name: dict[str, dict] = {}
-    for u in r.get("units") or []:
+    for u in rv.units:
         by_name.setdefault(u["name"], u)
-    g = unit_graph(_units(r))
+    g = unit_graph(_units(rv))
     rows: list[UnitRow] = []
     seen = {"model"}
     stack = [(c, "model", 1) for c in reversed(children(g, "model"))]
@@ -212,10 +199,10 @@ def unit_rows(r: dict) -> list[UnitRow]:
     return rows
 
 
-def ancestors(r: dict, name: str) -> list[str]:
+def ancestors(r: dict | ReportView, name: str) -> list[str]:
     """The units containing `name`, innermost first (a cycle of parents ends the list)."""
     parents: dict[str, str] = {}
-    for u in r.get("units") or []:
+    for u in view(r).units:
         parents.setdefault(u["name"], u.get("parent") or "model")
     out: list[str] = []
     p = parents.get(name)
@@ -225,27 +212,28 @@ def ancestors(r: dict, name: str) -> list[str]:
     return out
 
 
-def visible_units(r: dict, text: str) -> set[str] | None:
+def visible_units(r: dict | ReportView, text: str) -> set[str] | None:
     """Units matching a filter (name or kind contains the text), plus their ancestors.
 
     None when the filter is empty (everything shows)."""
     text = text.strip().lower()
     if not text:
         return None
+    rv = view(r)
     keep = set()
-    for u in r.get("units") or []:
+    for u in rv.units:
         if text in u["name"].lower() or text == u["kind"].lower():
             keep.add(u["name"])
-            keep.update(ancestors(r, u["name"]))
+            keep.update(ancestors(rv, u["name"]))
     return keep
 
 
-def culprit_names(r: dict) -> set[str]:
-    return {c["unit"] for c in r.get("culprits") or []}
+def culprit_names(r: dict | ReportView) -> set[str]:
+    return {c["unit"] for c in view(r).culprits}
 
 
 # -- trials --------------------------------------------------------------------------------
-def trials_with(trials: list[dict], r: dict, name: str) -> list[tuple[dict, str]]:
+def trials_with(trials: list[dict], r: dict | ReportView, name: str) -> list[tuple[dict, str]]:
     """Trials in which `name` was swapped: (trial, "itself" or "via PARENT")."""
     ups = ancestors(r, name)
     out = []
@@ -284,11 +272,12 @@ def _compact(names) -> str:
     return " ".join([f"{k}[{_ranges(v)}]" for k, v in per_rest.items()] + top)
 
 
-def candidate_universe(r: dict) -> list[str]:
+def candidate_universe(r: dict | ReportView) -> list[str]:
     """The search's candidates: children of the model and of each layer (not layers)."""
-    kinds = {u["name"]: u["kind"] for u in r.get("units") or []}
+    units = view(r).units
+    kinds = {u["name"]: u["kind"] for u in units}
     out = []
-    for u in r.get("units") or []:
+    for u in units:
         parent = u.get("parent") or "model"
         if u["kind"] != "layer" and (parent == "model" or kinds.get(parent) == "layer"):
             out.append(u["name"])
@@ -315,7 +304,7 @@ def abbreviate(swapped: list[str], universe: list[str] | None = None, width: int
 
 def value_mark(value, threshold) -> str:
     """"fixed" when the value is at or under the threshold, "?" when either is not a number."""
-    v, t = _num(value), _num(threshold)
+    v, t = num(value), num(threshold)
     if v is None or t is None or math.isnan(v) or math.isnan(t):
         return "?"
     return "fixed" if v <= t else ""
@@ -357,7 +346,7 @@ class TokenData:
 
     def k3(self, i: int) -> list[float | None]:
         """Sample i's per-token k3 as floats ("inf"/"nan" strings read as such; None kept)."""
-        return [_num(v) for v in self.per_sample[i]["k3"]]
+        return [num(v) for v in self.per_sample[i]["k3"]]
 
     def values(self, i: int, group: str) -> list[float]:
         return [v for v, m in zip(self.k3(i), self.mask(i, group)) if m and v is not None]
@@ -437,16 +426,16 @@ def _trace_rows(data: bytes) -> list[dict] | None:
     return rows
 
 
-def token_data(r: dict, report_path: str | None = None) -> TokenData:
+def token_data(r: dict | ReportView, report_path: str | None = None) -> TokenData:
     """The report's per-token k3; trace groups when the trace file (same sha256) is found
     and is a JSONL trace whose groups cover every token (otherwise a note says why not)."""
     from numbisect.errors import InputError
     from numbisect.safeio import read_bytes
     from numbisect.textsafe import printable
 
-    b = r["baseline"]
-    td = TokenData(per_sample=b.get("per_sample") or [], threshold=_num(r["threshold"]["threshold"]) or 0.0)
-    tr = r["inputs"]["trace"]
+    rv = view(r)
+    td = TokenData(per_sample=rv.per_sample, threshold=num(rv.threshold) or 0.0)
+    tr = rv.trace
     want = [g for g in tr.get("groups") or [] if g not in ("completion", "prompt", "all")]
     found = _resolve(tr["path"], report_path)
     if found is None:

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from conftest import COMPARE_REPORT, REPORT, expected_sentence, read, report_app, unit_value
-from numbisect.render import fmt
+from numbisect.formatting import fmt
 from numbisect.tui.screens.dialogs import ErrorScreen, PathScreen
 from numbisect.tui.screens.help import HelpScreen
 from numbisect.tui.widgets.culprit import CulpritPanel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 from conftest import COMPARE_REPORT, REPORT, expected_sentence, read, unit_value
-from numbisect.render import fmt
+from numbisect.formatting import fmt
 from numbisect.tui import model as M
 
 

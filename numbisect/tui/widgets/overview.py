@@ -6,34 +6,35 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from numbisect.render import fmt, header, pct, search_lines, token_table
+from numbisect.formatting import fmt, num, pct
+from numbisect.render import header, search_lines, token_table
+from numbisect.reportview import ReportView, view
 from numbisect.tui import model as M
 
 
-def overview_text(r: dict) -> Text:
+def overview_text(r: dict | ReportView) -> Text:
+    rv = view(r)
     t = Text()
-    th = r["threshold"]
-    b = r["baseline"]
-    g = b["groups"].get(th["group"]) or {}
-    for line in header(r)[:-1]:  # the verdict line is drawn below, with its numbers
+    g = rv.groups.get(rv.group) or {}
+    for line in header(rv)[:-1]:  # the verdict line is drawn below, with its numbers
         t.append(line + "\n", style="dim")
-    mark, style, _ = M.verdict_line(r)
+    mark, style, _ = M.verdict_line(rv)
     t.append("\n")
     t.append(mark, style=style)
-    t.append(f"  judged on {M.metric_words(th['metric'])} of {th['group']} tokens, threshold {fmt(th['threshold'])}\n")
+    t.append(f"  judged on {M.metric_words(rv.metric)} of {rv.group} tokens, threshold {fmt(rv.threshold)}\n")
     if g:
         k3 = g["k3"]
-        t_num = M._num(th["threshold"])
+        t_num = num(rv.threshold)
         for key, label in (("mean", "k3 mean"), ("p99", "k3 p99 "), ("max", "k3 max ")):
             v = k3.get(key)
-            v_num = M._num(v)
+            v_num = num(v)
             over = v_num is not None and t_num is not None and (v_num > t_num or v_num != v_num)  # NaN counts as over
             sym = ">" if over else "<="
-            t.append(f"  {label} {fmt(v):>10}  {sym} {fmt(th['threshold'])}  ")
+            t.append(f"  {label} {fmt(v):>10}  {sym} {fmt(rv.threshold)}  ")
             t.append("over\n" if over else "under\n", style="red" if over else "green")
         if g.get("kl"):
             t.append(f"  KL mean {fmt(g['kl'].get('mean')):>10}   top-1 agreement {pct(g.get('top1_agree'))}\n")
-    c = b.get("rl_cost")
+    c = rv.rl_cost
     if c:
         tt = c["thresholds"]
         t.append("\nRL cost ", style="bold")
@@ -50,19 +51,19 @@ def overview_text(r: dict) -> Text:
             t.append(f"    {label:<30}{pct(v):>7}\n")
         t.append(f"  tokens over TIS cap {pct(c['token_frac_tis'])}, outside IcePop {pct(c['token_frac_icepop'])}\n")
     t.append("\nToken groups\n", style="bold")
-    for line in token_table(b):
+    for line in token_table(rv):
         t.append("  " + line + "\n")
-    sc = r.get("self_check")
+    sc = rv.self_check
     if sc:
         ok = "passed" if sc["passed"] else "FAILED"
         t.append(f"\nswap self-check {ok}: every unit swapped gives k3 {fmt(sc['k3_mean'])}\n")
-    fd = r.get("first_divergence") or {}
+    fd = rv.first_divergence
     if fd:
         t.append(
             f"first divergence: {fd.get('bitwise') or 'none'} (not bitwise equal); "
-            f"{fd.get('above_tol') or 'none'} (over rel-L2 {fmt(th.get('unit_tol'))})\n"
+            f"{fd.get('above_tol') or 'none'} (over rel-L2 {fmt(rv.unit_tol)})\n"
         )
-    sl = search_lines(r)
+    sl = search_lines(rv)
     if sl:
         t.append("\n" + "\n".join(sl) + "\n")
     return t

@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Sparkline, Static
 
-from numbisect.render import fmt
+from numbisect.formatting import fmt, num
 from numbisect.tui import model as M
 
 COLUMNS = ("#", "role", "n", "value", "", "swapped")
@@ -23,7 +23,7 @@ def role(t: dict) -> str:
 
 def _log(v, floor: float) -> float:
     """log10 of a value, floored (0 and 1000x under the threshold draw the same)."""
-    x = M._num(v)
+    x = num(v)
     if x is None or math.isnan(x) or x <= 0:
         return floor
     return max(floor, math.log10(min(x, 1e300)))  # inf draws as the largest float
@@ -41,7 +41,7 @@ def trial_text(t: dict, threshold: float, metric: str) -> Text:
     for g, v in groups.items():
         v = v if isinstance(v, dict) else {}
         out.append(f"  {g:<11} k3 mean {fmt(v.get('k3_mean')):>9}  p99 {fmt(v.get('k3_p99')):>9}\n")
-    rej = M._num(metrics.get("seq_frac_rejected"))
+    rej = num(metrics.get("seq_frac_rejected"))
     if rej is not None:
         out.append(f"  sequences rejected {100 * rej:.1f}%\n")
     out.append(f"swapped ({len(t['swapped'])}):\n", style="bold")

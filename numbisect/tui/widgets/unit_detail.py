@@ -6,7 +6,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from numbisect.render import fmt
+from numbisect.formatting import fmt, num
+from numbisect.reportview import view as report_view
 from numbisect.tui import model as M
 
 
@@ -29,10 +30,10 @@ def _metrics_block(t: Text, title: str, m: dict | None, active: bool) -> None:
 
 def _routing_block(t: Text, report: dict, name: str, flips: int = 8) -> None:
     """Expert-set agreement and flips of the MoE layer a router (or MoE block) belongs to."""
-    from numbisect.routing_render import flip_line, number
+    from numbisect.routing_render import flip_line
 
     router = name if name.endswith(".moe.router") else (name + ".router" if name.endswith(".moe") else None)
-    row = next((r for r in (report.get("routing") or {}).get("layers") or [] if r["unit"] == router), None)
+    row = next((r for r in (report_view(report).routing or {}).get("layers") or [] if r["unit"] == router), None)
     if row is None:
         return
     t.append("\nrouting (top-k expert sets)\n", style="bold")
@@ -40,22 +41,22 @@ def _routing_block(t: Text, report: dict, name: str, flips: int = 8) -> None:
         p = row.get(side)
         if not p:
             continue
-        err = number((p.get("logit_error") or {}).get("rel_l2"))
-        t.append(f"  {side}: {100 * (number(p.get('agree_frac')) or 0):.1f}% agree, {p.get('flipped')} of {p.get('tokens')} tokens flipped, logit rel-L2 {fmt(err)}\n")
+        err = num((p.get("logit_error") or {}).get("rel_l2"))
+        t.append(f"  {side}: {100 * (num(p.get('agree_frac')) or 0):.1f}% agree, {p.get('flipped')} of {p.get('tokens')} tokens flipped, logit rel-L2 {fmt(err)}\n")
         if p.get("flipped"):
-            t.append(f"    margin p50 {fmt(number(p.get('margin_p50_all')))} over all tokens, {fmt(number(p.get('margin_p50_flipped')))} at flips\n")
+            t.append(f"    margin p50 {fmt(num(p.get('margin_p50_all')))} over all tokens, {fmt(num(p.get('margin_p50_flipped')))} at flips\n")
     p = row.get("propagated") or {}
     for f in (p.get("flips") or [])[:flips]:
         t.append("  flip " + flip_line(f) + "\n")
     more = (p.get("flipped") if isinstance(p.get("flipped"), int) else 0) - min(flips, len(p.get("flips") or []))
     if more > 0:
         t.append(f"  ... {more} more flips (bisect report show)\n", style="dim")
-    rr = report.get("routing_replay")
+    rr = report_view(report).routing_replay
     lay = next((x for x in (rr or {}).get("layers") or [] if x["unit"] == router), None)
-    if lay and number(lay.get("value_replayed_alone")) is not None:
+    if lay and num(lay.get("value_replayed_alone")) is not None:
         t.append(
             f"  replay ({rr['direction']}) here alone: {lay['flips_before']} flips -> {lay.get('flips_after_alone')}, "
-            f"{M.metric_words(str(rr.get('metric', 'k3')))} {fmt(number(rr['baseline']))} -> {fmt(number(lay['value_replayed_alone']))}\n"
+            f"{M.metric_words(str(rr.get('metric', 'k3')))} {fmt(num(rr['baseline']))} -> {fmt(num(lay['value_replayed_alone']))}\n"
         )
 
 
@@ -66,7 +67,8 @@ def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: 
         t.append("\nSelect a unit (arrows, mouse) to see its error, the trials that swapped it and its worst token.\n")
         t.append("\n" + M.legend(M.unit_tol(report)) + "\n", style="dim")
         return t
-    u = next((x for x in report.get("units") or [] if x["name"] == name), None)
+    rv = report_view(report)
+    u = rv.unit(name)
     if u is None:
         t.append(f"{name}: not in this report\n")
         return t
@@ -76,9 +78,9 @@ def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: 
     t.append(name, style="bold")
     t.append(f"  ({u['kind']})\n")
     t.append(f"{sym} {vs}: {meaning} ({view}, tolerance {fmt(tol)})\n", style=style)
-    for c in report.get("culprits") or []:
+    for c in rv.culprits:
         if c["unit"] == name:
-            s = report.get("search") or {}
+            s = rv.search or {}
             t.append(
                 f"{M.CULPRIT_MARK} CULPRIT: alone {fmt(s.get('baseline'))} -> {fmt(c['alone'])}; "
                 f"all others swapped {fmt(c['complement'])}\n",
@@ -90,14 +92,14 @@ def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: 
                 for w in p.get("whatifs") or []:
                     if isinstance(w, dict):
                         t.append(f"  {w.get('whatif')}: {w.get('line')}\n")
-    rank = (report.get("local_ranking") or {}).get(name)
+    rank = rv.local_ranking.get(name)
     if rank:
-        t.append(f"local-error rank {rank} of {len(report['local_ranking'])}\n")
+        t.append(f"local-error rank {rank} of {len(rv.local_ranking)}\n")
     _metrics_block(t, "propagated", u.get("propagated"), view == "propagated")
     _metrics_block(t, "local (teacher-forced)", u.get("local"), view == "local")
     _routing_block(t, report, name)
     hits = M.trials_with(trials, report, name)
-    th = report["threshold"]["threshold"]
+    th = rv.threshold
     t.append(f"\ntrials that swapped it: {len(hits)}\n", style="bold")
     for tr, how in hits:
         fixed = M.value_mark(tr["value"], th)

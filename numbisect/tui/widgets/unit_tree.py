@@ -9,6 +9,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Tree
 
+from numbisect.reportview import view as report_view
 from numbisect.tui import model as M
 
 
@@ -34,12 +35,13 @@ class UnitTree(Tree[str]):
 
     def populate(self, report: dict | None, view: str, filter_text: str = "", keep: str | None = None) -> None:
         self.clear()
-        if report is None or not report.get("units"):
+        rv = report_view(report) if report is not None else None
+        if rv is None or not rv.units:
             self.root.set_label(Text("model (no per-unit data)", style="italic"))
             return
         tol = M.unit_tol(report)
         culprits = M.culprit_names(report)
-        first = (report.get("first_divergence") or {}).get("above_tol")
+        first = rv.first_divergence.get("above_tol")
         shown = M.visible_units(report, filter_text)
         mark, style, _ = M.verdict_line(report)
         root = Text("model  ")
@@ -53,7 +55,7 @@ class UnitTree(Tree[str]):
                 continue
             parent = row.data.get("parent") or "model"
             pnode = nodes.get(parent, self.root)
-            has_kids = any((u.get("parent") == row.name) for u in report["units"])
+            has_kids = any((u.get("parent") == row.name) for u in rv.units)
             label = row_label(row, view, tol, culprits, first)
             if has_kids:
                 node = pnode.add(label, data=row.name, expand=True)
