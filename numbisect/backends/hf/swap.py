@@ -14,18 +14,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from numbisect.backends.base import hidden_arg
 from numbisect.backends.ledger import Ledger
 
 
-def _cast(x: Any, dtype: torch.dtype) -> Any:
+def _cast(x: Any, dtype: torch.dtype, only: torch.dtype | None = None) -> Any:
+    """`x` with its float tensors cast to `dtype`; with `only`, just the tensors of that
+    dtype (the activations), so an fp32 side value (a router's top-k weights) stays fp32."""
     if isinstance(x, torch.Tensor):
-        return x.to(dtype) if x.is_floating_point() else x
+        return x.to(dtype) if x.is_floating_point() and (only is None or x.dtype == only) else x
     if isinstance(x, tuple):
-        return tuple(_cast(v, dtype) for v in x)
+        return tuple(_cast(v, dtype, only) for v in x)
     if isinstance(x, list):
-        return [_cast(v, dtype) for v in x]
+        return [_cast(v, dtype, only) for v in x]
     if isinstance(x, dict):  # a plain dict or a transformers ModelOutput (keep its class)
-        return type(x)(**{k: _cast(v, dtype) for k, v in x.items()})
+        return type(x)(**{k: _cast(v, dtype, only) for k, v in x.items()})
     return x
 
 
@@ -40,12 +43,16 @@ class CastAdapter(nn.Module):
         self.rotary = rotary  # donor rotary embedding: recompute cos/sin in the donor's dtype
 
     def forward(self, *args, **kwargs):
-        args, kwargs = _cast(args, self.inner_dtype), _cast(kwargs, self.inner_dtype)
+        # Only the activations change dtype: inputs in the engine's dtype (that of the hidden
+        # states), outputs in the donor's; other float values (fp32 routing weights) pass as they are.
+        x = hidden_arg(args, kwargs)
+        outer = x.dtype if x is not None else None
+        args, kwargs = _cast(args, self.inner_dtype, outer), _cast(kwargs, self.inner_dtype, outer)
         if self.rotary is not None and kwargs.get("position_ids") is not None and "position_embeddings" in kwargs:
             x = kwargs.get("hidden_states", args[0] if args else None)
             kwargs["position_embeddings"] = self.rotary(x, kwargs["position_ids"])
         out = self.inner(*args, **kwargs)
-        return out if self.out_dtype is None else _cast(out, self.out_dtype)
+        return out if self.out_dtype is None else _cast(out, self.out_dtype, self.inner_dtype)
 
     def __getattr__(self, name):
         # Callers read attributes of the module they think they hold (a vision tower's
