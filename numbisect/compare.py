@@ -1,14 +1,13 @@
-"""The comparison pipeline: one trace through the reference and the engine.
+"""What a comparison measures, and the checks before it runs (`numbisect.pipeline` runs it).
 
-1. Read the backend specs (`hf:DIR`, `vllm:DIR`, `rollout`; `numbisect.backends.open_backend`
-   opens them) and check that their configs agree and the trace fits the vocabulary.
-2. Run the reference once, keeping its token log-probs, full log-probs and every
-   unit's input and output.
-3. Run the engine (or any trial: the engine with a set of units swapped) and turn
-   the two sides into token metrics: k1/k2/k3, full-vocabulary KL, top-1 agreement,
-   RL cost, per group.
-4. Per unit: propagated error (each side on its own inputs) and local error (the
-   engine unit fed the reference's input), with bitwise equality and ulps.
+1. Read the backend specs (`hf:DIR`, `vllm:DIR`, `dump:DIR`, `rollout`;
+   `numbisect.backends.open_backend` opens them) and check that their configs agree and
+   the trace fits the vocabulary and the position limit.
+2. Token metrics of the reference's and the engine's (or a trial's) log-probs: k1/k2/k3,
+   full-vocabulary KL, top-1 agreement, RL cost, per group (`token_report`).
+3. Per unit: propagated error (each side on its own inputs) and local error (the
+   engine unit fed the reference's input), with bitwise equality and ulps
+   (`unit_report`); the first divergence and the local ranking drawn from them.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ class Sides:
     ref: Backend
     engine: Backend | None  # None: the trace's own rollout log-probs
     trace: Trace
+    samples: list  # the samples compared (the trace's, or the first of them)
     settings: C.Settings
     groups: list[str]
     faults: list = field(default_factory=list)  # planted in the engine for every forward
@@ -57,10 +58,6 @@ class Sides:
     say: Callable[[str], None] = _quiet  # progress, one line at a time
     ref_result: ForwardResult | None = None
     ref_routing: dict | None = None
-
-    @property
-    def samples(self) -> list:
-        return self.trace.samples
 
     def reference(self) -> ForwardResult:
         """The whole-run reference: made once, then kept in `ref_result`."""

@@ -167,9 +167,9 @@ class Session:
     def sides(self) -> P.Sides:
         """The pipeline's inputs, as this session holds them now (`self_check` and the
         selftest change `faults` and `mode` between calls)."""
-        return P.Sides(ref=self.ref, engine=self.engine, trace=self.trace, settings=self.settings, groups=self.groups,
-                       faults=self.faults, mode=self.mode, say=self.say, ref_result=self._ref_result,
-                       ref_routing=self.ref_routing)
+        return P.Sides(ref=self.ref, engine=self.engine, trace=self.trace, samples=self.samples, settings=self.settings,
+                       groups=self.groups, faults=self.faults, mode=self.mode, say=self.say,
+                       ref_result=self._ref_result, ref_routing=self.ref_routing)
 
     def reference(self) -> ForwardResult:
         """The whole-run reference (every unit's input and output), made once."""

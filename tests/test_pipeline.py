@@ -30,7 +30,8 @@ def test_one_local_ranking_puts_a_nan_error_first_and_ranks_layers_only_when_ask
 def test_the_pipeline_runs_on_explicit_inputs_and_the_session_reports_what_it_returns():
     s = session("qwen3", "hf", ref_dtype="float32", engine_dtype="float32", faults=["output_noise=1e-1@layers.1.mlp"],
                 samples=2, threshold=1e-6)
-    sides = P.Sides(ref=s.ref, engine=s.engine, trace=s.trace, settings=s.settings, groups=s.groups, faults=s.faults)
+    sides = P.Sides(ref=s.ref, engine=s.engine, trace=s.trace, samples=s.samples,
+                    settings=s.settings, groups=s.groups, faults=s.faults)
     c = P.compare(sides, local=True)
     assert isinstance(c, P.Comparison) and c.verdict == "diverged"
     assert min(c.local_ranking, key=c.local_ranking.get) == "layers.1.mlp"
