@@ -55,8 +55,14 @@ class ArchMap:
         n = text.num_hidden_layers
         return build_units(n, [self.ffn_kind(text, i) for i in range(n)], self.moe_sub_units, vision=self.vision)
 
-    def path(self, backend: str, unit: Unit) -> str | None:
-        table = self.hf if backend == "hf" else self.vllm
+    def path(self, names: str, unit: Unit) -> str | None:
+        """The module path of `unit` in a model whose modules are named as `names` says
+        ("hf": transformers, "vllm": vLLM; a backend's `module_names`); None when the
+        family has no such module there."""
+        tables = {"hf": self.hf, "vllm": self.vllm}
+        if names not in tables:
+            raise ValueError(f"no module-name table {names!r} in {self.name} (have: hf, vllm)")
+        table = tables[names]
         pattern = table.get(unit.pattern)
         return None if pattern is None else pattern.format(i=unit.layer)
 
