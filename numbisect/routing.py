@@ -216,7 +216,7 @@ def routing_report(samples, spec: RouterSpec, units: list[str], ref_ids: dict, r
     return {"spec": spec.to_dict(), "source": "hooked router (recorded expert ids; margins from captured logits)", "layers": layers}
 
 
-# -- in a session -----------------------------------------------------------------------------
+# -- in a comparison (pipeline.Sides) -----------------------------------------------------------------------------
 REPLAY_DIRECTIONS = ("ref", "engine")
 
 
@@ -247,42 +247,32 @@ def _biases(backend, units) -> dict:
     return {u: router_bias(backend, u) for u in units}
 
 
-def session_routing(session, passes: dict) -> dict:
-    """`routing` of a compare report: `passes` maps propagated/local -> (probe, engine result)."""
-    ref = session.reference()
-    units = router_units(session.ref)
-    spec = router_spec(session.ref.config)
-    sides = {k: (probe.ids, res.captures if res is not None else {}) for k, (probe, res) in passes.items()}
-    return routing_report(session.samples, spec, units, session.ref_routing or {}, ref.captures, sides,
-                          (_biases(session.ref, units), _biases(session.engine, units)))
-
-
 def _flips(a: dict, b: dict, units) -> dict:
     return {u: int(_differ(torch.cat(a[u]), torch.cat(b[u])).sum()) if a.get(u) and b.get(u) else None for u in units}
 
 
-def _replay_trial(session, direction: str, replay: dict, eng_prop):
+def _replay_trial(sides, direction: str, replay: dict, eng_prop):
     """One forward with `replay` forced on the replaying side: (judged value, k3 per group, ids used)."""
     from numbisect import compare as C
 
-    ref = session.reference()
+    ref = sides.reference()
     if direction == "ref":
-        probe = session.routing_probe(session.engine, replay)
-        res = session.engine_forward(probe=probe, full_logits=session.settings.judges_kl)
-        tokens = C.token_report(session.samples, ref, res, session.settings, session.groups, detail=False)
+        probe = sides.routing_probe(sides.engine, replay)
+        res = sides.engine_forward(probe=probe, full_logits=sides.settings.judges_kl)
+        tokens = C.token_report(sides.samples, ref, res, sides.settings, sides.groups, detail=False)
     else:
-        probe = session.routing_probe(session.ref, replay)
+        probe = sides.routing_probe(sides.ref, replay)
         undo = probe.install()
         try:
-            res = session.ref.forward(session.samples, full_logits=True)
+            res = sides.ref.forward(sides.samples, full_logits=True)
         finally:
             undo()
-        tokens = C.token_report(session.samples, res, eng_prop, session.settings, session.groups, detail=False)
+        tokens = C.token_report(sides.samples, res, eng_prop, sides.settings, sides.groups, detail=False)
     groups = {g: v["k3"]["mean"] for g, v in tokens["groups"].items()}
     return tokens["value"], groups, probe.ids, probe.replaced
 
 
-def replay_whatif(session, direction: str, eng_ids: dict, eng_prop, base_tokens: dict) -> dict:
+def replay_whatif(sides, direction: str, eng_ids: dict, eng_prop, base_tokens: dict) -> dict:
     """R3-style what-if: how much of the judged metric comes from routing flips.
 
     `ref`: the engine runs with the reference's expert ids; `engine`: the reference runs
@@ -290,21 +280,21 @@ def replay_whatif(session, direction: str, eng_ids: dict, eng_prop, base_tokens:
     due to flips (baseline minus replayed) and the numeric drift left with identical
     routing (the replayed value); then each layer that had flips is replayed alone.
     """
-    ref_ids = session.ref_routing or {}
-    units = router_units(session.ref)
+    ref_ids = sides.ref_routing or {}
+    units = router_units(sides.ref)
     source = ref_ids if direction == "ref" else eng_ids
     before = _flips(ref_ids, eng_ids, units)
     base = base_tokens["value"]
-    session.say(f"routing replay ({direction}'s expert ids), every MoE layer")
-    value, groups, used, replaced = _replay_trial(session, direction, {u: source[u] for u in units}, eng_prop)
+    sides.say(f"routing replay ({direction}'s expert ids), every MoE layer")
+    value, groups, used, replaced = _replay_trial(sides, direction, {u: source[u] for u in units}, eng_prop)
     after = _flips(ref_ids, used, units) if direction == "ref" else _flips(used, eng_ids, units)
     layers = []
     for u in units:
         row = {"unit": u, "layer": int(u.split(".")[1]), "flips_before": before[u], "flips_after": after[u],
                "value_replayed_alone": None, "from_flips": None}
         if before[u]:
-            session.say(f"routing replay ({direction}'s expert ids), {u} alone")
-            v, _, used_u, _ = _replay_trial(session, direction, {u: source[u]}, eng_prop)
+            sides.say(f"routing replay ({direction}'s expert ids), {u} alone")
+            v, _, used_u, _ = _replay_trial(sides, direction, {u: source[u]}, eng_prop)
             row["value_replayed_alone"] = v
             row["from_flips"] = base - v
             row["flips_after_alone"] = (_flips(ref_ids, used_u, [u]) if direction == "ref" else _flips(used_u, eng_ids, [u]))[u]
@@ -313,8 +303,8 @@ def replay_whatif(session, direction: str, eng_ids: dict, eng_prop, base_tokens:
         "direction": direction,
         "replayed_on": "engine" if direction == "ref" else "ref",
         "weights": "own router: the replaying side's own scores at the replayed experts, normalised as its architecture does",
-        "metric": session.settings.metric,
-        "group": session.settings.group,
+        "metric": sides.settings.metric,
+        "group": sides.settings.group,
         "baseline": base,
         "replayed": value,
         "from_flips": base - value,

@@ -17,6 +17,7 @@ from numbisect import compare as C
 from numbisect import decode as D
 from numbisect import pipeline as P
 from numbisect.arch import arch_for
+from numbisect.backends import BACKENDS
 from numbisect.backends.base import Backend, ForwardResult, load_config
 from numbisect.errors import BackendError, InputError
 from numbisect.faults import check_fault, parse_fault
@@ -61,9 +62,7 @@ class Session:
 
         self.spec = spec
         self.prefix_reuse = prefix_reuse
-        mb = DEFAULT_MB if prefix_cache_mb is None else prefix_cache_mb
-        if not (mb > 0 and math.isfinite(mb)):
-            raise InputError(f"--prefix-cache-mb must be a positive number of MB (got {mb:g})")
+        mb = DEFAULT_MB if prefix_cache_mb is None else prefix_cache_mb  # checked where parsed (cli)
         self.prefix = PrefixCache(max_bytes=math.ceil(mb * 2**20))
         self.settings = settings
         self.say = progress or (lambda msg: None)
@@ -80,6 +79,8 @@ class Session:
             raise InputError(f"--ref must be hf:DIR (got {spec.ref!r})")
         eng_kind, eng_path = C.parse_spec(spec.engine, "--engine")
         self.engine_kind = eng_kind
+        # A dump or the rollout's own log-probs: compared, never run (no faults, swaps, trials).
+        self.engine_runs = eng_kind in BACKENDS and BACKENDS[eng_kind].runs
         C.check_opts("hf", spec.ref_opts, "--ref-opt")
         C.check_opts(eng_kind, spec.engine_opts, "--engine-opt")
         self.faults = [parse_fault(f) for f in spec.faults]
@@ -88,9 +89,7 @@ class Session:
         self.mode = spec.engine_mode
         if self.mode != "prefill":  # recordings are per engine call; decode calls once per token
             self.prefix_reuse = False
-        if self.faults and eng_kind == "rollout":
-            raise InputError("--engine-fault needs an engine that runs (hf: or vllm:), not rollout")
-        if self.faults and eng_kind in ("rollout", "dump"):
+        if self.faults and not self.engine_runs:
             raise InputError(f"--engine-fault needs an engine that runs (hf: or vllm:), not {eng_kind}")
         # Cheap checks first: configs, architectures, vocabulary, groups; then the slow loads.
         ref_cfg = load_config(ref_path)
@@ -227,8 +226,8 @@ class Session:
 
     def trial(self, swapped) -> tuple[float, dict]:
         """One engine forward with `swapped` units replaced: (judged value, summary)."""
-        if self.engine_kind == "dump":
-            raise InputError("--engine dump:DIR can be compared, not searched: a dump cannot run swap trials")
+        if self.engine is not None and not self.engine_runs:  # (the rollout's own log-probs are one fixed trial)
+            raise InputError(f"--engine {self.engine_kind}:DIR can be compared, not searched: it cannot run swap trials")
         ref = self.reference_tokens()
         t0 = time.perf_counter()
         res, replayed = self._trial_forward(swapped)
@@ -250,7 +249,7 @@ class Session:
         faults stay out of the first (one on a block's own output is outside every
         sub-unit); the second swaps every top-level unit, which removes any fault.
         """
-        if self.engine is None or self.engine_kind == "dump":
+        if self.engine is None or not self.engine_runs:
             raise InputError(f"swaps need an engine that runs (hf: or vllm:), not {self.engine_kind}")
         fine = ("embed", "norm", "attn", "mlp", "router", "experts", "shared_expert", "lm_head", "projector")
         coarse = ("embed", "norm", "attn", "mlp", "moe", "lm_head", "vision")

@@ -91,13 +91,21 @@ ODD_TEXT = st.one_of(
 )
 
 
+def _as_int(s: str) -> int | None:
+    """`s` as Python reads an int ("²" is a digit to str.isdigit, not to int), else None."""
+    try:
+        return int(s)
+    except ValueError:
+        return None
+
+
 @st.composite
 def bad_option(draw) -> tuple[str, str, str]:
     """(engine kind, option flag, KEY=VALUE) that must be refused before anything loads."""
     case = draw(st.sampled_from(["hf_int", "hf_impl", "hf_unknown", "vllm_int", "vllm_reserved", "remote_code",
                                  "rollout_any"]))
     if case == "hf_int":
-        v = draw(ODD_TEXT.filter(lambda s: not s.strip().isdigit() or int(s) < 1))
+        v = draw(ODD_TEXT.filter(lambda s: _as_int(s) is None or _as_int(s) < 1))
         return "hf", draw(st.sampled_from(["--engine-opt", "--ref-opt"])), f"batch_size={v}"
     if case == "hf_impl":
         v = draw(st.one_of(st.sampled_from(["a/b", "kernels-community/flash-attn", "../x", "sdpa;rm", "1", "1.5", "true", " "]),
@@ -112,7 +120,7 @@ def bad_option(draw) -> tuple[str, str, str]:
     if case == "vllm_int":
         key = draw(st.sampled_from(["tensor_parallel_size", "max_model_len", "seed"]))
         least = {"tensor_parallel_size": 1, "max_model_len": 2, "seed": 0}[key]
-        v = draw(ODD_TEXT.filter(lambda s: not s.strip().lstrip("-").isdigit() or int(s) < least))
+        v = draw(ODD_TEXT.filter(lambda s: _as_int(s) is None or _as_int(s) < least))
         return "vllm", "--engine-opt", f"{key}={v}"
     if case == "vllm_reserved":
         key = draw(st.sampled_from(["model", "dtype", "skip_tokenizer_init", "enforce_eager", "logits_processors", "load_format",

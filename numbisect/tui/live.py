@@ -117,8 +117,6 @@ def check_live(cfg: LiveConfig) -> None:
     D.check_mode(kind, cfg.spec.engine_mode)
     if cfg.strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {cfg.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    if cfg.max_trials is not None and cfg.max_trials < 1:
-        raise InputError("--max-trials must be at least 1")
     for f in cfg.spec.faults:
         parse_fault(f)
     trace = load_any(cfg.spec.trace, cfg.spec.trace_format, cfg.spec.trace_fields)
