@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import math
-import re
 import time
 
 import torch
@@ -26,6 +25,7 @@ from numbisect import compare as C
 from numbisect.backends.base import load_config, parse_dtype
 from numbisect.errors import InputError
 from numbisect.formatting import fmt
+from numbisect.threshold import parse_threshold  # noqa: F401  (resolve_threshold; tests)
 from numbisect.trace import check_vocab
 
 FLOOR_VERSION = 1
@@ -128,7 +128,7 @@ def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: d
     if "layer_stream" in ref_opts:
         raise InputError("calibrate runs the reference whole: --ref-opt layer_stream is not available here")
     progress(f"loading reference hf:{path} ({dtype})")
-    base_b = open_backend("hf", path, dtype, ref_opts)
+    base_b = open_backend("hf", path, dtype, ref_opts, "--ref-opt")
     todo = plan(base_b, kinds, dtype_variant, batch_size)
     groups = C.group_names(trace) + ["all"]
     t0 = time.perf_counter()
@@ -182,33 +182,6 @@ def render(doc: dict) -> str:
 
 
 # -- `--threshold floor` --------------------------------------------------------------------------
-_FLOOR = re.compile(r"^floor(?:x(?P<n>.+))?$")
-
-
-def parse_threshold(text: str) -> tuple[float | None, float | None]:
-    """(number, None) for a plain threshold, (None, factor) for floor / floorxN."""
-    text = str(text).strip()
-    m = _FLOOR.match(text)
-    if m:
-        n = m.group("n")
-        if n is None:
-            return None, 1.0
-        try:
-            factor = float(n)
-        except ValueError:
-            factor = math.nan
-        if not (factor > 0 and math.isfinite(factor)):
-            raise InputError(f"bad --threshold {text!r}: floorxN needs a positive number N, e.g. floorx10")
-        return None, factor
-    try:
-        v = float(text)
-    except ValueError:
-        raise InputError(f"bad --threshold {text!r}: give a number, floor, or floorxN (e.g. floorx10)") from None
-    if not (v >= 0 and math.isfinite(v)):
-        raise InputError(f"bad --threshold {text!r}: must be a number at or above 0")
-    return v, None
-
-
 def load_floor(path: str, spec, group: str) -> dict:
     """A floor file made on this reference checkpoint, dtype and trace; InputError otherwise."""
     from numbisect.safeio import loads_json, read_text

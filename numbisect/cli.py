@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import signal
 import sys
 import threading
@@ -21,6 +20,7 @@ import click
 
 from numbisect import __version__
 from numbisect.errors import ExitCode, InputError, NumbisectError
+from numbisect.threshold import parse_threshold
 
 EPILOG = """\b
 Exit codes:
@@ -103,9 +103,6 @@ class Floor:
         return self.text
 
 
-_FLOOR = re.compile(r"^floor(?:x(?P<n>.+))?$")
-
-
 class ThresholdType(click.ParamType):
     """A number at or above 0, or floor / floorxN (a `Floor`). Bad text: one InputError line."""
 
@@ -114,26 +111,8 @@ class ThresholdType(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, (float, Floor)):
             return value
-        text = str(value).strip()
-        m = _FLOOR.match(text)
-        if m:
-            n = m.group("n")
-            if n is None:
-                return Floor(text, 1.0)
-            try:
-                factor = float(n)
-            except ValueError:
-                factor = math.nan
-            if not (factor > 0 and math.isfinite(factor)):
-                raise InputError(f"bad --threshold {text!r}: floorxN needs a positive number N, e.g. floorx10")
-            return Floor(text, factor)
-        try:
-            v = float(text)
-        except ValueError:
-            raise InputError(f"bad --threshold {text!r}: give a number, floor, or floorxN (e.g. floorx10)") from None
-        if not (v >= 0 and math.isfinite(v)):
-            raise InputError(f"bad --threshold {text!r}: must be a number at or above 0")
-        return v
+        number, factor = parse_threshold(value)
+        return number if factor is None else Floor(str(value).strip(), factor)
 
 
 class MegabytesType(click.types.FloatParamType):

@@ -250,7 +250,7 @@ def streamed(sides: Sides, local: bool = True, capture: Capture | None = None) -
             raise InputError("--capture full needs --capture-dir DIR")
         K.check_budget(units or ref.units, sides.samples, ref.config, ref.dtype, capture.max_mb)
         store = K.SpillStore(capture.dir, capture.max_mb)
-    dump = eng is not None and eng.kind == "dump"
+    dump = eng is not None and eng.recorded
     edtype = eng.dtype if eng is not None else None
     prop = {n: K.UnitStats(edtype) for n in names}
     loc = {n: K.UnitStats(edtype) for n in names}
@@ -332,7 +332,7 @@ def _routing_light(sides: Sides, local: bool) -> tuple[dict | None, dict | None]
     hidden-size tensor is kept. (None, None) on a dense model, a dump, the rollout and
     under tensor parallelism."""
     ref, eng = sides.ref, sides.engine
-    if eng is None or eng.kind == "dump" or getattr(eng, "remote", False):
+    if eng is None or eng.recorded or eng.remote:
         return None, None
     spec = R.router_spec(ref.config)
     if spec is None:
@@ -404,7 +404,7 @@ def layer_streamed(sides: Sides, local: bool = True) -> Comparison:
     stream) and the local error (the layer fed the dump's input for it against the
     dumped output); the decoder layers are the units ranked."""
     ref, eng = sides.ref, sides.engine
-    if eng is None or eng.kind != "dump":
+    if eng is None or not eng.recorded:
         raise InputError("--ref-opt layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
     n = len(sides.samples)
     layer_units = [u for u in eng.units if u.kind == "layer"]

@@ -227,7 +227,7 @@ class Session:
     def trial(self, swapped) -> tuple[float, dict]:
         """One engine forward with `swapped` units replaced: (judged value, summary)."""
         if self.engine is not None and not self.engine_runs:  # (the rollout's own log-probs are one fixed trial)
-            raise InputError(f"--engine {self.engine_kind}:DIR can be compared, not searched: it cannot run swap trials")
+            raise InputError(f"--engine {self.engine_kind}:DIR can be compared, not searched: a {self.engine_kind} cannot run swap trials")
         ref = self.reference_tokens()
         t0 = time.perf_counter()
         res, replayed = self._trial_forward(swapped)

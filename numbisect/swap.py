@@ -59,6 +59,8 @@ def units_of_kinds(backend: Backend, kinds: list[str]) -> list[str]:
 def apply_swaps(engine: Backend, donor, names: list[str] | tuple[str, ...], ledger: Ledger) -> None:
     """Swap `names` in `engine` for `donor`'s modules, each change recorded in `ledger`
     (undoing the ledger puts the engine's own modules back)."""
+    if names and donor is engine:  # a donor's modules are read as they are now: never its own engine
+        raise ValueError("a backend cannot be its own swap donor")
     for name in expand(engine, names):
         unit = engine.unit(name)
         if unit.kind not in SWAP_KINDS:

@@ -213,6 +213,9 @@ class Backend:
     module_names = "hf"
     remote = False
     batch_size = 1
+    # Its activations were recorded by an engine elsewhere (a dump): read per sample
+    # (`sample(i, units, inputs)`), never computed here; nothing can be planted or swapped.
+    recorded = False
 
     def __init__(self, path: str, dtype: str):
         self.path = path

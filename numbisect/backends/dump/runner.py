@@ -71,6 +71,7 @@ class DumpBackend(Backend):
     probed (the interface's state changes refuse, naming the backend)."""
 
     kind = "dump"
+    recorded = True
 
     def __init__(self, path: str, trace=None):
         self.path = path
