@@ -24,6 +24,7 @@ def header(r: dict | ReportView) -> list[str]:
     ]
     if v.faults:
         lines.append("planted faults: " + ", ".join(f["spec"] for f in v.faults))
+    lines += checkpoint_lines(v)
     mark = "OK ALIGNED" if v.aligned else "!! DIVERGED"
     cmp_ = "<=" if v.aligned else ">"
     lines.append(f"verdict: {mark}  {v.metric} {fmt(v.value)} {cmp_} threshold {fmt(v.threshold)} (group {v.group})")
@@ -32,6 +33,38 @@ def header(r: dict | ReportView) -> list[str]:
         where = f"from {o.get('file')}" if o.get("file") else "calibrated now"
         lines.append(f"threshold: {fmt(o.get('factor'))} x noise floor {fmt(o.get('floor'))} ({where}; variants {', '.join(o.get('variants') or [])})")
     return lines
+
+
+def checkpoint_lines(r: dict | ReportView) -> list[str]:
+    """What differs between the engine's checkpoint and the reference's (weights per unit,
+    numeric config fields); nothing when they were not compared (one checkpoint for both)."""
+    d = view(r).checkpoint_diff
+    if not d or d.get("same_path"):
+        return []
+    if d.get("identical"):
+        return [f"checkpoints: the engine's {d.get('tensors')} tensors and numeric config equal the reference's"]
+    lines = []
+    units = d.get("units") if isinstance(d.get("units"), dict) else {}
+    if units:
+        lines.append(f"checkpoints: the engine's weights differ from the reference's in {len(units)} unit(s):")
+        lines += [f"  {u}: {e.get('summary') if isinstance(e, dict) else e}" for u, e in units.items()]
+    for t in d.get("unmapped") or []:
+        if isinstance(t, dict):
+            lines.append(f"  {t.get('tensor')} (no unit): {t.get('how')}")
+    for c in d.get("config") or []:
+        if isinstance(c, dict):
+            lines.append(f"config: {c.get('field')} is {_json(c.get('engine'))} in the engine, {_json(c.get('ref'))} "
+                         f"in the reference (read by {', '.join(map(str, c.get('read_by') or []))})")
+    return lines
+
+
+def _json(x) -> str:
+    import json
+
+    try:
+        return json.dumps(x)
+    except (TypeError, ValueError):
+        return str(x)
 
 
 def token_table(r: dict | ReportView) -> list[str]:

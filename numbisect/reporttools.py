@@ -434,6 +434,9 @@ def _env_lines(v: ReportView) -> list[str]:
     faults = [f.get("spec") for f in v.faults]
     if faults:
         out.append("- planted faults: " + ", ".join(_code(f) for f in faults))
+    from numbisect.render import checkpoint_lines
+
+    out += [f"- {_md(line.strip())}" for line in checkpoint_lines(v)]
     return out
 
 

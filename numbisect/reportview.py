@@ -138,6 +138,12 @@ class ReportView:
         """Planted faults (spec, unit)."""
         return _dicts(self.inputs.get("faults") or [])
 
+    @property
+    def checkpoint_diff(self) -> dict:
+        """What differs between the two checkpoints (numbisect.ckptdiff); {} when not compared."""
+        d = self.inputs.get("checkpoint_diff")
+        return d if isinstance(d, dict) else {}
+
     # -- baseline ----------------------------------------------------------------------------
     @property
     def baseline(self) -> dict:

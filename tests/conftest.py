@@ -133,3 +133,72 @@ def pytest_sessionfinish(session, exitstatus):
     for eng in _VLLM.values():
         eng.close()
     _VLLM.clear()
+
+
+def damaged_copy(name: str, dest, edit, config_edit=None) -> str:
+    """A copy of fixture `name` under directory `dest` whose weights `edit(dict)` changed in
+    place (and whose config.json `config_edit(dict)` changed): a checkpoint converted wrongly."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(dest) / f"{name}-damaged"
+    shutil.copytree(model_dir(name), out)
+    path = out / "model.safetensors"
+    weights = load_file(path)
+    edit(weights)
+    save_file(weights, path, metadata={"format": "pt"})
+    if config_edit is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        config_edit(cfg)
+        (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+def scale_norm(layer: int):
+    def edit(w):
+        key = f"model.layers.{layer}.post_attention_layernorm.weight"
+        w[key] = w[key] * 1.5
+    return edit
+
+
+def swap_gate_up(layer: int):
+    """gate_proj <-> up_proj (Mixtral: w1 <-> w3) of every FFN weight of the layer (dense
+    MLP, each expert, the shared expert)."""
+    def edit(w):
+        n = 0
+        for key in list(w):
+            if f"layers.{layer}." not in key:
+                continue
+            for gate, up in (("gate_proj", "up_proj"), (".w1.", ".w3.")):
+                if gate in key:
+                    other = key.replace(gate, up)
+                    w[key], w[other] = w[other], w[key]
+                    n += 1
+        assert n, f"no gate projection in layer {layer}"
+    return edit
+
+
+def swap_experts(layer: int, a: int, b: int):
+    """Experts a and b of a MoE layer trade all their weights."""
+    def edit(w):
+        n = 0
+        for key in list(w):
+            if f"layers.{layer}." in key and f".experts.{a}." in key:
+                other = key.replace(f".experts.{a}.", f".experts.{b}.")
+                w[key], w[other] = w[other], w[key]
+                n += 1
+        assert n, f"no expert {a} in layer {layer}"
+    return edit
+
+
+def permute_heads(layer: int, head_dim: int, order: list[int]):
+    """The query projection's heads (blocks of head_dim rows) of a layer put in `order`."""
+    import torch
+
+    def edit(w):
+        key = f"model.layers.{layer}.self_attn.q_proj.weight"
+        blocks = w[key].split(head_dim)
+        w[key] = torch.cat([blocks[i] for i in order]).contiguous()
+    return edit

@@ -8,51 +8,13 @@ name the damaged unit, on every fixture family, with a bf16 transformers engine.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-from safetensors.torch import load_file, save_file
 
-from conftest import hf, model_dir, short_trace
+from conftest import damaged_copy, hf, model_dir, scale_norm, short_trace, swap_gate_up
 from numbisect.compare import Settings
 from numbisect.errors import ExitCode
 from numbisect.run import run
 from numbisect.session import Session, Spec
-
-
-def damaged_copy(name: str, dest, edit) -> str:
-    """A copy of fixture `name` in `dest` whose weights `edit` changed in place."""
-    out = dest / name
-    shutil.copytree(model_dir(name), out)
-    path = out / "model.safetensors"
-    weights = load_file(path)
-    edit(weights)
-    save_file(weights, path, metadata={"format": "pt"})
-    return str(out)
-
-
-def scale_norm(layer: int):
-    def edit(w):
-        key = f"model.layers.{layer}.post_attention_layernorm.weight"
-        w[key] = w[key] * 1.5
-    return edit
-
-
-def swap_gate_up(layer: int):
-    """gate_proj <-> up_proj (Mixtral: w1 <-> w3) of every FFN weight of the layer (dense
-    MLP, each expert, the shared expert)."""
-    def edit(w):
-        n = 0
-        for key in list(w):
-            if f"layers.{layer}." not in key:
-                continue
-            for gate, up in (("gate_proj", "up_proj"), (".w1.", ".w3.")):
-                if gate in key:
-                    other = key.replace(gate, up)
-                    w[key], w[other] = w[other], w[key]
-                    n += 1
-        assert n, f"no gate projection in layer {layer}"
-    return edit
 
 
 CASES = [

@@ -1,0 +1,106 @@
+"""Checkpoint differences as findings: before any forward, numbisect says which units'
+weights and which numeric config fields differ between the reference and the engine
+checkpoints, and how (swapped, permuted, scaled, changed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import damaged_copy, model_dir, permute_heads, scale_norm, swap_experts, swap_gate_up, trace_path
+from numbisect.backends.base import check_checkpoint, load_config
+from numbisect.ckptdiff import diff_checkpoints
+from numbisect.cli import main
+from numbisect.report import load_report
+
+
+def diff(name: str, copy: str) -> dict:
+    ref = model_dir(name)
+    return diff_checkpoints(ref, copy, check_checkpoint(ref), check_checkpoint(copy), load_config(ref))
+
+
+def add_noise(key: str):
+    def edit(w):
+        g = torch.Generator().manual_seed(0)
+        w[key] = (w[key].float() + 1e-2 * torch.randn(w[key].shape, generator=g)).to(w[key].dtype)
+    return edit
+
+
+CASES = [  # (family, damage, unit, words the unit's summary must hold)
+    ("qwen3", scale_norm(1), "layers.1.post_attn_norm", "post_attention_layernorm.weight scaled by 1.5"),
+    ("qwen3", swap_gate_up(2), "layers.2.mlp", "gate_proj <-> up_proj swapped"),
+    ("qwen3_moe", swap_experts(2, 3, 5), "layers.2.moe.experts", "experts.3 <-> experts.5 swapped (3 tensor pairs)"),
+    ("qwen3_moe", permute_heads(1, 64, [1, 0]), "layers.1.attn", "self_attn.q_proj.weight heads permuted (order 1,0)"),
+    ("mixtral", swap_gate_up(2), "layers.2.moe.experts", "w1 <-> w3 swapped"),  # checkpoint names block_sparse_moe
+    ("mixtral", add_noise("model.layers.0.self_attn.o_proj.weight"), "layers.0.attn", "changed: self_attn.o_proj.weight"),
+]
+
+
+@pytest.mark.parametrize("name,edit,unit,words", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_each_damage_is_named_at_its_unit_with_how(name, edit, unit, words, tmp_path):
+    d = diff(name, damaged_copy(name, tmp_path, edit))
+    assert not d["identical"] and not d["config"] and not d["unmapped"]
+    assert list(d["units"]) == [unit], d["units"]
+    assert words in d["units"][unit]["summary"]
+
+
+def test_glm_experts_and_shared_expert_are_named_apart(tmp_path):
+    d = diff("glm4_moe", damaged_copy("glm4_moe", tmp_path, swap_gate_up(1)))
+    assert list(d["units"]) == ["layers.1.moe.experts", "layers.1.moe.shared_expert"]
+    assert d["units"]["layers.1.moe.experts"]["summary"] == "gate_proj <-> up_proj swapped (8 tensor pairs)"
+    assert d["units"]["layers.1.moe.shared_expert"]["summary"] == "gate_proj <-> up_proj swapped"
+
+
+def test_changed_tensor_reports_its_size(tmp_path):
+    d = diff("mixtral", damaged_copy("mixtral", tmp_path, add_noise("model.layers.0.self_attn.o_proj.weight")))
+    t = d["units"]["layers.0.attn"]["tensors"][0]
+    assert t["how"] == "changed" and 0 < t["max_abs"] < 0.1 and 0 < t["rel_norm"] < 1
+
+
+def test_numeric_config_fields_that_differ_are_listed_with_their_readers(tmp_path):
+    def cfg(c):
+        c["rms_norm_eps"] = 1e-5
+        c["norm_topk_prob"] = not c["norm_topk_prob"]
+        c["transformers_version"] = "0.0"  # not numeric: not a finding
+    d = diff("qwen3_moe", damaged_copy("qwen3_moe", tmp_path, lambda w: None, cfg))
+    assert d["units"] == {} and not d["identical"]
+    by = {c["field"]: c for c in d["config"]}
+    assert set(by) == {"rms_norm_eps", "norm_topk_prob"}
+    assert by["rms_norm_eps"]["ref"] == 1e-6 and by["rms_norm_eps"]["engine"] == 1e-5
+    assert "norm" in by["rms_norm_eps"]["read_by"] and by["norm_topk_prob"]["read_by"] == ["router"]
+
+
+def test_an_undamaged_copy_is_identical(tmp_path):
+    d = diff("qwen3", damaged_copy("qwen3", tmp_path, lambda w: None))
+    assert d["identical"] and d["units"] == {} and d["tensors"] > 0
+
+
+def test_a_missing_tensor_is_named(tmp_path):
+    def drop(w):
+        del w["model.layers.3.self_attn.k_proj.weight"]
+    d = diff("qwen3", damaged_copy("qwen3", tmp_path, drop))
+    assert d["units"]["layers.3.attn"]["tensors"] == [{"tensor": "model.layers.3.self_attn.k_proj.weight", "how": "missing in the engine"}]
+
+
+def test_compare_reports_the_diff_and_show_prints_it(tmp_path, capsys):
+    copy = damaged_copy("qwen3_moe", tmp_path, swap_experts(2, 3, 5), lambda c: c.update(rms_norm_eps=1e-5))
+    out = tmp_path / "r.json"
+    code = main(["compare", "--ref", f"hf:{model_dir('qwen3_moe')}", "--engine", f"hf:{copy}",
+                 "--trace", trace_path("qwen3_moe"), "--out", str(out), "-q"])
+    assert code in (0, 1)
+    r = load_report(str(out))  # validates against the schema
+    assert "layers.2.moe.experts" in r["inputs"]["checkpoint_diff"]["units"]
+    capsys.readouterr()
+    assert main(["report", "show", str(out)]) in (0, 1)
+    text = capsys.readouterr().out
+    assert "layers.2.moe.experts: experts.3 <-> experts.5 swapped (3 tensor pairs)" in text
+    assert "config: rms_norm_eps is 1e-05 in the engine, 1e-06 in the reference (read by norm, attn)" in text
+
+
+def test_one_checkpoint_for_both_sides_adds_nothing(tmp_path):
+    out = tmp_path / "r.json"
+    main(["compare", "--ref", f"hf:{model_dir('qwen3')}", "--engine", f"hf:{model_dir('qwen3')}",
+          "--trace", trace_path("qwen3"), "--out", str(out), "-q"])
+    assert "checkpoint_diff" not in json.loads(out.read_text())["inputs"]
