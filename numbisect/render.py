@@ -140,12 +140,22 @@ def search_lines(r: dict | ReportView) -> list[str]:
         per_group = _group_evidence(v, c["unit"])
         if per_group:
             out.append(per_group)
+        out += _weight_evidence(v, c["unit"])
     out += whatif_lines(v)
     if s.get("verdict") == "diffuse":
         out.append("diffuse: no set smaller than every layer reaches the threshold; per-layer contributions:")
         for name, c in v.contributions.items():
             out.append(f"  {name:<12} alone {fmt(c.get('alone'))}  all others swapped {fmt(c.get('complement'))}")
     return out
+
+
+def _weight_evidence(v: ReportView, unit: str) -> list[str]:
+    """The checkpoint differences inside a culprit (its own unit and its sub-units)."""
+    units = v.checkpoint_diff.get("units")
+    if not isinstance(units, dict):
+        return []
+    return [f"  its weights differ from the reference's: {name}: {e.get('summary') if isinstance(e, dict) else e}"
+            for name, e in units.items() if name == unit or str(name).startswith(unit + ".")]
 
 
 def _group_evidence(v: ReportView, unit: str) -> str | None:

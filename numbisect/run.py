@@ -421,6 +421,7 @@ def _search_run(session, strategy: str, runner: S.TrialRunner, result: RunResult
     found = S.search(
         g, cands, runner, session.settings.threshold, strategy,
         local_rank=result.compared.get("local_ranking"), metric=session.settings.metric,
+        suspects=list(((getattr(session, "checkpoint_diff", None) or {}).get("units") or {})),
     )
     result.search = found.to_dict()
     result.search.pop("culprits", None)

@@ -235,12 +235,15 @@ def search(
     local_rank: dict[str, int] | None = None,
     *,
     metric: str = "k3-mean",
+    suspects=(),
 ) -> SearchResult:
     """Find the smallest set of units whose swap brings the metric under `threshold`.
 
     `candidates` are the top-level units to start from (see `default_candidates`);
     sub-units are reached through the unit graph. `metric` only names the value in
-    `stop_reason`.
+    `stop_reason`. `suspects`: units known to differ from the reference before any trial
+    (their checkpoint weights differ); when the search splits a run of units, the half
+    holding one is tried first, before the local-error ranking decides.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -249,7 +252,7 @@ def search(
     missing = [c for c in candidates if c not in graph]
     if missing:
         raise ValueError(f"candidates not in the unit graph: {', '.join(missing)}")
-    return _Search(graph, list(candidates), runner, threshold, strategy, local_rank, metric).run()
+    return _Search(graph, list(candidates), runner, threshold, strategy, local_rank, metric, suspects).run()
 
 
 def _plan_lengths(n_max: int, alone_singles: bool) -> dict[bool, list[list[tuple[int, int, int]]]]:
@@ -280,8 +283,10 @@ def _plan_lengths(n_max: int, alone_singles: bool) -> dict[bool, list[list[tuple
 
 
 class _Search:
-    def __init__(self, graph, candidates, runner, threshold, strategy, local_rank, metric):
+    def __init__(self, graph, candidates, runner, threshold, strategy, local_rank, metric, suspects=()):
         self.g = graph
+        # A suspect's ancestors are suspects too: the half holding its block goes first.
+        self.suspects = {a for s in suspects if s in graph for a in (s, *self._ancestors(s))}
         self.runner = runner
         self.thr = threshold
         self.strategy = strategy
@@ -490,10 +495,13 @@ class _Search:
             lt, rt = self.top[left], self.top[right]
             rank_a = min((self.local_rank.get(u, math.inf) for u in items[:a]), default=math.inf)
             rank_b = min((self.local_rank.get(u, math.inf) for u in items[a:]), default=math.inf)
+            sus_a = any(u in self.suspects for u in items[:a])
+            sus_b = any(u in self.suspects for u in items[a:])
             return (
                 t > best_total,
                 self.g.nodes[lt]["layer"] == self.g.nodes[rt]["layer"],
                 lt == rt,
+                sus_b and not sus_a,
                 not rank_a < rank_b,
                 abs(2 * a - n),
             )

@@ -104,3 +104,18 @@ def test_one_checkpoint_for_both_sides_adds_nothing(tmp_path):
     main(["compare", "--ref", f"hf:{model_dir('qwen3')}", "--engine", f"hf:{model_dir('qwen3')}",
           "--trace", trace_path("qwen3"), "--out", str(out), "-q"])
     assert "checkpoint_diff" not in json.loads(out.read_text())["inputs"]
+
+
+def test_run_names_the_damaged_unit_and_its_weight_evidence(tmp_path, capsys):
+    """A search on a damaged copy names the unit whose weights differ, with the checkpoint
+    evidence under the culprit, within the issue's bound (the diff orders the search)."""
+    copy = damaged_copy("qwen3_moe", tmp_path, swap_experts(2, 3, 5))
+    out = tmp_path / "r.json"
+    code = main(["run", "--ref", f"hf:{model_dir('qwen3_moe')}", "--engine", f"hf:{copy}", "--trace", trace_path("qwen3_moe"),
+                 "--ref-dtype", "float32", "--engine-dtype", "float32", "--threshold", "1e-9", "--out", str(out), "-q"])
+    r = load_report(str(out))
+    assert code == 1, r["search"]["stop_reason"]
+    assert [c["unit"] for c in r["culprits"]] == ["layers.2.moe.experts"]
+    capsys.readouterr()
+    main(["report", "show", str(out)])
+    assert "  its weights differ from the reference's: layers.2.moe.experts: experts.3 <-> experts.5 swapped (3 tensor pairs)" in capsys.readouterr().out
