@@ -97,6 +97,9 @@ def test_compare_reports_the_diff_and_show_prints_it(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "layers.2.moe.experts: experts.3 <-> experts.5 swapped (3 tensor pairs)" in text
     assert "config: rms_norm_eps is 1e-05 in the engine, 1e-06 in the reference (read by norm, attn)" in text
+    from numbisect.tui.widgets.overview import overview_text  # the TUI's overview shows it too
+
+    assert "layers.2.moe.experts: experts.3 <-> experts.5 swapped (3 tensor pairs)" in overview_text(r).plain
 
 
 def test_one_checkpoint_for_both_sides_adds_nothing(tmp_path):
