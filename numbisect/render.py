@@ -131,6 +131,7 @@ def search_lines(r: dict | ReportView) -> list[str]:
     if v.swap:
         return [fmt(line) for line in v.swap_lines]
     out.append(f"search ({s['strategy']}): {s['trials_used']} trials; {s['stop_reason']}")
+    out += systematic_lines(v)
     for c in v.culprits:
         rank = f", local-error rank {c['local_rank']}" if c.get("local_rank") else ""
         out.append(
@@ -146,6 +147,27 @@ def search_lines(r: dict | ReportView) -> list[str]:
         out.append("diffuse: no set smaller than every layer reaches the threshold; per-layer contributions:")
         for name, c in v.contributions.items():
             out.append(f"  {name:<12} alone {fmt(c.get('alone'))}  all others swapped {fmt(c.get('complement'))}")
+    return out
+
+
+def systematic_lines(r: dict | ReportView) -> list[str]:
+    """A kind-level culprit and its evidence: every unit of the kinds swapped, each kind
+    alone, and per unit the value with every other unit of those kinds swapped (its share)."""
+    v = view(r)
+    sy = v.systematic
+    if not sy:
+        return []
+    kinds = ", ".join(map(str, sy.get("kinds") or []))
+    out = [f"systematic culprit: {kinds}, in every layer: with all {sy.get('units')} {kinds} units swapped "
+           f"{v.metric} goes from {fmt((v.search or {}).get('baseline'))} to {fmt(sy.get('value'))}"]
+    per_kind = sy.get("per_kind") if isinstance(sy.get("per_kind"), dict) else {}
+    if per_kind:
+        out.append("  each kind alone swapped: " + ", ".join(f"{k} {fmt(x)}" for k, x in per_kind.items()))
+    per_unit = sy.get("per_unit") if isinstance(sy.get("per_unit"), dict) else {}
+    for k, layers in per_unit.items():
+        if isinstance(layers, dict) and layers:
+            out.append(f"  each unit's share of {k} ({v.metric} with every other {kinds} unit swapped): "
+                       + ", ".join(f"{name} {fmt(x)}" for name, x in layers.items()))
     return out
 
 

@@ -139,6 +139,12 @@ class ReportView:
         return _dicts(self.inputs.get("faults") or [])
 
     @property
+    def systematic(self) -> dict:
+        """The search's kind-level culprit (kinds, units, value, per_kind, per_layer); {} if none."""
+        sy = (self.search or {}).get("systematic")
+        return sy if isinstance(sy, dict) else {}
+
+    @property
     def checkpoint_diff(self) -> dict:
         """What differs between the two checkpoints (numbisect.ckptdiff); {} when not compared."""
         d = self.inputs.get("checkpoint_diff")

@@ -189,6 +189,7 @@ class SearchResult:
     trials_used: int
     stop_reason: str  # one human sentence
     contributions: dict[str, dict] = field(default_factory=dict)  # group -> {"alone", "complement"}
+    systematic: dict | None = None  # a kind-level culprit (`_Search._systematic`)
 
     def to_dict(self) -> dict:
         return {
@@ -203,6 +204,7 @@ class SearchResult:
             "contributions": {
                 g: {k: _json_float(v) for k, v in d.items()} for g, d in self.contributions.items()
             },
+            **({"systematic": self.systematic} if self.systematic is not None else {}),
         }
 
 
@@ -410,6 +412,9 @@ class _Search:
             found = self._minimise(self.units, frozenset())
         found = self._merge(found)
         if self._is_diffuse(found):
+            systematic = self._systematic()
+            if systematic is not None:
+                return systematic
             reason = (
                 f"no set smaller than one touching every layer ({len(found)} units) brings "
                 f"{self.metric} under {self.thr:g}: the divergence is spread out"
@@ -428,7 +433,7 @@ class _Search:
             )
         return self._result("culprits", culprits, reason)
 
-    def _result(self, verdict, culprits, reason, contributions=None) -> SearchResult:
+    def _result(self, verdict, culprits, reason, contributions=None, systematic=None) -> SearchResult:
         return SearchResult(
             verdict=verdict,
             culprits=culprits,
@@ -439,6 +444,7 @@ class _Search:
             trials_used=self.runner.used,
             stop_reason=reason,
             contributions=contributions or {},
+            systematic=systematic,
         )
 
     # -- minimising ---------------------------------------------------------------------
@@ -597,6 +603,66 @@ class _Search:
             return True
         all_layers = self._layers(self.cands)
         return len(all_layers) >= 2 and self._layers(tops) >= all_layers
+
+    def _systematic(self) -> SearchResult | None:
+        """A kind-level culprit for a divergence found in every layer (a kernel, or a config
+        value, that every unit of a kind reads): every unit of one kind swapped, as `--swap
+        KIND` does; when no single kind is enough, kinds added in the order of how much each
+        alone helped, then each dropped again that is not needed.
+
+        Evidence, per kind and layer: the value with every unit of those kinds swapped but
+        that layer's unit of that kind (its share; above the threshold: it is needed). The
+        kinds are a systematic culprit when each is needed in more than half of its layers
+        (and at least two); otherwise None (the search reports the divergence as diffuse),
+        as it does when no set of kinds brings the metric under the threshold."""
+        by_kind: dict[str, list[str]] = {}
+        for u in self.units:
+            by_kind.setdefault(self._kind(u), []).append(u)
+        kinds = [k for k, us in by_kind.items() if len(self._layers(us)) >= 2]
+        tried: dict[str, float] = {}
+        chosen = None
+        for k in kinds:
+            tried[k] = self._run(by_kind[k], "kind").value
+            if tried[k] <= self.thr:
+                chosen = [k]
+                break
+        if chosen is None and len(kinds) > 1:
+            order = sorted(kinds, key=lambda k: tried[k])
+            for i in range(2, len(order) + 1):
+                if self._fixes([u for k in order[:i] for u in by_kind[k]], "kinds"):
+                    chosen = order[:i]
+                    break
+            for k in list(chosen or []):  # drop a kind the others fix without
+                rest = [j for j in chosen if j != k]
+                if rest and self._fixes([u for j in rest for u in by_kind[j]], "kinds"):
+                    chosen = rest
+        if not chosen:
+            return None
+        units = [u for k in chosen for u in by_kind[k]]
+        value = self._run(units, "kinds").value
+        shares: dict[str, dict[str, float | None]] = {}
+        needed: dict[str, list[int]] = {}
+        for k in chosen:
+            shares[k], needed[k] = {}, []
+            for u in sorted(by_kind[k], key=self._order):
+                layer = self.g.nodes[u]["layer"]
+                if layer is None:
+                    continue
+                v = self._run([x for x in units if x != u], "kind share").value
+                shares[k][u] = _json_float(v)
+                if not v <= self.thr and layer not in needed[k]:
+                    needed[k].append(layer)
+        if any(len(needed[k]) < 2 or 2 * len(needed[k]) <= len(self._layers(by_kind[k])) for k in chosen):
+            return None
+        layers = sorted({layer for k in chosen for layer in needed[k]})
+        reason = (
+            f"swapping every {', '.join(chosen)} unit ({len(units)} units) brings {self.metric} under {self.thr:g}, "
+            f"and each layer's is needed in {len(layers)} of {len(self._layers(self.cands))} layers: a systematic "
+            "culprit, the same difference in every layer (a kernel or a config value those units all read)"
+        )
+        info = {"kinds": list(chosen), "units": len(units), "layers": len(layers), "value": _json_float(value),
+                "per_kind": {k: _json_float(v) for k, v in tried.items()}, "per_unit": shares}
+        return self._result("culprits", [], reason, systematic=info)
 
     def _diffuse(self, found, reason: str) -> SearchResult:
         groups: dict[str, list[str]] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import damaged_copy, hf, model_dir, scale_norm, short_trace, swap_gate_up
+from conftest import damaged_copy, hf, model_dir, scale_norm, session, short_trace, swap_gate_up
 from numbisect.compare import Settings
 from numbisect.errors import ExitCode
 from numbisect.run import run
@@ -41,3 +41,32 @@ def test_a_damaged_checkpoint_copy_passes_the_self_check_and_is_named(name, edit
     assert body["baseline"]["value"] > 1e-6
     assert code == ExitCode.DIVERGED, body["search"]["stop_reason"]
     assert sorted(c["unit"] for c in body["culprits"]) == culprits
+
+
+def test_a_config_value_every_norm_reads_is_a_systematic_culprit(tmp_path):
+    """rms_norm_eps changed in the engine's config.json: every RMSNorm reads it (Qwen3's
+    attention too, for its q/k norms). The checkpoint diff names the field, and the search
+    names the kinds, in every layer, instead of calling it diffuse."""
+    copy = damaged_copy("qwen3", tmp_path, lambda w: None, lambda c: c.update(rms_norm_eps=1e-2))
+    spec = Spec(ref=f"hf:{model_dir('qwen3')}", engine=f"hf:{copy}", trace=short_trace("qwen3", 8),
+                ref_dtype="float32", engine_dtype="float32")
+    s = Session(spec, Settings(threshold=1e-9), backends={"ref": hf("qwen3", "float32")})
+    try:
+        body, code = run(s, swap=None, strategy="hierarchical", max_trials=None, log=None, resume=None)
+        diff = s.checkpoint_diff
+    finally:
+        s.close()
+    assert [c["field"] for c in diff["config"]] == ["rms_norm_eps"] and diff["units"] == {}
+    assert code == ExitCode.DIVERGED
+    sy = body["search"]["systematic"]
+    assert sy["kinds"] == ["norm", "attn"] and sy["value"] <= 1e-9 and sy["layers"] == 4
+
+
+def test_a_fault_planted_in_every_layer_of_one_kind_is_named_as_that_kind():
+    s = session("qwen3_moe", "hf", ref_dtype="float32", engine_dtype="float32", samples=8, threshold=1e-9,
+                faults=[f"weight_noise=1e-2@layers.{i}.attn" for i in range(4)])
+    body, code = run(s, swap=None, strategy="hierarchical", max_trials=None, log=None, resume=None)
+    assert code == ExitCode.DIVERGED
+    sy = body["search"]["systematic"]
+    assert sy["kinds"] == ["attn"] and sy["layers"] == 4 and sy["units"] == 4
+    assert all(v > 1e-9 for v in sy["per_unit"]["attn"].values())  # each layer's attention is needed

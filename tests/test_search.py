@@ -250,16 +250,42 @@ def test_no_fault_is_aligned_after_one_trial():
 
 def test_diffuse_when_every_layer_is_needed():
     g, cands = model(4)
-    # Every layer's attention and MoE carry the same error; only all of them together fix.
-    faults = [f"layers.{i}.{u}" for i in range(4) for u in ("attn", "moe")]
+    # Attention in layers 0 and 2, the MoE in layers 1 and 3: every layer is needed, and
+    # no kind is wrong in more than half of its layers, so it is no kind-level culprit.
+    faults = ["layers.0.attn", "layers.1.moe", "layers.2.attn", "layers.3.moe"]
     result, _ = run(g, cands, faults)
     assert result.verdict == "diffuse"
-    assert result.culprits == []
+    assert result.culprits == [] and result.systematic is None
     assert sorted(result.contributions) == [f"layers.{i}" for i in range(4)]
     for c in result.contributions.values():
-        assert c["alone"] == pytest.approx(FLOOR + 6 * HIT)  # three other layers left
-        assert c["complement"] == pytest.approx(FLOOR + 2 * HIT)  # this layer's share
+        assert c["alone"] == pytest.approx(FLOOR + 3 * HIT)  # three other layers left
+        assert c["complement"] == pytest.approx(FLOOR + 1 * HIT)  # this layer's share
     assert "every layer" in result.stop_reason
+
+
+@pytest.mark.parametrize("kinds", [("attn",), ("post_attn_norm",), ("attn", "moe"), ("experts",)])
+def test_a_kind_wrong_in_every_layer_is_a_systematic_culprit(kinds):
+    """The same fault in every layer (a kernel, a config value) is named as its kind(s), with
+    each kind alone and each unit's share as evidence, not as 'diffuse'."""
+    g, cands = model(4)
+    faults = [f"layers.{i}.{k}" if k != "experts" else f"layers.{i}.moe.experts" for i in range(4) for k in kinds]
+    result, _ = run(g, cands, faults)
+    unit_kinds = sorted({g.nodes[f]["kind"] for f in faults})
+    assert result.verdict == "culprits" and result.culprits == []
+    sy = result.systematic
+    assert sorted(sy["kinds"]) == unit_kinds
+    assert sy["value"] == pytest.approx(FLOOR) and sy["layers"] == 4
+    for k in unit_kinds:  # leaving any one faulty unit unswapped keeps exactly its fault
+        faulty = {u: v for u, v in sy["per_unit"][k].items() if u in faults}
+        assert len(faulty) == 4 and all(v == pytest.approx(FLOOR + HIT) for v in faulty.values())
+    assert "systematic" in result.stop_reason
+    assert result.to_dict()["systematic"] == sy
+
+
+def test_a_kind_wrong_in_half_of_the_layers_is_not_systematic():
+    g, cands = model(4)
+    result, _ = run(g, cands, ["layers.0.attn", "layers.3.attn", "layers.1.moe", "layers.2.moe"])
+    assert result.systematic is None
 
 
 def test_unreachable_when_swapping_everything_is_not_enough():
