@@ -329,6 +329,8 @@ def _title(v: ReportView) -> str:
         what = "aligned"
     elif culprits:
         what = "diverges, culprit " + ", ".join(_code(c["unit"]) for c in culprits)
+    elif v.systematic:
+        what = "diverges, systematic culprit " + ", ".join(_code(k) for k in v.systematic.get("kinds") or []) + " in every layer"
     elif s.get("verdict") == "diffuse":
         what = "diverges, diffuse (no single culprit)"
     else:
@@ -404,6 +406,10 @@ def _search_lines(v: ReportView) -> list[str]:
         if isinstance(p, dict):
             out += ["", f"**Suggested fix** (precision what-if, measured): {_md(str(p.get('suggested')))}", ""]
             out += [f"- {_code(t.get('whatif'))}: {_md(str(t.get('line')))}" for t in p.get("whatifs") or [] if isinstance(t, dict)]
+    if v.systematic:
+        from numbisect.render import systematic_lines
+
+        out += [""] + [f"{_md(line.strip())}  " for line in systematic_lines(v)]
     if s.get("verdict") == "diffuse":
         out += ["", "**Diffuse:** no set smaller than every layer reaches the threshold. Per-layer contributions:", "",
                 "| layer | swapped alone | all others swapped |", "|---|---:|---:|"]

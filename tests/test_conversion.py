@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import damaged_copy, hf, model_dir, scale_norm, session, short_trace, swap_gate_up
+from numbisect.cli import main
 from numbisect.compare import Settings
 from numbisect.errors import ExitCode
+from numbisect.report import load_report
 from numbisect.run import run
 from numbisect.session import Session, Spec
 
@@ -43,23 +45,27 @@ def test_a_damaged_checkpoint_copy_passes_the_self_check_and_is_named(name, edit
     assert sorted(c["unit"] for c in body["culprits"]) == culprits
 
 
-def test_a_config_value_every_norm_reads_is_a_systematic_culprit(tmp_path):
+def test_a_config_value_every_norm_reads_is_a_systematic_culprit(tmp_path, capsys):
     """rms_norm_eps changed in the engine's config.json: every RMSNorm reads it (Qwen3's
     attention too, for its q/k norms). The checkpoint diff names the field, and the search
-    names the kinds, in every layer, instead of calling it diffuse."""
+    names the kinds, in every layer, instead of calling it diffuse; the summary, report md
+    and the TUI overview say so."""
     copy = damaged_copy("qwen3", tmp_path, lambda w: None, lambda c: c.update(rms_norm_eps=1e-2))
-    spec = Spec(ref=f"hf:{model_dir('qwen3')}", engine=f"hf:{copy}", trace=short_trace("qwen3", 8),
-                ref_dtype="float32", engine_dtype="float32")
-    s = Session(spec, Settings(threshold=1e-9), backends={"ref": hf("qwen3", "float32")})
-    try:
-        body, code = run(s, swap=None, strategy="hierarchical", max_trials=None, log=None, resume=None)
-        diff = s.checkpoint_diff
-    finally:
-        s.close()
+    out = tmp_path / "r.json"
+    code = main(["run", "--ref", f"hf:{model_dir('qwen3')}", "--engine", f"hf:{copy}", "--trace", short_trace("qwen3", 8),
+                 "--ref-dtype", "float32", "--engine-dtype", "float32", "--threshold", "1e-9", "--out", str(out), "-q"])
+    r = load_report(str(out))
+    diff = r["inputs"]["checkpoint_diff"]
     assert [c["field"] for c in diff["config"]] == ["rms_norm_eps"] and diff["units"] == {}
     assert code == ExitCode.DIVERGED
-    sy = body["search"]["systematic"]
+    sy = r["search"]["systematic"]
     assert sy["kinds"] == ["norm", "attn"] and sy["value"] <= 1e-9 and sy["layers"] == 4
+    assert "systematic culprit: norm, attn, in every layer" in capsys.readouterr().out
+    main(["report", "md", str(out)])
+    assert "systematic culprit `norm`, `attn` in every layer" in capsys.readouterr().out
+    from numbisect.tui.widgets.overview import overview_text
+
+    assert "systematic culprit: norm, attn, in every layer" in overview_text(r).plain
 
 
 def test_a_fault_planted_in_every_layer_of_one_kind_is_named_as_that_kind():
