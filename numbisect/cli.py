@@ -528,6 +528,7 @@ def tui(report_file, **kw):
 @click.option("--fault", "faults", multiple=True, metavar="NAME[=VALUE][@UNIT]", help="Plant these faults instead of the engine profile's (repeatable); without @UNIT at a random unit.")
 @click.option("--threshold", type=float, default=None, help="Override the engine profile's threshold.")
 @click.option("--local-rank/--no-local-rank", default=True, show_default=True, help="Order the search by local error, as `run` does.")
+@click.option("--checkpoint-faults", is_flag=True, help="Instead of runtime faults: damaged copies of the reference checkpoint (norm scaled, gate/up swapped, experts swapped, heads permuted, rms_norm_eps changed, every layer's norm scaled), each run with `bisect run`.")
 @click.option("--out", type=click.Path(), help="Write the results as JSON here (atomically).")
 @options("quiet")
 def selftest(**kw):
@@ -544,7 +545,7 @@ def selftest(**kw):
         session = ST.open_session(kw["ref"], engine, trace, profile, kw["threshold"], progress=say)
         try:
             res = ST.selftest(session, profile, rounds=kw["rounds"], seed=kw["seed"], templates=list(kw["faults"]) or None,
-                              local_rank=kw["local_rank"], progress=say)
+                              local_rank=kw["local_rank"], progress=say, checkpoint=kw["checkpoint_faults"])
         finally:
             session.close()
     if kw["out"]:

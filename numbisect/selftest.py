@@ -255,8 +255,11 @@ def plan_rounds(engine, plan: list[PlantedKind], rounds: int, seed: int) -> tupl
 
 
 def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templates: list[str] | None = None,
-             local_rank: bool = True, progress=lambda m: None) -> dict:
-    """Plant, search, judge; the JSON-ready result (`passed` says whether all were found)."""
+             local_rank: bool = True, progress=lambda m: None, checkpoint: bool = False) -> dict:
+    """Plant, search, judge; the JSON-ready result (`passed` says whether all were found).
+
+    `checkpoint`: instead of runtime faults, damaged copies of the reference checkpoint
+    (`numbisect.ckptfaults`), each searched by `bisect run` as a user would run it."""
     from numbisect.run import check_swaps
 
     if session.engine is None:
@@ -280,7 +283,7 @@ def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templ
         )
     sc = check_swaps(session, progress)
     n, bound = trial_bound(session.engine)
-    planned, skipped = plan_rounds(session.engine, plan, rounds, seed)
+    planned, skipped = plan_rounds(session.engine, plan, rounds, seed) if not checkpoint else ([], [])
     rows = []
     for r, spec in planned:
         unit = spec.partition("@")[2]
@@ -320,7 +323,10 @@ def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templ
             "stop_reason": result.stop_reason,
             "trial_log": [{"swapped": list(t.swapped), "value": t.value, "role": t.role} for t in runner.trials],
         })
+    ck_rows, ck_skipped = checkpoint_rounds(session, profile, floor, bound, rounds, seed, progress) if checkpoint else ([], [])
     found = sum(r["found"] for r in rows)
+    judged = [r for r in ck_rows if r["status"] != "TOO WEAK"]
+    ck_found = sum(r["found"] for r in judged)
     return sanitize({
         "numbisect_selftest": SELFTEST_VERSION,
         "inputs": session.inputs(),
@@ -348,8 +354,101 @@ def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templ
             "within_bound": sum(r["within_bound"] for r in rows),
             "wall_s": round(sum(r["wall_s"] for r in rows), 3),
         },
-        "passed": bool(rows) and found == len(rows),
+        "checkpoint_results": ck_rows,
+        "checkpoint_skipped": ck_skipped,
+        "checkpoint_summary": {"rounds": len(ck_rows), "judged": len(judged), "found": ck_found,
+                               "too_weak": len(ck_rows) - len(judged)},
+        "passed": (bool(rows) and found == len(rows)) if not checkpoint else (bool(judged) and ck_found == len(judged)),
     })
+
+
+def checkpoint_rounds(session, profile: Profile, floor: float, bound: int, rounds: int, seed: int,
+                      progress=lambda m: None) -> tuple[list[dict], list[dict]]:
+    """Each round writes every checkpoint fault kind (a damaged copy of the reference, in a
+    temporary directory) and runs `bisect run` on it against the reference: the swap
+    self-check must pass on the copy and the search must name the damage. A copy whose
+    damage is within 10x of the noise floor is TOO WEAK: neither found nor missed."""
+    import shutil
+    import tempfile
+
+    from numbisect import ckptfaults as CF
+    from numbisect.backends.base import check_checkpoint
+    from numbisect.run import SelfCheckFailed, run
+
+    ref_kind, ref_path = parse_spec(session.spec.ref, "--ref")
+    eng_kind, _ = parse_spec(session.spec.engine, "--engine")
+    text = session.ref.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    rows, skipped = [], []
+    tmp = tempfile.mkdtemp(prefix="numbisect-ckpt-")
+    try:
+        for r in range(1, rounds + 1):
+            faults, skip = CF.plan(ref_path, check_checkpoint(ref_path), session.ref.config, seed=seed + r - 1)
+            if r == 1:
+                skipped = skip
+            for f in faults:
+                progress(f"round {r}: checkpoint copy with {f.kind} ({f.where})")
+                copy = CF.write_copy(ref_path, f"{tmp}/r{r}", f, head_dim)
+                rows.append(_checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progress,
+                                            run, SelfCheckFailed))
+                shutil.rmtree(copy, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows, skipped
+
+
+def _checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progress, run, SelfCheckFailed) -> dict:
+    from numbisect import ckptfaults as CF
+
+    s = open_session(session.spec.ref, f"{eng_kind}:{copy}", session.spec.trace, profile, session.settings.threshold,
+                     progress=progress, backends={"ref": session.ref})
+    t0 = time.perf_counter()
+    row = {"round": r, **f.to_dict(), "expected": f.kinds or f.units}
+    try:
+        try:
+            body, _ = run(s, swap=None, strategy="hierarchical", max_trials=None, log=None, resume=None,
+                          progress=progress, whatif=False)
+        except SelfCheckFailed as e:
+            return {**row, "status": "SELF-CHECK FAILED", "found": False, "match": None, "error": str(e),
+                    "wall_s": round(time.perf_counter() - t0, 3)}
+        diff = s.checkpoint_diff or {}
+    finally:
+        s.close()
+    search = body.get("search") or {}
+    culprits = [c["unit"] for c in body.get("culprits") or []]
+    sy = search.get("systematic")
+    base = body["baseline"]["value"]
+    how = CF.named(f, culprits, sy, lambda u: u.rpartition(".")[0] or u)
+    if f.config:  # a config change must also be named as a config difference
+        fields = [c.get("field") for c in diff.get("config") or []]
+        how = how if all(k in fields for k in f.config) else None
+    weak = not base > 10 * floor or base <= session.settings.threshold
+    status = "TOO WEAK" if weak else ("found" if how == "exact" else f"found ({how})" if how else "MISSED")
+    single = not f.kinds
+    return {**row, "culprits": culprits, "systematic": (sy or {}).get("kinds"), "fault_k3": base,
+            "self_check_k3": (body.get("self_check") or {}).get("k3_mean"), "found": how is not None and not weak,
+            "match": how, "status": status, "trials": search.get("trials_used"),
+            "bound": bound if single else None,
+            "within_bound": (search.get("trials_used", 0) <= bound) if single else None,
+            "diff_units": list((diff.get("units") or {})), "wall_s": round(time.perf_counter() - t0, 3)}
+
+
+def checkpoint_table(res: dict) -> list[str]:
+    """The checkpoint-fault rounds: kind, what was damaged, the answer, found, trials / bound."""
+    head = f"{'#':>2}  {'checkpoint fault':<18} {'damage':<44} {'k3 fault':>9}  {'named':<34} {'result':<16} {'trials':>7}"
+    lines = ["", "checkpoint faults (damaged copies of the reference, searched with `bisect run`):", head, "-" * len(head)]
+    for r in res.get("checkpoint_results") or []:
+        named = ("kinds " + ", ".join(r["systematic"])) if r.get("systematic") else (", ".join(r.get("culprits") or []) or "-")
+        tr = "-" if r.get("trials") is None else (f"{r['trials']}/{r['bound']}" + ("" if r["within_bound"] else "!")
+                                                   if r.get("bound") else f"{r['trials']}")
+        lines.append(f"{r['round']:>2}  {r['kind']:<18} {r['where'][:44]:<44} {fmt(r.get('fault_k3')):>9}  "
+                     f"{named[:34]:<34} {r['status']:<16} {tr:>7}")
+    for s in res.get("checkpoint_skipped") or []:
+        lines.append(f"    {s['kind']:<18} skipped: {s['reason']}")
+    c = res.get("checkpoint_summary") or {}
+    lines.append(f"{c.get('found')}/{c.get('judged')} checkpoint faults found"
+                 + (f"; {c.get('too_weak')} within 10x of the noise floor (not judged)" if c.get("too_weak") else ""))
+    return lines
 
 
 def render(res: dict) -> str:
@@ -361,8 +460,27 @@ def render(res: dict) -> str:
         f"  why: {res['threshold_why']}",
         (f"noise floor {fmt(res['noise_floor'])}; self-check {fmt(res['self_check']['k3_mean'])}; "
          f"trial bound ceil(log2 {res['n_units']}) + 4 = {res['trial_bound']}"),
-        "planted (with the weakest mean k3 it gave on the four fixtures):",
     ]
+    ck = bool(res.get("checkpoint_results")) and not res["results"]  # --checkpoint-faults
+    if not ck:
+        lines += runtime_table(res)
+    if res.get("checkpoint_results") or res.get("checkpoint_skipped"):
+        lines += checkpoint_table(res)
+    s = res["summary"]
+    if not ck:
+        lines += [
+            "",
+            f"{s['found']}/{s['rounds']} planted faults found; {s['within_bound']}/{s['rounds']} within the trial bound; "
+            f"search time {s['wall_s']:.1f}s" + ("" if res["passed"] else "  -> FAILED"),
+        ]
+    elif not res["passed"]:
+        lines[-1] += "  -> FAILED"
+    return "\n".join(lines) + "\n"
+
+
+def runtime_table(res: dict) -> list[str]:
+    """The planted runtime faults: what each kind is, then one row per round."""
+    lines = ["planted (with the weakest mean k3 it gave on the four fixtures):"]
     for p in res["planted_kinds"]:
         where = "/".join(p["unit_kinds"]) or "any unit of its kind"
         lines.append(f"  {p['fault']:<20} at {where}" + (f"; weakest {p['weakest_measured']}" if p["weakest_measured"] else ""))
@@ -380,10 +498,4 @@ def render(res: dict) -> str:
     if res["not_planted"]:
         lines += ["", "not planted on this engine (measured too weak or without effect):"]
         lines += [f"  {p['fault']}: {p['reason']}" for p in res["not_planted"]]
-    s = res["summary"]
-    lines += [
-        "",
-        f"{s['found']}/{s['rounds']} planted faults found; {s['within_bound']}/{s['rounds']} within the trial bound; "
-        f"search time {s['wall_s']:.1f}s" + ("" if res["passed"] else "  -> FAILED"),
-    ]
-    return "\n".join(lines) + "\n"
+    return lines

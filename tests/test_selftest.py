@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import model_dir, session
+from conftest import ROOT, child_env, model_dir, session
 
+from numbisect import ckptfaults as CF
 from numbisect import selftest as ST
 from numbisect.cli import main
 
@@ -156,3 +157,64 @@ def test_vllm_profile_faults_are_found():
     res = ST.selftest(s, profile, seed=0)
     assert res["passed"], ST.render(res)
     assert all(r["within_bound"] for r in res["results"])
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral"])
+def test_checkpoint_faults_are_named_on_every_family(name):
+    """--checkpoint-faults: damaged copies of the reference (each kind at a seeded layer) are
+    searched as a user would run them; the self-check passes on every copy and the search
+    names the damaged unit (within the bound) or, for a config field and a norm scaled in
+    every layer, the kind."""
+    s, profile = selftest_session(name, "hf")
+    res = ST.selftest(s, profile, seed=0, checkpoint=True)
+    rows = {r["kind"]: r for r in res["checkpoint_results"]}
+    moe = name != "qwen3"
+    assert set(rows) == set(CF.KINDS) - (set() if moe else {"experts_swap"})
+    if not moe:
+        assert res["checkpoint_skipped"] == [{"kind": "experts_swap", "reason": "qwen3 has no routed experts"}]
+    for kind, r in rows.items():
+        assert r["status"] != "SELF-CHECK FAILED", r
+        assert r["self_check_k3"] <= 1e-7, r
+        assert r["found"], r
+        if r["bound"] is not None:
+            assert r["within_bound"], r
+        else:
+            assert r["match"] == "kind" and "norm" in r["systematic"]
+    assert rows["config_eps"]["config"] == {"rms_norm_eps": pytest.approx(1e-4)}
+    assert res["passed"] and res["results"] == []
+    text = ST.render(res)
+    assert f"{len(rows)}/{len(rows)} checkpoint faults found" in text and "FAILED" not in text
+
+
+def test_cli_checkpoint_faults_table(tmp_path, capsys):
+    out = tmp_path / "st.json"
+    code = main(["selftest", "--ref", f"hf:{model_dir('qwen3')}", "--checkpoint-faults", "--seed", "1", "--out", str(out), "-q"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "checkpoint faults (damaged copies of the reference" in text
+    assert "experts_swap       skipped: qwen3 has no routed experts" in text
+    assert json.loads(out.read_text())["checkpoint_summary"]["found"] == 5
+
+
+@pytest.mark.vllm
+def test_vllm_checkpoint_faults_are_found_or_reported_too_weak(tmp_path):
+    """On a bf16 vLLM engine (its own process: one engine per damaged copy) every copy passes
+    the self-check, and each fault is either named or, within 10x of the bf16 noise floor,
+    reported as too weak to judge: never missed."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "st.json"
+    p = subprocess.run([sys.executable, "-m", "numbisect", "selftest", "--ref", f"hf:{model_dir('qwen3_moe')}",
+                        "--engine", f"vllm:{model_dir('qwen3_moe')}", "--checkpoint-faults", "--out", str(out), "-q"],
+                       capture_output=True, text=True, env=child_env(), timeout=1200, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    rows = res["checkpoint_results"]
+    assert len(rows) == len(CF.KINDS)
+    for r in rows:
+        assert r["status"] in ("found", "found (kind)", "TOO WEAK"), r
+        assert r["status"] == "TOO WEAK" or r["self_check_k3"] <= 1e-7, r
+        if r["status"] == "TOO WEAK":
+            assert r["fault_k3"] <= 10 * res["noise_floor"] or r["fault_k3"] <= res["threshold"], r
+    assert res["checkpoint_summary"]["found"] >= 3
