@@ -373,9 +373,8 @@ def checkpoint_rounds(session, profile: Profile, floor: float, bound: int, round
 
     from numbisect import ckptfaults as CF
     from numbisect.backends.base import check_checkpoint
-    from numbisect.run import SelfCheckFailed, run
 
-    ref_kind, ref_path = parse_spec(session.spec.ref, "--ref")
+    _, ref_path = parse_spec(session.spec.ref, "--ref")
     eng_kind, _ = parse_spec(session.spec.engine, "--engine")
     text = session.ref.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -389,16 +388,17 @@ def checkpoint_rounds(session, profile: Profile, floor: float, bound: int, round
             for f in faults:
                 progress(f"round {r}: checkpoint copy with {f.kind} ({f.where})")
                 copy = CF.write_copy(ref_path, f"{tmp}/r{r}", f, head_dim)
-                rows.append(_checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progress,
-                                            run, SelfCheckFailed))
+                rows.append(_checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progress))
                 shutil.rmtree(copy, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows, skipped
 
 
-def _checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progress, run, SelfCheckFailed) -> dict:
+def _checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progress) -> dict:
+    """One damaged copy run with `bisect run` against the reference, judged."""
     from numbisect import ckptfaults as CF
+    from numbisect.run import SelfCheckFailed, run
 
     s = open_session(session.spec.ref, f"{eng_kind}:{copy}", session.spec.trace, profile, session.settings.threshold,
                      progress=progress, backends={"ref": session.ref})

@@ -90,6 +90,20 @@ def import_vllm():
     return vllm
 
 
+def shutdown(backend) -> bool:
+    """Shut down `backend.llm`'s engine core (in-process or tensor-parallel) and drop it;
+    False when there was none (never started, or closed already)."""
+    llm = getattr(backend, "llm", None)
+    if llm is None:
+        return False
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # a half-started engine: nothing more to stop
+        pass
+    backend.llm = None
+    return True
+
+
 class VLLMBackend(VLLMModel):
     """The in-process engine; its swaps, faults, probes and what-ifs are `VLLMModel`'s."""
 
@@ -156,16 +170,9 @@ class VLLMBackend(VLLMModel):
         return {**super().describe(), "options": self.options}
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is None:
-            return
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
-        self.llm = None
-        self.model = None
-        gc.collect()
+        if shutdown(self):
+            self.model = None
+            gc.collect()
 
     def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None, mode="prefill") -> ForwardResult:
         self.check_mode(mode)

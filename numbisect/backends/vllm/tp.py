@@ -39,7 +39,7 @@ from numbisect.backends.ledger import Ledger
 from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.vllm import moe
 from numbisect.backends.vllm.model import apply_swap_spec, swap_ledger, undo_swap_spec, view
-from numbisect.backends.vllm.runner import _canonical_output, bad_input, import_vllm, quiet_stderr
+from numbisect.backends.vllm.runner import _canonical_output, bad_input, import_vllm, quiet_stderr, shutdown
 from numbisect.errors import BackendError
 from numbisect.swap import SwapSpec
 
@@ -233,14 +233,7 @@ class VLLMTPBackend(Backend):
         raise BackendError("a tensor-parallel vLLM engine has no model in this process; its units are reached through apply_model")
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is None:
-            return
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
-        self.llm = None
+        shutdown(self)
 
     def swap(self, units, donor_path: str, donor_dtype: str) -> list[str]:
         """Swap `units` for the donor's modules in every worker (earlier swaps undone)."""
