@@ -31,6 +31,7 @@ from numbisect import compare as C
 from numbisect import decode as D
 from numbisect import routing as R
 from numbisect.backends.base import Backend, ForwardResult
+from numbisect.contract import ContractFit
 from numbisect.engine_state import arranged
 from numbisect.errors import InputError
 from numbisect.trace import Trace
@@ -162,6 +163,7 @@ class Comparison:
     routing_replay: dict | None = None  # --replay-routing
     ref_result: ForwardResult | None = None  # whole run: the reference with every capture
     ref_routing: dict | None = None  # MoE: router unit -> per-sample expert ids of the reference
+    logprob_contract: dict | None = None  # rollout engine: raw, processed (fitted sampler) or logits
 
 
 def _comparison(sides: Sides, tokens: dict, rows: list[dict], ref_tokens: ForwardResult, ranked: bool,
@@ -191,6 +193,8 @@ def report_body(c: Comparison) -> dict:
         body["routing"] = c.routing
     if c.routing_replay is not None:
         body["routing_replay"] = c.routing_replay
+    if c.logprob_contract is not None:
+        body["logprob_contract"] = c.logprob_contract
     return body
 
 
@@ -258,6 +262,7 @@ def streamed(sides: Sides, local: bool = True, capture: Capture | None = None) -
     # tokens x vocab log-probs; the reference's are kept for the trials of a kl-mean search.
     keep_ref_full = sides.settings.judges_kl
     ref_tok, ref_full, eng_tok, kl = [], [], [], C.PositionKL()
+    contract = ContractFit() if eng is None else None  # the rollout's own log-probs: raw or processed?
     state = arranged(eng, ref, sides.faults) if eng is not None and not dump else contextlib.nullcontext()
     sides.say(f"reference and engine, sample by sample ({mode} capture)")
     state.__enter__()
@@ -270,6 +275,7 @@ def streamed(sides: Sides, local: bool = True, capture: Capture | None = None) -
             if keep_ref_full:
                 ref_full.append(r.full_logprobs[0])
             if eng is None:
+                contract.add(s, r.full_logprobs[0])
                 return
             if dump:
                 d = eng.sample(i, units=names, inputs=feed_names)
@@ -323,7 +329,8 @@ def streamed(sides: Sides, local: bool = True, capture: Capture | None = None) -
         info = CaptureInfo(mode, dir=str(capture.dir), max_mb=capture.max_mb, peak_buffered_mb=round(store.peak_held / 2**20, 3))
     routing, ref_ids = _routing_light(sides, local)
     return _comparison(sides, tokens, rows, ref_res, ranked=streamed_local and eng is not None, capture=info,
-                       routing=routing, ref_routing=ref_ids)
+                       routing=routing, ref_routing=ref_ids,
+                       logprob_contract=contract.result() if contract is not None else None)
 
 
 def _routing_light(sides: Sides, local: bool) -> tuple[dict | None, dict | None]:
@@ -394,8 +401,14 @@ def whole_run(sides: Sides, local: bool = True, replay: str | None = None) -> Co
                                    ref.captures, passes, (R._biases(sides.ref, router_units), R._biases(eng, router_units)))
         if replay:
             replayed = R.replay_whatif(sides, replay, probes["propagated"].ids, prop, tokens)
+    contract = None
+    if eng is None:  # the rollout's own log-probs: raw or processed?
+        fit = ContractFit()
+        for s, full in zip(sides.samples, ref.full_logprobs):
+            fit.add(s, full)
+        contract = fit.result()
     return _comparison(sides, tokens, rows, ref, ranked=loc is not None, engine_modes=modes, routing=routing,
-                       routing_replay=replayed, ref_result=ref, ref_routing=sides.ref_routing)
+                       routing_replay=replayed, ref_result=ref, ref_routing=sides.ref_routing, logprob_contract=contract)
 
 
 def layer_streamed(sides: Sides, local: bool = True) -> Comparison:

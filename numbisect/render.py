@@ -32,7 +32,26 @@ def header(r: dict | ReportView) -> list[str]:
     if o is not None:  # --threshold floor[xN]
         where = f"from {o.get('file')}" if o.get("file") else "calibrated now"
         lines.append(f"threshold: {fmt(o.get('factor'))} x noise floor {fmt(o.get('floor'))} ({where}; variants {', '.join(o.get('variants') or [])})")
-    return lines
+    return lines + contract_lines(v)
+
+
+def contract_lines(r: dict | ReportView) -> list[str]:
+    """The log-prob contract of a rollout (numbisect.contract): the first finding when its
+    log-probs are not the model's raw ones; one line saying so when they are."""
+    c = view(r).logprob_contract
+    verdict = c.get("verdict")
+    if not verdict:
+        return []
+    fit = c.get("fitted") if isinstance(c.get("fitted"), dict) else {}
+    if verdict == "processed":
+        return [f"!! log-prob contract: {c.get('advice')}",
+                f"   fitted on {c.get('positions')} completion tokens: mean |log-prob error| {fmt(c.get('raw_error'))} as raw, "
+                f"{fmt(c.get('fit_error'))} as processed (temperature {fmt(fit.get('temperature'))}, top-p {fmt(fit.get('top_p'))}, "
+                f"top-k {fit.get('top_k') or 'off'}; kept mass {pct(fit.get('kept_mass'))})"]
+    if verdict == "raw":
+        return [f"log-prob contract: raw (mean |log-prob error| {fmt(c.get('raw_error'))} over {c.get('positions')} "
+                "completion tokens; no temperature, top-p or top-k fits better)"]
+    return [f"log-prob contract: {verdict} ({c.get('advice')})"]
 
 
 def checkpoint_lines(r: dict | ReportView) -> list[str]:

@@ -457,6 +457,14 @@ def markdown(r: dict | ReportView) -> str:
         f"{fmt(num(v.value))}, {'at or under' if v.aligned else 'above'} the threshold {fmt(num(v.threshold))}."
     )
     parts = [f"### {_title(v)}", "", verdict]
+    from numbisect.render import contract_lines
+
+    cl = contract_lines(v)
+    if v.logprob_contract.get("verdict") == "processed":  # the first finding, before any numeric one
+        parts += ["", f"**First finding: the log-prob contract.** {_md(cl[0].removeprefix('!! log-prob contract: '))}"]
+        parts += [f"{_md(x.strip())}" for x in cl[1:]]
+    elif cl:
+        parts += ["", _md(cl[0])]
     sl = _search_lines(v)
     if sl:
         parts += [""] + sl

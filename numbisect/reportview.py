@@ -150,6 +150,12 @@ class ReportView:
         d = self.inputs.get("checkpoint_diff")
         return d if isinstance(d, dict) else {}
 
+    @property
+    def logprob_contract(self) -> dict:
+        """Whether a rollout's log-probs are raw, processed or logits (numbisect.contract); {} if not judged."""
+        c = self.r.get("logprob_contract")
+        return c if isinstance(c, dict) else {}
+
     # -- baseline ----------------------------------------------------------------------------
     @property
     def baseline(self) -> dict:

@@ -153,7 +153,8 @@ def _logprobs(obj: dict, n: int) -> list[float] | None:
         if not math.isfinite(x):
             raise ValueError(f"rollout_logprobs[{i}] is {x}, expected a finite number")
         if x > LOGPROB_SLACK:
-            raise ValueError(f"rollout_logprobs[{i}] is {x}: log-probs must be <= 0")
+            raise ValueError(f"rollout_logprobs[{i}] is {x}: log-probs must be <= 0 (values above 0 are logits: "
+                             "was the engine's logprobs_mode raw_logits or processed_logits? record raw_logprobs)")
         out.append(float(x))
     return out
 

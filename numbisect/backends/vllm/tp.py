@@ -37,7 +37,7 @@ import torch
 from numbisect.backends.base import Backend, ForwardResult, fail
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.options import check_vllm_opts
-from numbisect.backends.vllm import moe
+from numbisect.backends.vllm import hookpoints, moe
 from numbisect.backends.vllm.model import apply_swap_spec, swap_ledger, undo_swap_spec, view
 from numbisect.backends.vllm.runner import _canonical_output, bad_input, import_vllm, quiet_stderr, shutdown
 from numbisect.errors import BackendError
@@ -221,6 +221,12 @@ class VLLMTPBackend(Backend):
         if sorted(r for r, _ in ranks) != list(range(self.tp)):
             raise BackendError(f"expected {self.tp} tensor-parallel workers, got ranks {ranks}")
         self.ranks = [r for r, _ in ranks]  # the order apply_model answers in
+        hookpoints.check_version()
+        try:
+            hookpoints.report_absent(self.llm.apply_model(hookpoints.worker_absent))
+        except BackendError:
+            shutdown(self)
+            raise
         self._sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
         self._prompt = vllm.inputs.TokensPrompt
         self.swapped: list[str] = []
