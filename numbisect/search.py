@@ -45,8 +45,9 @@ A single faulty unit among n (candidates plus their sub-units) costs at most
 ceil(log2 n) + 1 trials in step 3 (the split sizes come from `_plan_lengths`), so
 ceil(log2 n) + 4 in all, evidence included; it never reaches step 7. A kind wrong in
 every one of L layers, with K kinds found in two or more layers, costs at most
-ceil(log2 n) + 5 + K + L (the descent until its unit fails alone, every kind together,
-the middle layer left out, each kind alone until one fixes, each layer's share).
+ceil(log2 n) + 6 + K + L (the descent until its unit fails alone, every kind together,
+each of the two middle layers left out, each kind alone until one fixes, each layer's
+share).
 
 "linear" swaps one unit at a time (the benchmark baseline); "ddmin" is Zeller's delta
 debugging over the same list, followed by steps 4-6.
@@ -716,9 +717,10 @@ class _Search:
         each alone helped, then each dropped again that is not needed. Before the single
         kinds not in `first` (and before any combination), every unit of every kind
         together: when that does not fix, no set of kinds does (one trial rules them out);
-        then the same with the middle layer (`need_all`) or the middle half of the layers
-        left in the engine: when that fixes, the rule cannot hold (one more trial, and the
-        usual end when the descent's evidence was a culprit at each end).
+        then the same with one of the two middle layers (`need_all`: each in turn) or the
+        middle half of the layers left in the engine: when that fixes, the rule cannot
+        hold (one or two more trials, and the usual end when the descent's evidence was a
+        culprit at each end, or culprits in a few layers that include the first).
 
         Evidence, per kind and layer: the value with every unit of the named kinds swapped
         but that layer's units of that kind (its share; above the threshold: that layer is
@@ -750,12 +752,14 @@ class _Search:
                 every = units_of(kinds)
                 if not self._fixes(every, "kinds"):
                     return None
-                # The middle layer (`need_all`), or the middle half of the layers, left in the
-                # engine: if that still fixes, the kinds cannot be needed in enough layers.
+                # The two middle layers one at a time (`need_all`), or the middle half of the
+                # layers, left in the engine: if that still fixes, the kinds cannot be needed
+                # in enough layers.
                 layers = self._middle_out(sorted(self._layers(every)))
-                middle = set(layers[: 1 if need_all else (len(layers) + 1) // 2])
-                if self._fixes([u for u in every if self.g.nodes[u]["layer"] not in middle], "kinds screen"):
-                    return None
+                screens = [{x} for x in layers[:2]] if need_all else [set(layers[: (len(layers) + 1) // 2])]
+                for middle in screens:
+                    if self._fixes([u for u in every if self.g.nodes[u]["layer"] not in middle], "kinds screen"):
+                        return None
             if fixes([k]):
                 chosen = [k]
                 break
