@@ -171,7 +171,8 @@ def search_lines(r: dict | ReportView) -> list[str]:
 
 def systematic_lines(r: dict | ReportView) -> list[str]:
     """A kind-level culprit and its evidence: every unit of the kinds swapped, each kind
-    alone, and per unit the value with every other unit of those kinds swapped (its share)."""
+    alone, and per layer the value with that layer's units of the kind left in the engine
+    (its share; older reports: per unit)."""
     v = view(r)
     sy = v.systematic
     if not sy:
@@ -186,6 +187,11 @@ def systematic_lines(r: dict | ReportView) -> list[str]:
     for k, layers in per_unit.items():
         if isinstance(layers, dict) and layers:
             out.append(f"  each unit's share of {k} ({v.metric} with every other {kinds} unit swapped): "
+                       + ", ".join(f"{name} {fmt(x)}" for name, x in layers.items()))
+    per_layer = sy.get("per_layer") if isinstance(sy.get("per_layer"), dict) else {}
+    for k, layers in per_layer.items():
+        if isinstance(layers, dict) and layers:
+            out.append(f"  each layer's share of {k} ({v.metric} with that layer's {k} units left, every other {kinds} unit swapped): "
                        + ", ".join(f"{name} {fmt(x)}" for name, x in layers.items()))
     return out
 

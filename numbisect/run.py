@@ -422,6 +422,7 @@ def _search_run(session, strategy: str, runner: S.TrialRunner, result: RunResult
         g, cands, runner, session.settings.threshold, strategy,
         local_rank=result.compared.get("local_ranking"), metric=session.settings.metric,
         suspects=list(((getattr(session, "checkpoint_diff", None) or {}).get("units") or {})),
+        suspect_kinds=[k for c in (getattr(session, "checkpoint_diff", None) or {}).get("config") or [] for k in c.get("read_by") or []],
     )
     result.search = found.to_dict()
     result.search.pop("culprits", None)

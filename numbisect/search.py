@@ -31,10 +31,23 @@ The hierarchical strategy (the default):
    candidate swapped ("complement": what it contributes on its own).
 6. A minimal set that needs a unit from every layer (or every candidate) is "diffuse":
    no culprit is named and each layer's contribution is measured instead.
+7. Kind-level hypotheses (`_Search._kinds`): every unit of a kind swapped, as `--swap
+   KIND` does. A kind needed in (more than half of) its layers is a systematic culprit,
+   the same difference in every layer (a kernel, a config value). They are tried as
+   soon as the evidence says the divergence is spread, not after step 3: before it when
+   the checkpoint diff names a config value a kind reads, or weights that differ in most
+   layers of a kind; in step 3 when the unit found last does not fix alone (so not a
+   single culprit) and the smallest set seen to fix touches every layer; after step 3
+   when its minimal set needs every layer. When no kind is named, the search goes on
+   from where it was, with the trials already run.
 
 A single faulty unit among n (candidates plus their sub-units) costs at most
 ceil(log2 n) + 1 trials in step 3 (the split sizes come from `_plan_lengths`), so
-ceil(log2 n) + 4 in all, evidence included.
+ceil(log2 n) + 4 in all, evidence included; it never reaches step 7. A kind wrong in
+every one of L layers, with K kinds found in two or more layers, costs at most
+ceil(log2 n) + 6 + K + L (the descent until its unit fails alone, every kind together,
+each of the two middle layers left out, each kind alone until one fixes, each layer's
+share).
 
 "linear" swaps one unit at a time (the benchmark baseline); "ddmin" is Zeller's delta
 debugging over the same list, followed by steps 4-6.
@@ -93,6 +106,14 @@ class Trial:
 
 class BudgetExhausted(Exception):
     """A new trial was needed but `max_trials` trials have been used."""
+
+
+class _Systematic(Exception):
+    """Ends the descent: the kind-level hypotheses named a culprit (`result`)."""
+
+    def __init__(self, result: "SearchResult"):
+        super().__init__(result.stop_reason)
+        self.result = result
 
 
 class TrialRunner:
@@ -238,6 +259,7 @@ def search(
     *,
     metric: str = "k3-mean",
     suspects=(),
+    suspect_kinds=(),
 ) -> SearchResult:
     """Find the smallest set of units whose swap brings the metric under `threshold`.
 
@@ -245,7 +267,10 @@ def search(
     sub-units are reached through the unit graph. `metric` only names the value in
     `stop_reason`. `suspects`: units known to differ from the reference before any trial
     (their checkpoint weights differ); when the search splits a run of units, the half
-    holding one is tried first, before the local-error ranking decides.
+    holding one is tried first, before the local-error ranking decides; when they cover
+    more than half of the layers of a kind, the kind-level hypotheses come first (see
+    `_Search._kinds_first`). `suspect_kinds`: kinds that read a config value that differs
+    (every unit of them does): the kind-level hypotheses come first, those kinds first.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -254,7 +279,8 @@ def search(
     missing = [c for c in candidates if c not in graph]
     if missing:
         raise ValueError(f"candidates not in the unit graph: {', '.join(missing)}")
-    return _Search(graph, list(candidates), runner, threshold, strategy, local_rank, metric, suspects).run()
+    return _Search(graph, list(candidates), runner, threshold, strategy, local_rank, metric, suspects,
+                   suspect_kinds).run()
 
 
 def _plan_lengths(n_max: int, alone_singles: bool) -> dict[bool, list[list[tuple[int, int, int]]]]:
@@ -285,8 +311,11 @@ def _plan_lengths(n_max: int, alone_singles: bool) -> dict[bool, list[list[tuple
 
 
 class _Search:
-    def __init__(self, graph, candidates, runner, threshold, strategy, local_rank, metric, suspects=()):
+    def __init__(self, graph, candidates, runner, threshold, strategy, local_rank, metric, suspects=(),
+                 suspect_kinds=()):
         self.g = graph
+        self.suspect_units = [s for s in suspects if s in graph]
+        self.suspect_kinds = list(dict.fromkeys(suspect_kinds))
         # A suspect's ancestors are suspects too: the half holding its block goes first.
         self.suspects = {a for s in suspects if s in graph for a in (s, *self._ancestors(s))}
         self.runner = runner
@@ -308,6 +337,12 @@ class _Search:
         # then needs failing trials that cover all but one of them (see `_refine`).
         self.alone_singles = all(len(children(self.g, u)) <= 2 for u in self.units)
         self.options = _plan_lengths(len(self.units), self.alone_singles)
+        # Kind-level hypotheses (`_systematic`): every unit of a kind found in two or more layers.
+        self.by_kind: dict[str, list[str]] = {}
+        for u in self.units:
+            self.by_kind.setdefault(self._kind(u), []).append(u)
+        self.kinds = [k for k, us in self.by_kind.items() if len(self._layers(us)) >= 2]
+        self.systematic_tried: dict[bool, SearchResult | None] = {}  # need_all -> result, once tried
 
     # -- units --------------------------------------------------------------------------
 
@@ -406,13 +441,21 @@ class _Search:
         early = self._start()
         if early is not None:
             return early
-        if self.strategy == "ddmin":
-            found = self._ddmin(self.units)
-        else:
-            found = self._minimise(self.units, frozenset())
+        first = self._kinds_first()
+        if first is not None:
+            systematic = self._systematic(first[0], first[1], need_all=False)
+            if systematic is not None:
+                return systematic
+        try:
+            if self.strategy == "ddmin":
+                found = self._ddmin(self.units)
+            else:
+                found = self._minimise(self.units, frozenset(), top=True)
+        except _Systematic as named:
+            return named.result
         found = self._merge(found)
         if self._is_diffuse(found):
-            systematic = self._systematic()
+            systematic = self._systematic((), "the minimal set needs every layer", need_all=False)
             if systematic is not None:
                 return systematic
             reason = (
@@ -449,7 +492,7 @@ class _Search:
 
     # -- minimising ---------------------------------------------------------------------
 
-    def _minimise(self, items: tuple, held: frozenset) -> list[str]:
+    def _minimise(self, items: tuple, held: frozenset, top: bool = False) -> list[str]:
         """A 1-minimal subset M of `items` such that held + M fixes.
 
         Precondition: held + items fixes and held alone does not. A part that fails
@@ -458,6 +501,11 @@ class _Search:
         so far. A single unit is tried alone when `self.alone_singles` (then a fix names
         it at once). The unit found last is tried alone; only if that does not fix are
         the failed parts minimised in turn (several culprits).
+
+        `top` (the search over every unit): when the unit found last does not fix alone
+        and the set known to fix still touches every layer, the kind-level hypotheses are
+        tried before the failed parts are minimised (`_systematic`; raises `_Systematic`
+        when they name a kind). A single culprit never gets here, so it pays nothing.
         """
         failed: list[str] = []
         unsure = False  # a unit tried alone failed: held + failed may fix without `part`
@@ -476,6 +524,11 @@ class _Search:
         # held + failed + part fixes.
         if not failed or self._fixes(held | set(part)):
             return list(part)
+        if top and self._every_layer(failed + list(part)):
+            named = self._systematic((), "no single unit fixes it and the smallest set seen to fix touches every layer",
+                                     need_all=True)
+            if named is not None:
+                raise _Systematic(named)
         found = self._minimise(tuple(sorted(failed, key=self.pos.__getitem__)), held | set(part))
         if unsure and self._fixes(held | set(found)):
             return found
@@ -604,56 +657,141 @@ class _Search:
         all_layers = self._layers(self.cands)
         return len(all_layers) >= 2 and self._layers(tops) >= all_layers
 
-    def _systematic(self) -> SearchResult | None:
-        """A kind-level culprit for a divergence found in every layer (a kernel, or a config
-        value, that every unit of a kind reads): every unit of one kind swapped, as `--swap
-        KIND` does; when no single kind is enough, kinds added in the order of how much each
-        alone helped, then each dropped again that is not needed.
+    def _every_layer(self, units) -> bool:
+        """`units` (with their candidates) touch every layer, and there are two or more."""
+        all_layers = self._layers(self.cands)
+        return len(all_layers) >= 2 and self._layers({self.top[u] for u in units}) >= all_layers
 
-        Evidence, per kind and layer: the value with every unit of those kinds swapped but
-        that layer's unit of that kind (its share; above the threshold: it is needed). The
-        kinds are a systematic culprit when each is needed in more than half of its layers
-        (and at least two); otherwise None (the search reports the divergence as diffuse),
-        as it does when no set of kinds brings the metric under the threshold."""
-        by_kind: dict[str, list[str]] = {}
-        for u in self.units:
-            by_kind.setdefault(self._kind(u), []).append(u)
-        kinds = [k for k, us in by_kind.items() if len(self._layers(us)) >= 2]
-        tried: dict[str, float] = {}
+    def _kinds_first(self) -> tuple[list[str], str] | None:
+        """Kinds to try before the descent, from what is known before any trial: kinds
+        that read a config value that differs (`suspect_kinds`), else kinds whose units'
+        weights differ (`suspects`) in two or more layers and more than half of that
+        kind's; None when there are none (one damaged unit is searched as usual)."""
+        kinds = [k for k in self.suspect_kinds if k in self.kinds]
+        if kinds:
+            return kinds, f"the engine's config differs in a value every {', '.join(kinds)} unit reads"
+        spread = []
+        for k in self.kinds:
+            hit = self._layers(u for u in self.suspect_units if self._kind(u) == k)
+            if len(hit) >= 2 and 2 * len(hit) > len(self._layers(self.by_kind[k])):
+                spread.append(k)
+        if spread:
+            return spread, f"the engine's weights differ in the {', '.join(spread)} units of most layers"
+        return None
+
+    @staticmethod
+    def _middle_out(layers: list[int]) -> list[int]:
+        """Layers from the middle outwards. A spread that looks systematic during the descent
+        but is not is usually a culprit at each end (it needs the first layer and another):
+        its middle layers are not needed, so trying them first rules it out soonest."""
+        return sorted(layers, key=lambda x: (abs(2 * x - layers[0] - layers[-1]), x))
+
+    def _systematic(self, first, trigger: str, need_all: bool) -> SearchResult | None:
+        """Kind-level hypotheses, tried at most once per rule (see `_kinds`): the result, or
+        None. When the lenient rule said None the strict one would too (it is never rerun)."""
+        if need_all and self.systematic_tried.get(False, True) is None:
+            return None
+        if need_all not in self.systematic_tried:
+            self.systematic_tried[need_all] = self._kinds(list(first), trigger, need_all)
+        return self.systematic_tried[need_all]
+
+    def _kinds(self, first: list[str], trigger: str, need_all: bool) -> SearchResult | None:
+        """A kind-level culprit: the same difference in every layer (a kernel, or a config
+        value, that every unit of a kind reads). Tried when the evidence says the divergence
+        is spread (`trigger`, one of three): before the descent when the checkpoint diff says
+        so (`_kinds_first`); during it, as soon as no single unit fixes it and the smallest
+        set seen to fix touches every layer (`_minimise`); after it, when the minimal set
+        needs every layer. Trials run here are kept: when no kind is named the descent goes
+        on and reuses them (a resumed log replays this phase from its trials too).
+
+        The rule: the kinds are a systematic culprit when each is needed in more than half
+        of its layers (and at least two). During the descent (`need_all`) each must be
+        needed in every one of its layers: the descent has not yet shown that the minimal
+        set needs every layer, and a fault in some layers only is better named unit by unit
+        (the descent goes on and does that; if its minimal set then needs every layer, the
+        lenient rule is tried after it, from the trials already run).
+
+        The hypotheses: every unit of a kind swapped, as `--swap KIND` does (the `first`
+        kinds first, and together first when there are several: the kinds that read one
+        config value); when no single kind is enough, kinds added in the order of how much
+        each alone helped, then each dropped again that is not needed. Before the single
+        kinds not in `first` (and before any combination), every unit of every kind
+        together: when that does not fix, no set of kinds does (one trial rules them out);
+        then the same with one of the two middle layers (`need_all`: each in turn) or the
+        middle half of the layers left in the engine: when that fixes, the rule cannot
+        hold (one or two more trials, and the usual end when the descent's evidence was a
+        culprit at each end, or culprits in a few layers that include the first).
+
+        Evidence, per kind and layer: the value with every unit of the named kinds swapped
+        but that layer's units of that kind (its share; above the threshold: that layer is
+        needed). One trial per kind and layer, not per unit (a layer has two norms). The
+        shares stop as soon as the rule cannot hold (then None), so a named kind has every
+        layer's share.
+        """
+        first = [k for k in first if k in self.kinds]
+        kinds = first + [k for k in self.kinds if k not in first]
+        if not kinds:
+            return None
+
+        def units_of(ks):
+            return [u for k in ks for u in self.by_kind[k]]
+
+        tried: dict[str, float] = {}  # each kind alone: value
+
+        def fixes(ks) -> bool:
+            if len(ks) > 1:
+                return self._fixes(units_of(ks), "kinds")
+            tried[ks[0]] = self._run(units_of(ks), "kind").value
+            return tried[ks[0]] <= self.thr
+
         chosen = None
-        for k in kinds:
-            tried[k] = self._run(by_kind[k], "kind").value
-            if tried[k] <= self.thr:
+        if len(first) > 1 and fixes(first):  # the kinds that read one config value, together
+            chosen = first
+        for i, k in enumerate(kinds if chosen is None else ()):
+            if i == len(first) and len(kinds) > 1:
+                every = units_of(kinds)
+                if not self._fixes(every, "kinds"):
+                    return None
+                # The two middle layers one at a time (`need_all`), or the middle half of the
+                # layers, left in the engine: if that still fixes, the kinds cannot be needed
+                # in enough layers.
+                layers = self._middle_out(sorted(self._layers(every)))
+                screens = [{x} for x in layers[:2]] if need_all else [set(layers[: (len(layers) + 1) // 2])]
+                for middle in screens:
+                    if self._fixes([u for u in every if self.g.nodes[u]["layer"] not in middle], "kinds screen"):
+                        return None
+            if fixes([k]):
                 chosen = [k]
                 break
         if chosen is None and len(kinds) > 1:
             order = sorted(kinds, key=lambda k: tried[k])
             for i in range(2, len(order) + 1):
-                if self._fixes([u for k in order[:i] for u in by_kind[k]], "kinds"):
+                if fixes(order[:i]):
                     chosen = order[:i]
                     break
-            for k in list(chosen or []):  # drop a kind the others fix without
-                rest = [j for j in chosen if j != k]
-                if rest and self._fixes([u for j in rest for u in by_kind[j]], "kinds"):
-                    chosen = rest
+        for k in list(chosen or []):  # drop a kind the others fix without
+            rest = [j for j in chosen if j != k]
+            if rest and fixes(rest):
+                chosen = rest
         if not chosen:
             return None
-        units = [u for k in chosen for u in by_kind[k]]
+        units = units_of(chosen)
         value = self._run(units, "kinds").value
         shares: dict[str, dict[str, float | None]] = {}
         needed: dict[str, list[int]] = {}
         for k in chosen:
+            layers = sorted(self._layers(self.by_kind[k]))
             shares[k], needed[k] = {}, []
-            for u in sorted(by_kind[k], key=self._order):
-                layer = self.g.nodes[u]["layer"]
-                if layer is None:
-                    continue
-                v = self._run([x for x in units if x != u], "kind share").value
-                shares[k][u] = _json_float(v)
-                if not v <= self.thr and layer not in needed[k]:
+            for done, layer in enumerate(self._middle_out(layers), 1):
+                left = {u for u in self.by_kind[k] if self.g.nodes[u]["layer"] == layer}
+                v = self._run([x for x in units if x not in left], "kind share").value
+                shares[k][f"layers.{layer}"] = _json_float(v)
+                if not v <= self.thr:
                     needed[k].append(layer)
-        if any(len(needed[k]) < 2 or 2 * len(needed[k]) <= len(self._layers(by_kind[k])) for k in chosen):
-            return None
+                can_be = len(layers) - (done - len(needed[k]))  # layers not yet ruled out
+                if can_be < 2 or 2 * can_be <= len(layers) or (need_all and can_be < len(layers)):
+                    return None
+        shares = {k: dict(sorted(d.items(), key=lambda kv: int(kv[0].rpartition(".")[2]))) for k, d in shares.items()}
         layers = sorted({layer for k in chosen for layer in needed[k]})
         reason = (
             f"swapping every {', '.join(chosen)} unit ({len(units)} units) brings {self.metric} under {self.thr:g}, "
@@ -661,7 +799,7 @@ class _Search:
             "culprit, the same difference in every layer (a kernel or a config value those units all read)"
         )
         info = {"kinds": list(chosen), "units": len(units), "layers": len(layers), "value": _json_float(value),
-                "per_kind": {k: _json_float(v) for k, v in tried.items()}, "per_unit": shares}
+                "per_kind": {k: _json_float(v) for k, v in tried.items()}, "per_layer": shares, "trigger": trigger}
         return self._result("culprits", [], reason, systematic=info)
 
     def _diffuse(self, found, reason: str) -> SearchResult:

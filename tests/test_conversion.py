@@ -75,4 +75,4 @@ def test_a_fault_planted_in_every_layer_of_one_kind_is_named_as_that_kind():
     assert code == ExitCode.DIVERGED
     sy = body["search"]["systematic"]
     assert sy["kinds"] == ["attn"] and sy["layers"] == 4 and sy["units"] == 4
-    assert all(v > 1e-9 for v in sy["per_unit"]["attn"].values())  # each layer's attention is needed
+    assert len(sy["per_layer"]["attn"]) == 4 and all(v > 1e-9 for v in sy["per_layer"]["attn"].values())  # each layer's attention is needed

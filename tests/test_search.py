@@ -275,11 +275,144 @@ def test_a_kind_wrong_in_every_layer_is_a_systematic_culprit(kinds):
     sy = result.systematic
     assert sorted(sy["kinds"]) == unit_kinds
     assert sy["value"] == pytest.approx(FLOOR) and sy["layers"] == 4
-    for k in unit_kinds:  # leaving any one faulty unit unswapped keeps exactly its fault
-        faulty = {u: v for u, v in sy["per_unit"][k].items() if u in faults}
-        assert len(faulty) == 4 and all(v == pytest.approx(FLOOR + HIT) for v in faulty.values())
+    for k in unit_kinds:  # leaving one layer's units of the kind unswapped keeps exactly its fault
+        assert sy["per_layer"][k] == {f"layers.{i}": pytest.approx(FLOOR + HIT) for i in range(4)}
     assert "systematic" in result.stop_reason
     assert result.to_dict()["systematic"] == sy
+
+
+KIND_ROLES = {"kind", "kinds", "kinds screen", "kind share"}
+
+
+def kinds_with_two_layers(g, units):
+    layers: dict[str, set] = {}
+    for u in units:
+        if g.nodes[u]["layer"] is not None:
+            layers.setdefault(g.nodes[u]["kind"], set()).add(g.nodes[u]["layer"])
+    return [k for k, ls in layers.items() if len(ls) >= 2]
+
+
+@pytest.mark.parametrize("config", ["dense-2", "moe-4", "moe-8", "moe-4-shared"])
+def test_single_faults_never_pay_for_the_kind_level_hypotheses(config):
+    """The kinds are tried only once a single culprit is ruled out: a single fault's trials
+    are those of the descent alone (ceil(log2 n) + 4 at most, test above)."""
+    g, cands = model(*CONFIGS[config])
+    for fault in every_unit(g, cands):
+        runner = TrialRunner(Oracle(g, [fault]))
+        result = search(g, cands, runner, THR)
+        assert names(result) == [fault] and result.systematic is None
+        assert not {t.role for t in runner.trials} & KIND_ROLES, fault
+
+
+EVERY_LAYER = [("dense-2", "attn"), ("dense-2", "mlp"), ("moe-4", "attn"), ("moe-4", "post_attn_norm"),
+               ("moe-4", "moe.experts"), ("moe-4", "moe.router"), ("moe-8", "attn"), ("moe-8", "input_norm"),
+               ("moe-4-shared", "moe.shared_expert")]
+
+
+@pytest.mark.parametrize("config,unit", EVERY_LAYER)
+def test_a_fault_in_every_layer_is_named_as_its_kind_within_the_bound(config, unit):
+    """Tried as soon as the descent's unit fails alone: at most ceil(log2 n) + 6 + K + L
+    trials (K kinds found in two or more layers, L layers), where the diffuse descent took
+    41-97 on four layers (measured before this bound)."""
+    g, cands = model(*CONFIGS[config])
+    layers = CONFIGS[config][0]
+    units = every_unit(g, cands)
+    faults = [f"layers.{i}.{unit}" for i in range(layers)]
+    oracle = Oracle(g, faults)
+    result = search(g, cands, TrialRunner(oracle), THR)
+    kind = g.nodes[faults[0]]["kind"]
+    assert result.verdict == "culprits" and result.systematic["kinds"] == [kind]
+    assert result.systematic["layers"] == layers
+    assert result.systematic["per_layer"][kind] == {f"layers.{i}": pytest.approx(FLOOR + HIT) for i in range(layers)}
+    assert "touches every layer" in result.systematic["trigger"]
+    bound = math.ceil(math.log2(len(units))) + 6 + len(kinds_with_two_layers(g, units)) + layers
+    assert len(oracle.calls) == result.trials_used <= bound
+
+
+def test_weights_that_differ_in_every_layer_are_tried_as_a_kind_first():
+    """The checkpoint diff says every layer's post-attention norm differs: the kind goes
+    first, so baseline, all-swapped, the kind, and one share per layer."""
+    g, cands = model(4)
+    faults = [f"layers.{i}.post_attn_norm" for i in range(4)]
+    oracle = Oracle(g, faults)
+    result = search(g, cands, TrialRunner(oracle), THR, suspects=faults)
+    assert result.systematic["kinds"] == ["norm"] and result.systematic["layers"] == 4
+    assert "weights differ" in result.systematic["trigger"]
+    assert len(oracle.calls) == 2 + 1 + 4
+
+
+def test_a_config_value_two_kinds_read_is_tried_as_those_kinds_together():
+    g, cands = model(4)
+    faults = [f"layers.{i}.{k}" for i in range(4) for k in ("input_norm", "attn")]
+    oracle = Oracle(g, faults)
+    result = search(g, cands, TrialRunner(oracle), THR, suspect_kinds=["norm", "attn"])
+    sy = result.systematic
+    assert sy["kinds"] == ["norm", "attn"] and "config" in sy["trigger"]
+    assert sy["per_kind"] == {"norm": pytest.approx(FLOOR + 4 * HIT), "attn": pytest.approx(FLOOR + 4 * HIT)}
+    # baseline, all-swapped, both kinds, each alone (neither is enough), one share per kind and layer
+    assert len(oracle.calls) == 2 + 1 + 2 + 8
+
+
+def test_a_harmless_config_difference_costs_a_few_trials_and_the_unit_is_still_named():
+    g, cands = model(4)
+    result, oracle = run(g, cands, ["layers.0.attn"])
+    again = Oracle(g, ["layers.0.attn"])
+    named = search(g, cands, TrialRunner(again), THR, suspect_kinds=["router"])
+    assert names(named) == names(result) == ["layers.0.attn"] and named.systematic is None
+    assert len(again.calls) <= len(oracle.calls) + 4
+
+
+def test_one_damaged_unit_does_not_bring_the_kinds_first():
+    g, cands = model(4)
+    runner = TrialRunner(Oracle(g, ["layers.2.post_attn_norm"]))
+    result = search(g, cands, runner, THR, suspects=["layers.2.post_attn_norm"])
+    assert names(result) == ["layers.2.post_attn_norm"]
+    assert not {t.role for t in runner.trials} & KIND_ROLES
+
+
+def test_a_kind_wrong_in_three_of_four_layers_is_still_named_unit_by_unit():
+    """The trigger fires (the descent's set touches every layer) but the kind is not needed
+    in every layer: the descent goes on and names the three units, as before."""
+    g, cands = model(4)
+    faults = ["layers.0.attn", "layers.1.attn", "layers.2.attn"]
+    result, _ = run(g, cands, faults)
+    assert result.systematic is None and names(result) == faults
+
+
+def test_a_culprit_at_each_end_costs_two_kind_trials():
+    """The descent cannot tell a culprit in the first and the last layer from a systematic
+    one; every kind swapped with a middle layer left in the engine fixes it, which rules
+    the kinds out after two trials."""
+    g, cands = model(4)
+    runner = TrialRunner(Oracle(g, ["layers.0.attn", "layers.3.moe.experts"]))
+    result = search(g, cands, runner, THR)
+    assert names(result) == ["layers.0.attn", "layers.3.moe.experts"]
+    assert [t.role for t in runner.trials if t.role in KIND_ROLES] == ["kinds", "kinds screen"]
+
+
+def test_resume_in_the_middle_of_the_kind_level_hypotheses():
+    g, cands = model(4)
+    faults = [f"layers.{i}.attn" for i in range(4)]
+    full = TrialRunner(Oracle(g, faults))
+    want = search(g, cands, full, THR)
+    start = next(t.index for t in full.trials if t.role in KIND_ROLES)
+    for cut in (start + 1, start + 3, len(full.trials) - 2):
+        log: list[str] = []
+        oracle = Oracle(g, faults)
+
+        def dying(swapped):
+            if len(oracle.calls) == cut:
+                raise Interrupted
+            return oracle(swapped)
+
+        with pytest.raises(Interrupted):
+            search(g, cands, TrialRunner(dying, on_trial=lambda t: log.append(json.dumps(t.to_dict()))), THR)
+        done = [Trial.from_dict(json.loads(line)) for line in log]
+        again = Oracle(g, faults)
+        result = search(g, cands, TrialRunner(again, resumed=done), THR)
+        assert result.systematic == want.systematic and result.trials_used == want.trials_used
+        assert len(again.calls) == len(full.trials) - cut
+        assert not {frozenset(t.swapped) for t in done} & set(again.calls)
 
 
 def test_a_kind_wrong_in_half_of_the_layers_is_not_systematic():
