@@ -13,7 +13,8 @@ reads both checkpoints and says, per unit, what differs:
      (`experts.3 <-> experts.5`, `gate_proj <-> up_proj`);
    - `moved`: it holds another reference tensor's bytes, the other way round not;
    - `rows permuted`: its rows are the reference's, reordered in blocks of `head_dim`
-     rows (heads) or of single rows (e.g. experts of a router);
+     rows (heads) or of single rows (e.g. experts of a router), or a fused 3-D expert
+     tensor's slices reordered (experts);
    - `scaled`: it is the reference times one constant (`scaled by 1.5`);
    - otherwise `changed`, with the largest absolute and the relative difference.
    Missing, extra, reshaped and recast tensors are listed as such.
@@ -159,6 +160,11 @@ def _explain(name: str, ref_ck: _Checkpoint, eng_ck: _Checkpoint, head_dim: int 
     import torch
 
     r, e = ref_ck.tensor(name).float(), eng_ck.tensor(name).float()
+    if r.dim() == 3 and r.shape == e.shape:  # fused experts [experts, ...]: one slice per expert
+        perm = _row_permutation(r.reshape(r.shape[0], -1), e.reshape(e.shape[0], -1), 1)
+        if perm is not None:
+            return {"how": "rows permuted", "block": "experts", "block_rows": 1,
+                    "order": perm if len(perm) <= 64 else None, "moved": sum(p != i for i, p in enumerate(perm))}
     for block, what in ((head_dim, "heads"), (1, "rows")):
         if block:
             perm = _row_permutation(r, e, block)

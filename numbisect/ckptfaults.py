@@ -7,8 +7,10 @@ reference directory with one kind of damage, at a layer drawn by a seeded RNG:
 
 - `norm_scale`: one RMSNorm weight (input or post-attention, drawn) times 1.5;
 - `gate_up_swap`: gate and up projections swapped in one layer's FFN (dense MLP, every
-  expert, the shared expert; Mixtral's w1/w3);
-- `experts_swap`: two experts of one MoE layer trade their weights (MoE families);
+  expert, the shared expert; Mixtral's w1/w3; the two halves of a fused
+  `experts.gate_up_proj`, Qwen3-VL-MoE);
+- `experts_swap`: two experts of one MoE layer trade their weights (MoE families; their
+  slices of the fused expert tensors where the checkpoint keeps them fused);
 - `heads_permuted`: the query projection's first two heads trade places (two or more heads);
 - `every_layer_norm`: every layer's post-attention norm weight times 1.2 (one kind, every layer);
 - config.json fields (`CONFIG_FAULTS`), each read by one kind of unit in every layer:
@@ -16,7 +18,8 @@ reference directory with one kind of damage, at a layer drawn by a seeded RNG:
   attention; transformers 5 keeps it in `rope_parameters`), `config_routed_scaling_factor`
   (x2.5: the router's top-k weights; GLM-4-MoE) and `config_norm_topk_prob` (flipped: the
   router's renormalisation; families whose config.json has it). A family whose config.json
-  lacks the field skips the kind, saying so.
+  lacks the field, or whose router does not read it (Qwen3-VL-MoE always renormalises),
+  skips the kind, saying so.
 
 A fault says what a correct search names: the units whose tensors were damaged (`units`;
 the search may name their parent block, or sub-units of them), or, for a config field and
@@ -55,20 +58,29 @@ class CkptFault:
     kinds: list[str] = field(default_factory=list)  # a kind-level culprit expected instead (config, every layer)
     tensors: list[str] = field(default_factory=list)  # checkpoint tensor names changed
     config: dict = field(default_factory=dict)  # config.json fields changed: path ("rope_parameters.rope_theta") -> new value
+    experts: list[int] = field(default_factory=list)  # experts_swap on fused [experts, ...] tensors: the two indices
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "where": self.where, "units": self.units, "kinds": self.kinds,
                 "tensors": len(self.tensors), "config": self.config}
 
 
-def _keys(path: str) -> list[str]:
+def _shapes(path: str) -> dict[str, list[int]]:
+    """Every tensor of a checkpoint directory: name -> shape (headers only)."""
     from safetensors import safe_open
 
-    keys = []
+    shapes = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(f), "pt") as fh:
-            keys += list(fh.keys())
-    return keys
+            for k in fh.keys():
+                shapes[k] = list(fh.get_slice(k).get_shape())
+    return shapes
+
+
+# Experts stored fused, one [experts, hidden, 2 x intermediate] gate_up tensor and one down
+# tensor per layer (Qwen3-VL-MoE's checkpoint; transformers transposes them on load).
+_FUSED_GATE_UP = ".experts.gate_up_proj"
+_FUSED_DOWN = ".experts.down_proj"
 
 
 def config_value(raw_config: dict, path: str):
@@ -93,6 +105,19 @@ def _set_config(cfg: dict, path: str, value) -> None:
     scope[path.split(".")[-1]] = value
 
 
+def _router_reads(arch, text, path: str, value) -> bool:
+    """Whether the family's router reads config field `path`: its routing (`arch.router_spec`,
+    which mirrors the transformers router) changes when the field is `value`. Qwen3-VL-MoE's
+    router always renormalises, whatever norm_topk_prob says."""
+    import copy
+
+    if arch.router_spec is None:
+        return False
+    changed = copy.copy(text)
+    setattr(changed, path, value)
+    return arch.router_spec(changed) != arch.router_spec(text)
+
+
 def plan(ref_path: str, raw_config: dict, config, kinds=KINDS, seed: int = 0) -> tuple[list[CkptFault], list[dict]]:
     """The faults to write for this checkpoint (one per kind of `kinds` it has), and the
     kinds skipped with why. `raw_config`: its config.json; `config`: its transformers
@@ -104,7 +129,8 @@ def plan(ref_path: str, raw_config: dict, config, kinds=KINDS, seed: int = 0) ->
     arch = arch_for(config)
     text = config.get_text_config()
     n = text.num_hidden_layers
-    keys = _keys(ref_path)
+    shapes = _shapes(ref_path)
+    keys = list(shapes)
     prefixes = unit_prefixes(arch, config)
 
     def unit(key: str) -> str | None:
@@ -124,14 +150,23 @@ def plan(ref_path: str, raw_config: dict, config, kinds=KINDS, seed: int = 0) ->
             ks = layer_keys(i, f".{which}.weight")
             out.append(CkptFault(kind, f"{which} of layer {i} x1.5", sorted({unit(k) for k in ks}), tensors=ks))
         elif kind == "gate_up_swap":
-            ks = layer_keys(i, "gate_proj", ".w1.")
+            ks = layer_keys(i, "gate_proj", ".w1.", _FUSED_GATE_UP)
+            if not ks:
+                skipped.append({"kind": kind, "reason": f"no gate projection in layer {i}"})
+                continue
             out.append(CkptFault(kind, f"gate/up of layer {i}", sorted({unit(k) for k in ks}), tensors=ks))
         elif kind == "experts_swap":
-            moe = [j for j in range(n) if layer_keys(j, ".experts.0.")]
+            moe = [j for j in range(n) if layer_keys(j, ".experts.0.", _FUSED_GATE_UP)]
             if not moe:
                 skipped.append({"kind": kind, "reason": f"{arch.name} has no routed experts"})
                 continue
             i = rng.choice(moe)
+            fused = layer_keys(i, _FUSED_GATE_UP, _FUSED_DOWN)
+            if fused:  # one tensor per layer: the two experts' slices trade places
+                a, b = rng.sample(range(shapes[fused[0]][0]), 2)
+                out.append(CkptFault(kind, f"experts {a} and {b} of layer {i}", sorted({unit(k) for k in fused}),
+                                     tensors=fused, experts=[a, b]))
+                continue
             count = len({k.split(".experts.")[1].split(".")[0] for k in layer_keys(i, ".experts.")})
             a, b = rng.sample(range(count), 2)
             ks = [k for k in layer_keys(i, f".experts.{a}.")]
@@ -153,6 +188,9 @@ def plan(ref_path: str, raw_config: dict, config, kinds=KINDS, seed: int = 0) ->
                 continue
             path, old_value = ok[0]
             new = change(old_value)
+            if readers == ["router"] and not _router_reads(arch, text, path, new):
+                skipped.append({"kind": kind, "reason": f"{arch.name}'s router does not read {path}"})
+                continue
             out.append(CkptFault(kind, f"{path} {old_value:g} -> {new:g} ({words})" if not isinstance(new, bool)
                                  else f"{path} {old_value} -> {new}", kinds=list(readers), config={path: new}))
         elif kind == "every_layer_norm":
@@ -191,9 +229,19 @@ def write_copy(ref_path: str, dest: str, fault: CkptFault, head_dim: int) -> str
                 w[k] = torch.cat([blocks[1], blocks[0], *blocks[2:]]).contiguous()
         if fault.kind == "gate_up_swap":
             for k in [k for k in fault.tensors if k in w]:
+                if k.endswith(_FUSED_GATE_UP):  # [experts, hidden, gate | up]: the halves trade places
+                    gate, up = w[k].chunk(2, dim=-1)
+                    w[k] = torch.cat([up, gate], dim=-1).contiguous()
+                    continue
                 other = k.replace("gate_proj", "up_proj").replace(".w1.", ".w3.")
                 w[k], w[other] = w[other], w[k]
-        if fault.kind == "experts_swap":
+        if fault.kind == "experts_swap" and fault.experts:
+            a, b = fault.experts
+            for k in [k for k in fault.tensors if k in w]:
+                t = w[k].clone()
+                t[[a, b]] = w[k][[b, a]]
+                w[k] = t
+        elif fault.kind == "experts_swap":
             half = len(fault.tensors) // 2
             for a, b in zip(fault.tensors[:half], fault.tensors[half:]):
                 if a in w and b in w:

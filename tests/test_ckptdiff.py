@@ -139,3 +139,17 @@ def test_config_field_is_named_where_the_family_keeps_it(name, edit, field, read
     [c] = d["config"]
     assert c["field"] == field and c["read_by"] == readers and c["missing"] is None
     assert c["engine"] != c["ref"]
+
+
+def test_fused_expert_tensors_with_two_experts_swapped_say_so(tmp_path):
+    """Qwen3-VL-MoE keeps each layer's experts in one [experts, ...] tensor: two experts'
+    slices swapped are named as experts permuted, with the order."""
+    def swap(w):
+        for key in ("model.language_model.layers.3.mlp.experts.gate_up_proj", "model.language_model.layers.3.mlp.experts.down_proj"):
+            t = w[key].clone()
+            t[[6, 7]] = w[key][[7, 6]]
+            w[key] = t
+    d = diff("qwen3_vl_moe", damaged_copy("qwen3_vl_moe", tmp_path, swap))
+    assert list(d["units"]) == ["layers.3.moe.experts"]
+    assert d["units"]["layers.3.moe.experts"]["summary"] == (
+        "mlp.experts.down_proj experts permuted (order 0,1,2,3,4,5,7,6); mlp.experts.gate_up_proj experts permuted (order 0,1,2,3,4,5,7,6)")

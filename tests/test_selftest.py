@@ -169,7 +169,8 @@ NO_CONFIG_FIELD = {
     "glm4_moe": {},
     "mixtral": {"config_routed_scaling_factor": "no routed_scaling_factor in config.json",
                 "config_norm_topk_prob": "no norm_topk_prob in config.json"},
-    "qwen3_vl_moe": {"config_routed_scaling_factor": "no routed_scaling_factor in config.json"},
+    "qwen3_vl_moe": {"config_routed_scaling_factor": "no routed_scaling_factor in config.json",
+                     "config_norm_topk_prob": "qwen3_vl_moe's router does not read norm_topk_prob"},
 }
 
 
@@ -228,7 +229,7 @@ def test_a_config_fault_is_named_by_its_kind_or_by_each_unit_of_it():
     assert CF.named(f, [], None, parent, routers) is None
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral", "qwen3_vl_moe"])
 def test_checkpoint_faults_are_named_on_every_family(name):
     """--checkpoint-faults: damaged copies of the reference (each kind at a seeded layer) are
     searched as a user would run them; the self-check passes on every copy and the search
