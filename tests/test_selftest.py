@@ -256,7 +256,7 @@ def test_checkpoint_faults_are_named_on_every_family(name):
             else:
                 assert r["match"] == "kind" and set(expected) <= set(r["systematic"]), r
     assert rows["config_eps"]["config"] == {"rms_norm_eps": pytest.approx(1e-4)}
-    assert rows["config_rope_theta"]["config"] == {"rope_parameters.rope_theta": pytest.approx(s.ref.config.rope_parameters["rope_theta"] / 100)}
+    assert rows["config_rope_theta"]["config"] == {"rope_parameters.rope_theta": pytest.approx(s.ref.config.get_text_config().rope_parameters["rope_theta"] / 100)}
     assert res["passed"] and res["results"] == []
     text = ST.render(res)
     assert f"{len(rows)}/{len(rows)} checkpoint faults found" in text and "FAILED" not in text
