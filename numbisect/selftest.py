@@ -17,6 +17,12 @@
    ceil(log2 n) + 4, n = candidates plus their sub-units (`numbisect.search`).
 5. A table on stdout, and a JSON document (`--out`). Exit 0 when every round found its
    fault, 1 otherwise.
+
+With `--checkpoint-faults` the rounds are damaged copies of the reference checkpoint
+instead (`numbisect.ckptfaults`; `--fault KIND` picks kinds), each searched with `bisect
+run` against the reference (`checkpoint_rounds`); a copy within 10x of the noise floor is
+TOO WEAK, neither found nor missed; a copy that cannot be written (disk full) is one line,
+exit 2 (`copy_error`).
 """
 
 from __future__ import annotations
