@@ -13,14 +13,16 @@ reads both checkpoints and says, per unit, what differs:
      (`experts.3 <-> experts.5`, `gate_proj <-> up_proj`);
    - `moved`: it holds another reference tensor's bytes, the other way round not;
    - `rows permuted`: its rows are the reference's, reordered in blocks of `head_dim`
-     rows (heads) or of single rows (e.g. experts of a router);
+     rows (heads) or of single rows (e.g. experts of a router), or a fused 3-D expert
+     tensor's slices reordered (experts);
    - `scaled`: it is the reference times one constant (`scaled by 1.5`);
    - otherwise `changed`, with the largest absolute and the relative difference.
    Missing, extra, reshaped and recast tensors are listed as such.
 3. Each tensor belongs to the unit whose transformers module holds it (the longest module
    path of the family's map that prefixes its name): `layers.1.moe.experts`.
-4. Config fields that change numerics (`NUMERIC_FIELDS`, top level and `text_config`)
-   are compared; each difference names the unit kinds that read it.
+4. Config fields that change numerics (`NUMERIC_FIELDS`, top level and `text_config`;
+   a dict-valued one such as `rope_parameters` key by key) are compared; each
+   difference names the unit kinds that read it (`rope_parameters.rope_theta`: attn).
 
 The result is a plain dict (the report's `inputs.checkpoint_diff`; numbisect.render
 prints it). The search still confirms a unit by swapping it.
@@ -70,7 +72,7 @@ class _Checkpoint:
         for f in sorted(Path(path).glob("*.safetensors")):
             header, start = _header(f)
             for key, meta in header.items():
-                self.tensors[_apply(key, renames)] = (f, start, meta, key)
+                self.tensors[apply_renames(key, renames)] = (f, start, meta, key)
         self._digests: dict[str, str] = {}
 
     def meta(self, name: str) -> dict:
@@ -96,15 +98,20 @@ class _Checkpoint:
             return fh.get_tensor(key)
 
 
-def _unit_of(name: str, prefixes: list[tuple[str, str]]) -> str | None:
-    """The unit whose module path is the longest prefix of tensor `name`."""
+def unit_of(name: str, prefixes: list[tuple[str, str]]) -> str | None:
+    """The unit that holds tensor `name` (a checkpoint name with the family's renames
+    applied, `apply_renames`): the unit whose module path is the longest prefix of it,
+    from `prefixes` as `unit_prefixes` gives them (longest first); None when no unit's
+    module holds it."""
     for path, unit in prefixes:  # longest first
         if name == path or name.startswith(path + "."):
             return unit
     return None
 
 
-def _unit_prefixes(arch, config) -> list[tuple[str, str]]:
+def unit_prefixes(arch, config) -> list[tuple[str, str]]:
+    """(transformers module path, unit name) for every unit of family `arch` with a
+    module, longest path first: what `unit_of` matches tensor names against."""
     out = []
     for u in arch.units(config):
         p = arch.path("hf", u)
@@ -153,6 +160,11 @@ def _explain(name: str, ref_ck: _Checkpoint, eng_ck: _Checkpoint, head_dim: int 
     import torch
 
     r, e = ref_ck.tensor(name).float(), eng_ck.tensor(name).float()
+    if r.dim() == 3 and r.shape == e.shape:  # fused experts [experts, ...]: one slice per expert
+        perm = _row_permutation(r.reshape(r.shape[0], -1), e.reshape(e.shape[0], -1), 1)
+        if perm is not None:
+            return {"how": "rows permuted", "block": "experts", "block_rows": 1,
+                    "order": perm if len(perm) <= 64 else None, "moved": sum(p != i for i, p in enumerate(perm))}
     for block, what in ((head_dim, "heads"), (1, "rows")):
         if block:
             perm = _row_permutation(r, e, block)
@@ -173,23 +185,42 @@ def _explain(name: str, ref_ck: _Checkpoint, eng_ck: _Checkpoint, head_dim: int 
 
 
 def _config_fields(cfg: dict) -> dict:
+    """The numerics-changing fields of a config.json, by path: `rms_norm_eps`,
+    `text_config.norm_topk_prob`; a field whose value is a dict (`rope_parameters`,
+    `rope_scaling`) one entry per key, `rope_parameters.rope_theta`, so the finding names
+    the value that changed (transformers 5 keeps `rope_theta` there)."""
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     out = {}
     for scope, where in ((cfg, ""), (text, "text_config.")):
         for k in NUMERIC_FIELDS:
-            if k in scope:
+            if k not in scope:
+                continue
+            if isinstance(scope[k], dict) and scope[k]:
+                for sub, v in scope[k].items():
+                    out[f"{where}{k}.{sub}"] = v
+            else:
                 out[where + k] = scope[k]
     return out
 
 
+def field_readers(path: str) -> list[str]:
+    """The unit kinds that read config field `path` (`text_config.rope_parameters.rope_theta`
+    -> the readers of `rope_parameters`)."""
+    parts = path.split(".")
+    if parts[0] == "text_config":
+        parts = parts[1:]
+    return list(NUMERIC_FIELDS.get(parts[0], ()))
+
+
 def diff_configs(ref_cfg: dict, eng_cfg: dict) -> list[dict]:
-    """The numerics-changing config fields whose values differ (or that one side lacks)."""
+    """The numerics-changing config fields whose values differ (or that one side lacks),
+    each with the unit kinds that read it (`read_by`)."""
     a, b = _config_fields(ref_cfg), _config_fields(eng_cfg)
     out = []
     for k in sorted(set(a) | set(b)):
         if a.get(k, "<missing>") != b.get(k, "<missing>"):
             out.append({"field": k, "ref": a.get(k), "engine": b.get(k), "missing": "ref" if k not in a else "engine" if k not in b else None,
-                        "read_by": list(NUMERIC_FIELDS[k.rpartition(".")[2]])})
+                        "read_by": field_readers(k)})
     return out
 
 
@@ -203,14 +234,14 @@ def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict,
         return {"same_path": True, "identical": True, "tensors": 0, "units": {}, "unmapped": [], "config": []}
     arch = arch_for(config)
     ref_ck, eng_ck = _Checkpoint(ref_path, arch.ckpt_renames), _Checkpoint(eng_path, arch.ckpt_renames)
-    prefixes = _unit_prefixes(arch, config)
+    prefixes = unit_prefixes(arch, config)
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // text.num_attention_heads)
     findings: dict[str, list[dict]] = {}
     unmapped: list[dict] = []
 
     def note(name: str, item: dict) -> None:
-        unit = _unit_of(name, prefixes)
+        unit = unit_of(name, prefixes)
         if unit is None:
             unmapped.append({"tensor": name, **item})
         else:
@@ -258,7 +289,10 @@ def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict,
             "units": units, "unmapped": unmapped, "config": cfg}
 
 
-def _apply(key: str, renames: dict[str, str]) -> str:
+def apply_renames(key: str, renames: dict[str, str]) -> str:
+    """Checkpoint tensor name `key` as transformers names it: each of the family's
+    renames (`arch.ckpt_renames`, old substring -> new) applied in turn, e.g. Mixtral's
+    `block_sparse_moe` -> `mlp`."""
     for old, new in renames.items():
         key = key.replace(old, new)
     return key

@@ -525,10 +525,10 @@ def tui(report_file, **kw):
 @click.option("--trace", type=click.Path(), help="Token trace [default: fixtures/traces/NAME.jsonl when --ref is a fixture].")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the planted units' choice.")
 @click.option("--rounds", default=1, show_default=True, type=int, help="Each round plants every fault kind once.")
-@click.option("--fault", "faults", multiple=True, metavar="NAME[=VALUE][@UNIT]", help="Plant these faults instead of the engine profile's (repeatable); without @UNIT at a random unit.")
+@click.option("--fault", "faults", multiple=True, metavar="NAME[=VALUE][@UNIT]", help="Plant these faults instead of the engine profile's (repeatable); without @UNIT at a random unit. With --checkpoint-faults: the checkpoint fault kinds to write.")
 @click.option("--threshold", type=float, default=None, help="Override the engine profile's threshold.")
 @click.option("--local-rank/--no-local-rank", default=True, show_default=True, help="Order the search by local error, as `run` does.")
-@click.option("--checkpoint-faults", is_flag=True, help="Instead of runtime faults: damaged copies of the reference checkpoint (norm scaled, gate/up swapped, experts swapped, heads permuted, rms_norm_eps changed, every layer's norm scaled), each run with `bisect run`.")
+@click.option("--checkpoint-faults", is_flag=True, help="Instead of runtime faults: damaged copies of the reference checkpoint (norm scaled, gate/up swapped, experts swapped, heads permuted, every layer's norm scaled; config.json's rms_norm_eps, rope_theta, routed_scaling_factor, norm_topk_prob changed), each run with `bisect run`.")
 @click.option("--out", type=click.Path(), help="Write the results as JSON here (atomically).")
 @options("quiet")
 def selftest(**kw):

@@ -17,10 +17,17 @@
    ceil(log2 n) + 4, n = candidates plus their sub-units (`numbisect.search`).
 5. A table on stdout, and a JSON document (`--out`). Exit 0 when every round found its
    fault, 1 otherwise.
+
+With `--checkpoint-faults` the rounds are damaged copies of the reference checkpoint
+instead (`numbisect.ckptfaults`; `--fault KIND` picks kinds), each searched with `bisect
+run` against the reference (`checkpoint_rounds`); a copy within 10x of the noise floor is
+TOO WEAK, neither found nor missed; a copy that cannot be written (disk full) is one line,
+exit 2 (`copy_error`).
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import random
 import time
@@ -259,7 +266,9 @@ def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templ
     """Plant, search, judge; the JSON-ready result (`passed` says whether all were found).
 
     `checkpoint`: instead of runtime faults, damaged copies of the reference checkpoint
-    (`numbisect.ckptfaults`), each searched by `bisect run` as a user would run it."""
+    (`numbisect.ckptfaults`), each searched by `bisect run` as a user would run it;
+    `templates` then names the checkpoint fault kinds to write (default: all)."""
+    from numbisect import ckptfaults as CF
     from numbisect.run import check_swaps
 
     if session.engine is None:
@@ -267,6 +276,12 @@ def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templ
     if rounds < 1:
         raise InputError("--rounds must be at least 1")
     thr = session.settings.threshold
+    ck_kinds = list(CF.KINDS)
+    if checkpoint and templates:  # --checkpoint-faults --fault KIND: these kinds only
+        bad = [t for t in templates if t not in CF.KINDS]
+        if bad:
+            raise InputError(f"unknown checkpoint fault {', '.join(map(repr, bad))}; the kinds are: {', '.join(CF.KINDS)}")
+        ck_kinds, templates = [k for k in CF.KINDS if k in templates], None
     plan = [PlantedKind(t, (), "") for t in templates] if templates else list(profile.faults)
     for p in plan:  # a bad template or unit is a usage error before any work
         if "@" in p.template:
@@ -323,7 +338,8 @@ def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templ
             "stop_reason": result.stop_reason,
             "trial_log": [{"swapped": list(t.swapped), "value": t.value, "role": t.role} for t in runner.trials],
         })
-    ck_rows, ck_skipped = checkpoint_rounds(session, profile, floor, bound, rounds, seed, progress) if checkpoint else ([], [])
+    ck_rows, ck_skipped = (checkpoint_rounds(session, profile, floor, bound, rounds, seed, progress, ck_kinds)
+                           if checkpoint else ([], []))
     found = sum(r["found"] for r in rows)
     judged = [r for r in ck_rows if r["status"] != "TOO WEAK"]
     ck_found = sum(r["found"] for r in judged)
@@ -363,8 +379,8 @@ def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templ
 
 
 def checkpoint_rounds(session, profile: Profile, floor: float, bound: int, rounds: int, seed: int,
-                      progress=lambda m: None) -> tuple[list[dict], list[dict]]:
-    """Each round writes every checkpoint fault kind (a damaged copy of the reference, in a
+                      progress=lambda m: None, kinds=None) -> tuple[list[dict], list[dict]]:
+    """Each round writes each checkpoint fault kind (`kinds`, default all; a damaged copy of the reference, in a
     temporary directory) and runs `bisect run` on it against the reference: the swap
     self-check must pass on the copy and the search must name the damage. A copy whose
     damage is within 10x of the noise floor is TOO WEAK: neither found nor missed."""
@@ -379,20 +395,43 @@ def checkpoint_rounds(session, profile: Profile, floor: float, bound: int, round
     text = session.ref.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     rows, skipped = [], []
-    tmp = tempfile.mkdtemp(prefix="numbisect-ckpt-")
+    try:
+        tmp = tempfile.mkdtemp(prefix="numbisect-ckpt-")
+    except OSError as e:
+        raise copy_error(e, tempfile.gettempdir()) from None
     try:
         for r in range(1, rounds + 1):
-            faults, skip = CF.plan(ref_path, check_checkpoint(ref_path), session.ref.config, seed=seed + r - 1)
+            faults, skip = CF.plan(ref_path, check_checkpoint(ref_path), session.ref.config, kinds=kinds or CF.KINDS,
+                                   seed=seed + r - 1)
             if r == 1:
                 skipped = skip
             for f in faults:
                 progress(f"round {r}: checkpoint copy with {f.kind} ({f.where})")
-                copy = CF.write_copy(ref_path, f"{tmp}/r{r}", f, head_dim)
+                try:
+                    copy = CF.write_copy(ref_path, f"{tmp}/r{r}", f, head_dim)
+                except OSError as e:
+                    raise copy_error(e, f"{tmp}/r{r}/{f.kind}") from None
                 rows.append(_checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progress))
                 shutil.rmtree(copy, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows, skipped
+
+
+_NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def copy_error(e: OSError, where: str) -> InputError:
+    """The one-line error for an OSError writing the damaged copies (exit 2, as an output
+    whose disk is full is): a full disk or a file-size limit (ENOSPC, EDQUOT, EFBIG) says
+    "no space left", any other says what the system said; both name the path."""
+    # the file being written when the error names it (a copy's error may name its source)
+    path = next((str(f) for f in (e.filename2, e.filename) if f and str(f).startswith(where)), where)
+    hint = "free space there or point TMPDIR at a larger disk; the temporary copies were removed"
+    if e.errno in _NO_SPACE:
+        return InputError(f"no space left writing the damaged checkpoint copies to {path} "
+                          f"({e.strerror or errno.errorcode.get(e.errno, e.errno)})", hint)
+    return InputError(f"cannot write the damaged checkpoint copies to {path} ({e.strerror or e})", hint)
 
 
 def _checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progress) -> dict:
@@ -418,10 +457,13 @@ def _checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progre
     culprits = [c["unit"] for c in body.get("culprits") or []]
     sy = search.get("systematic")
     base = body["baseline"]["value"]
-    how = CF.named(f, culprits, sy, lambda u: u.rpartition(".")[0] or u)
+    kind_units: dict[str, list[str]] = {}
+    for u in session.ref.units:
+        kind_units.setdefault(u.kind, []).append(u.name)
+    how = CF.named(f, culprits, sy, lambda u: u.rpartition(".")[0] or u, kind_units)
     if f.config:  # a config change must also be named as a config difference
         fields = [c.get("field") for c in diff.get("config") or []]
-        how = how if all(k in fields for k in f.config) else None
+        how = how if all(k in fields or f"text_config.{k}" in fields for k in f.config) else None
     weak = not base > 10 * floor or base <= session.settings.threshold
     status = "TOO WEAK" if weak else ("found" if how == "exact" else f"found ({how})" if how else "MISSED")
     single = not f.kinds
@@ -435,16 +477,23 @@ def _checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progre
 
 def checkpoint_table(res: dict) -> list[str]:
     """The checkpoint-fault rounds: kind, what was damaged, the answer, found, trials / bound."""
-    head = f"{'#':>2}  {'checkpoint fault':<18} {'damage':<44} {'k3 fault':>9}  {'named':<34} {'result':<16} {'trials':>7}"
+    head = f"{'#':>2}  {'checkpoint fault':<28} {'damage':<50} {'k3 fault':>9}  {'named':<34} {'result':<20} {'trials':>7}"
     lines = ["", "checkpoint faults (damaged copies of the reference, searched with `bisect run`):", head, "-" * len(head)]
     for r in res.get("checkpoint_results") or []:
-        named = ("kinds " + ", ".join(r["systematic"])) if r.get("systematic") else (", ".join(r.get("culprits") or []) or "-")
+        if r.get("systematic"):
+            named = "kinds " + ", ".join(r["systematic"])
+        elif r.get("match") in ("every unit", "some units"):
+            layers = ",".join(c.split(".")[1] for c in r["culprits"] if c.startswith("layers."))
+            kinds = ", ".join(r["kinds"])
+            named = f"every {kinds}: layers {layers}" if r["match"] == "every unit" else f"{kinds} of layers {layers} only"
+        else:
+            named = ", ".join(r.get("culprits") or []) or "-"
         tr = "-" if r.get("trials") is None else (f"{r['trials']}/{r['bound']}" + ("" if r["within_bound"] else "!")
                                                    if r.get("bound") else f"{r['trials']}")
-        lines.append(f"{r['round']:>2}  {r['kind']:<18} {r['where'][:44]:<44} {fmt(r.get('fault_k3')):>9}  "
-                     f"{named[:34]:<34} {r['status']:<16} {tr:>7}")
+        lines.append(f"{r['round']:>2}  {r['kind']:<28} {r['where'][:50]:<50} {fmt(r.get('fault_k3')):>9}  "
+                     f"{named[:34]:<34} {r['status']:<20} {tr:>7}")
     for s in res.get("checkpoint_skipped") or []:
-        lines.append(f"    {s['kind']:<18} skipped: {s['reason']}")
+        lines.append(f"    {s['kind']:<28} skipped: {s['reason']}")
     c = res.get("checkpoint_summary") or {}
     lines.append(f"{c.get('found')}/{c.get('judged')} checkpoint faults found"
                  + (f"; {c.get('too_weak')} within 10x of the noise floor (not judged)" if c.get("too_weak") else ""))

@@ -122,3 +122,34 @@ def test_run_names_the_damaged_unit_and_its_weight_evidence(tmp_path, capsys):
     capsys.readouterr()
     main(["report", "show", str(out)])
     assert "  its weights differ from the reference's: layers.2.moe.experts: experts.3 <-> experts.5 swapped (3 tensor pairs)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, edit, field, readers", [
+    ("qwen3", lambda c: c["rope_parameters"].update(rope_theta=100.0), "rope_parameters.rope_theta", ["attn"]),
+    ("glm4_moe", lambda c: c.update(routed_scaling_factor=2.5), "routed_scaling_factor", ["router"]),
+    ("glm4_moe", lambda c: c.update(norm_topk_prob=False), "norm_topk_prob", ["router"]),
+    ("qwen3_vl_moe", lambda c: c["text_config"]["rope_parameters"].update(rope_theta=100.0),
+     "text_config.rope_parameters.rope_theta", ["attn"]),
+])
+def test_config_field_is_named_where_the_family_keeps_it(name, edit, field, readers, tmp_path):
+    """transformers 5 keeps rope_theta in rope_parameters (a multimodal family's under
+    text_config): the finding names the key that changed, not the whole dict."""
+    d = diff(name, damaged_copy(name, tmp_path, lambda w: None, edit))
+    assert d["units"] == {} and not d["identical"]
+    [c] = d["config"]
+    assert c["field"] == field and c["read_by"] == readers and c["missing"] is None
+    assert c["engine"] != c["ref"]
+
+
+def test_fused_expert_tensors_with_two_experts_swapped_say_so(tmp_path):
+    """Qwen3-VL-MoE keeps each layer's experts in one [experts, ...] tensor: two experts'
+    slices swapped are named as experts permuted, with the order."""
+    def swap(w):
+        for key in ("model.language_model.layers.3.mlp.experts.gate_up_proj", "model.language_model.layers.3.mlp.experts.down_proj"):
+            t = w[key].clone()
+            t[[6, 7]] = w[key][[7, 6]]
+            w[key] = t
+    d = diff("qwen3_vl_moe", damaged_copy("qwen3_vl_moe", tmp_path, swap))
+    assert list(d["units"]) == ["layers.3.moe.experts"]
+    assert d["units"]["layers.3.moe.experts"]["summary"] == (
+        "mlp.experts.down_proj experts permuted (order 0,1,2,3,4,5,7,6); mlp.experts.gate_up_proj experts permuted (order 0,1,2,3,4,5,7,6)")

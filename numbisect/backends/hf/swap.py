@@ -4,7 +4,8 @@ The engine and the donor share transformers' calling convention, so the adapter 
 casts: tensors in to the donor's dtype, float outputs back to the engine's (logits from
 a swapped `lm_head` stay in the donor's dtype: the backend takes a float32 log-softmax
 of them). Attention and whole layers recompute their rotary cos/sin with the donor's
-own rotary embedding, in the donor's dtype.
+own rotary embedding, in the donor's dtype (under M-RoPE from the 3-D position ids the
+engine's rotary embedding was called with), so the donor's rope_theta is carried.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ def _cast(x: Any, dtype: torch.dtype, only: torch.dtype | None = None) -> Any:
 class CastAdapter(nn.Module):
     """Run `inner` in `inner_dtype`; hand its float outputs back in `out_dtype` (None: keep)."""
 
-    def __init__(self, inner: nn.Module, inner_dtype: torch.dtype, out_dtype: torch.dtype | None, rotary=None):
+    def __init__(self, inner: nn.Module, inner_dtype: torch.dtype, out_dtype: torch.dtype | None, rotary=None,
+                 positions: dict | None = None):
         super().__init__()
         self.inner = inner
         self.inner_dtype = inner_dtype
         self.out_dtype = out_dtype
         self.rotary = rotary  # donor rotary embedding: recompute cos/sin in the donor's dtype
+        self.positions = positions  # M-RoPE: {"ids": the engine rotary's 3-D position ids this forward}
 
     def forward(self, *args, **kwargs):
         # Only the activations change dtype: inputs in the engine's dtype (that of the hidden
@@ -48,9 +51,10 @@ class CastAdapter(nn.Module):
         x = hidden_arg(args, kwargs)
         outer = x.dtype if x is not None else None
         args, kwargs = _cast(args, self.inner_dtype, outer), _cast(kwargs, self.inner_dtype, outer)
-        if self.rotary is not None and kwargs.get("position_ids") is not None and "position_embeddings" in kwargs:
+        ids = kwargs.get("position_ids") if self.positions is None else self.positions.get("ids")
+        if self.rotary is not None and ids is not None and "position_embeddings" in kwargs:
             x = kwargs.get("hidden_states", args[0] if args else None)
-            kwargs["position_embeddings"] = self.rotary(x, kwargs["position_ids"])
+            kwargs["position_embeddings"] = self.rotary(x, ids)
         out = self.inner(*args, **kwargs)
         return out if self.out_dtype is None else _cast(out, self.out_dtype, self.inner_dtype)
 
@@ -71,4 +75,15 @@ def swap_unit(engine, unit, donor, ledger: Ledger) -> None:
     ref = donor.module(unit.name)
     out_dtype = None if unit.kind == "lm_head" else engine.dtype
     rotary = donor.arch.layer_rotary(donor.model) if unit.kind in ("attn", "layer") else None
-    ledger.replace(engine.root, engine.module_path(unit.name), CastAdapter(ref, donor.dtype, out_dtype, rotary))
+    positions = None
+    if unit.kind in ("attn", "layer") and donor.arch.mrope:
+        # M-RoPE: a layer's 1-D position ids cannot give cos/sin, the 3-D ids the engine's own
+        # rotary embedding is called with in this forward can: the donor's rotary (its
+        # rope_theta, mrope_section) recomputes them from those.
+        rotary, positions = donor.arch.rotary(donor.model), {}
+
+        def record(mod, args, kwargs):
+            positions["ids"] = args[1] if len(args) > 1 else kwargs.get("position_ids")
+
+        ledger.hooks(engine.arch.rotary(engine.root), pre=record)
+    ledger.replace(engine.root, engine.module_path(unit.name), CastAdapter(ref, donor.dtype, out_dtype, rotary, positions))

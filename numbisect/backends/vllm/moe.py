@@ -62,6 +62,11 @@ def swap_router(engine, unit, ref, rdt: torch.dtype, ledger: Ledger) -> None:
 
     select_experts.__wrapped__ = original
     ledger.setattr(r.router, "select_experts", select_experts)
+    # A transformers router multiplies its top-k weights by its config's
+    # routed_scaling_factor (GLM-4-MoE); vLLM scales the routed output by the engine's
+    # instead: with the donor's router in place the runner must not scale again.
+    if getattr(r, "routed_scaling_factor", 1.0) != 1.0:
+        ledger.setattr(r, "routed_scaling_factor", 1.0)
 
 
 def swap_experts(engine, unit, ref, rdt: torch.dtype, ledger: Ledger) -> None:
