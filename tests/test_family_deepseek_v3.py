@@ -147,6 +147,11 @@ def test_vllm_natural_pair_names_the_mla_attention_and_the_self_check_passes():
     # runner, whose routed_scaling_factor of 2.5 must then apply once) reproduces the reference
     assert body["self_check"]["passed"] and body["self_check"]["k3_mean"] <= 1e-7
     assert body["first_divergence"]["bitwise"] == "layers.0.attn"
+    # vLLM scales the routed sum by routed_scaling_factor after its kernel: the experts' capture
+    # includes it, as transformers' experts output does (without it: local rel-L2 0.6 = 1 - 1/2.5)
+    local = {u["name"]: u["local"]["rel_l2"] for u in body["units"] if u.get("local")}
+    for i in (1, 2):
+        assert local[f"layers.{i}.moe.experts"] < 0.05 and local[f"layers.{i}.moe"] < 0.05
 
 
 @pytest.mark.vllm

@@ -170,15 +170,17 @@ def install_probe(engine, probe, ledger: Ledger) -> None:
         ledger.setattr(router, "select_experts", select_experts)
 
 
-def record_routed(routed, sink: list, ledger: Ledger, spans_of=None) -> None:
+def record_routed(routed, sink: list, ledger: Ledger, spans_of=None, scale: float = 1.0) -> None:
     """Record the output of `routed_experts.forward_modular` (the routed weighted sum);
-    in decode mode with the positions the pre-hook gave `spans_of`'s current call."""
+    in decode mode with the positions the pre-hook gave `spans_of`'s current call. `scale`:
+    the runner's `output_scale`, applied to the record as the runner applies it afterwards
+    (transformers' experts output carries it)."""
     inner = routed.forward_modular
 
     def forward_modular(*args, **kwargs):
         out = inner(*args, **kwargs)
         if isinstance(out, torch.Tensor):
-            y = out.detach().to("cpu", copy=True)
+            y = (out * scale if scale != 1.0 else out).detach().to("cpu", copy=True)
             sink.append(y if spans_of is None else (*spans_of.__dict__["_numbisect_span"], y))
         return out
 
