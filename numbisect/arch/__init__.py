@@ -18,10 +18,9 @@ from numbisect.errors import InputError
 
 def _registry() -> dict[str, ArchMap]:
     from numbisect.arch import glm4_moe, mixtral, qwen3, qwen3_moe, qwen3_vl_moe
-    from numbisect.arch import olmoe
+    from numbisect.arch import deepseek_v3, olmoe
 
-    maps = [qwen3_moe.ARCH, qwen3.ARCH, glm4_moe.ARCH, mixtral.ARCH, qwen3_vl_moe.ARCH]
-    maps.append(olmoe.ARCH)
+    maps = [qwen3_moe.ARCH, qwen3.ARCH, glm4_moe.ARCH, mixtral.ARCH, qwen3_vl_moe.ARCH, olmoe.ARCH, deepseek_v3.ARCH]
     return {a: m for m in maps for a in m.architectures}
 
 

@@ -2,7 +2,8 @@
 
 vLLM keeps flat `[tokens, hidden]` activations, returns `(hidden, residual)` from its
 layers, fuses RMSNorm with the residual add, calls attention as `(positions, hidden)`
-and takes logits from a logits processor. Each unit kind has an adapter here
+(DeepSeek's MLA attention and layers with one more argument, `llama_4_scaling`, None
+in practice) and takes logits from a logits processor. Each unit kind has an adapter here
 (`ADAPTERS`); the donor module keeps its own weights and dtype, and the adapter casts at
 the boundary. The MoE sub-units (router, experts) are swapped inside vLLM's fused-MoE
 runner instead (`moe.py`).
@@ -57,8 +58,23 @@ class VllmNorm(VllmHF):
         return self.inner(stream.to(self.rdt)).to(self.edt), stream
 
 
+def _no_extra(unit: str, extra: tuple) -> None:
+    """vLLM's DeepSeek layers pass attention and layers one more argument, `llama_4_scaling`
+    (None unless the config asks for it): the donor transformers module has no such input."""
+    if any(v is not None for v in extra):
+        from numbisect.errors import BackendError
+
+        raise BackendError(f"vLLM calls this {unit} with an argument the transformers module has no counterpart "
+                           "for (llama_4_scaling in config.json): cannot swap it")
+
+
 class VllmAttn(VllmHF):
-    def forward(self, positions, hidden_states):
+    """Attention, MLA included: `(positions, hidden[, llama_4_scaling]) -> hidden`. The donor
+    gets transformers' inputs (position_embeddings, causal mask); an MLA donor computes its
+    compressed latent itself."""
+
+    def forward(self, positions, hidden_states, *extra):
+        _no_extra("attention", extra)
         x = hidden_states.to(self.rdt)[None]
         out = self.inner(hidden_states=x, **{k: v for k, v in self.hf_context(x, positions).items() if k != "position_ids"})
         return out[0][0].to(self.edt)
@@ -74,7 +90,8 @@ class VllmBlock(VllmHF):
 class VllmLayer(VllmHF):
     """A whole decoder layer: `(positions, hidden, residual) -> (stream, zeros)`."""
 
-    def forward(self, positions, hidden_states, residual):
+    def forward(self, positions, hidden_states, residual, *extra):
+        _no_extra("layer", extra)
         stream = hidden_states if residual is None else hidden_states + residual
         x = stream.to(self.rdt)[None]
         out = self.inner(x, **self.hf_context(x, positions))

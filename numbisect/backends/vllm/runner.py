@@ -252,7 +252,8 @@ class VLLMBackend(VLLMModel):
                 mod = self.module(name)
                 if kind == "experts" and name in want:
                     # The runner's output may include a fused shared expert: read the routed sum.
-                    moe.record_routed(mod.routed_experts, seen[name], hooks, mod if steps is not None else None)
+                    moe.record_routed(mod.routed_experts, seen[name], hooks, mod if steps is not None else None,
+                                      scale=moe.output_scale(mod))
                     hooks.hooks(mod, pre=pre)
                 else:
                     hooks.hooks(mod, pre=pre, post=post)

@@ -115,7 +115,7 @@ def worker_hooks(model, units: list[str], engine_dtype: str) -> int:
         kind = engine.unit(name).kind
         mod = engine.module(name)
         if kind == "experts":
-            moe.record_routed(mod.routed_experts, seen[name], hooks)
+            moe.record_routed(mod.routed_experts, seen[name], hooks, scale=moe.output_scale(mod))
             continue
 
         def post(m, args, kwargs, out, name=name, kind=kind):
