@@ -336,9 +336,9 @@ def test_no_space_for_the_damaged_copies_is_one_line_exit_2_and_the_copies_are_r
 def test_vllm_swaps_carry_the_references_routed_scaling_factor(tmp_path):
     """GLM-4-MoE's routed_scaling_factor changed in the engine's config.json: transformers'
     router multiplies its top-k weights by it, vLLM scales the routed output by it, so a
-    swapped router must also stop the engine's runner from scaling (numbisect.backends.vllm.moe).
-    The self-check passes on the copy and the search names every router (about 2 minutes:
-    two vLLM starts, about 25 trials)."""
+    swapped router's weights are divided by the engine runner's factor
+    (numbisect.backends.vllm.moe). The self-check passes on the copy and the search names the
+    routers as a kind (about 2 minutes: two vLLM starts)."""
     import subprocess
     import sys
 
@@ -351,5 +351,6 @@ def test_vllm_swaps_carry_the_references_routed_scaling_factor(tmp_path):
     [r] = json.loads(out.read_text())["checkpoint_results"]
     assert r["kind"] == "config_routed_scaling_factor" and r["config"] == {"routed_scaling_factor": 2.5}
     assert r["self_check_k3"] <= 1e-7, r
-    assert r["status"] == "found (every unit)", r
-    assert sorted(r["culprits"]) == ["layers.1.moe.router", "layers.2.moe.router", "layers.3.moe.router"]
+    # The config diff names the kind that reads the field, so the search tries it first
+    # and names it as a kind (every router: layer 0 is dense).
+    assert r["status"] == "found (kind)" and r["systematic"] == ["router"], r
