@@ -49,7 +49,7 @@ class ContractFit:
 
     def __init__(self):
         self.T = torch.tensor(TEMPERATURES, dtype=torch.float64)
-        self.ks = [k for k in TOP_KS]
+        self.ps = torch.tensor(TOP_PS, dtype=torch.float64)
         self.err = torch.zeros(len(TEMPERATURES), len(TOP_PS), len(TOP_KS), dtype=torch.float64)
         self.bad = torch.zeros_like(self.err)
         self.kept_mass = torch.zeros_like(self.err)  # the mass (at T) the kept set holds, summed
@@ -101,11 +101,10 @@ class ContractFit:
         lcse = torch.logcumsumexp(S, dim=1)
         total = lcse[:, -1:]
         cum = torch.exp(lcse - total)  # mass of each prefix at T
-        ps = torch.tensor(TOP_PS, dtype=torch.float64)
         # smallest prefix whose mass reaches p (a hair of slack for rounding)
-        n_p = torch.searchsorted(cum.contiguous(), (ps[None, :] - 1e-9).expand(len(self.T), -1).contiguous()) + 1
+        n_p = torch.searchsorted(cum.contiguous(), (self.ps[None, :] - 1e-9).expand(len(self.T), -1).contiguous()) + 1
         n_p = n_p.clamp_(max=x.numel())  # [nT, nP]
-        ks = torch.tensor([k if k > 0 else x.numel() for k in self.ks])
+        ks = torch.tensor([k if k > 0 else x.numel() for k in TOP_KS])
         n = torch.minimum(n_p[:, :, None], ks[None, None, :].clamp(max=x.numel()))  # [nT, nP, nK]
         lse_kept = lcse.gather(1, (n - 1).reshape(len(self.T), -1)).reshape(n.shape)
         pred = z_tok / self.T[:, None, None] - lse_kept

@@ -116,6 +116,28 @@ def session(name: str, engine: str = "vllm", ref_dtype="bfloat16", engine_dtype=
     return Session(spec, Settings(**settings), backends=backends)
 
 
+def bound(s) -> int:
+    """The single-fault trial bound of a session's engine: ceil(log2 n) + 4, n the units the
+    search can name (the default candidates and their children)."""
+    import math
+
+    from numbisect.search import default_candidates
+    from numbisect.units import children, unit_graph
+
+    g = unit_graph(s.engine.units)
+    cands = default_candidates(g)
+    n = len(cands) + sum(len(children(g, c)) for c in cands)
+    return math.ceil(math.log2(n)) + 4
+
+
+def search(s, **kw):
+    """`bisect run` as a search (no --swap) on session `s`: (report body, exit code)."""
+    from numbisect.run import run
+
+    return run(s, swap=None, strategy=kw.pop("strategy", "hierarchical"), max_trials=kw.pop("max_trials", None),
+               log=kw.pop("log", None), resume=kw.pop("resume", None))
+
+
 _HF_ENGINE: dict = {}
 
 

@@ -12,34 +12,19 @@ started after a dense one in the same process fails).
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
-from conftest import hf, model_dir, session, trace_path
+from conftest import bound, hf, model_dir, search, session, trace_path
 from numbisect import routing as R
 from numbisect.arch import arch_for
 from numbisect.cli import main
 from numbisect.errors import ExitCode
-from numbisect.run import run
-from numbisect.search import default_candidates
-from numbisect.units import children, unit_graph
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "deepseek_v3"
 ROUTER_FAULT = "output_noise=0.3@layers.1.moe.router"
-
-
-def bound(s) -> int:
-    g = unit_graph(s.engine.units)
-    cands = default_candidates(g)
-    n = len(cands) + sum(len(children(g, c)) for c in cands)
-    return math.ceil(math.log2(n)) + 4
-
-
-def search(s):
-    return run(s, swap=None, strategy="hierarchical", max_trials=None, log=None, resume=None)
 
 
 # -- the map --------------------------------------------------------------------------------------

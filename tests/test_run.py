@@ -3,29 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
-from conftest import model_dir, session, trace_path
+from conftest import bound, model_dir, search, session, trace_path
 from numbisect.cli import main
 from numbisect.errors import ExitCode
 from numbisect.run import run
-from numbisect.search import default_candidates
-from numbisect.units import children, unit_graph
-
-
-def bound(s) -> int:
-    g = unit_graph(s.engine.units)
-    cands = default_candidates(g)
-    n = len(cands) + sum(len(children(g, c)) for c in cands)
-    return math.ceil(math.log2(n)) + 4
-
-
-def search(s, **kw):
-    body, code = run(s, swap=None, strategy=kw.pop("strategy", "hierarchical"), max_trials=kw.pop("max_trials", None),
-                     log=kw.pop("log", None), resume=kw.pop("resume", None))
-    return body, code
 
 
 # Faults an fp32 hf engine shows against an fp32 reference (whose noise floor is exactly 0).

@@ -9,16 +9,12 @@ runs against the installed one.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 
-from conftest import session, vllm
+from conftest import bound, search, session, vllm
 from numbisect.backends.vllm import hookpoints
 from numbisect.errors import BackendError, ExitCode
-from numbisect.run import run
-from numbisect.search import default_candidates
-from numbisect.units import children, unit_graph
 
 pytestmark = pytest.mark.vllm
 
@@ -80,13 +76,10 @@ def test_a_hook_point_that_never_runs_is_one_error_naming_it():
 
 def test_search_swaps_and_self_check_work_on_this_vllm():
     s = session("qwen3_moe", "vllm", faults=["output_noise=1.0@layers.2.moe.experts"])
-    body, code = run(s, swap=None, strategy="hierarchical", max_trials=None, log=None, resume=None)
-    g = unit_graph(s.engine.units)
-    cands = default_candidates(g)
-    n = len(cands) + sum(len(children(g, c)) for c in cands)
+    body, code = search(s)
     assert code == ExitCode.DIVERGED
     assert [c["unit"] for c in body["culprits"]] == ["layers.2.moe.experts"]
-    assert body["search"]["trials_used"] <= math.ceil(math.log2(n)) + 4
+    assert body["search"]["trials_used"] <= bound(s)
     assert body["self_check"]["passed"]
 
 

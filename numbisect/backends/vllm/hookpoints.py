@@ -99,9 +99,7 @@ def absent(model, arch, units) -> list[str]:
 
 def missing(model, arch, units) -> None:
     """BackendError naming the hook points of `units` this vLLM model lacks."""
-    gone = absent(model, arch, units)
-    if gone:
-        raise _error("no such hook point in the model", gone)
+    report_absent([absent(model, arch, units)])
 
 
 def worker_absent(model) -> list[str]:
@@ -113,8 +111,8 @@ def worker_absent(model) -> list[str]:
 
 
 def report_absent(per_worker: list[list[str]]) -> None:
-    """BackendError naming the hook points any worker lacks."""
-    gone = sorted({p for w in per_worker for p in w})
+    """BackendError naming the hook points any worker lacks (each once, in unit order)."""
+    gone = list(dict.fromkeys(p for w in per_worker for p in w))
     if gone:
         raise _error("no such hook point in the model", gone)
 
