@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from conftest import bound, hf, model_dir, search, session, trace_path
+from numbisect import ckptfaults as CF
 from numbisect import routing as R
+from numbisect import selftest as ST
 from numbisect.arch import arch_for
 from numbisect.backends.ledger import Ledger
 from numbisect.cli import main
@@ -142,6 +144,38 @@ def test_router_fault_on_an_fp32_hf_engine_flips_layer_1_and_replay_removes_it()
     s = session(NAME, "hf", ref_dtype="float32", engine_dtype="float32", faults=[ROUTER_FAULT])
     s.spec.replay_routing = "ref"
     _check_router_fault(s.compare())
+
+
+def test_selftest_on_an_hf_engine_finds_every_planted_fault():
+    p = ST.PROFILES["hf"]
+    s = session(NAME, "hf", ref_dtype=p.dtype, engine_dtype=p.dtype, threshold=p.threshold)
+    res = ST.selftest(s, p, seed=0)
+    print(ST.render(res))
+    assert s.faults == []
+    assert len(res["results"]) == len(p.faults)
+    for r in res["results"]:
+        assert r["found"] and r["within_bound"], r
+    assert res["passed"], ST.render(res)
+
+
+def test_checkpoint_faults_are_named_on_an_hf_engine():
+    """Damaged copies of the checkpoint (transformers' fused expert tensors, as gpt-oss
+    checkpoints keep them); no routed_scaling_factor and no norm_topk_prob in gpt-oss's
+    config (its router always renormalises over the chosen four)."""
+    p = ST.PROFILES["hf"]
+    s = session(NAME, "hf", ref_dtype=p.dtype, engine_dtype=p.dtype, threshold=p.threshold)
+    res = ST.selftest(s, p, seed=0, checkpoint=True)
+    print(ST.render(res))
+    rows = {r["kind"]: r for r in res["checkpoint_results"]}
+    skipped = {"config_routed_scaling_factor": "no routed_scaling_factor in config.json",
+               "config_norm_topk_prob": "no norm_topk_prob in config.json"}
+    assert {x["kind"]: x["reason"] for x in res["checkpoint_skipped"]} == skipped
+    assert set(rows) == set(CF.KINDS) - set(skipped)
+    for r in rows.values():
+        assert r["status"] != "SELF-CHECK FAILED" and r["self_check_k3"] <= 1e-7, r
+        assert r["found"], r
+        assert r["bound"] is None or r["within_bound"], r
+    assert res["passed"], ST.render(res)
 
 
 # -- vLLM-CPU (bf16) ----------------------------------------------------------------------------
