@@ -21,6 +21,9 @@ def _registry() -> dict[str, ArchMap]:
     from numbisect.arch import deepseek_v3, olmoe
 
     maps = [qwen3_moe.ARCH, qwen3.ARCH, glm4_moe.ARCH, mixtral.ARCH, qwen3_vl_moe.ARCH, olmoe.ARCH, deepseek_v3.ARCH]
+    from numbisect.arch import gpt_oss
+
+    maps.append(gpt_oss.ARCH)
     return {a: m for m in maps for a in m.architectures}
 
 

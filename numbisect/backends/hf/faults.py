@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from numbisect.backends.base import Backend
-from numbisect.backends.common import LOWP, lowp_experts
+from numbisect.backends.common import LOWP, lowp_experts, slot_sum
 from numbisect.backends.ledger import Ledger
 
 
@@ -27,6 +27,10 @@ class LowpExperts(nn.Module):
         self.lowp = dtype
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        if hasattr(self.inner, "gate_up_proj_bias"):
+            # gpt-oss: biased, clamped-SwiGLU experts in their own layout: the module itself
+            # runs each top-k slot, and the contributions are summed in low precision.
+            return slot_sum(lambda x, w, ids: self.inner(x, ids, w), hidden_states, top_k_weights, top_k_index, self.lowp)
         return lowp_experts(hidden_states, top_k_index, top_k_weights, self.inner.gate_up_proj, self.inner.down_proj, self.lowp)
 
 

@@ -3,7 +3,8 @@
 vLLM keeps flat `[tokens, hidden]` activations, returns `(hidden, residual)` from its
 layers, fuses RMSNorm with the residual add, calls attention as `(positions, hidden)`
 (DeepSeek's MLA attention and layers with one more argument, `llama_4_scaling`, None
-in practice) and takes logits from a logits processor. Each unit kind has an adapter here
+in practice; gpt-oss's as `(hidden, positions)`, layers `(hidden, positions, residual)`:
+`hidden_first` tells them apart) and takes logits from a logits processor. Each unit kind has an adapter here
 (`ADAPTERS`); the donor module keeps its own weights and dtype, and the adapter casts at
 the boundary. The MoE sub-units (router, experts) are swapped inside vLLM's fused-MoE
 runner instead (`moe.py`).
@@ -26,14 +27,20 @@ class VllmHF(nn.Module):
         self._donor_model = [donor.model]  # in a list: not a submodule of the engine
         self._donor_arch = donor.arch  # where the donor's family keeps its rotary embedding
 
+    def sliding(self) -> bool:
+        """The donor attention (or the attention of a donor layer) is a sliding-window one
+        (gpt-oss's even layers): its mask is then the sliding-window causal mask."""
+        attn = getattr(self.inner, "self_attn", self.inner)
+        return getattr(attn, "sliding_window", None) is not None
+
     def hf_context(self, x: torch.Tensor, positions: torch.Tensor):
         """What the transformers model hands a layer for one unpadded sequence."""
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         model = self._donor_model[0]
         pos = positions.view(1, -1).long()
         x3 = x.view(1, x.shape[-2], x.shape[-1])
-        mask = create_causal_mask(
+        mask = (create_sliding_window_causal_mask if self.sliding() else create_causal_mask)(
             config=model.config,
             inputs_embeds=x3,
             attention_mask=torch.ones(1, x3.shape[1], dtype=torch.long),
@@ -68,12 +75,20 @@ def _no_extra(unit: str, extra: tuple) -> None:
                            "for (llama_4_scaling in config.json): cannot swap it")
 
 
+def hidden_first(a, b) -> tuple:
+    """(positions, hidden) of a vLLM attention or layer call whose first two arguments are
+    `a, b`: most families pass `(positions, hidden)`, gpt-oss `(hidden, positions)`;
+    positions are integers, hidden states floats."""
+    return (b, a) if isinstance(a, torch.Tensor) and a.is_floating_point() else (a, b)
+
+
 class VllmAttn(VllmHF):
     """Attention, MLA included: `(positions, hidden[, llama_4_scaling]) -> hidden`. The donor
     gets transformers' inputs (position_embeddings, causal mask); an MLA donor computes its
     compressed latent itself."""
 
     def forward(self, positions, hidden_states, *extra):
+        positions, hidden_states = hidden_first(positions, hidden_states)
         _no_extra("attention", extra)
         x = hidden_states.to(self.rdt)[None]
         out = self.inner(hidden_states=x, **{k: v for k, v in self.hf_context(x, positions).items() if k != "position_ids"})
@@ -81,16 +96,19 @@ class VllmAttn(VllmHF):
 
 
 class VllmBlock(VllmHF):
-    """A whole MLP or MoE block: `[tokens, hidden] -> [tokens, hidden]`."""
+    """A whole MLP or MoE block: `[tokens, hidden] -> [tokens, hidden]` (a transformers block
+    that returns `(hidden, router scores)`, gpt-oss's, gives its hidden states)."""
 
     def forward(self, hidden_states):
-        return self.inner(hidden_states.to(self.rdt)[None])[0].to(self.edt)
+        out = self.inner(hidden_states.to(self.rdt)[None])
+        return (out[0] if isinstance(out, tuple) else out)[0].to(self.edt)
 
 
 class VllmLayer(VllmHF):
     """A whole decoder layer: `(positions, hidden, residual) -> (stream, zeros)`."""
 
     def forward(self, positions, hidden_states, residual, *extra):
+        positions, hidden_states = hidden_first(positions, hidden_states)
         _no_extra("layer", extra)
         stream = hidden_states if residual is None else hidden_states + residual
         x = stream.to(self.rdt)[None]

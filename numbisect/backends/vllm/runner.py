@@ -345,8 +345,8 @@ def _canonical_input(kind: str, args: list, kwargs: dict) -> torch.Tensor | None
         x = args[0] if args else kwargs.get("x")
         r = args[1] if len(args) > 1 else kwargs.get("residual")
         return x if r is None else x + r
-    if kind == "layer":  # layer(positions, hidden_states, residual)
-        x = args[1] if len(args) > 1 else kwargs.get("hidden_states")
+    if kind == "layer":  # layer(positions, hidden_states, residual); gpt-oss: (hidden_states, positions, residual)
+        x = args[_layer_hidden(args)] if len(args) > 1 else kwargs.get("hidden_states")
         r = args[2] if len(args) > 2 else kwargs.get("residual")
         return x if r is None else x + r
     if kind == "embed":
@@ -365,13 +365,13 @@ def _feed(kind: str, args: list, kwargs: dict, fed: torch.Tensor) -> None:
         return
     # A fused norm `(x, residual)` or a layer `(positions, hidden_states, residual)`: the
     # stream becomes the reference's input and the residual zero, so their sum is it.
-    stream = {"norm": (0, "x"), "layer": (1, "hidden_states")}.get(kind)
+    stream = {"norm": (0, "x", 1), "layer": (_layer_hidden(args), "hidden_states", 2)}.get(kind)
     if stream is not None:
-        i, key = stream
+        i, key, j = stream
         _put(args, kwargs, i, key, fed.to(x.dtype))
-        r = args[i + 1] if len(args) > i + 1 else kwargs.get("residual")
+        r = args[j] if len(args) > j else kwargs.get("residual")
         if r is not None:
-            _put(args, kwargs, i + 1, "residual", torch.zeros_like(r))
+            _put(args, kwargs, j, "residual", torch.zeros_like(r))
         return
     if "hidden_states" in kwargs:
         kwargs["hidden_states"] = fed.to(kwargs["hidden_states"].dtype)
@@ -380,6 +380,13 @@ def _feed(kind: str, args: list, kwargs: dict, fed: torch.Tensor) -> None:
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             args[i] = fed.to(a.dtype)
             return
+
+
+def _layer_hidden(args: list) -> int:
+    """Where a vLLM layer call's hidden states are: argument 1 after the positions, or 0
+    (gpt-oss: `(hidden_states, positions, residual)`; positions are integers)."""
+    a = args[0] if args else None
+    return 0 if isinstance(a, torch.Tensor) and a.is_floating_point() else 1
 
 
 def _put(args: list, kwargs: dict, i: int, key: str, value) -> None:
