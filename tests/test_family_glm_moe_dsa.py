@@ -174,6 +174,18 @@ def test_compare_and_run_through_the_cli_on_an_hf_engine(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_decode_mode_measures_the_indexers_selection_stitched_over_the_steps():
+    """A transformers engine in decode mode (KV cache, one token per forward): each step's picks
+    become that query's row of the [T, T] mask, so the indexer is compared with the reference's
+    prefill picks (whole-run compare: samples of different lengths, compared one at a time)."""
+    s = session(NAME, "hf", ref_dtype="float32", engine_dtype="float32", samples=3, engine_mode="decode")
+    body = s.compare()
+    rows = {r["name"]: r for r in body["units"]}
+    for i in range(3):
+        p = rows[f"layers.{i}.attn.indexer"]["propagated"]
+        assert p is not None and 0 <= p["ulps"]["frac_differ"] < 0.5
+
+
 # -- dump engine ---------------------------------------------------------------------------------------
 def test_a_dump_of_an_engine_with_a_faulty_indexer_is_compared_with_its_selection(tmp_path):
     from numbisect.backends.dump import write_dump
