@@ -24,6 +24,7 @@ from numbisect import selection as SEL
 from numbisect.arch import arch_for
 from numbisect.cli import main
 from numbisect.errors import ExitCode
+from numbisect.render import render
 from numbisect.report import validate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -160,6 +161,8 @@ def test_compare_and_run_through_the_cli_on_an_hf_engine(tmp_path, capsys):
     assert all(0 < x["propagated"]["agree_frac"] <= 1 for x in r["indexer_selection"]["layers"])
     assert [x["unit"] for x in r["routing"]["layers"]] == ["layers.1.moe.router", "layers.2.moe.router"]
     assert validate(r) == []  # the selection section is typed in the schema
+    text = render(r)
+    assert "Sparse attention (indexer top-8)" in text and "layers.2.attn.indexer" in text
     bad = json.loads(out.read_text())
     bad["indexer_selection"]["layers"][0]["propagated"]["flipped"] = "many"
     assert validate(bad) != []
