@@ -20,9 +20,12 @@ those. Compared like MoE routing (numbisect.routing), with tokens for experts:
 4. `selection_light`: in a comparison, both sides run once more with the probe (the engine
    also teacher-forced: its attention and indexer fed the reference's input), or the
    masks a dump engine recorded (no scores there: margins on the reference side only).
-
-Replay of one side's selection on the other (as `--replay-routing` does for experts) is
-not implemented.
+5. `replay_whatif`: the engine runs with the reference's picks at every indexer (then at
+   each indexer that flipped, alone): how much of the judged metric the different picks
+   cause, as `--replay-routing ref` does for experts. A probe given `replay` hands the
+   attention those keys (`replay_ids`) instead of its indexer's; queries whose picks
+   already agree keep the indexer's own ids, so replaying a side's own picks changes
+   nothing. API only for now (no command-line flag).
 """
 
 from __future__ import annotations
@@ -56,6 +59,22 @@ def selection_mask(ids: torch.Tensor, first_row: int, width: int) -> torch.Tenso
     return out[:, :width]
 
 
+def replay_ids(ids: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
+    """`ids` [B, S, k] with each query whose picks differ from `masks[b]` ([n_b, n_b]) given
+    the mask's keys instead (a query with fewer than k keys repeats its last one: the
+    attention scatters them into a set)."""
+    out = ids.clone()
+    for b, m in enumerate(masks):
+        have = selection_mask(ids[b, : m.shape[0]], 0, m.shape[0])
+        for t in (have != m).any(dim=1).nonzero().flatten().tolist():
+            keys = m[t].nonzero().flatten()
+            if keys.numel() == 0:
+                continue
+            row = torch.cat([keys, keys[-1:].expand(max(0, ids.shape[-1] - keys.numel()))])[: ids.shape[-1]]
+            out[b, t] = row.to(ids.dtype)
+    return out
+
+
 def margins(scores: torch.Tensor, k: int) -> torch.Tensor:
     """[n] per query, its k-th minus (k+1)-th highest causal score (inf when it has at most
     k causal keys: no choice). `scores`: [n, n] with the non-causal keys at -inf."""
@@ -70,20 +89,24 @@ def margins(scores: torch.Tensor, k: int) -> torch.Tensor:
 class SelectionProbe:
     """Records the keys each indexer picked, and its scores, per sample."""
 
-    def __init__(self, backend, samples):
+    def __init__(self, backend, samples, replay: dict | None = None):
         self.backend = backend
+        self.replay = replay or {}  # indexer unit -> per-sample [n, n] masks to hand the attention
         self.lens = [len(s.ids) for s in samples]
         self.units = indexer_units(backend)
         self.masks: dict[str, list[torch.Tensor]] = {u: [] for u in self.units}
         self.scores: dict[str, list[torch.Tensor]] = {u: [] for u in self.units}
         self.calls: dict[str, int] = {u: 0 for u in self.units}
 
-    def record(self, unit: str, scores: torch.Tensor, ids: torch.Tensor) -> None:
+    def record(self, unit: str, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One call of indexer `unit`: `scores` [B, S, S] (masked keys very negative or -inf),
-        `ids` [B, S, k] the keys it returned; B samples of this call, right-padded."""
+        `ids` [B, S, k] the keys it returned; B samples of this call, right-padded. Returns
+        the ids the attention gets: `ids`, or under replay the replayed picks."""
         bs = self.backend.batch_size
         first = self.calls[unit] * bs
         self.calls[unit] += 1
+        if unit in self.replay:
+            ids = replay_ids(ids, [self.replay[unit][first + j] for j in range(ids.shape[0])])
         for j in range(scores.shape[0]):
             if first + j >= len(self.lens):
                 from numbisect.errors import BackendError
@@ -94,6 +117,7 @@ class SelectionProbe:
             s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
             self.scores[unit].append(s)
             self.masks[unit].append(selection_mask(ids[j, :n], 0, n))
+        return ids
 
     def install(self):
         """Install the probe on its backend; returns the callable that takes it out."""
@@ -245,3 +269,56 @@ def selection_light(sides, local: bool) -> dict | None:
                 undo()
             passes["local"] = (p.masks, p.scores)
     return selection_report(sides.samples, k, units, probe.masks, probe.scores, passes)
+
+
+def _replay_trial(sides, replay: dict, ref_tokens) -> tuple[float, dict, dict]:
+    """The engine with `replay` forced: (judged value, k3 mean per group, masks it ran with)."""
+    from numbisect import compare as C
+
+    p = SelectionProbe(sides.engine, sides.samples, replay)
+    undo = p.install()
+    try:
+        res = sides.engine_forward(full_logits=sides.settings.judges_kl)
+    finally:
+        undo()
+    tokens = C.token_report(sides.samples, ref_tokens, res, sides.settings, sides.groups, detail=False)
+    return tokens["value"], {g: v["k3"]["mean"] for g, v in tokens["groups"].items()}, p.masks
+
+
+def _flips(a: dict, b: dict, units) -> dict:
+    return {u: sum(int((x != y).any(dim=1).sum()) for x, y in zip(a[u], b[u])) if a.get(u) and b.get(u) else None
+            for u in units}
+
+
+def replay_whatif(sides) -> dict | None:
+    """What-if: the engine attends the reference's picks at every indexer, then at each
+    indexer whose picks differed alone. `from_flips` = baseline - replayed; what is left
+    (`from_drift`) is the numeric drift with identical selections. None where the engine
+    cannot be probed (a dump, tensor parallelism) or the model has no indexer."""
+    ref, eng = sides.ref, sides.engine
+    units = indexer_units(ref)
+    if not units or eng is None or eng.recorded or eng.remote or sides.mode != "prefill":
+        return None
+    sides.say("indexer replay: the engine with the reference's picks")
+    probe = SelectionProbe(ref, sides.samples)
+    undo = probe.install()
+    try:
+        ref_tokens = ref.forward(sides.samples, full_logits=True)
+    finally:
+        undo()
+    base, base_groups, own = _replay_trial(sides, {}, ref_tokens)
+    before = _flips(probe.masks, own, units)
+    value, groups, used = _replay_trial(sides, {u: probe.masks[u] for u in units}, ref_tokens)
+    after = _flips(probe.masks, used, units)
+    layers = []
+    for u in units:
+        row = {"unit": u, "layer": int(u.split(".")[1]), "flips_before": before[u], "flips_after": after[u],
+               "value_replayed_alone": None, "from_flips": None}
+        if before[u]:
+            v, _, _ = _replay_trial(sides, {u: probe.masks[u]}, ref_tokens)
+            row["value_replayed_alone"] = v
+            row["from_flips"] = base - v
+        layers.append(row)
+    return {"direction": "ref", "replayed_on": "engine", "metric": sides.settings.metric, "group": sides.settings.group,
+            "baseline": base, "replayed": value, "from_flips": base - value, "from_drift": value,
+            "groups_baseline": base_groups, "groups_replayed": groups, "layers": layers}

@@ -150,6 +150,19 @@ def test_indexer_agreement_sees_the_faulty_layer_and_its_flips():
     assert units["layers.0.attn.indexer"]["propagated"]["rel_l2"] == 0
 
 
+def test_replaying_the_references_picks_removes_what_the_faulty_indexer_caused():
+    """fp32 engine, the fault in layer 1's indexer only: with the reference's picks handed to
+    its attention the engine is the reference again (k3 exactly 0); layer 1 replayed alone
+    does it too, layer 2's flips being its consequence."""
+    s = session(NAME, "hf", ref_dtype="float32", engine_dtype="float32", faults=[INDEXER_FAULT])
+    w = SEL.replay_whatif(s.sides())
+    assert w["baseline"] > 1e-6 and w["replayed"] == 0 and w["from_flips"] == w["baseline"]
+    rows = {r["layer"]: r for r in w["layers"]}
+    assert rows[0]["flips_before"] == 0 and rows[1]["flips_before"] > 0 and rows[2]["flips_before"] > 0
+    assert all(r["flips_after"] == 0 for r in rows.values())
+    assert rows[1]["value_replayed_alone"] == 0 and rows[2]["value_replayed_alone"] > 0
+
+
 def test_compare_and_run_through_the_cli_on_an_hf_engine(tmp_path, capsys):
     d = model_dir(NAME)
     out = tmp_path / "c.json"

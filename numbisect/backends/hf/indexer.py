@@ -43,11 +43,12 @@ def index_scores(m, hidden_states, q_resid, position_embeddings, attention_mask,
 
 
 def install_probe(engine, probe, ledger: Ledger) -> None:
-    """A forward hook on each indexer: the ids it returned and its recomputed scores to `probe`."""
+    """A forward hook on each indexer: the ids it returned and its recomputed scores to `probe`;
+    the attention gets the ids the probe hands back (its replay, or the indexer's own)."""
     for unit in probe.units:
         def hook(m, args, kwargs, out, unit=unit):
             a = list(args) + [kwargs[n] for n in ("hidden_states", "q_resid", "position_embeddings", "attention_mask")
                               if n in kwargs]
-            probe.record(unit, index_scores(m, *a[:4]), out)
+            return probe.record(unit, index_scores(m, *a[:4]), out)
 
         ledger.hooks(engine.module(unit), post=hook, with_kwargs=True)
