@@ -250,6 +250,8 @@ def unit_bytes(unit, tokens: int, config, dtype: torch.dtype) -> int:
         width, tokens = cfg.vocab_size, tokens - 1
     elif unit.kind == "router":
         width = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", width)
+    elif unit.kind == "indexer":  # the [tokens, tokens] mask of keys picked, float32
+        width, dtype = tokens, torch.float32
     size = torch.tensor([], dtype=dtype).element_size() if unit.kind != "lm_head" else 4
     return max(tokens, 0) * width * size
 

@@ -303,6 +303,15 @@ def unit_report(units, ref: ForwardResult, prop: ForwardResult | None, local: Fo
 
 
 def _unit_error(refs: list[torch.Tensor], engs: list[torch.Tensor], engine_dtype) -> dict:
+    if len({r[:1].reshape(min(1, r.shape[0]), -1).shape[1] for r in refs}) > 1:
+        # rows as wide as the sample (an indexer's [T, T] selection mask): they cannot be
+        # joined, so sample by sample, as a streamed comparison folds them (ULP floor per sample)
+        from numbisect.capture import UnitStats
+
+        st = UnitStats(engine_dtype)
+        for i, (r, e) in enumerate(zip(refs, engs)):
+            st.update(r, e, i)
+        return st.result()
     err = M.activation_error_multi([r.double() for r in refs], [e.double() for e in engs])
     ref_all = torch.cat([r.reshape(r.shape[0], -1).float() for r in refs])
     eng_all = torch.cat([e.reshape(e.shape[0], -1).float() for e in engs])

@@ -30,6 +30,7 @@ from numbisect import capture as K
 from numbisect import compare as C
 from numbisect import decode as D
 from numbisect import routing as R
+from numbisect import selection as SEL
 from numbisect.backends.base import Backend, ForwardResult
 from numbisect.contract import ContractFit
 from numbisect.engine_state import arranged
@@ -164,6 +165,7 @@ class Comparison:
     ref_result: ForwardResult | None = None  # whole run: the reference with every capture
     ref_routing: dict | None = None  # MoE: router unit -> per-sample expert ids of the reference
     logprob_contract: dict | None = None  # rollout engine: raw, processed (fitted sampler) or logits
+    indexer_selection: dict | None = None  # sparse attention (GLM-5): the indexers' key selection agreement
 
 
 def _comparison(sides: Sides, tokens: dict, rows: list[dict], ref_tokens: ForwardResult, ranked: bool,
@@ -195,6 +197,8 @@ def report_body(c: Comparison) -> dict:
         body["routing_replay"] = c.routing_replay
     if c.logprob_contract is not None:
         body["logprob_contract"] = c.logprob_contract
+    if c.indexer_selection is not None:
+        body["indexer_selection"] = c.indexer_selection
     return body
 
 
@@ -329,7 +333,7 @@ def streamed(sides: Sides, local: bool = True, capture: Capture | None = None) -
         info = CaptureInfo(mode, dir=str(capture.dir), max_mb=capture.max_mb, peak_buffered_mb=round(store.peak_held / 2**20, 3))
     routing, ref_ids = _routing_light(sides, local)
     return _comparison(sides, tokens, rows, ref_res, ranked=streamed_local and eng is not None, capture=info,
-                       routing=routing, ref_routing=ref_ids,
+                       routing=routing, ref_routing=ref_ids, indexer_selection=SEL.selection_light(sides, streamed_local),
                        logprob_contract=contract.result() if contract is not None else None)
 
 
@@ -408,7 +412,8 @@ def whole_run(sides: Sides, local: bool = True, replay: str | None = None) -> Co
             fit.add(s, full)
         contract = fit.result()
     return _comparison(sides, tokens, rows, ref, ranked=loc is not None, engine_modes=modes, routing=routing,
-                       routing_replay=replayed, ref_result=ref, ref_routing=sides.ref_routing, logprob_contract=contract)
+                       routing_replay=replayed, ref_result=ref, ref_routing=sides.ref_routing, logprob_contract=contract,
+                       indexer_selection=SEL.selection_light(sides, local and not remote))
 
 
 def layer_streamed(sides: Sides, local: bool = True) -> Comparison:

@@ -277,6 +277,10 @@ class ReportView:
         return self.r.get("routing_replay") or None
 
     @property
+    def indexer_selection(self) -> dict | None:
+        return self.r.get("indexer_selection") or None
+
+    @property
     def engine_modes(self) -> dict | None:
         return self.r.get("engine_modes") or None
 

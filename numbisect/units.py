@@ -2,7 +2,9 @@
 
 A unit name is one of `embed`, `layers.{i}.input_norm`, `layers.{i}.attn`,
 `layers.{i}.post_attn_norm`, `layers.{i}.moe` (or `.mlp` when dense) with
-`layers.{i}.moe.router`, `.experts`, `.shared_expert`, `layers.{i}` (the residual
+`layers.{i}.moe.router`, `.experts`, `.shared_expert`, `layers.{i}.attn.indexer` (sparse
+attention's token selection, GLM-5's DSA indexer: its output is the [tokens, tokens] 0/1
+mask of the keys each query attends), `layers.{i}` (the residual
 stream after the layer), `final_norm` and `lm_head`; multimodal models add `vision`
 (the vision tower, whose output is the image tokens' embeddings) containing
 `vision.projector` (the merger/projector into the language model's width). The unit graph (networkx) holds
@@ -18,7 +20,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-KINDS = ("embed", "norm", "attn", "moe", "mlp", "router", "experts", "shared_expert", "layer", "lm_head", "vision", "projector")
+KINDS = ("embed", "norm", "attn", "moe", "mlp", "router", "experts", "shared_expert", "layer", "lm_head", "vision", "projector",
+         "indexer")
 # Kinds a user may name in `--swap`: every unit of that kind is swapped.
 SWAP_KINDS = KINDS
 # Kinds whose rows are image patches / image tokens, not the trace's tokens.
@@ -39,11 +42,12 @@ class Unit:
         return re.sub(r"^layers\.\d+", "layers.{i}", self.name)
 
 
-def layer_units(i: int, ffn: str, sub_units: tuple[str, ...]) -> list[tuple[str, str, str]]:
+def layer_units(i: int, ffn: str, sub_units: tuple[str, ...], attn_sub_units: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
     """(name, kind, parent) of layer i's units, in execution order."""
     p = f"layers.{i}"
-    out = [
-        (f"{p}.input_norm", "norm", p),
+    out = [(f"{p}.input_norm", "norm", p)]
+    out += [(f"{p}.attn.{s}", s, f"{p}.attn") for s in attn_sub_units]
+    out += [
         (f"{p}.attn", "attn", p),
         (f"{p}.post_attn_norm", "norm", p),
     ]
@@ -56,13 +60,14 @@ def layer_units(i: int, ffn: str, sub_units: tuple[str, ...]) -> list[tuple[str,
     return out
 
 
-def build_units(num_layers: int, ffn_kinds: list[str], moe_sub_units: tuple[str, ...], vision: bool = False) -> list[Unit]:
+def build_units(num_layers: int, ffn_kinds: list[str], moe_sub_units: tuple[str, ...], vision: bool = False,
+                attn_sub_units: tuple[str, ...] = ()) -> list[Unit]:
     """Every unit of a model, in execution order."""
     rows: list[tuple[str, str, str]] = [("embed", "embed", "model")]
     if vision:  # the tower runs after the token embedding, before the first layer
         rows += [("vision.projector", "projector", "vision"), ("vision", "vision", "model")]
     for i in range(num_layers):
-        rows += layer_units(i, ffn_kinds[i], moe_sub_units)
+        rows += layer_units(i, ffn_kinds[i], moe_sub_units, attn_sub_units)
     rows += [("final_norm", "norm", "model"), ("lm_head", "lm_head", "model")]
     units = []
     for order, (name, kind, parent) in enumerate(rows):

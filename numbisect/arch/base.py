@@ -36,6 +36,7 @@ class ArchMap:
     vllm: dict[str, str]  # unit pattern -> module path in the vLLM model
     ffn_kind: Callable[[Any, int], str]  # (config, layer) -> "moe" or "mlp"
     moe_sub_units: tuple[str, ...] = ()  # sub-units of a moe block, in execution order
+    attn_sub_units: tuple[str, ...] = ()  # sub-units of attention (GLM-5: "indexer"), in execution order
     hf_readers: dict[str, str] = field(default_factory=dict)  # unit pattern -> reader override
     vllm_readers: dict[str, str] = field(default_factory=dict)
     hf_auto: str = "AutoModelForCausalLM"  # the transformers auto class that loads it
@@ -53,7 +54,8 @@ class ArchMap:
     def units(self, config) -> list[Unit]:
         text = config.get_text_config()
         n = text.num_hidden_layers
-        return build_units(n, [self.ffn_kind(text, i) for i in range(n)], self.moe_sub_units, vision=self.vision)
+        return build_units(n, [self.ffn_kind(text, i) for i in range(n)], self.moe_sub_units, vision=self.vision,
+                           attn_sub_units=self.attn_sub_units)
 
     def path(self, names: str, unit: Unit) -> str | None:
         """The module path of `unit` in a model whose modules are named as `names` says

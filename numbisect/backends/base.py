@@ -281,6 +281,10 @@ class Backend:
     def install_whatif(self, whatif: str, unit: Unit, donor, faults, ledger: Ledger) -> list:
         raise self.lacks(f"run the precision what-if {whatif!r} (on {unit.name})")
 
+    def install_selection_probe(self, probe, ledger: Ledger) -> None:
+        """Record each sparse-attention indexer's picked keys and scores (numbisect.selection)."""
+        raise self.lacks("record sparse attention's token selection (indexer)")
+
     def whatif_not_carried(self, whatif: str, unit: Unit, faults) -> list[str]:
         return []
 

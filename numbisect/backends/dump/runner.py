@@ -222,6 +222,8 @@ class DumpBackend(Backend):
             width = {"lm_head": cfg.vocab_size, "router": experts}.get(kind, cfg.hidden_size)
             for i in range(n):
                 rows = toks[i] - (1 if kind == "lm_head" else 0)
+                if kind == "indexer":  # the [T, T] mask of keys picked (numbisect.selection.selection_mask)
+                    width = toks[i]
                 for which in ("out", "in"):
                     shape = self._merged_shape(unit, f"{which}.{i}", shard if which == "out" else "replicated")
                     if shape is None:

@@ -19,10 +19,11 @@ import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, hidden_arg, with_hidden
 from numbisect.backends.common import first
-from numbisect.backends.hf import faults, routing, swap, whatif
+from numbisect.backends.hf import faults, indexer, routing, swap, whatif
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.steps import Steps
 from numbisect.errors import InputError
+from numbisect.selection import selection_mask
 from numbisect.units import VISION_KINDS
 
 
@@ -109,6 +110,9 @@ class HFBackend(Backend):
 
     def install_whatif(self, whatif_name: str, unit, donor, faults, ledger: Ledger) -> list:
         return whatif.install(self, whatif_name, unit, ledger)
+
+    def install_selection_probe(self, probe, ledger: Ledger) -> None:
+        indexer.install_probe(self, probe, ledger)
 
     def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None, mode="prefill") -> ForwardResult:
         self.check_mode(mode)
@@ -208,6 +212,8 @@ class HFBackend(Backend):
                             res.captures[name].extend(split_rows(t, tokens=True))
                         elif name == "lm_head":
                             res.captures[name].extend(x[:-1] for x in split(t))
+                        elif self.unit(name).kind == "indexer":  # key ids -> the [n, n] mask of keys picked
+                            res.captures[name].extend(selection_mask(t[b, : lens[b]], 0, lens[b]) for b in range(B))
                         else:
                             res.captures[name].extend(split(t))
 
@@ -258,7 +264,11 @@ class HFBackend(Backend):
 
                 def post(m, args, kwargs, out, name=name):
                     if name in seen:
-                        seen[name].append((*m.__dict__["_numbisect_span"], flat(first(out)).detach().to("cpu", copy=True)))
+                        span = m.__dict__["_numbisect_span"]
+                        t = flat(first(out))
+                        if self.unit(name).kind == "indexer":  # key ids -> rows of the [T, T] mask of keys picked
+                            t = selection_mask(t, span[0], T)
+                        seen[name].append((*span, t.detach().to("cpu", copy=True)))
 
                 hooks.hooks(mod, pre=pre, post=post)
             ids = torch.tensor([sample.ids])

@@ -70,11 +70,21 @@ class CastAdapter(nn.Module):
             return getattr(inner, name)
 
 
+class IndexerAdapter(CastAdapter):
+    """A sparse-attention indexer (GLM-5's DSA), called positionally with (hidden_states,
+    q_resid, (cos, sin), mask, position_ids): named, so that `CastAdapter` recomputes cos/sin
+    with the donor's rotary embedding in the donor's dtype (the rope the indexer reads)."""
+
+    def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, **kwargs):
+        return super().forward(hidden_states=hidden_states, q_resid=q_resid, position_embeddings=position_embeddings,
+                               attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+
+
 def swap_unit(engine, unit, donor, ledger: Ledger) -> None:
     """Put the donor's module for `unit` in the engine, behind a `CastAdapter`."""
     ref = donor.module(unit.name)
     out_dtype = None if unit.kind == "lm_head" else engine.dtype
-    rotary = donor.arch.layer_rotary(donor.model) if unit.kind in ("attn", "layer") else None
+    rotary = donor.arch.layer_rotary(donor.model) if unit.kind in ("attn", "layer", "indexer") else None
     positions = None
     if unit.kind in ("attn", "layer") and donor.arch.mrope:
         # M-RoPE: a layer's 1-D position ids cannot give cos/sin, the 3-D ids the engine's own
@@ -86,4 +96,5 @@ def swap_unit(engine, unit, donor, ledger: Ledger) -> None:
             positions["ids"] = args[1] if len(args) > 1 else kwargs.get("position_ids")
 
         ledger.hooks(engine.arch.rotary(engine.root), pre=record)
-    ledger.replace(engine.root, engine.module_path(unit.name), CastAdapter(ref, donor.dtype, out_dtype, rotary, positions))
+    adapter = IndexerAdapter if unit.kind == "indexer" else CastAdapter
+    ledger.replace(engine.root, engine.module_path(unit.name), adapter(ref, donor.dtype, out_dtype, rotary, positions))
