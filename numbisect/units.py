@@ -32,6 +32,7 @@ class Unit:
     layer: int | None  # decoder layer index, None for embed/final_norm/lm_head
     parent: str  # containing unit, "model" at the top
     order: int  # execution order (0 = first output produced)
+    variant: str = ""  # which module the family has here when layers differ (an attn's "linear")
 
     @property
     def pattern(self) -> str:

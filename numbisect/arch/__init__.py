@@ -19,8 +19,10 @@ from numbisect.errors import InputError
 def _registry() -> dict[str, ArchMap]:
     from numbisect.arch import glm4_moe, mixtral, qwen3, qwen3_moe, qwen3_vl_moe
     from numbisect.arch import deepseek_v3, olmoe
+    from numbisect.arch import qwen3_5_moe
 
     maps = [qwen3_moe.ARCH, qwen3.ARCH, glm4_moe.ARCH, mixtral.ARCH, qwen3_vl_moe.ARCH, olmoe.ARCH, deepseek_v3.ARCH]
+    maps.append(qwen3_5_moe.ARCH)
     return {a: m for m in maps for a in m.architectures}
 
 
