@@ -2,7 +2,8 @@
 
 A unit name is one of `embed`, `layers.{i}.input_norm`, `layers.{i}.attn`,
 `layers.{i}.post_attn_norm`, `layers.{i}.moe` (or `.mlp` when dense) with
-`layers.{i}.moe.router`, `.experts`, `.shared_expert`, `layers.{i}` (the residual
+`layers.{i}.moe.router`, `.experts`, `.shared_expert` (`.shared_expert_gate` where the
+block gates it), `layers.{i}` (the residual
 stream after the layer), `final_norm` and `lm_head`; multimodal models add `vision`
 (the vision tower, whose output is the image tokens' embeddings) containing
 `vision.projector` (the merger/projector into the language model's width). The unit graph (networkx) holds
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 KINDS = ("embed", "norm", "attn", "moe", "mlp", "router", "experts", "shared_expert", "layer", "lm_head", "vision", "projector")
+KINDS += ("shared_expert_gate",)  # Qwen3.5-MoE: the shared expert's sigmoid gate logit (a sub-unit of moe)
 # Kinds a user may name in `--swap`: every unit of that kind is swapped.
 SWAP_KINDS = KINDS
 # Kinds whose rows are image patches / image tokens, not the trace's tokens.

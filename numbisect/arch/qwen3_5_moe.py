@@ -13,9 +13,10 @@ full attention, every layer a sparse MoE block with a gated shared expert.
   with q/k norms and an output gate (`q_proj` gives the queries and a per-head gate,
   sigmoid(gate) scales the attention output before `o_proj`), partial rotary.
 The MoE block: `mlp.gate` (softmax top-k router, always renormalised; it ignores
-`norm_topk_prob`), `mlp.experts`, `mlp.shared_expert`; the block multiplies the shared
-expert's output by sigmoid(`mlp.shared_expert_gate`) before adding it, so that gate is
-part of the `moe` unit, not of `shared_expert`.
+`norm_topk_prob`), `mlp.experts`, `mlp.shared_expert`, and `mlp.shared_expert_gate` (a
+linear map to one logit; the block multiplies the shared expert's output by its sigmoid
+before adding it): the sub-unit `shared_expert_gate` of kind `shared_expert_gate`, so a
+damaged gate is a sub-unit of its own and the sub-unit swaps cover every weight.
 No vLLM map: vLLM 0.32's qwen3_5 module (its text class included) imports its qwen3_vl
 module, which imports transformers' torchvision image processor; torch 2.13.0+cpu has no
 working torchvision here (see README), so this family runs against `hf` engine variants.
@@ -28,6 +29,7 @@ _HF = {
     **_QWEN_HF,
     "layers.{i}.attn@linear": "model.layers.{i}.linear_attn",
     "layers.{i}.moe.shared_expert": "model.layers.{i}.mlp.shared_expert",
+    "layers.{i}.moe.shared_expert_gate": "model.layers.{i}.mlp.shared_expert_gate",
 }
 
 
@@ -41,7 +43,7 @@ ARCH = ArchMap(
     hf=_HF,
     vllm={},
     ffn_kind=lambda config, i: "moe",
-    moe_sub_units=("router", "experts", "shared_expert"),
+    moe_sub_units=("router", "experts", "shared_expert", "shared_expert_gate"),
     router_spec=lambda c: RouterSpec(c.num_experts_per_tok, c.num_experts, "softmax", True),
     attn_variant=_attn_variant,
 )
