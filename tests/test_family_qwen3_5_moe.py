@@ -73,6 +73,18 @@ def test_bf16_engine_against_the_fp32_reference_and_its_self_check():
     assert blocks["k3_mean"] < g["k3"]["mean"] / 5
 
 
+def test_decode_mode_runs_the_recurrent_step_and_differs_from_prefill_first_in_linear_attention():
+    # decode: one token at a time through the cache (the GDN's recurrent rule and conv state);
+    # prefill: the chunked rule over the whole sequence
+    s = session(NAME, "hf", ref_dtype="float32", engine_dtype="bfloat16", samples=3, engine_mode="decode")
+    m = s.compare()["engine_modes"]
+    assert m["mode"] == "decode"
+    assert m["decode_vs_prefill"]["first_unit"]["bitwise"] == "layers.0.attn"
+    # measured: 4.6e-8 between the two paths, 5.4e-5 against the reference
+    assert 0 < m["decode_vs_prefill"]["value"] < m["prefill_vs_reference"]["value"] / 100
+    assert sorted(m["not_swappable"]["kinds"]) == ["attn", "layer"]
+
+
 HF_CASES = [
     ("output_noise=1e-2@layers.1.attn", "layers.1.attn"),  # linear attention (Gated DeltaNet)
     ("weight_noise=1e-2@layers.0.attn", "layers.0.attn"),  # conv, gates, A_log, dt_bias, norm all perturbed
