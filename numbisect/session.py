@@ -267,6 +267,7 @@ class Session:
         if self.engine is None or not self.engine_runs:
             raise InputError(f"swaps need an engine that runs (hf: or vllm:), not {self.engine_kind}")
         fine = ("embed", "norm", "attn", "mlp", "router", "experts", "shared_expert", "lm_head", "projector")
+        fine += ("shared_expert_gate",)
         coarse = ("embed", "norm", "attn", "mlp", "moe", "lm_head", "vision")
         same_dtype = self.spec.ref_dtype == self.spec.engine_dtype
         checks = []

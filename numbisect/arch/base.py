@@ -7,7 +7,7 @@ all import from here.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from numbisect.units import Unit, build_units
@@ -50,12 +50,19 @@ class ArchMap:
     ckpt_renames: dict[str, str] = field(default_factory=dict)
     ckpt_expert_weights: dict[str, str] = field(
         default_factory=lambda: {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})
+    # Families whose layers differ in their attention module (Qwen3.5: linear attention in most
+    # layers): (config, layer) -> "" or a variant name; the unit stays `layers.{i}.attn` and its
+    # module path is looked up under `layers.{i}.attn@VARIANT` first.
+    attn_variant: Callable[[Any, int], str] | None = None
 
     def units(self, config) -> list[Unit]:
         text = config.get_text_config()
         n = text.num_hidden_layers
-        return build_units(n, [self.ffn_kind(text, i) for i in range(n)], self.moe_sub_units, vision=self.vision,
-                           attn_sub_units=self.attn_sub_units)
+        units = build_units(n, [self.ffn_kind(text, i) for i in range(n)], self.moe_sub_units, vision=self.vision,
+                            attn_sub_units=self.attn_sub_units)
+        if self.attn_variant is None:
+            return units
+        return [replace(u, variant=self.attn_variant(text, u.layer)) if u.kind == "attn" else u for u in units]
 
     def path(self, names: str, unit: Unit) -> str | None:
         """The module path of `unit` in a model whose modules are named as `names` says
@@ -65,7 +72,8 @@ class ArchMap:
         if names not in tables:
             raise ValueError(f"no module-name table {names!r} in {self.name} (have: hf, vllm)")
         table = tables[names]
-        pattern = table.get(unit.pattern)
+        pattern = table.get(f"{unit.pattern}@{unit.variant}") if unit.variant else None
+        pattern = pattern or table.get(unit.pattern)
         return None if pattern is None else pattern.format(i=unit.layer)
 
     def hf_path(self, pattern: str, layer: int | None = None) -> str:

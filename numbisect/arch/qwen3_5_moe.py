@@ -1,0 +1,49 @@
+"""Qwen3.5-MoE, text model (Qwen3_5MoeForCausalLM): a hybrid of linear attention and gated
+full attention, every layer a sparse MoE block with a gated shared expert.
+
+`config.layer_types[i]` says which attention layer i has:
+- "linear_attention" (most layers): Gated DeltaNet, transformers `linear_attn`
+  (Qwen3_5MoeGatedDeltaNet): `in_proj_qkv` then a causal depthwise `conv1d`, the gates
+  `in_proj_b` (beta, sigmoid) and `in_proj_a` with `A_log`/`dt_bias` (the decay g), the
+  delta-rule recurrence over a per-head [k, v] state, the gated RMSNorm `norm` with
+  `in_proj_z` as its output gate, `out_proj`. The unit is `layers.{i}.attn` with variant
+  "linear": a swap carries the whole module (conv, gates, state handling); it takes no
+  rotary cos/sin.
+- "full_attention": transformers `self_attn` (Qwen3_5MoeAttention): Qwen3's attention
+  with q/k norms and an output gate (`q_proj` gives the queries and a per-head gate,
+  sigmoid(gate) scales the attention output before `o_proj`), partial rotary.
+The MoE block: `mlp.gate` (softmax top-k router, always renormalised; it ignores
+`norm_topk_prob`), `mlp.experts`, `mlp.shared_expert`, and `mlp.shared_expert_gate` (a
+linear map to one logit; the block multiplies the shared expert's output by its sigmoid
+before adding it): the sub-unit `shared_expert_gate` of kind `shared_expert_gate`, so a
+damaged gate is a sub-unit of its own and the sub-unit swaps cover every weight.
+No vLLM map: vLLM 0.32's qwen3_5 module (its text class included) imports its qwen3_vl
+module, which imports transformers' torchvision image processor; torch 2.13.0+cpu has no
+working torchvision here (see README), so this family runs against `hf` engine variants.
+"""
+
+from numbisect.arch.base import ArchMap, RouterSpec
+from numbisect.arch.qwen3_moe import _HF as _QWEN_HF
+
+_HF = {
+    **_QWEN_HF,
+    "layers.{i}.attn@linear": "model.layers.{i}.linear_attn",
+    "layers.{i}.moe.shared_expert": "model.layers.{i}.mlp.shared_expert",
+    "layers.{i}.moe.shared_expert_gate": "model.layers.{i}.mlp.shared_expert_gate",
+}
+
+
+def _attn_variant(config, i: int) -> str:
+    return "linear" if config.layer_types[i] == "linear_attention" else ""
+
+
+ARCH = ArchMap(
+    name="qwen3_5_moe",
+    architectures=("Qwen3_5MoeForCausalLM",),
+    hf=_HF,
+    vllm={},
+    ffn_kind=lambda config, i: "moe",
+    moe_sub_units=("router", "experts", "shared_expert", "shared_expert_gate"),
+    router_spec=lambda c: RouterSpec(c.num_experts_per_tok, c.num_experts, "softmax", True),
+    attn_variant=_attn_variant,
+)

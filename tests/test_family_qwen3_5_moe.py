@@ -1,0 +1,164 @@
+"""Qwen3.5-MoE, text model (Qwen3_5MoeForCausalLM, fixtures/models/qwen3_5_moe): compare,
+run and planted faults on hf engines.
+
+The family's facts that matter (numbisect/arch/qwen3_5_moe.py): layers 0-2 have Gated
+DeltaNet linear attention (`linear_attn`: conv, gates, recurrent state, gated output norm),
+layer 3 gated full attention (`self_attn` with an output gate); each is the unit
+`layers.{i}.attn`. Every layer a MoE block with a shared expert whose sigmoid gate lives in
+the block (sub-unit `shared_expert_gate`). No vLLM run: vLLM 0.32's qwen3_5 module imports torchvision
+(see README). Ground truth is planted faults on an fp32 hf engine against the fp32
+reference (floor exactly 0), and damaged checkpoint copies.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import bound, damaged_copy, hf, model_dir, search, session, trace_path
+from numbisect import routing as R
+from numbisect.arch import arch_for
+from numbisect.cli import main
+from numbisect.errors import ExitCode
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NAME = "qwen3_5_moe"
+N = 6  # samples for the searches (the reference GDN code is slow on 2 cores)
+
+
+# -- the map ------------------------------------------------------------------------------------
+def test_map_puts_each_layers_attn_unit_on_its_own_attention_module():
+    b = hf(NAME, "float32")
+    assert arch_for(b.config).name == NAME
+    attn = {u.layer: u for u in b.units if u.kind == "attn"}
+    assert [attn[i].variant for i in range(4)] == ["linear", "linear", "linear", ""]
+    for i in range(3):
+        assert b.module_path(f"layers.{i}.attn") == f"model.layers.{i}.linear_attn"
+        assert type(b.module(f"layers.{i}.attn")).__name__ == "Qwen3_5MoeGatedDeltaNet"
+    assert b.module_path("layers.3.attn") == "model.layers.3.self_attn"
+    assert type(b.module("layers.3.attn")).__name__ == "Qwen3_5MoeAttention"
+    for i in range(4):
+        assert type(b.module(f"layers.{i}.moe.shared_expert")).__name__ == "Qwen3_5MoeMLP"
+        assert b.module_path(f"layers.{i}.moe.shared_expert_gate") == f"model.layers.{i}.mlp.shared_expert_gate"
+        assert b.unit(f"layers.{i}.moe.shared_expert_gate").kind == "shared_expert_gate"
+    assert not any(u.kind == "mlp" for u in b.units)
+
+
+def test_select_and_weights_reproduce_the_transformers_router():
+    b = hf(NAME, "float32")
+    spec = R.router_spec(b.config)
+    assert (spec.top_k, spec.num_experts, spec.scoring, spec.norm_topk) == (2, 8, "softmax", True)
+    g = torch.Generator().manual_seed(0)
+    for u in R.router_units(b):
+        x = torch.randn(200, b.config.hidden_size, generator=g)
+        with torch.no_grad():
+            logits, w, ids = b.module(u)(x)
+        assert not bool(R._differ(R.select(logits, spec), ids).any())
+        assert torch.allclose(R.weights_for(logits, ids, spec), w.float(), atol=1e-6)
+
+
+# -- hf engines -----------------------------------------------------------------------------------
+def test_bf16_engine_against_the_fp32_reference_and_its_self_check():
+    s = session(NAME, "hf", ref_dtype="float32", engine_dtype="bfloat16", threshold=1e-10)
+    body, code = search(s)
+    g = body["baseline"]["groups"]["completion"]
+    assert 0 < g["k3"]["mean"] < 3e-4 and g["k3"]["count"] == g["tokens"]
+    sc = body["self_check"]
+    assert sc["passed"] and not sc["dtypes_match"]
+    blocks = next(c for c in sc["checks"] if c["swapped"] == "blocks")
+    # every block swapped leaves only the engine's bf16 residual adds (measured 2.2e-6 against 5.6e-5)
+    assert blocks["k3_mean"] < g["k3"]["mean"] / 5
+
+
+def test_decode_mode_runs_the_recurrent_step_and_differs_from_prefill_first_in_linear_attention():
+    # decode: one token at a time through the cache (the GDN's recurrent rule and conv state);
+    # prefill: the chunked rule over the whole sequence
+    s = session(NAME, "hf", ref_dtype="float32", engine_dtype="bfloat16", samples=3, engine_mode="decode")
+    m = s.compare()["engine_modes"]
+    assert m["mode"] == "decode"
+    assert m["decode_vs_prefill"]["first_unit"]["bitwise"] == "layers.0.attn"
+    # measured: 4.6e-8 between the two paths, 5.4e-5 against the reference
+    assert 0 < m["decode_vs_prefill"]["value"] < m["prefill_vs_reference"]["value"] / 100
+    assert sorted(m["not_swappable"]["kinds"]) == ["attn", "layer"]
+
+
+HF_CASES = [
+    ("output_noise=1e-2@layers.1.attn", "layers.1.attn"),  # linear attention (Gated DeltaNet)
+    ("weight_noise=1e-2@layers.0.attn", "layers.0.attn"),  # conv, gates, A_log, dt_bias, norm all perturbed
+    ("output_noise=1e-2@layers.3.attn", "layers.3.attn"),  # gated full attention
+    ("output_noise=1e-2@layers.2.moe.experts", "layers.2.moe.experts"),
+    ("output_noise=1e-2@layers.1.moe.shared_expert", "layers.1.moe.shared_expert"),
+    ("output_noise=1e-1@layers.3.moe.shared_expert_gate", "layers.3.moe.shared_expert_gate"),
+    ("moe_combine_bf16@layers.2.moe", "layers.2.moe.experts"),
+]
+
+
+@pytest.mark.parametrize("fault,unit", HF_CASES)
+def test_planted_fault_is_named_on_an_fp32_hf_engine_within_the_bound(fault, unit):
+    s = session(NAME, "hf", ref_dtype="float32", engine_dtype="float32", faults=[fault], threshold=1e-10, samples=N)
+    body, code = search(s)
+    assert code == ExitCode.DIVERGED
+    assert [c["unit"] for c in body["culprits"]] == [unit]
+    assert body["search"]["trials_used"] <= bound(s)
+    # the swaps carry every module whole: with the fault planted, every block swapped gives
+    # the reference exactly (a weight fault in the GDN's conv or gates would stay otherwise)
+    assert body["self_check"]["passed"] and body["self_check"]["k3_mean"] == 0.0
+
+
+def test_cli_compare_and_run_on_an_hf_engine(tmp_path, capsys):
+    d = model_dir(NAME)
+    base = ["--ref", f"hf:{d}", "--engine", f"hf:{d}", "--trace", trace_path(NAME), "-q"]
+    out = tmp_path / "c.json"
+    code = main(["compare", *base, "--out", str(out)])
+    capsys.readouterr()
+    assert code == ExitCode.ALIGNED
+    r = json.loads(out.read_text())
+    assert r["inputs"]["engine"]["arch"] == NAME
+    assert r["routing"]["spec"]["top_k"] == 2 and r["routing"]["spec"]["norm_topk"] is True
+    out = tmp_path / "r.json"
+    code = main(["run", *base, "--ref-dtype", "float32", "--engine-dtype", "float32", "--threshold", "1e-10",
+                 "--engine-fault", "output_noise=1e-2@layers.2.attn", "--out", str(out)])
+    capsys.readouterr()
+    assert code == ExitCode.DIVERGED
+    r = json.loads(out.read_text())
+    assert [c["unit"] for c in r["culprits"]] == ["layers.2.attn"] and r["self_check"]["passed"]
+
+
+def _scale(key: str, by: float):
+    def edit(w):
+        assert key in w, key
+        w[key] = (w[key].float() * by).to(w[key].dtype)
+    return edit
+
+
+CKPT_CASES = [
+    # the decay of a linear-attention layer (A_log), a gate outside every projection
+    ("model.layers.1.linear_attn.A_log", 0.5, "layers.1.attn"),
+    # the shared expert's sigmoid gate: a sub-unit of its own
+    ("model.layers.2.mlp.shared_expert_gate.weight", -1.0, "layers.2.moe.shared_expert_gate"),
+]
+
+
+@pytest.mark.parametrize("key,by,unit", CKPT_CASES, ids=[c[2] for c in CKPT_CASES])
+def test_damaged_checkpoint_is_diffed_and_searched_to_its_unit(key, by, unit, tmp_path, capsys):
+    bad = damaged_copy(NAME, tmp_path, _scale(key, by))
+    out = tmp_path / "r.json"
+    code = main(["run", "--ref", f"hf:{model_dir(NAME)}", "--engine", f"hf:{bad}", "--trace", trace_path(NAME),
+                 "--ref-dtype", "float32", "--engine-dtype", "float32", "--threshold", "1e-10", "-q",
+                 "--out", str(out)])
+    capsys.readouterr()
+    assert code == ExitCode.DIVERGED
+    r = json.loads(out.read_text())
+    assert [c["unit"] for c in r["culprits"]] == [unit]
+    assert list(r["inputs"]["checkpoint_diff"]["units"]) == [unit]
+
+
+def test_vllm_engine_is_refused_in_one_line(capsys):
+    d = model_dir(NAME)
+    code = main(["compare", "--ref", f"hf:{d}", "--engine", f"vllm:{d}", "--trace", trace_path(NAME), "-q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("bisect: error: ") and "qwen3_5_moe has no vLLM unit map" in err[0]
