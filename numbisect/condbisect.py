@@ -22,7 +22,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -197,13 +199,18 @@ def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress) ->
     name = atom[len(E.OP_PREFIX):]
     states = {"good": eng.good_ops.get(name), "user": eng.user_ops.get(name)}
     jobs = {side: {"compilation_config": {"custom_ops": [("+" if on else "-") + name]}} for side, on in states.items()}
-    progress(f"localise {atom}: capture every unit with the op {'enabled' if states['good'] else 'disabled'} (eager)")
-    good_path = run_child(sess.job(jobs["good"], job="capture"), "localisation capture (good state)")
-    progress(f"localise {atom}: every unit fed the good state's inputs, op {'enabled' if states['user'] else 'disabled'}")
-    good = torch.load(good_path)
-    torch.save(good["inputs"], good_path + "_inputs.pt")
-    user_path = run_child(sess.job(jobs["user"], job="capture", feed=good_path + "_inputs.pt"), "localisation capture (user state)")
-    local = torch.load(user_path)["captures"]
+    progress(f"localise {atom}: every unit's input, the op {'enabled' if states['good'] else 'disabled'} (eager)")
+    first = run_child(sess.job(jobs["good"], job="capture"), "localisation capture (good state)")
+    # Both states fed the same inputs: a fed fused norm (x + residual given as one tensor)
+    # rounds differently from an unfed one, so the good state is fed too.
+    fed = {}
+    with tempfile.TemporaryDirectory(prefix="numbisect-feed-") as d:
+        feed = os.path.join(d, "inputs.pt")
+        torch.save(first["inputs"], feed)
+        for side in ("good", "user"):
+            progress(f"localise {atom}: every unit fed those inputs, the op {'enabled' if states[side] else 'disabled'}")
+            fed[side] = run_child(sess.job(jobs[side], job="capture", feed=feed), f"localisation capture ({side} state)")["captures"]
+    good, local = {"captures": fed["good"]}, fed["user"]
     rows, differ = [], []
     for unit, outs in good["captures"].items():
         if unit not in local:
@@ -217,7 +224,7 @@ def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress) ->
     # A unit differs locally; its parents (layers.N) differ because it does: name the innermost.
     inner = [u for u in differ if not any(v != u and v.startswith(u + ".") for v in differ)]
     return {"atom": atom, "done": True, "units": rows, "differ": differ, "named": pattern(inner, layers),
-            "method": "eager engine, the op in the good state vs the user's state fed the good state's unit inputs"}
+            "method": "eager engine, every unit fed the good state's unit inputs, the op in the good state vs the user's"}
 
 
 def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, resume=None, localise_culprit=True,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -115,8 +116,8 @@ def main(argv: list[str]) -> int:
 
 
 def run_child(job: dict, what: str, timeout: float | None = None):
-    """Run `job` in a child process; its answer (dict, or the torch file's path for a
-    capture job). A child that fails raises BackendError with one line (its stderr tail
+    """Run `job` in a child process; its answer (a dict; a capture job's read with
+    torch.load). Its temporary files are removed. A child that fails raises BackendError with one line (its stderr tail
     too under NUMBISECT_DEBUG)."""
     tmp = tempfile.mkdtemp(prefix="numbisect-cond-")
     in_path, out_path, err_path = (os.path.join(tmp, n) for n in ("in.json", "out", "stderr"))
@@ -143,15 +144,22 @@ def run_child(job: dict, what: str, timeout: float | None = None):
             if why:
                 break
     if rc != 0 or why:
+        if not os.environ.get("NUMBISECT_DEBUG"):  # kept for a look under NUMBISECT_DEBUG
+            shutil.rmtree(tmp, ignore_errors=True)
         msg = f"{what}: the vLLM child process failed ({why or f'exit status {rc}'})"
         if os.environ.get("NUMBISECT_DEBUG"):  # the child's stderr tail, as it is, before the one-line error
             with open(err_path, "rb") as f:
                 sys.stderr.write(f.read()[-3000:].decode(errors="replace") + "\n")
         raise BackendError(msg)
-    if job["job"] == "capture":
-        return out_path
-    with open(out_path) as f:
-        return json.load(f)
+    try:
+        if job["job"] == "capture":
+            import torch
+
+            return torch.load(out_path)
+        with open(out_path) as f:
+            return json.load(f)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
