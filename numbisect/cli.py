@@ -376,6 +376,54 @@ def run(**kw):
     return code
 
 
+@cli.command(epilog=EPILOG)
+@options("ref", "engine", "trace", "ref_dtype", "engine_dtype", "ref_opt", "engine_opt")
+@click.option("--engine-config", "engine_config", type=click.Path(), metavar="FILE",
+              help="Your vLLM engine's settings, JSON (or .toml): LLM() arguments (enforce_eager, compilation_config, "
+                   "enable_prefix_caching, ...) plus batch (1 or \"all\"), logprobs_mode, sampling. --engine-opt overrides it.")
+@click.option("--good-config", "good_config", type=click.Path(), metavar="FILE",
+              help="The known-good settings [default: eager, vLLM's custom ops, no prefix caching, batch 1, raw log-probs, tp 1].")
+@click.option("--threshold", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="A trial is fixed when its completion k3 against the good configuration is at or under this (0: bitwise equal).")
+@options("group", "max_trials")
+@click.option("--log", "log_path", type=click.Path(), help="Append each trial to this JSONL log as it ends.")
+@click.option("--resume", type=click.Path(), help="Continue from a trial log of an interrupted run (no trial repeated).")
+@click.option("--localise/--no-localise", default=True, show_default=True,
+              help="Under a guilty custom op, name the units whose local output it changes.")
+@click.option("-o", "--out", type=click.Path(), help="Write the JSON report here (atomically).")
+@options("json", "quiet")
+def conditions(**kw):
+    """Which of your engine settings make vLLM's log-probs differ from a known-good configuration."""
+    from numbisect import engine_config as E
+    from numbisect.compare import Settings, parse_opts
+    from numbisect.condbisect import CondSession, CondSpec, run_conditions
+    from numbisect.provenance import new_report
+    from numbisect.report import command_line
+
+    _check_out(kw)
+    user = E.load_settings(kw["engine_config"]) if kw["engine_config"] else {}
+    user = E.merge(user, parse_opts(kw["engine_opt"], "--engine-opt"))
+    E.check_settings(user, "--engine-config/--engine-opt")
+    good = E.load_settings(kw["good_config"], "--good-config") if kw["good_config"] else dict(E.GOOD)
+    settings = Settings(threshold=kw["threshold"], group=kw["group"])
+    spec = CondSpec(ref=kw["ref"], engine=kw["engine"], trace=kw["trace"], ref_dtype=kw["ref_dtype"],
+                    engine_dtype=kw["engine_dtype"], ref_opts=parse_opts(kw["ref_opt"], "--ref-opt"),
+                    engine_opts={"user": user, "good": good})
+    from numbisect.compare import check_opts
+
+    check_opts("hf", spec.ref_opts, "--ref-opt")
+    with Progress(kw["quiet"]) as say:
+        sess = CondSession(spec, settings, user, good)
+        from numbisect.backends.vllm.condition_worker import run_child
+
+        body, code = run_conditions(sess, run_child=run_child, max_trials=kw["max_trials"], log=kw["log_path"],
+                                    resume=kw["resume"], localise_culprit=kw["localise"], progress=say)
+        report = new_report("conditions", command_line(click.get_current_context().obj["argv"]),
+                            sess.inputs(body.pop("_ref_describe", {})), settings.to_dict(), body)
+    _emit(report, kw)
+    return code
+
+
 @cli.group()
 def report():
     """Work with report files: show, validate, diff, md (no models needed)."""

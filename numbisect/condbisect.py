@@ -1,0 +1,312 @@
+"""`bisect conditions`: which engine settings make the user's vLLM disagree with a known-good one.
+
+1. The reference (hf) runs the trace once, in this process; the known-good configuration
+   (`engine_config.GOOD`, or the user's --good-config) and the user's (--engine-config)
+   each run in a child process (`condition_worker`), which also reports the custom ops
+   the engine instantiated and their state.
+2. Atoms (`engine_config.atoms`): every setting where the two differ, compilation split
+   into `compiled` and one `custom_op:NAME` per op whose state differs.
+3. A trial reverts a set of atoms to the good state and runs the user's configuration so
+   changed in a child: its value is the mean per-token k3 of its completion log-probs
+   against the good configuration's (0 when bitwise equal); its metrics add k3 and the RL
+   cost table against the reference. The search is `numbisect.search`'s over a flat unit
+   graph whose nodes are the atoms (so a single guilty atom among n costs at most
+   ceil(log2 n) + 4 trials), with `run.TrialLog`'s JSONL log and --resume.
+4. Every atom's effect alone (only it in the user's state) is measured; 0 means the atom
+   is bitwise invariant here.
+5. A guilty custom op is localised: numbisect's eager engine runs with the op in the good
+   state (every unit's input and output captured) and in the user's state fed the good
+   state's unit inputs; units whose local output differs are named. Hooks cannot see
+   inside a compiled graph, so a guilty `compiled` atom is not localised further.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+
+from numbisect import compare as C
+from numbisect import engine_config as E
+from numbisect import search as S
+from numbisect.backends.base import ForwardResult
+from numbisect.errors import ExitCode, InputError
+from numbisect.formatting import fmt
+
+ROLE_INVARIANCE = "invariance"
+
+
+@dataclass
+class CondSpec:
+    """What the trial log header records (the attributes `run.log_header` reads)."""
+
+    ref: str
+    engine: str
+    trace: str
+    ref_dtype: str = "bfloat16"
+    engine_dtype: str = "bfloat16"
+    ref_opts: dict = field(default_factory=dict)
+    engine_opts: dict = field(default_factory=dict)
+    faults: list = field(default_factory=list)
+
+
+class CondSession:
+    """The inputs of a condition search, shaped as `run.TrialLog` expects a session."""
+
+    mode = "conditions"
+
+    def __init__(self, spec: CondSpec, settings: C.Settings, user: dict, good: dict):
+        from numbisect.backends.base import load_config
+        from numbisect.rlformats import load_any
+        from numbisect.trace import check_vocab
+
+        self.spec, self.settings, self.user, self.good = spec, settings, user, good
+        ref_kind, self.ref_path = C.parse_spec(spec.ref, "--ref")
+        eng_kind, self.eng_path = C.parse_spec(spec.engine, "--engine")
+        if ref_kind != "hf":
+            raise InputError(f"--ref must be hf:DIR (got {spec.ref!r})")
+        if eng_kind != "vllm":
+            raise InputError(f"bisect conditions needs --engine vllm:DIR (got {spec.engine!r})")
+        self.trace = load_any(spec.trace)
+        ref_cfg = load_config(self.ref_path)
+        C.check_configs(ref_cfg, load_config(self.eng_path))
+        check_vocab(self.trace, ref_cfg.get_text_config().vocab_size)
+        C.check_positions(self.trace, ref_cfg, "the reference")
+        self.max_model_len = min(1024, int(getattr(ref_cfg.get_text_config(), "max_position_embeddings", 1024) or 1024))
+        self.samples = self.trace.samples
+        self.groups = C.group_names(self.trace)
+        if settings.group not in self.groups + ["all"]:
+            raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(self.groups)}")
+        self.digests = {"ref": C.checkpoint_digest(self.ref_path), "trace": self.trace.sha256,
+                        "engine": C.checkpoint_digest(self.eng_path)}
+
+    def job(self, settings: dict, **more) -> dict:
+        return {"job": "logprobs", "model": self.eng_path, "dtype": self.spec.engine_dtype, "settings": settings,
+                "samples": [list(s.ids) for s in self.samples],
+                "prompt_lens": [len(s.prompt_ids) for s in self.samples], "max_model_len": self.max_model_len, **more}
+
+    def inputs(self, ref_describe: dict) -> dict:
+        return {
+            "ref": {**ref_describe, "sha256": self.digests["ref"]},
+            "engine": {"backend": "vllm", "path": self.eng_path, "dtype": self.spec.engine_dtype,
+                       "options": self.user, "sha256": self.digests["engine"]},
+            "trace": {"path": self.trace.path, "sha256": self.trace.sha256, "samples": len(self.samples),
+                      "completion_tokens": sum(len(s.completion_ids) for s in self.samples), "groups": self.groups},
+            "faults": [],
+        }
+
+
+def _result(lps: list) -> ForwardResult:
+    return ForwardResult(token_logprobs=[torch.tensor(x, dtype=torch.float32) for x in lps])
+
+
+def atom_graph(atoms: list[str]) -> nx.DiGraph:
+    """One flat level: every atom a child of "model", in the given order."""
+    g = nx.DiGraph()
+    g.add_node("model", kind="model", layer=None, order=-1)
+    for i, a in enumerate(atoms):
+        g.add_node(a, kind="condition", layer=None, order=i)
+        g.add_edge("model", a, rel="contains")
+    return g
+
+
+def compare_lp(sess: CondSession, base: ForwardResult, other: ForwardResult) -> dict:
+    """`other` against `base`: the token report (no per-token detail), and whether bitwise equal."""
+    rep = C.token_report(sess.samples, base, other, sess.settings, sess.groups, detail=False)
+    bitwise = all(torch.equal(a, b) for a, b in zip(base.token_logprobs, other.token_logprobs))
+    diff = max((float((a - b).abs().max()) for a, b in zip(base.token_logprobs, other.token_logprobs) if a.numel()), default=0.0)
+    return {"report": rep, "bitwise": bitwise, "max_abs_diff": diff}
+
+
+def _short(rep: dict) -> dict:
+    g = rep["groups"]
+    return {"groups": {k: {"k3_mean": v["k3"]["mean"] if v["k3"] else None} for k, v in g.items()},
+            "rl_cost": rep["rl_cost"], "value": rep["value"]}
+
+
+@dataclass
+class Engines:
+    """The runs every trial is judged against."""
+
+    ref: ForwardResult
+    good: ForwardResult
+    good_ops: dict
+    user_ops: dict
+    atoms: list[str]
+
+
+def evaluator(sess: CondSession, eng: Engines, run_child, progress, known: dict | None = None):
+    """The trial function: revert `reverted` atoms, run the configuration, measure it.
+
+    `known`: runs already made, by reverted set: nothing reverted is the user's own
+    configuration, everything reverted the good one (each atom is then in the state the
+    engine reported for it there), so those trials reuse the runs made before the search."""
+    known = known or {}
+
+    def evaluate(reverted: frozenset) -> tuple[float, dict]:
+        settings = E.trial_settings(sess.user, sess.good, reverted, eng.user_ops, eng.good_ops, eng.atoms)
+        progress(f"trial: {', '.join(sorted(reverted)) or 'nothing'} reverted")
+        out = known.get(reverted) or run_child(sess.job(settings), "a trial configuration")
+        if reverted in known:
+            settings = sess.user if not reverted else sess.good
+        res = _result(out["logprobs"])
+        vs_good = compare_lp(sess, eng.good, res)
+        vs_ref = C.token_report(sess.samples, eng.ref, res, sess.settings, sess.groups, detail=False)
+        metrics = {
+            "groups": {g: {"k3_mean": v["k3"]["mean"] if v["k3"] else None} for g, v in vs_good["report"]["groups"].items()},
+            "bitwise_equal_good": vs_good["bitwise"],
+            "max_abs_diff_good": vs_good["max_abs_diff"],
+            "vs_reference": _short(vs_ref),
+            "seq_frac_rejected": vs_ref["rl_cost"]["seq_frac_rejected"],
+            "forward_s": out.get("seconds", 0.0),
+            "settings": settings,
+        }
+        return (0.0 if vs_good["bitwise"] else vs_good["report"]["value"]), metrics
+
+    return evaluate
+
+
+def pattern(units: list[str], layers: int) -> list[str]:
+    """`layers.3.attn` ... for every layer as `layers.*.attn`; the rest as they are."""
+    by: dict[str, set] = {}
+    rest = []
+    for u in units:
+        m = re.match(r"^layers\.(\d+)\.(.+)$", u)
+        if m:
+            by.setdefault(m.group(2), set()).add(int(m.group(1)))
+        else:
+            rest.append(u)
+    out = []
+    for tail, ls in by.items():
+        out += [f"layers.*.{tail}"] if len(ls) == layers and layers > 1 else [f"layers.{i}.{tail}" for i in sorted(ls)]
+    return out + rest
+
+
+def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress) -> dict:
+    """Units whose local output differs when custom op `atom` is in the user's state
+    instead of the good one (both eager, numbisect's own engine)."""
+    if atom == E.COMPILED:
+        return {"atom": atom, "done": False,
+                "why": "the compiled path is guilty on its own: module hooks cannot see inside a compiled graph"}
+    if not atom.startswith(E.OP_PREFIX):
+        return {"atom": atom, "done": False, "why": f"module localisation under {atom} is not supported (custom ops only)"}
+    from numbisect import metrics as M
+
+    name = atom[len(E.OP_PREFIX):]
+    states = {"good": eng.good_ops.get(name), "user": eng.user_ops.get(name)}
+    jobs = {side: {"compilation_config": {"custom_ops": [("+" if on else "-") + name]}} for side, on in states.items()}
+    progress(f"localise {atom}: every unit's input, the op {'enabled' if states['good'] else 'disabled'} (eager)")
+    first = run_child(sess.job(jobs["good"], job="capture"), "localisation capture (good state)")
+    # Both states fed the same inputs: a fed fused norm (x + residual given as one tensor)
+    # rounds differently from an unfed one, so the good state is fed too.
+    fed = {}
+    with tempfile.TemporaryDirectory(prefix="numbisect-feed-") as d:
+        feed = os.path.join(d, "inputs.pt")
+        torch.save(first["inputs"], feed)
+        for side in ("good", "user"):
+            progress(f"localise {atom}: every unit fed those inputs, the op {'enabled' if states[side] else 'disabled'}")
+            fed[side] = run_child(sess.job(jobs[side], job="capture", feed=feed), f"localisation capture ({side} state)")["captures"]
+    good, local = {"captures": fed["good"]}, fed["user"]
+    rows, differ = [], []
+    for unit, outs in good["captures"].items():
+        if unit not in local:
+            continue
+        same = all(torch.equal(a, b) for a, b in zip(outs, local[unit]))
+        err = M.activation_error_multi([o.float() for o in outs], [o.float() for o in local[unit]])
+        rows.append({"unit": unit, "bitwise_equal": same, "rel_l2": err["rel_l2"], "max_abs": err["max_abs"]})
+        if not same:
+            differ.append(unit)
+    layers = len({m.group(1) for u in good["captures"] for m in [re.match(r"^layers\.(\d+)", u)] if m})
+    # A unit differs locally; its parents (layers.N) differ because it does: name the innermost.
+    inner = [u for u in differ if not any(v != u and v.startswith(u + ".") for v in differ)]
+    return {"atom": atom, "done": True, "units": rows, "differ": differ, "named": pattern(inner, layers),
+            "method": "eager engine, every unit fed the good state's unit inputs, the op in the good state vs the user's"}
+
+
+def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, resume=None, localise_culprit=True,
+                   progress=lambda m: None) -> tuple[dict, int]:
+    """Everything `bisect conditions` does; the report body and the exit code."""
+    from numbisect.backends import open_backend
+    from numbisect.run import TrialLog
+
+    logger = TrialLog(log, sess, resume)  # refused before any forward when it cannot be resumed
+    try:
+        progress(f"reference hf:{sess.ref_path}")
+        ref = open_backend("hf", sess.ref_path, sess.spec.ref_dtype, dict(sess.spec.ref_opts), "--ref-opt")
+        try:
+            ref_res = ref.forward(sess.samples)
+            ref_describe = ref.describe()
+        finally:
+            ref.close()
+        progress("known-good configuration (child process)")
+        good_out = run_child(sess.job(sess.good), "the known-good configuration")
+        progress("your configuration (child process)")
+        user_out = run_child(sess.job(sess.user), "your configuration")
+    except BaseException:
+        logger.close()
+        raise
+    good_ops, user_ops = E.op_states(good_out["custom_ops"]), E.op_states(user_out["custom_ops"])
+    atoms = E.atoms(sess.user, sess.good, user_ops, good_ops)
+    eng = Engines(ref=ref_res, good=_result(good_out["logprobs"]), good_ops=good_ops, user_ops=user_ops, atoms=atoms)
+    user_res = _result(user_out["logprobs"])
+    base = compare_lp(sess, eng.good, user_res)
+    vs_ref = {"user": _short(C.token_report(sess.samples, ref_res, user_res, sess.settings, sess.groups, detail=False)),
+              "good": _short(C.token_report(sess.samples, ref_res, eng.good, sess.settings, sess.groups, detail=False))}
+    baseline = C.token_report(sess.samples, eng.good, user_res, sess.settings, sess.groups, detail=True)
+    if base["bitwise"]:
+        baseline["value"] = 0.0
+    body = {"baseline": baseline, "units": [], "verdict": "aligned" if baseline["value"] <= sess.settings.threshold else "diverged"}
+    cond = {"user": sess.user, "good": sess.good, "atoms": [], "culprits": [], "vs_reference": vs_ref,
+            "bitwise_equal": base["bitwise"], "max_abs_diff": base["max_abs_diff"], "custom_ops": {"user": user_ops, "good": good_ops}}
+    body["conditions"] = cond
+    body["_ref_describe"] = ref_describe  # the caller's inputs section; popped before the report
+    if not atoms:
+        cond["search"] = {"verdict": "aligned" if base["bitwise"] else "unreachable", "strategy": "hierarchical",
+                          "trials_used": 0, "baseline": baseline["value"],
+                          "stop_reason": "your configuration does not differ from the known-good one in any setting"}
+        cond["trials"] = []
+        logger.close()
+        return body, ExitCode.ALIGNED if base["bitwise"] else ExitCode.NO_CULPRIT
+
+    def record(trial):
+        logger(trial)
+        progress(f"trial {trial.index}: {len(trial.swapped)} reverted, k3 vs good {fmt(trial.value)}")
+
+    known = {frozenset(): user_out, frozenset(atoms): good_out}
+    runner = S.TrialRunner(evaluator(sess, eng, run_child, progress, known), max_trials=max_trials, on_trial=record,
+                           resumed=logger.resumed)
+    try:
+        found = S.search(atom_graph(atoms), list(atoms), runner, sess.settings.threshold, metric="k3 vs the good configuration")
+        alone = {}
+        for a in atoms:  # each atom alone in the user's state: every other one reverted
+            try:
+                t = runner.run([b for b in atoms if b != a], ROLE_INVARIANCE)
+                alone[a] = t
+            except S.BudgetExhausted:
+                break
+    finally:
+        logger.close()
+    names = [c.unit for c in found.culprits]
+    for a in atoms:
+        t = alone.get(a)
+        cond["atoms"].append({
+            "atom": a, "description": E.describe_atom(a, sess.user, sess.good, user_ops, good_ops),
+            "alone": None if t is None else t.value,
+            "bitwise_invariant": None if t is None else bool(t.metrics.get("bitwise_equal_good", t.value == 0)),
+            "culprit": a in names,
+            **({"vs_reference": t.metrics.get("vs_reference")} if t is not None and t.metrics.get("vs_reference") else {}),
+        })
+    cond["culprits"] = names
+    cond["search"] = {k: v for k, v in found.to_dict().items() if k != "culprits"}
+    cond["trials"] = [t.to_dict() for t in runner.trials]
+    if localise_culprit and len(names) == 1:
+        try:
+            cond["localisation"] = localise(sess, names[0], eng, run_child, progress)
+        except Exception as e:  # the search's answer stands
+            cond["localisation"] = {"atom": names[0], "done": False, "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    code = {"aligned": ExitCode.ALIGNED, "culprits": ExitCode.DIVERGED}.get(found.verdict, ExitCode.NO_CULPRIT)
+    return body, code
