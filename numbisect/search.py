@@ -320,6 +320,8 @@ class _Search:
         self.suspects = {a for s in suspects if s in graph for a in (s, *self._ancestors(s))}
         self.runner = runner
         self.thr = threshold
+        # How a sentence says "fixed": at a threshold of 0 (bitwise equal) "under 0" reads wrong.
+        self._under = "to 0" if threshold == 0 else f"under {threshold:g}"
         self.strategy = strategy
         self.local_rank = local_rank or {}
         self.metric = metric
@@ -425,7 +427,7 @@ class _Search:
         base = self._run((), "baseline").value
         self.baseline = base
         if base <= self.thr:
-            reason = f"baseline {self.metric} {base:.3g} is already under {self.thr:g}"
+            reason = f"baseline {self.metric} {base:.3g} is already {'0' if self.thr == 0 else self._under}"
             return self._result("aligned", [], reason)
         full = self._run(self.cands, "all-swapped").value
         self.all_swapped = full
@@ -460,7 +462,7 @@ class _Search:
                 return systematic
             reason = (
                 f"no set smaller than one touching every layer ({len(found)} units) brings "
-                f"{self.metric} under {self.thr:g}: the divergence is spread out"
+                f"{self.metric} {self._under}: the divergence is spread out"
             )
             return self._diffuse(found, reason)
         self.found = found
@@ -468,10 +470,10 @@ class _Search:
         self.found = found
         culprits = [self._culprit(u) for u in found]
         if len(found) == 1:
-            reason = f"swapping {found[0]} alone brings {self.metric} under {self.thr:g}"
+            reason = f"swapping {found[0]} alone brings {self.metric} {self._under}"
         else:
             reason = (
-                f"swapping {', '.join(found)} together brings {self.metric} under {self.thr:g}; "
+                f"swapping {', '.join(found)} together brings {self.metric} {self._under}; "
                 "leaving any one of them in the engine does not"
             )
         return self._result("culprits", culprits, reason)
@@ -794,7 +796,7 @@ class _Search:
         shares = {k: dict(sorted(d.items(), key=lambda kv: int(kv[0].rpartition(".")[2]))) for k, d in shares.items()}
         layers = sorted({layer for k in chosen for layer in needed[k]})
         reason = (
-            f"swapping every {', '.join(chosen)} unit ({len(units)} units) brings {self.metric} under {self.thr:g}, "
+            f"swapping every {', '.join(chosen)} unit ({len(units)} units) brings {self.metric} {self._under}, "
             f"and each layer's is needed in {len(layers)} of {len(self._layers(self.cands))} layers: a systematic "
             "culprit, the same difference in every layer (a kernel or a config value those units all read)"
         )
@@ -847,7 +849,7 @@ class _Search:
         base = self._run((), "baseline").value
         self.baseline = base
         if base <= self.thr:
-            reason = f"baseline {self.metric} {base:.3g} is already under {self.thr:g}"
+            reason = f"baseline {self.metric} {base:.3g} is already {'0' if self.thr == 0 else self._under}"
             return self._result("aligned", [], reason)
         fixing = []
         for u in sorted(self.units, key=self._order):
@@ -859,7 +861,7 @@ class _Search:
         self.found = found
         if found:
             culprits = [self._culprit(u) for u in found]
-            reason = f"swapping {' or '.join(found)} alone brings {self.metric} under {self.thr:g}"
+            reason = f"swapping {' or '.join(found)} alone brings {self.metric} {self._under}"
             return self._result("culprits", culprits, reason)
         full = self._run(self.cands, "all-swapped").value
         self.all_swapped = full
@@ -870,7 +872,7 @@ class _Search:
                 f"swapping every candidate still leaves {self.metric} at {full:.3g} (threshold {self.thr:g})",
             )
         reason = (
-            f"no single unit brings {self.metric} under {self.thr:g} alone; swapping every candidate does"
+            f"no single unit brings {self.metric} {self._under} alone; swapping every candidate does"
         )
         return self._diffuse(list(self.cands), reason)
 
