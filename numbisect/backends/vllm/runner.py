@@ -82,6 +82,9 @@ def import_vllm():
         with quiet_stderr():
             import vllm  # noqa: F401
 
+            from numbisect.backends.vllm.compat import without_torchvision
+
+            without_torchvision()  # Qwen3.5's vLLM module reaches transformers' torchvision processor
             # Its vllm.config import logs "Triton is installed, but doesn't include CPU
             # backend" once: held back with the rest of vLLM's start-up (`-q` is quiet).
             import numbisect.backends.vllm.force  # noqa: F401
