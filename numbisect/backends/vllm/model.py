@@ -7,7 +7,8 @@ it) and a bare model inside a tensor-parallel worker (`VLLMModel.of(model, dtype
 (`apply_swap_spec`, `undo_swap_spec`) live here too.
 
 - Swaps (`swap_unit`): a donor transformers module behind the adapter of its unit kind
-  (`adapters.py`); router and experts inside the fused-MoE runner (`moe.py`).
+  (and variant: `adapters.py`); router and experts inside the fused-MoE runner, and the
+  runner's and a gated shared expert's references to the swapped module (`moe.py`).
 - Faults (`plant_fault`): `moe_combine_*` and an output noise on the experts' routed sum
   in the fused-MoE runner; the others as on any module (`Backend.plant_fault`).
 - What-ifs: `fp32 weighted sum` in the runner (`moe.slot_sum_whatif`); `fp32 unit` is the
@@ -27,7 +28,7 @@ from numbisect.arch import arch_for
 from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM, Backend, parse_dtype
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.vllm import moe
-from numbisect.backends.vllm.adapters import ADAPTERS
+from numbisect.backends.vllm.adapters import ADAPTERS, VllmGatedShared
 
 PRECISION_FAULTS = ("moe_combine", "router_logits", "rmsnorm_no_upcast")
 
@@ -81,10 +82,15 @@ class VLLMModel(Backend):
         if unit.kind == "experts":
             moe.swap_experts(self, unit, ref, donor.dtype, ledger)
             return
-        adapter = ADAPTERS[unit.kind](ref, donor, self.dtype)
+        if unit.kind == "shared_expert" and moe.gated_shared(self.module(unit.name)):
+            adapter = VllmGatedShared(ref, donor, self.dtype, self.module(unit.parent))
+        else:
+            adapter = (ADAPTERS.get(f"{unit.kind}@{unit.variant}") or ADAPTERS[unit.kind])(ref, donor, self.dtype)
         ledger.replace(self.root, self.module_path(unit.name), adapter)
         if unit.kind == "shared_expert":
             moe.swap_shared(self, unit, adapter, ledger)
+        elif unit.kind == "shared_expert_gate":
+            moe.swap_shared_gate(self, unit, adapter, ledger)
 
     def plant_fault(self, fault, ledger: Ledger) -> None:
         unit = self.unit(fault.unit)
