@@ -161,6 +161,19 @@ def hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
+# Attributes a model reads from its decoder layers on every forward (vLLM's Qwen3-Next and
+# Qwen3.5 model: `layers[0].use_attn_reduce_scatter_for_moe`): a stand-in for a layer (a
+# swap adapter, a prefix-reuse replay) carries the replaced layer's.
+LAYER_FLAGS = ("use_attn_reduce_scatter_for_moe",)
+
+
+def carry_layer_flags(new: nn.Module, old: nn.Module) -> None:
+    """Give `new` the `LAYER_FLAGS` that `old`, the layer it stands in for, has."""
+    for flag in LAYER_FLAGS:
+        if hasattr(old, flag):
+            setattr(new, flag, getattr(old, flag))
+
+
 def with_hidden(args: tuple, kwargs: dict, x: torch.Tensor, new: torch.Tensor) -> tuple[tuple, dict]:
     """(args, kwargs) of a module call with its hidden-states input `x` (as `hidden_arg`
     found it) replaced by `new`."""

@@ -120,6 +120,18 @@ class VllmBlock(VllmHF):
 class VllmLayer(VllmHF):
     """A whole decoder layer: `(positions, hidden, residual) -> (stream, zeros)`."""
 
+    def keep_flags(self, old) -> None:
+        """The flags the model reads from its layers (`base.LAYER_FLAGS`: vLLM's Qwen3-Next and
+        Qwen3.5 read `use_attn_reduce_scatter_for_moe`), from the replaced layer; a layer
+        under sequence-parallel MoE is refused (the adapter has no such path)."""
+        from numbisect.backends.base import carry_layer_flags
+
+        if getattr(old, "use_attn_reduce_scatter_for_moe", False):
+            from numbisect.errors import BackendError
+
+            raise BackendError("cannot swap a whole layer under vLLM's sequence-parallel MoE")
+        carry_layer_flags(self, old)
+
     def forward(self, positions, hidden_states, residual, *extra):
         _no_extra("layer", extra)
         stream = hidden_states if residual is None else hidden_states + residual

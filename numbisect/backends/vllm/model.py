@@ -86,8 +86,10 @@ class VLLMModel(Backend):
             adapter = VllmGatedShared(ref, donor, self.dtype, self.module(unit.parent))
         else:
             adapter = (ADAPTERS.get(f"{unit.kind}@{unit.variant}") or ADAPTERS[unit.kind])(ref, donor, self.dtype)
-        ledger.replace(self.root, self.module_path(unit.name), adapter)
-        if unit.kind == "shared_expert":
+        old = ledger.replace(self.root, self.module_path(unit.name), adapter)
+        if unit.kind == "layer":
+            adapter.keep_flags(old)
+        elif unit.kind == "shared_expert":
             moe.swap_shared(self, unit, adapter, ledger)
         elif unit.kind == "shared_expert_gate":
             moe.swap_shared_gate(self, unit, adapter, ledger)
