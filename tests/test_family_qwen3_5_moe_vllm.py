@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import bound, search, session
+from numbisect import selftest as ST
 from numbisect.errors import ExitCode, InputError
 from numbisect.run import run
 
@@ -89,6 +90,19 @@ def test_planted_fault_is_named_on_vllm_within_the_bound(fault, unit):
     assert [c["unit"] for c in body["culprits"]] == [unit]
     assert body["search"]["trials_used"] <= bound(s)
     assert body["self_check"]["passed"] and body["self_check"]["k3_mean"] == 0.0
+
+
+def test_selftest_on_vllm_finds_every_planted_fault():
+    # weight_noise at experts must land on the routed experts only: vLLM's runner also holds
+    # the router's gate and the shared expert (before, the search named all three).
+    p = ST.PROFILES["vllm"]
+    s = session(NAME, "vllm", threshold=p.threshold)
+    res = ST.selftest(s, p, seed=0)
+    print(ST.render(res))
+    assert len(res["results"]) == len(p.faults)
+    for r in res["results"]:
+        assert r["found"] and r["within_bound"], r
+    assert res["passed"], ST.render(res)
 
 
 def test_swapping_linear_attention_in_decode_mode_is_refused_before_any_work():

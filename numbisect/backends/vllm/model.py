@@ -10,7 +10,9 @@ it) and a bare model inside a tensor-parallel worker (`VLLMModel.of(model, dtype
   (and variant: `adapters.py`); router and experts inside the fused-MoE runner, and the
   runner's and a gated shared expert's references to the swapped module (`moe.py`).
 - Faults (`plant_fault`): `moe_combine_*` and an output noise on the experts' routed sum
-  in the fused-MoE runner; the others as on any module (`Backend.plant_fault`).
+  in the fused-MoE runner, a weight noise at experts on the routed experts' weights only
+  (the runner holds the gate and shared expert too); the others as on any module
+  (`Backend.plant_fault`).
 - What-ifs: `fp32 weighted sum` in the runner (`moe.slot_sum_whatif`); `fp32 unit` is the
   reference's module in float32 swapped in (vLLM's linear weights are prepacked: the
   engine's own module cannot be copied), so noise planted at or inside the unit is lost,
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from numbisect.arch import arch_for
-from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM, Backend, parse_dtype
+from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM, Backend, parse_dtype, plant_weight_noise
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.vllm import moe
 from numbisect.backends.vllm.adapters import ADAPTERS, VllmGatedShared
@@ -100,6 +102,9 @@ class VLLMModel(Backend):
             moe.plant_combine(self, fault.unit if unit.kind == "moe" else unit.parent, fault.dtype, ledger)
         elif fault.kind == "output_noise" and unit.kind == "experts":
             moe.plant_routed_noise(self, fault, ledger)
+        elif fault.kind == "weight_noise" and unit.kind == "experts":
+            # The runner also holds the router's gate and the shared expert (units of their own).
+            plant_weight_noise(moe.runner(self, unit.parent).routed_experts, fault, ledger)
         else:
             super().plant_fault(fault, ledger)
 
