@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from numbisect.backends.base import hidden_arg
+from numbisect.backends.base import carry_layer_flags, hidden_arg
 from numbisect.backends.ledger import Ledger
 from numbisect.errors import BackendError
 
@@ -205,7 +205,7 @@ class PrefixCache:
         with Ledger() as ledger:
             for i in range(upto):
                 r = Replay(i, source.outputs[i], copy=(i == upto - 1))
-                ledger.replace(engine.root, engine.module_path(f"layers.{i}"), r)
+                carry_layer_flags(r, ledger.replace(engine.root, engine.module_path(f"layers.{i}"), r))
                 replays.append(r)
             for i in range(upto, n):
 

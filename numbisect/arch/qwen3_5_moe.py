@@ -17,9 +17,15 @@ The MoE block: `mlp.gate` (softmax top-k router, always renormalised; it ignores
 linear map to one logit; the block multiplies the shared expert's output by its sigmoid
 before adding it): the sub-unit `shared_expert_gate` of kind `shared_expert_gate`, so a
 damaged gate is a sub-unit of its own and the sub-unit swaps cover every weight.
-No vLLM map: vLLM 0.32's qwen3_5 module (its text class included) imports its qwen3_vl
-module, which imports transformers' torchvision image processor; torch 2.13.0+cpu has no
-working torchvision here (see README), so this family runs against `hf` engine variants.
+vLLM (Qwen3_5MoeForCausalLM, vllm/model_executor/models/qwen3_5.py and qwen3_next.py) names
+the modules alike: `linear_attn` is called `(hidden_states=...)` (the adapter runs the
+transformers module on the one unpadded sequence from a zero state: prefill only, as for
+any attention); `self_attn` `(hidden_states=..., positions=...)`; norms are GemmaRMSNorm
+(weight + 1, as transformers'). vLLM's shared expert (Qwen2MoeMLP) applies its gate
+itself (`expert_gate`, the block's `shared_expert_gate`): its capture is read at its
+`down_proj`, before the gate, as transformers' `shared_expert` gives it, and a swapped
+shared expert is gated by the engine's (or the swapped) `shared_expert_gate`
+(backends/vllm/moe.py). Logits come from vLLM's logits processor.
 """
 
 from numbisect.arch.base import ArchMap, RouterSpec
@@ -41,7 +47,7 @@ ARCH = ArchMap(
     name="qwen3_5_moe",
     architectures=("Qwen3_5MoeForCausalLM",),
     hf=_HF,
-    vllm={},
+    vllm={**_HF, "lm_head": "logits_processor"},  # vLLM names the modules alike
     ffn_kind=lambda config, i: "moe",
     moe_sub_units=("router", "experts", "shared_expert", "shared_expert_gate"),
     router_spec=lambda c: RouterSpec(c.num_experts_per_tok, c.num_experts, "softmax", True),

@@ -161,6 +161,28 @@ def hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
+def plant_weight_noise(mod: nn.Module, fault, ledger: Ledger) -> None:
+    """`weight_noise`: every float parameter of `mod` times (1 + value * N(0, 1)), seeded by the unit."""
+    g = seeded(fault.unit)
+    for p in mod.parameters():
+        if p.is_floating_point() and p.numel():
+            ledger.save(p)
+            p.data.mul_(1 + fault.value * torch.randn(p.shape, generator=g))
+
+
+# Attributes a model reads from its decoder layers on every forward (vLLM's Qwen3-Next and
+# Qwen3.5 model: `layers[0].use_attn_reduce_scatter_for_moe`): a stand-in for a layer (a
+# swap adapter, a prefix-reuse replay) carries the replaced layer's.
+LAYER_FLAGS = ("use_attn_reduce_scatter_for_moe",)
+
+
+def carry_layer_flags(new: nn.Module, old: nn.Module) -> None:
+    """Give `new` the `LAYER_FLAGS` that `old`, the layer it stands in for, has."""
+    for flag in LAYER_FLAGS:
+        if hasattr(old, flag):
+            setattr(new, flag, getattr(old, flag))
+
+
 def with_hidden(args: tuple, kwargs: dict, x: torch.Tensor, new: torch.Tensor) -> tuple[tuple, dict]:
     """(args, kwargs) of a module call with its hidden-states input `x` (as `hidden_arg`
     found it) replaced by `new`."""
@@ -257,11 +279,7 @@ class Backend:
     def plant_fault(self, fault, ledger: Ledger) -> None:
         mod = self.module(fault.unit)
         if fault.kind == "weight_noise":
-            g = seeded(fault.unit)
-            for p in mod.parameters():
-                if p.is_floating_point() and p.numel():
-                    ledger.save(p)
-                    p.data.mul_(1 + fault.value * torch.randn(p.shape, generator=g))
+            plant_weight_noise(mod, fault, ledger)
         elif fault.kind == "output_noise":
             ledger.hooks(mod, post=noise_hook(fault.unit, fault.value), with_kwargs=False)
         elif fault.kind == "router_logits":  # the router GEMM in low precision: input and logits rounded

@@ -4,10 +4,11 @@ vLLM keeps flat `[tokens, hidden]` activations, returns `(hidden, residual)` fro
 layers, fuses RMSNorm with the residual add, calls attention as `(positions, hidden)`
 (DeepSeek's MLA attention and layers with one more argument, `llama_4_scaling`, None
 in practice; gpt-oss's as `(hidden, positions)`, layers `(hidden, positions, residual)`:
-`hidden_first` tells them apart) and takes logits from a logits processor. Each unit kind has an adapter here
-(`ADAPTERS`); the donor module keeps its own weights and dtype, and the adapter casts at
-the boundary. The MoE sub-units (router, experts) are swapped inside vLLM's fused-MoE
-runner instead (`moe.py`).
+`hidden_first` tells them apart) and takes logits from a logits processor. Each unit kind has
+an adapter here (`ADAPTERS`; `KIND@VARIANT` for a variant of a kind: Qwen3.5's linear
+attention); the donor module keeps its own weights and dtype, and the adapter casts at the
+boundary. The MoE sub-units (router, experts) are swapped inside vLLM's fused-MoE runner
+instead (`moe.py`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,36 @@ class VllmAttn(VllmHF):
         return out[0][0].to(self.edt)
 
 
+class VllmLinearAttn(VllmHF):
+    """Linear attention (Qwen3.5's Gated DeltaNet): `(hidden_states) -> hidden`. The donor runs
+    on the one unpadded sequence from a zero conv and recurrent state: right for a prefill of
+    the whole sequence (decode mode refuses attention swaps: numbisect.decode)."""
+
+    def forward(self, hidden_states):
+        return self.inner(hidden_states=hidden_states.to(self.rdt)[None])[0].to(self.edt)
+
+
+class VllmGatedShared(VllmHF):
+    """A shared expert vLLM gates itself (Qwen3.5-MoE's Qwen2MoeMLP with `expert_gate`): the
+    donor (transformers' ungated MLP), times the sigmoid of the block's `shared_expert_gate`
+    as the block holds it now (the engine's, or its swap), as vLLM computes it."""
+
+    def __init__(self, inner, donor, engine_dtype, block):
+        super().__init__(inner, donor, engine_dtype)
+        self._block = [block]  # in a list: not a submodule
+
+    def forward(self, x):
+        out = self.inner(x.to(self.rdt)).to(self.edt)
+        return torch.sigmoid(self._block[0].shared_expert_gate(x)[0]) * out
+
+
+class VllmLinearOut(VllmHF):
+    """A vLLM linear layer (ReplicatedLinear: `x -> (out, bias)`) from a transformers nn.Linear."""
+
+    def forward(self, x):
+        return self.inner(x.to(self.rdt)).to(self.edt), None
+
+
 class VllmBlock(VllmHF):
     """A whole MLP or MoE block: `[tokens, hidden] -> [tokens, hidden]` (a transformers block
     that returns `(hidden, router scores)`, gpt-oss's, gives its hidden states)."""
@@ -107,12 +138,27 @@ class VllmBlock(VllmHF):
 class VllmLayer(VllmHF):
     """A whole decoder layer: `(positions, hidden, residual) -> (stream, zeros)`."""
 
+    def keep_flags(self, old) -> None:
+        """The flags the model reads from its layers (`base.LAYER_FLAGS`: vLLM's Qwen3-Next and
+        Qwen3.5 read `use_attn_reduce_scatter_for_moe`), from the replaced layer; a layer
+        under sequence-parallel MoE is refused (the adapter has no such path)."""
+        from numbisect.backends.base import carry_layer_flags
+
+        if getattr(old, "use_attn_reduce_scatter_for_moe", False):
+            from numbisect.errors import BackendError
+
+            raise BackendError("cannot swap a whole layer under vLLM's sequence-parallel MoE")
+        carry_layer_flags(self, old)
+
     def forward(self, positions, hidden_states, residual, *extra):
         positions, hidden_states = hidden_first(positions, hidden_states)
         _no_extra("layer", extra)
         stream = hidden_states if residual is None else hidden_states + residual
         x = stream.to(self.rdt)[None]
-        out = self.inner(x, **self.hf_context(x, positions))
+        ctx = self.hf_context(x, positions)
+        if hasattr(self.inner, "linear_attn"):  # its linear attention takes a 2-D padding mask, none here
+            ctx["attention_mask"] = None
+        out = self.inner(x, **ctx)
         out = (out[0] if isinstance(out, tuple) else out)[0].to(self.edt)
         return out, torch.zeros_like(out)
 
@@ -128,9 +174,11 @@ ADAPTERS = {
     "embed": VllmEmbed,
     "norm": VllmNorm,
     "attn": VllmAttn,
+    "attn@linear": VllmLinearAttn,
     "moe": VllmBlock,
     "mlp": VllmBlock,
     "shared_expert": VllmBlock,
+    "shared_expert_gate": VllmLinearOut,
     "layer": VllmLayer,
     "lm_head": VllmLogits,
 }

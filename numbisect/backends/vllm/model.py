@@ -7,9 +7,12 @@ it) and a bare model inside a tensor-parallel worker (`VLLMModel.of(model, dtype
 (`apply_swap_spec`, `undo_swap_spec`) live here too.
 
 - Swaps (`swap_unit`): a donor transformers module behind the adapter of its unit kind
-  (`adapters.py`); router and experts inside the fused-MoE runner (`moe.py`).
+  (and variant: `adapters.py`); router and experts inside the fused-MoE runner, and the
+  runner's and a gated shared expert's references to the swapped module (`moe.py`).
 - Faults (`plant_fault`): `moe_combine_*` and an output noise on the experts' routed sum
-  in the fused-MoE runner; the others as on any module (`Backend.plant_fault`).
+  in the fused-MoE runner, a weight noise at experts on the routed experts' weights only
+  (the runner holds the gate and shared expert too); the others as on any module
+  (`Backend.plant_fault`).
 - What-ifs: `fp32 weighted sum` in the runner (`moe.slot_sum_whatif`); `fp32 unit` is the
   reference's module in float32 swapped in (vLLM's linear weights are prepacked: the
   engine's own module cannot be copied), so noise planted at or inside the unit is lost,
@@ -24,10 +27,10 @@ import torch
 from torch import nn
 
 from numbisect.arch import arch_for
-from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM, Backend, parse_dtype
+from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM, Backend, parse_dtype, plant_weight_noise
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.vllm import moe
-from numbisect.backends.vllm.adapters import ADAPTERS
+from numbisect.backends.vllm.adapters import ADAPTERS, VllmGatedShared
 
 PRECISION_FAULTS = ("moe_combine", "router_logits", "rmsnorm_no_upcast")
 
@@ -81,10 +84,17 @@ class VLLMModel(Backend):
         if unit.kind == "experts":
             moe.swap_experts(self, unit, ref, donor.dtype, ledger)
             return
-        adapter = ADAPTERS[unit.kind](ref, donor, self.dtype)
-        ledger.replace(self.root, self.module_path(unit.name), adapter)
-        if unit.kind == "shared_expert":
+        if unit.kind == "shared_expert" and moe.gated_shared(self.module(unit.name)):
+            adapter = VllmGatedShared(ref, donor, self.dtype, self.module(unit.parent))
+        else:
+            adapter = (ADAPTERS.get(f"{unit.kind}@{unit.variant}") or ADAPTERS[unit.kind])(ref, donor, self.dtype)
+        old = ledger.replace(self.root, self.module_path(unit.name), adapter)
+        if unit.kind == "layer":
+            adapter.keep_flags(old)
+        elif unit.kind == "shared_expert":
             moe.swap_shared(self, unit, adapter, ledger)
+        elif unit.kind == "shared_expert_gate":
+            moe.swap_shared_gate(self, unit, adapter, ledger)
 
     def plant_fault(self, fault, ledger: Ledger) -> None:
         unit = self.unit(fault.unit)
@@ -92,6 +102,9 @@ class VLLMModel(Backend):
             moe.plant_combine(self, fault.unit if unit.kind == "moe" else unit.parent, fault.dtype, ledger)
         elif fault.kind == "output_noise" and unit.kind == "experts":
             moe.plant_routed_noise(self, fault, ledger)
+        elif fault.kind == "weight_noise" and unit.kind == "experts":
+            # The runner also holds the router's gate and the shared expert (units of their own).
+            plant_weight_noise(moe.runner(self, unit.parent).routed_experts, fault, ledger)
         else:
             super().plant_fault(fault, ledger)
 

@@ -9,7 +9,8 @@ those, so the ledger that made it undoes it.
 
 - Swaps: `swap_router` (the donor's gate + top-k + renormalise replace
   `select_experts`), `swap_experts` (the donor's experts replace `forward_modular`,
-  keeping the engine's routing), `swap_shared` (the runner's shared-expert reference).
+  keeping the engine's routing), `swap_shared` (the runner's shared-expert reference),
+  `swap_shared_gate` (a gated shared expert's reference to its gate, Qwen3.5-MoE).
 - Faults: `plant_combine` (`moe_combine_*`: the engine's kernel once per top-k slot,
   the sum in low precision), `plant_routed_noise` (`output_noise` on the routed sum).
 - What-if: `slot_sum_whatif` (the engine's kernel once per slot, the sum in float32).
@@ -98,6 +99,26 @@ def swap_shared(engine, unit, adapter, ledger: Ledger) -> None:
     shared = getattr(runner(engine, unit.parent), "_shared_experts", None)
     if shared is not None and hasattr(shared, "_layer"):
         ledger.setattr(shared, "_layer", adapter)
+
+
+def gated_shared(mod) -> bool:
+    """A shared expert that applies its own sigmoid gate (vLLM's Qwen2MoeMLP with
+    `expert_gate`, Qwen3.5-MoE): its output is gated, transformers' `shared_expert` is not."""
+    return getattr(mod, "expert_gate", None) is not None
+
+
+def shared_capture_point(mod):
+    """Where a shared expert's output is read as transformers gives it: the down projection
+    of a gated one (before the gate), else the module itself."""
+    return mod.down_proj if gated_shared(mod) else mod
+
+
+def swap_shared_gate(engine, unit, adapter, ledger: Ledger) -> None:
+    """A gated shared expert calls its own reference to the block's `shared_expert_gate`:
+    point it at `adapter` too (a swapped shared expert reads the block's)."""
+    shared = engine.module(unit.parent + ".shared_expert")
+    if gated_shared(shared):
+        ledger.setattr(shared, "expert_gate", adapter)
 
 
 # -- faults -----------------------------------------------------------------------------------

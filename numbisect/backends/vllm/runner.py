@@ -258,6 +258,10 @@ class VLLMBackend(VLLMModel):
                     moe.record_routed(mod.routed_experts, seen[name], hooks, mod if steps is not None else None,
                                       scale=moe.output_scale(mod))
                     hooks.hooks(mod, pre=pre)
+                elif kind == "shared_expert" and name in want and moe.gated_shared(mod):
+                    # Qwen3.5-MoE: vLLM's shared expert gates its output; read it before the gate.
+                    hooks.hooks(mod, pre=pre)
+                    hooks.hooks(moe.shared_capture_point(mod), post=lambda m, a, k, out, post=post, mod=mod: post(mod, a, k, out))
                 else:
                     hooks.hooks(mod, pre=pre, post=post)
             if decode:

@@ -123,7 +123,8 @@ def worker_hooks(model, units: list[str], engine_dtype: str) -> int:
             if isinstance(t, torch.Tensor):
                 seen[name].append(t.detach().to("cpu", copy=True))
 
-        hooks.hooks(mod, post=post)
+        # A gated shared expert (Qwen3.5-MoE) is read before its gate, as in-process (runner.py).
+        hooks.hooks(moe.shared_capture_point(mod) if kind == "shared_expert" else mod, post=post)
     model.__dict__["_numbisect_hooks"] = (hooks, seen)
     return len(hooks)
 
