@@ -59,6 +59,7 @@ class CkptFault:
     tensors: list[str] = field(default_factory=list)  # checkpoint tensor names changed
     config: dict = field(default_factory=dict)  # config.json fields changed: path ("rope_parameters.rope_theta") -> new value
     experts: list[int] = field(default_factory=list)  # experts_swap on fused [experts, ...] tensors: the two indices
+    head_rows: int = 0  # heads_permuted: rows per head in q_proj (head_dim, or 2 x head_dim where a gate rides along)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "where": self.where, "units": self.units, "kinds": self.kinds,
@@ -176,8 +177,17 @@ def plan(ref_path: str, raw_config: dict, config, kinds=KINDS, seed: int = 0) ->
             if text.num_attention_heads < 2:
                 skipped.append({"kind": kind, "reason": "one attention head"})
                 continue
+            with_q = [j for j in range(n) if layer_keys(j, "self_attn.q_proj.weight")]
+            if not with_q:  # MLA's q_a/q_b projections, or no softmax attention at all
+                skipped.append({"kind": kind, "reason": "no self_attn.q_proj (a query projection of stacked heads)"})
+                continue
+            if i not in with_q:  # a layer without one (Qwen3.5's linear attention): the drawn one's neighbour
+                i = with_q[i % len(with_q)]
             ks = layer_keys(i, "self_attn.q_proj.weight")
-            out.append(CkptFault(kind, f"query heads 0 and 1 of layer {i}", sorted({unit(k) for k in ks}), tensors=ks))
+            rows = shapes[ks[0]][0] // text.num_attention_heads
+            gated = rows == 2 * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+            out.append(CkptFault(kind, f"query heads 0 and 1 of layer {i}" + (" (with their output gates)" if gated else ""),
+                                 sorted({unit(k) for k in ks}), tensors=ks, head_rows=rows))
         elif kind in CONFIG_FAULTS:
             paths, change, readers, words = CONFIG_FAULTS[kind]
             found = [(p, config_value(raw_config, p)) for p in paths if config_value(raw_config, p) is not None]
@@ -225,7 +235,7 @@ def write_copy(ref_path: str, dest: str, fault: CkptFault, head_dim: int) -> str
             elif fault.kind == "every_layer_norm":
                 w[k] = w[k] * 1.2
             elif fault.kind == "heads_permuted":
-                blocks = list(w[k].split(head_dim))
+                blocks = list(w[k].split(fault.head_rows or head_dim))
                 w[k] = torch.cat([blocks[1], blocks[0], *blocks[2:]]).contiguous()
         if fault.kind == "gate_up_swap":
             for k in [k for k in fault.tensors if k in w]:
