@@ -354,3 +354,28 @@ def test_vllm_swaps_carry_the_references_routed_scaling_factor(tmp_path):
     # The config diff names the kind that reads the field, so the search tries it first
     # and names it as a kind (every router: layer 0 is dense).
     assert r["status"] == "found (kind)" and r["systematic"] == ["router"], r
+
+
+def test_heads_permuted_damages_a_softmax_attention_layer_whole_heads(tmp_path):
+    """Qwen3.5-MoE: most layers are linear attention (no q_proj), so the fault moves to the
+    gated-attention layer, and there its q_proj holds each head's query and output gate
+    together: two whole heads (query + gate) trade places, not a query with its own gate.
+    DeepSeek-V3's MLA has no stacked-heads q_proj: the kind is skipped with the reason."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    d = model_dir("qwen3_5_moe")
+    config = AutoConfig.from_pretrained(d)
+    (f,), skipped = CF.plan(d, json.load(open(f"{d}/config.json")), config, kinds=["heads_permuted"])
+    assert skipped == [] and f.units == ["layers.3.attn"] and "output gates" in f.where
+    text = config.get_text_config()
+    assert f.head_rows == 2 * text.head_dim
+    copy = CF.write_copy(d, str(tmp_path), f, text.head_dim)
+    (key,) = f.tensors
+    before = load_file(f"{d}/model.safetensors")[key]
+    after = load_file(f"{copy}/model.safetensors")[key]
+    r = f.head_rows
+    assert after[:r].equal(before[r:2 * r]) and after[r:2 * r].equal(before[:r]) and after[2 * r:].equal(before[2 * r:])
+    ds = model_dir("deepseek_v3")
+    none, skipped = CF.plan(ds, json.load(open(f"{ds}/config.json")), AutoConfig.from_pretrained(ds), kinds=["heads_permuted"])
+    assert none == [] and "q_proj" in skipped[0]["reason"]
