@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from conftest import bound, child_env, hf, model_dir, search, session, trace_path
+from conftest import bound, child_env, hf, model_dir, search, session, short_trace, trace_path
 from numbisect import selection as SEL
 from numbisect.arch import arch_for
 from numbisect.cli import main
@@ -210,7 +210,6 @@ def test_a_dump_of_an_engine_with_a_faulty_indexer_is_compared_with_its_selectio
     from numbisect.session import Session, Spec
     from numbisect.trace import load_trace
 
-    from conftest import short_trace
 
     trace_file = short_trace(NAME, 6)
     eng = session(NAME, "hf", ref_dtype="float32", engine_dtype="float32").engine
