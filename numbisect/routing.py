@@ -147,15 +147,9 @@ class RoutingProbe:
 
     def install(self):
         """Install the probe on its backend; returns the callable that takes it out."""
-        from numbisect.backends.ledger import Ledger
+        from numbisect.backends.ledger import installed
 
-        ledger = Ledger()
-        try:
-            self.backend.install_routing_probe(self, ledger)
-        except BaseException:
-            ledger.undo()
-            raise
-        return ledger.undo
+        return installed(lambda ledger: self.backend.install_routing_probe(self, ledger))
 
 
 # -- the report -------------------------------------------------------------------------------

@@ -121,15 +121,9 @@ class SelectionProbe:
 
     def install(self):
         """Install the probe on its backend; returns the callable that takes it out."""
-        from numbisect.backends.ledger import Ledger
+        from numbisect.backends.ledger import installed
 
-        ledger = Ledger()
-        try:
-            self.backend.install_selection_probe(self, ledger)
-        except BaseException:
-            ledger.undo()
-            raise
-        return ledger.undo
+        return installed(lambda ledger: self.backend.install_selection_probe(self, ledger))
 
 
 # -- the report ---------------------------------------------------------------------------------

@@ -95,3 +95,15 @@ class Ledger:
                 err = err or e
         if err is not None:
             raise err
+
+
+def installed(install: Callable[["Ledger"], None]) -> Callable[[], None]:
+    """Run `install(ledger)` on a new ledger and return its undo; if installing fails part
+    way, what was installed is undone first (the routing and selection probes' `install`)."""
+    ledger = Ledger()
+    try:
+        install(ledger)
+    except BaseException:
+        ledger.undo()
+        raise
+    return ledger.undo
