@@ -15,6 +15,12 @@ vLLM inspects a model class in a fresh Python process ("to avoid initializing CU
 where that fallback would not be in place; on the CPU there is no CUDA to spare, so the
 inspection runs in this process instead.
 
+vLLM's worker processes (`tensor_parallel_size` > 1) and that inspection child start a
+fresh Python, where nothing numbisect did in the driver holds. Both load vLLM's "general
+plugins" first, so numbisect registers `plugin` below as one (the `vllm.general_plugins`
+entry point in pyproject.toml): every vLLM process of this environment installs the same
+fallback before it imports a model.
+
 Nothing here runs when torchvision can be imported.
 """
 
@@ -32,20 +38,34 @@ def without_torchvision() -> bool:
     """Install the fallbacks above when torchvision is missing; True if they were needed."""
     if importlib.util.find_spec("torchvision") is not None:
         return False
-    if _QWEN2_VL not in sys.modules:
-        try:
-            pil = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
-        except ImportError:  # another transformers: nothing to stand in for
-            return False
-        alias = types.ModuleType(_QWEN2_VL, pil.__doc__)
-        alias.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
-        alias.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil  # transformers' own fallback
-        sys.modules[_QWEN2_VL] = alias
+    _alias_qwen2_vl()
     from vllm.model_executor.models import registry
 
     if hasattr(registry, "_run_in_subprocess"):
         registry._run_in_subprocess = _in_process
     return True
+
+
+def plugin() -> None:
+    """vLLM general plugin (entry point `numbisect_compat`): the module fallback above in a
+    vLLM process numbisect did not start itself (a tensor-parallel worker, an inspection
+    child). vLLM may call it more than once per process; installing twice is harmless."""
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    _alias_qwen2_vl()
+
+
+def _alias_qwen2_vl() -> None:
+    if _QWEN2_VL in sys.modules:
+        return
+    try:
+        pil = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    except ImportError:  # another transformers: nothing to stand in for
+        return
+    alias = types.ModuleType(_QWEN2_VL, pil.__doc__)
+    alias.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
+    alias.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil  # transformers' own fallback
+    sys.modules[_QWEN2_VL] = alias
 
 
 def _in_process(fn):

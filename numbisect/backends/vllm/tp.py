@@ -40,7 +40,7 @@ from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.vllm import hookpoints, moe
 from numbisect.backends.vllm.model import apply_swap_spec, swap_ledger, undo_swap_spec, view
 from numbisect.backends.vllm.runner import _canonical_output, bad_input, import_vllm, quiet_stderr, shutdown
-from numbisect.errors import BackendError
+from numbisect.errors import BackendError, InputError
 from numbisect.swap import SwapSpec
 
 # How the ranks' captures of a unit kind become one canonical tensor.
@@ -178,6 +178,27 @@ def worker_prefix_end(model, failed: bool) -> None:
 
 
 # -- the driver side ----------------------------------------------------------------------------
+# Head counts vLLM splits across ranks without checking them itself: its Gated DeltaNet
+# (Qwen3.5, Qwen3-Next) gives each rank `heads / N` of them and fails inside the first
+# forward ("shape '[1, 36, -1, 128]' is invalid") when N does not divide them.
+SHARDED_HEADS = ("linear_num_key_heads", "linear_num_value_heads")
+
+
+def check_shardable(config, tp: int, path: str) -> None:
+    """Refuse, before any worker starts, a degree the checkpoint's heads cannot be split by,
+    and more workers than this machine has cores (each worker is bound to its own)."""
+    text = config.get_text_config()
+    for name in SHARDED_HEADS:
+        n = getattr(text, name, None)
+        if isinstance(n, int) and n % tp:
+            raise InputError(f"tensor_parallel_size={tp} does not divide {name}={n} of {path}: "
+                             f"vLLM splits these heads across its {tp} workers")
+    cpus = os.cpu_count() or 1
+    if tp > cpus and (os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "").count("|") != tp - 1:
+        raise InputError(f"tensor_parallel_size={tp} needs {tp} cores and this machine has {cpus}: "
+                         "vLLM-CPU binds each worker to its own (or give VLLM_CPU_OMP_THREADS_BIND one CPU list per worker)")
+
+
 class VLLMTPBackend(Backend):
     """A vLLM engine with `tensor_parallel_size` > 1 (see the module docstring)."""
 
@@ -189,6 +210,7 @@ class VLLMTPBackend(Backend):
         check_vllm_opts({**engine_opts, "tensor_parallel_size": tensor_parallel_size}, "--engine-opt")
         super().__init__(path, dtype)
         self.tp = tensor_parallel_size
+        check_shardable(self.config, self.tp, path)
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         if (bind or "").count("|") != self.tp - 1:  # not one CPU list per rank: one core each
