@@ -278,16 +278,33 @@ def _check_out(kw) -> None:
     """Before any model loads: every output can be written and is none of the inputs."""
     from numbisect.safeio import check_output, check_trial_log, same_file
 
-    inputs = {"--trace": kw.get("trace"), "--floor": kw.get("floor_file"), "--resume": kw.get("resume")}
+    inputs = {"--trace": kw.get("trace"), "--floor": kw.get("floor_file"), "--resume": kw.get("resume"),
+              "--engine-config": kw.get("engine_config"), "--good-config": kw.get("good_config")}
     log = kw.get("log_path")
     if kw.get("resume"):
         check_trial_log(kw["resume"])
+    for opt, path in (("--out", kw.get("out")), ("--log", log)):
+        if path:
+            _not_in_a_model(path, opt, kw)
     if kw.get("out"):
         check_output(kw["out"], "--out", {**inputs, "--log": log})
     if log:
-        check_output(log, "--log", {"--trace": kw.get("trace"), "--floor": kw.get("floor_file")})
+        check_output(log, "--log", {k: v for k, v in inputs.items() if k != "--resume"})
         if not kw.get("resume") or not (os.path.exists(log) and same_file(log, kw["resume"])):
             _check_new_log(log, kw.get("resume"))
+
+
+def _not_in_a_model(path: str, opt: str, kw) -> None:
+    """An output that is an existing file of a model directory (its config.json, a weight
+    file) would damage the checkpoint every later run reads: refused."""
+    from numbisect.safeio import same_file
+
+    if not os.path.isfile(path):
+        return
+    for side in ("ref", "engine"):
+        kind, _, d = (kw.get(side) or "").partition(":")
+        if kind in ("hf", "vllm") and d and os.path.isdir(d) and same_file(os.path.dirname(os.path.abspath(path)), d):
+            raise InputError(f"{opt} {path} is a file of the --{side} model {d}; it would be overwritten (choose another path)")
 
 
 def _check_new_log(log: str, resume: str | None) -> None:

@@ -125,3 +125,46 @@ def test_error_lines_escape_what_a_path_smuggles_in(tmp_path, name):
     text = err.getvalue()
     assert rc == 2 and text.count("\n") == 1 and text.startswith("bisect: error: "), text
     assert not any(c in text[:-1] for c in "\x1b\x07\n\u202e"), repr(text)
+
+
+def _copy_model(d: Path) -> Path:
+    m = d / "model"
+    m.mkdir()
+    for f in Path(MODEL).iterdir():
+        if f.is_file():
+            (m / f.name).write_bytes(f.read_bytes())
+    return m
+
+
+@pytest.mark.parametrize("opt, target", [("--out", "config.json"), ("--log", "model.safetensors"), ("--out", "model.safetensors")])
+def test_an_output_that_is_a_file_of_the_model_is_refused(tmp_path, opt, target):
+    """`--out` pointed (by a slip of the shell) at the checkpoint's config.json or weights
+    would leave a model that no later run can load; refused before anything is written."""
+    m = _copy_model(tmp_path)
+    assert (m / target).is_file()
+    before = snapshot(tmp_path)
+    err = io.StringIO()
+    verb = "run" if opt == "--log" else "compare"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main([verb, "--ref", f"hf:{m}", "--engine", f"hf:{MODEL}", "--trace", trace_path("qwen3_moe"), "-q",
+                   opt, str(m / target)])
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1, err.getvalue()
+    assert lines[0].startswith(f"bisect: error: {opt} ") and "is a file of the --ref model" in lines[0]
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("opt", ["--out", "--log"])
+@pytest.mark.parametrize("config_opt", ["--engine-config", "--good-config"])
+def test_conditions_outputs_never_overwrite_a_settings_file(tmp_path, opt, config_opt):
+    cfg = tmp_path / "mine.json"
+    cfg.write_text('{"enforce_eager": true}\n')
+    before = snapshot(tmp_path)
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main(["conditions", "--ref", f"hf:{MODEL}", "--engine", f"vllm:{MODEL}", "--trace", trace_path("qwen3_moe"),
+                   "-q", config_opt, str(cfg), opt, str(cfg)])
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1, err.getvalue()
+    assert f"is the {config_opt} input; it would be overwritten" in lines[0]
+    assert snapshot(tmp_path) == before

@@ -102,3 +102,21 @@ def test_forced_decode_works_on_this_vllm():
     em = body["engine_modes"]
     assert em["mode"] == "decode"
     assert 0 <= em["decode_vs_prefill"]["value"] < 1e-6  # the trace's own tokens were decoded (forced)
+
+
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3", "gpt_oss", "qwen3_5_moe"])
+def test_every_hook_point_of_each_family_exists_runs_and_swaps_to_zero_on_this_vllm(family):
+    """The families added after the first releases were checked on reach into other vLLM
+    modules (MLA, sinks, Gated DeltaNet): on each release, each of their hook points exists
+    and runs in a forward, and every unit swapped at once reproduces the reference exactly."""
+    eng = vllm(family)
+    assert hookpoints.missing(eng.model, eng.arch, eng.units) is None
+    watch = hookpoints.Watch(eng.model, eng.arch, eng.units)
+    try:
+        s = session(family, "vllm", samples=2)
+        eng.forward(s.samples[:1])
+    finally:
+        watch.close()
+    assert watch.unfired() == []
+    check = s.self_check()
+    assert check["passed"] and check["k3_mean"] == 0.0
