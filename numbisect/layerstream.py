@@ -31,6 +31,7 @@ from torch import nn
 
 from numbisect.arch import arch_for
 from numbisect.backends.base import check_checkpoint, load_config, parse_dtype
+from numbisect.backends.common import text_rotary
 from numbisect.errors import InputError
 
 
@@ -71,7 +72,7 @@ class LayerStreamRef:
             self.skeleton = getattr(transformers, self.arch.hf_auto).from_config(self.config, dtype=self.dtype)
         self.skeleton.eval()
         rotary = self.arch.rotary(self.skeleton)  # on the meta device: a real one from its config
-        self.rotary = type(rotary)(config=rotary.config)
+        self.rotary = text_rotary(self.arch, type(rotary)(config=rotary.config))
         self.loaded_bytes = 0  # weights materialised right now
         self.peak_loaded_bytes = 0
 

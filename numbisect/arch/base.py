@@ -42,6 +42,10 @@ class ArchMap:
     hf_auto: str = "AutoModelForCausalLM"  # the transformers auto class that loads it
     hf_rotary: str = "model.rotary_emb"  # the text model's rotary embedding (cos/sin from positions)
     mrope: bool = False  # cos/sin from 3-D positions (M-RoPE): a layer's 1-D position ids cannot give them
+    # Its rotary embedding takes M-RoPE's (3, batch, n) ids even in the text model, whose own
+    # forward expands text positions to them (Qwen3.5 under transformers before 5.19; 5.19
+    # expands inside the rotary embedding): whoever calls it alone expands them too.
+    rotary_ids_3d: bool = False
     vision: bool = False  # has `vision` and `vision.projector` units (image inputs)
     router_spec: Callable[[Any], Any] | None = None  # text config -> RouterSpec (None: dense)
     # Checkpoint names where they differ from the transformers modules' (the layer stream reads

@@ -46,6 +46,7 @@ def _attn_variant(config, i: int) -> str:
 ARCH = ArchMap(
     name="qwen3_5_moe",
     architectures=("Qwen3_5MoeForCausalLM",),
+    rotary_ids_3d=True,
     hf=_HF,
     vllm={**_HF, "lm_head": "logits_processor"},  # vLLM names the modules alike
     ffn_kind=lambda config, i: "moe",

@@ -77,6 +77,26 @@ def round_logits_hook(dtype: torch.dtype):
     return hook
 
 
+class TextRotary(nn.Module):
+    """A rotary embedding that takes M-RoPE's (3, batch, n) position ids, called with a text
+    model's (batch, n) ones: the three rows are equal, as the text model itself expands them
+    (`ArchMap.rotary_ids_3d`). Ids that are already 3-D pass as they are."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, position_ids):
+        if position_ids.ndim == 2:
+            position_ids = position_ids.expand(3, *position_ids.shape)
+        return self.inner(x, position_ids)
+
+
+def text_rotary(arch, rotary: nn.Module | None) -> nn.Module | None:
+    """`rotary`, wrapped in `TextRotary` where the family's embedding wants 3-D text ids."""
+    return TextRotary(rotary) if rotary is not None and getattr(arch, "rotary_ids_3d", False) else rotary
+
+
 class LowpNorm(nn.Module):
     """RMSNorm without the float32 upcast (both the plain and the fused-residual call)."""
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from numbisect.backends.base import hidden_arg
+from numbisect.backends.common import text_rotary
 from numbisect.backends.ledger import Ledger
 
 
@@ -84,7 +85,7 @@ def swap_unit(engine, unit, donor, ledger: Ledger) -> None:
     """Put the donor's module for `unit` in the engine, behind a `CastAdapter`."""
     ref = donor.module(unit.name)
     out_dtype = None if unit.kind == "lm_head" else engine.dtype
-    rotary = donor.arch.layer_rotary(donor.model) if unit.kind in ("attn", "layer", "indexer") else None
+    rotary = text_rotary(donor.arch, donor.arch.layer_rotary(donor.model)) if unit.kind in ("attn", "layer", "indexer") else None
     positions = None
     if unit.kind in ("attn", "layer") and donor.arch.mrope:
         # M-RoPE: a layer's 1-D position ids cannot give cos/sin, the 3-D ids the engine's own

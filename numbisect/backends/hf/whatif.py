@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM
-from numbisect.backends.common import slot_sum
+from numbisect.backends.common import slot_sum, text_rotary
 from numbisect.backends.hf.swap import CastAdapter
 from numbisect.backends.ledger import Ledger
 
@@ -54,7 +54,7 @@ def install(engine, whatif: str, unit, ledger: Ledger) -> list:
     if whatif != WHATIF_UNIT:
         raise engine.lacks(f"run the precision what-if {whatif!r}")
     mod = engine.module(unit.name)
-    rotary = engine.arch.layer_rotary(engine.root) if unit.kind in ("attn", "layer") else None
+    rotary = text_rotary(engine.arch, engine.arch.layer_rotary(engine.root)) if unit.kind in ("attn", "layer") else None
     if rotary is not None:  # cos/sin recomputed in fp32 (M-RoPE: the engine's, cast)
         rotary = copy.deepcopy(rotary).float()
     out_dtype = None if unit.kind == "lm_head" else engine.dtype

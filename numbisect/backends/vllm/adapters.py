@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from numbisect.backends.common import text_rotary
+
 
 class VllmHF(nn.Module):
     """Base for vLLM-side adapters around a donor transformers module."""
@@ -48,7 +50,7 @@ class VllmHF(nn.Module):
             past_key_values=None,
             position_ids=pos,
         )
-        return {"attention_mask": mask, "position_ids": pos, "position_embeddings": self._donor_arch.rotary(model)(x3, pos)}
+        return {"attention_mask": mask, "position_ids": pos, "position_embeddings": text_rotary(self._donor_arch, self._donor_arch.rotary(model))(x3, pos)}
 
 
 class VllmEmbed(VllmHF):
