@@ -30,7 +30,7 @@ def state_lines(r: dict | ReportView, max_boundaries: int = 8) -> list[str]:
         p, lo = _dict(row.get("propagated")), _dict(row.get("local"))
         per = _list(p.get("per_sample"))
         worst = max(per, key=lambda e: num(e.get("rel_l2")) or 0.0, default=None)
-        w = f"{worst.get('sample')} ({fmt(num(worst.get('rel_l2')))})" if worst else "-"
+        w = f"{worst.get('sample')} ({fmt(num(worst.get('rel_l2')))})" if worst and num(worst.get("rel_l2")) != 0 else "-"
         bounds = _list(p.get("boundaries"))[:max_boundaries]
         trend = ", ".join(f"{b.get('tokens')}: {fmt(num(b.get('rel_l2')))}" for b in bounds) or "-"
         out.append(f"{str(row.get('unit')):<20}{fmt(num(_dict(p.get('final')).get('rel_l2'))):>11}"
