@@ -79,8 +79,13 @@ def test_engine_equal_to_reference_has_zero_state_error_on_linear_layers_only(tr
     text = capsys.readouterr().out
     assert code == 0
     r = json.loads(out.read_text())
-    validate(r)
+    assert validate(r) == []  # the section is typed in the schema
+    bad = json.loads(out.read_text())
+    bad["recurrent_state"]["layers"][0]["propagated"]["boundaries"][0]["tokens"] = "many"
+    assert validate(bad) != []
     rs = r["recurrent_state"]
+    first = json.loads(open(trace).readline())
+    first_len = len(first["prompt_ids"]) + len(first["completion_ids"])
     assert [row["unit"] for row in rs["layers"]] == LINEAR  # layer 3 (full attention) has no state
     assert rs["chunk_size"] == 64 and rs["first_above_tol"] is None
     for row in rs["layers"]:
@@ -88,8 +93,7 @@ def test_engine_equal_to_reference_has_zero_state_error_on_linear_layers_only(tr
         for key in ("propagated", "local"):
             p = row[key]
             assert p["final"]["rel_l2"] == 0 and p["final"]["ulps"]["bitwise_equal"]
-            assert [s["tokens"] for s in p["per_sample"]] == [len(json.loads(open(trace).readline())["prompt_ids"])
-                                                              + len(json.loads(open(trace).readline())["completion_ids"]), LONG]
+            assert [s["tokens"] for s in p["per_sample"]] == [first_len, LONG]
             assert [(b["tokens"], b["samples"], b["rel_l2"]) for b in p["boundaries"]] == [(64, 1, 0), (128, 1, 0), (192, 1, 0)]
     assert "Recurrent state (linear attention)" in text and "first state above rel-L2 0.01: none" in text
     code = main(["report", "show", str(out)])
