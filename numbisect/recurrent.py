@@ -21,13 +21,14 @@ the output only through what later tokens read; the state itself shows it first.
    state), and what an engine stores at a prefill boundary (chunked prefill, prefix
    caching). At most `MAX_BOUNDARIES` boundaries per sample, evenly spread (each is one
    more forward per side). Samples with images: the final state only.
-4. `state_light(sides)`: in a comparison, the reference and the engine over every point
+4. `state_light(sides)`: in a comparison, point by point, the reference and the engine
    with the probe (propagated), and, with `local`, the engine's linear units fed the
-   reference's inputs (the state error of each layer on its own). `state_report` gives
-   per linear unit the error of the final states over all samples (as any capture's:
-   relative L2, max abs, cosine, ulps; rows are heads, so `worst_token` names the head),
-   per sample, and per boundary (the samples reaching it), so its growth along the
-   sequence is visible.
+   reference's inputs (the state error of each layer on its own). `StateStats` folds each
+   point's states as they come (none is kept: a real model's states are megabytes per
+   layer and point) into, per linear unit, the error of the final states over all samples
+   (as any capture's, `capture.UnitStats`: relative L2, max abs, cosine, ulps with the
+   floor per sample; rows are heads, so `worst_token` names the head), per sample, and
+   per boundary (over the samples reaching it), so its growth along the sequence shows.
 """
 
 from __future__ import annotations
@@ -105,72 +106,49 @@ class StateProbe:
         return installed(lambda ledger: self.backend.install_state_probe(self, ledger))
 
 
-def run_points(backend, samples: list[Sample], pts: list[tuple[int, int]], feed_inputs: dict | None = None) -> tuple[dict, str]:
-    """((sample, tokens) -> unit -> state, where the backend's states were read), one forward
-    of one (prefix) sample per point. `feed_inputs`: unit -> per-sample reference inputs;
-    each point's first rows are fed."""
-    probe = StateProbe(backend)
-    out = {}
-    undo = probe.install()
-    try:
-        for i, L in pts:
-            feed = None
-            if feed_inputs:
-                feed = {u: [xs[i][:L]] for u, xs in feed_inputs.items() if xs and xs[i] is not None}
-            backend.forward([prefix(samples[i], L)], capture=(), feed=feed, mode="prefill")
-            out[(i, L)] = probe.take()
-    finally:
-        undo()
-    return out, probe.source
-
-
-# -- the report ---------------------------------------------------------------------------------
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1)  # [heads, k_dim * v_dim]: a row per head
 
 
+class StateStats:
+    """One engine pass's state error against the reference, folded point by point (no state
+    outlives its point): per unit, over every sample's final state (`capture.UnitStats`:
+    the error of any capture, ULP floor per sample), per sample, and per boundary."""
+
+    def __init__(self):
+        self.final: dict = {}  # unit -> UnitStats
+        self.per_sample: dict = {}  # unit -> [{sample, tokens, rel_l2, max_abs, cosine}]
+        self.bounds: dict = {}  # unit -> tokens -> UnitStats
+        self.reached: dict = {}  # unit -> tokens -> samples that reach it
+
+    def add(self, i: int, L: int, final: bool, ref: dict, eng: dict) -> None:
+        from numbisect.capture import UnitStats
+
+        for u, e in eng.items():
+            r = ref.get(u)
+            if r is None:
+                continue
+            r, e = _rows(r), _rows(e)
+            if final:
+                self.final.setdefault(u, UnitStats(e.dtype)).update(r, e, i)
+                one = UnitStats(e.dtype)
+                one.update(r, e, i)
+                self.per_sample.setdefault(u, []).append({"sample": i, "tokens": L, **_brief(one.result())})
+            else:
+                self.bounds.setdefault(u, {}).setdefault(L, UnitStats(e.dtype)).update(r, e, i)
+                self.reached.setdefault(u, {})[L] = self.reached.get(u, {}).get(L, 0) + 1
+
+    def result(self, unit: str) -> dict | None:
+        if unit not in self.final:
+            return None
+        bounds = self.bounds.get(unit, {})
+        return {"final": self.final[unit].result(), "per_sample": self.per_sample[unit],
+                "boundaries": [{"tokens": L, "samples": self.reached[unit][L], **_brief(bounds[L].result())}
+                               for L in sorted(bounds)]}
+
+
 def _brief(err: dict) -> dict:
     return {k: err[k] for k in ("rel_l2", "max_abs", "cosine")}
-
-
-def state_pass(samples, pts, units, ref: dict, eng: dict) -> dict:
-    """One engine pass against the reference, per unit: final states' error over all samples,
-    per sample, and per chunk boundary."""
-    from numbisect.compare import _unit_error
-
-    out = {}
-    for u in units:
-        have = [p for p in pts if u in ref.get(p, {}) and u in eng.get(p, {})]
-        finals = [p for p in have if p[1] == len(samples[p[0]].ids)]
-        if not finals:
-            out[u] = None
-            continue
-        r = [_rows(ref[p][u]) for p in finals]
-        e = [_rows(eng[p][u]) for p in finals]
-        entry = {"final": _unit_error(r, e, e[0].dtype),
-                 "per_sample": [{"sample": p[0], "tokens": p[1], **_brief(_unit_error([a], [b], b.dtype))}
-                                for p, a, b in zip(finals, r, e)]}
-        bounds = []
-        for L in sorted({p[1] for p in have if p not in finals}):
-            at = [p for p in have if p[1] == L and p not in finals]
-            err = _unit_error([_rows(ref[p][u]) for p in at], [_rows(eng[p][u]) for p in at], e[0].dtype)
-            bounds.append({"tokens": L, "samples": len(at), **_brief(err)})
-        entry["boundaries"] = bounds
-        out[u] = entry
-    return out
-
-
-def state_report(samples, pts, units, ref: dict, passes: dict, shape: dict, sources: dict) -> dict:
-    """The report's `recurrent_state`: per linear unit and engine pass (`passes`: name -> states)."""
-    per_pass = {name: state_pass(samples, pts, units, ref, states) for name, states in passes.items()}
-    layers = []
-    for u in units:
-        row = {"unit": u, "layer": int(u.split(".")[1]), "state_shape": shape.get(u)}
-        for name in ("propagated", "local"):
-            row[name] = per_pass[name].get(u) if name in per_pass else None
-        layers.append(row)
-    return {"chunk_size": CHUNK, "max_boundaries": MAX_BOUNDARIES, "source": sources,
-            "first_above_tol": None, "layers": layers}
 
 
 def first_above(report: dict, tol: float, key: str = "propagated") -> str | None:
@@ -187,10 +165,12 @@ def first_above(report: dict, tol: float, key: str = "propagated") -> str | None
 
 # -- in a comparison (pipeline.Sides) -------------------------------------------------------------
 def state_light(sides, local: bool) -> dict | None:
-    """The recurrent-state section of a comparison: both sides with the probe over every
-    point (the engine with its planted faults), and with `local` the engine's linear
-    units fed the reference's inputs. None for a model without linear attention, the
-    rollout, a dump, or an engine under tensor parallelism (their states are out of reach)."""
+    """The recurrent-state section of a comparison: for every point, the reference, the
+    engine (with its planted faults) on its own inputs (propagated) and, with `local`, the
+    engine with its linear units fed the reference's inputs, each with the probe; every
+    point's states folded into `StateStats` and dropped. None for a model without linear
+    attention, the rollout, a dump, or an engine under tensor parallelism (their states
+    are out of reach)."""
     from numbisect.engine_state import arranged
 
     ref, eng = sides.ref, sides.engine
@@ -200,19 +180,38 @@ def state_light(sides, local: bool) -> dict | None:
     samples = sides.samples
     pts = points(samples)
     sides.say(f"recurrent state: {len(units)} linear-attention layers at {len(pts)} points per side")
-    ref_states, ref_source = run_points(ref, samples, pts)
-    feed_inputs = None
-    if local:
-        r = ref.forward(samples, capture_inputs=units)
-        feed_inputs = {u: r.inputs.get(u) for u in units if r.inputs.get(u)}
-    passes = {}
-    with arranged(eng, ref, sides.faults):
-        passes["propagated"], eng_source = run_points(eng, samples, pts)
-        if feed_inputs:
-            passes["local"], _ = run_points(eng, samples, pts, feed_inputs)
-    last = pts[-1]
-    shape = {u: list(ref_states[last][u].shape) for u in units if u in ref_states.get(last, {})}
-    sources = {"ref": ref_source, "engine": eng_source}
-    report = state_report(samples, pts, units, ref_states, passes, shape, sources)
+    stats = {"propagated": StateStats(), **({"local": StateStats()} if local else {})}
+    shape: dict = {}
+    rp, ep = StateProbe(ref), StateProbe(eng)
+    undo = [rp.install()]
+    try:
+        with arranged(eng, ref, sides.faults):
+            undo.append(ep.install())
+            for i, s in enumerate(samples):
+                n = len(s.ids)
+                inputs = {}
+                for L in [n] + [L for _, L in pts if _ == i and L != n]:  # the whole sample first: its inputs
+                    final = L == n
+                    r = ref.forward([prefix(s, L)], capture_inputs=units if local and final else ())
+                    if final:
+                        inputs = {u: x[0] for u, x in r.inputs.items() if x}
+                    rs = rp.take()
+                    shape.update({u: list(t.shape) for u, t in rs.items()})
+                    eng.forward([prefix(s, L)], mode="prefill")
+                    stats["propagated"].add(i, L, final, rs, ep.take())
+                    if local and inputs:
+                        eng.forward([prefix(s, L)], feed={u: [x[:L]] for u, x in inputs.items()}, mode="prefill")
+                        stats["local"].add(i, L, final, rs, ep.take())
+    finally:
+        for u in reversed(undo):
+            u()
+    layers = []
+    for u in units:
+        row = {"unit": u, "layer": int(u.split(".")[1]), "state_shape": shape.get(u)}
+        for name in ("propagated", "local"):
+            row[name] = stats[name].result(u) if name in stats else None
+        layers.append(row)
+    report = {"chunk_size": CHUNK, "max_boundaries": MAX_BOUNDARIES, "source": {"ref": rp.source, "engine": ep.source},
+              "first_above_tol": None, "layers": layers}
     report["first_above_tol"] = first_above(report, sides.settings.unit_tol)
     return report
