@@ -29,6 +29,7 @@ from typing import Callable
 from numbisect import capture as K
 from numbisect import compare as C
 from numbisect import decode as D
+from numbisect import recurrent as RS
 from numbisect import routing as R
 from numbisect import selection as SEL
 from numbisect.backends.base import Backend, ForwardResult
@@ -166,6 +167,7 @@ class Comparison:
     ref_routing: dict | None = None  # MoE: router unit -> per-sample expert ids of the reference
     logprob_contract: dict | None = None  # rollout engine: raw, processed (fitted sampler) or logits
     indexer_selection: dict | None = None  # sparse attention (GLM-5): the indexers' key selection agreement
+    recurrent_state: dict | None = None  # linear attention (Qwen3.5, Qwen3-Next): the recurrent state's error
 
 
 def _comparison(sides: Sides, tokens: dict, rows: list[dict], ref_tokens: ForwardResult, ranked: bool,
@@ -199,6 +201,8 @@ def report_body(c: Comparison) -> dict:
         body["logprob_contract"] = c.logprob_contract
     if c.indexer_selection is not None:
         body["indexer_selection"] = c.indexer_selection
+    if c.recurrent_state is not None:
+        body["recurrent_state"] = c.recurrent_state
     return body
 
 
@@ -334,6 +338,7 @@ def streamed(sides: Sides, local: bool = True, capture: Capture | None = None) -
     routing, ref_ids = _routing_light(sides, local)
     return _comparison(sides, tokens, rows, ref_res, ranked=streamed_local and eng is not None, capture=info,
                        routing=routing, ref_routing=ref_ids, indexer_selection=SEL.selection_light(sides, streamed_local),
+                       recurrent_state=RS.state_light(sides, streamed_local),
                        logprob_contract=contract.result() if contract is not None else None)
 
 
@@ -413,7 +418,8 @@ def whole_run(sides: Sides, local: bool = True, replay: str | None = None) -> Co
         contract = fit.result()
     return _comparison(sides, tokens, rows, ref, ranked=loc is not None, engine_modes=modes, routing=routing,
                        routing_replay=replayed, ref_result=ref, ref_routing=sides.ref_routing, logprob_contract=contract,
-                       indexer_selection=SEL.selection_light(sides, local and not remote))
+                       indexer_selection=SEL.selection_light(sides, local and not remote),
+                       recurrent_state=RS.state_light(sides, local and not remote))
 
 
 def layer_streamed(sides: Sides, local: bool = True) -> Comparison:

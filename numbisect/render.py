@@ -220,12 +220,13 @@ def render(r: dict | ReportView) -> str:
     """The plain-text summary of report `r`; every character printable (newlines aside)."""
     from numbisect.conditions_render import conditions_lines
     from numbisect.decode_render import render_lines as decode_lines
+    from numbisect.recurrent_render import state_lines
     from numbisect.routing_render import routing_lines
     from numbisect.selection_render import selection_lines
 
     v = view(r)
     parts = header(v) + [""] + token_table(v) + rl_lines(v)
-    for section in (unit_table(v), routing_lines(v), selection_lines(v)):
+    for section in (unit_table(v), state_lines(v), routing_lines(v), selection_lines(v)):
         if section:
             parts += [""] + section
     parts += worst_lines(v)

@@ -303,6 +303,10 @@ class Backend:
         """Record each sparse-attention indexer's picked keys and scores (numbisect.selection)."""
         raise self.lacks("record sparse attention's token selection (indexer)")
 
+    def install_state_probe(self, probe, ledger: Ledger) -> None:
+        """Record each linear-attention unit's recurrent state after a forward (numbisect.recurrent)."""
+        raise self.lacks("read the recurrent state of linear attention")
+
     def whatif_not_carried(self, whatif: str, unit: Unit, faults) -> list[str]:
         return []
 

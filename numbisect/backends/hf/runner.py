@@ -19,7 +19,7 @@ import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, hidden_arg, with_hidden
 from numbisect.backends.common import first
-from numbisect.backends.hf import faults, indexer, routing, swap, whatif
+from numbisect.backends.hf import faults, indexer, recurrent, routing, swap, whatif
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.steps import Steps
 from numbisect.errors import InputError
@@ -113,6 +113,9 @@ class HFBackend(Backend):
 
     def install_selection_probe(self, probe, ledger: Ledger) -> None:
         indexer.install_probe(self, probe, ledger)
+
+    def install_state_probe(self, probe, ledger: Ledger) -> None:
+        recurrent.install_probe(self, probe, ledger)
 
     def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None, mode="prefill") -> ForwardResult:
         self.check_mode(mode)

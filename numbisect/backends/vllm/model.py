@@ -111,6 +111,11 @@ class VLLMModel(Backend):
     def install_routing_probe(self, probe, ledger: Ledger) -> None:
         moe.install_probe(self, probe, ledger)
 
+    def install_state_probe(self, probe, ledger: Ledger) -> None:
+        from numbisect.backends.vllm import recurrent
+
+        recurrent.install_probe(self, probe, ledger)
+
     def install_whatif(self, whatif: str, unit, donor, faults, ledger: Ledger) -> list:
         """The what-if in place over the planted `faults`; returns those to plant again on top."""
         if whatif == WHATIF_WSUM:

@@ -1,0 +1,217 @@
+"""Recurrent state of linear-attention layers (Gated DeltaNet: Qwen3.5-MoE, Qwen3-Next): the
+state each layer carries after a sample, and after every chunk of it, captured on both sides
+and compared like any unit's output, so drift in the state shows before it reaches the output.
+
+A linear-attention unit (`layers.{i}.attn` of variant `linear` in the family's ArchMap)
+keeps one matrix per value head, [heads, k_dim, v_dim], that every token updates (the
+delta rule with its decay and beta gates). Its output at a token reads that state, so an
+error in the state (a damaged gate, a low-precision update, a state kept in bf16) reaches
+the output only through what later tokens read; the state itself shows it first.
+
+1. `linear_units(backend)`: the units that carry a recurrent state (from the arch map's
+   attention variant, so every family with a `linear` variant is covered).
+2. `StateProbe`: installed on a backend for one forward (`Backend.install_state_probe`;
+   transformers: the final state its chunked delta rule returns; vLLM: the request's
+   slot of the layer's mamba cache after the prefill), it records each linear unit's
+   state after the forward's last token.
+3. Points: the state after a sample is its prefill's final state; the state at a chunk
+   boundary (every `CHUNK` = 64 tokens, transformers' and vLLM's chunk size) is the
+   final state of a prefill of the sample's first L tokens: the state a chunked
+   implementation holds at that boundary (the recurrence is causal, so it is the same
+   state), and what an engine stores at a prefill boundary (chunked prefill, prefix
+   caching). At most `MAX_BOUNDARIES` boundaries per sample, evenly spread (each is one
+   more forward per side). Samples with images: the final state only.
+4. `state_light(sides)`: in a comparison, point by point, the reference and the engine
+   with the probe (propagated), and, with `local`, the engine's linear units fed the
+   reference's inputs (the state error of each layer on its own). `StateStats` folds each
+   point's states as they come (none is kept: a real model's states are megabytes per
+   layer and point) into, per linear unit, the error of the final states over all samples
+   (as any capture's, `capture.UnitStats`: relative L2, max abs, cosine, ulps with the
+   floor per sample; rows are heads, so `worst_token` names the head), per sample, and
+   per boundary (over the samples reaching it), so its growth along the sequence shows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from numbisect.trace import Sample
+
+CHUNK = 64  # chunk size of transformers' torch_chunk_gated_delta_rule and of vLLM's chunked delta rule
+MAX_BOUNDARIES = 8  # chunk boundaries measured per sample (one more forward per side each)
+
+
+def linear_units(backend) -> list[str]:
+    """The units that carry a recurrent state: attention of the arch map's `linear` variant."""
+    return [u.name for u in backend.units if u.kind == "attn" and getattr(u, "variant", "") == "linear"]
+
+
+def boundaries(n: int, chunk: int = CHUNK, cap: int = MAX_BOUNDARIES) -> list[int]:
+    """Token counts at which the state is measured before the sample's end: multiples of
+    `chunk` below `n`, at most `cap` of them evenly spread (the last one kept)."""
+    b = list(range(chunk, n, chunk))
+    if len(b) > cap:
+        b = sorted({b[round(i * (len(b) - 1) / (cap - 1))] for i in range(cap)}) if cap > 1 else b[-1:]
+    return b
+
+
+def points(samples: list[Sample], chunk: int = CHUNK, cap: int = MAX_BOUNDARIES) -> list[tuple[int, int]]:
+    """(sample, tokens) for every state measured: each chunk boundary, then the sample's end."""
+    out = []
+    for i, s in enumerate(samples):
+        n = len(s.ids)
+        out += [(i, L) for L in (boundaries(n, chunk, cap) if s.images is None else [])]
+        out.append((i, n))
+    return out
+
+
+def prefix(s: Sample, L: int) -> Sample:
+    """The sample's first L tokens, as a prompt of its own (the sample itself when L is its length)."""
+    if L >= len(s.ids):
+        return s
+    return Sample(prompt_ids=list(s.ids[:L]), completion_ids=[], line=s.line)
+
+
+class StateProbe:
+    """Records, per linear unit, its recurrent state after the last token of each forward."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.units = linear_units(backend)
+        self.last: dict[str, torch.Tensor] = {}
+        self.source = ""  # where the backend reads the state (set by its install)
+
+    def record(self, unit: str, state: torch.Tensor) -> None:
+        """One call of `unit`'s recurrence: `state` [heads, k_dim, v_dim] (or [1, ...]) after
+        the call's last token. A later call of the same forward (a prefill in steps) replaces it."""
+        if state.dim() == 4:
+            if state.shape[0] != 1:
+                from numbisect.errors import BackendError
+
+                raise BackendError(f"state probe on {unit}: {state.shape[0]} sequences in one call (expected one sample)")
+            state = state[0]
+        self.last[unit] = state.detach().to("cpu", copy=True)
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """The states of the forward that just ran; the probe is then empty."""
+        out, self.last = self.last, {}
+        return out
+
+    def install(self):
+        """Install the probe on its backend; returns the callable that takes it out."""
+        from numbisect.backends.ledger import installed
+
+        return installed(lambda ledger: self.backend.install_state_probe(self, ledger))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1)  # [heads, k_dim * v_dim]: a row per head
+
+
+class StateStats:
+    """One engine pass's state error against the reference, folded point by point (no state
+    outlives its point): per unit, over every sample's final state (`capture.UnitStats`:
+    the error of any capture, ULP floor per sample), per sample, and per boundary."""
+
+    def __init__(self):
+        self.final: dict = {}  # unit -> UnitStats
+        self.per_sample: dict = {}  # unit -> [{sample, tokens, rel_l2, max_abs, cosine}]
+        self.bounds: dict = {}  # unit -> tokens -> UnitStats
+        self.reached: dict = {}  # unit -> tokens -> samples that reach it
+
+    def add(self, i: int, L: int, final: bool, ref: dict, eng: dict) -> None:
+        from numbisect.capture import UnitStats
+
+        for u, e in eng.items():
+            r = ref.get(u)
+            if r is None:
+                continue
+            r, e = _rows(r), _rows(e)
+            if final:
+                self.final.setdefault(u, UnitStats(e.dtype)).update(r, e, i)
+                one = UnitStats(e.dtype)
+                one.update(r, e, i)
+                self.per_sample.setdefault(u, []).append({"sample": i, "tokens": L, **_brief(one.result())})
+            else:
+                self.bounds.setdefault(u, {}).setdefault(L, UnitStats(e.dtype)).update(r, e, i)
+                self.reached.setdefault(u, {})[L] = self.reached.get(u, {}).get(L, 0) + 1
+
+    def result(self, unit: str) -> dict | None:
+        if unit not in self.final:
+            return None
+        bounds = self.bounds.get(unit, {})
+        return {"final": self.final[unit].result(), "per_sample": self.per_sample[unit],
+                "boundaries": [{"tokens": L, "samples": self.reached[unit][L], **_brief(bounds[L].result())}
+                               for L in sorted(bounds)]}
+
+
+def _brief(err: dict) -> dict:
+    return {k: err[k] for k in ("rel_l2", "max_abs", "cosine")}
+
+
+def first_above(report: dict, tol: float, key: str = "propagated") -> str | None:
+    """The first linear unit whose final-state relative L2 error is above `tol` (NaN counts)."""
+    for row in report["layers"]:
+        p = row.get(key)
+        if p is None:
+            continue
+        v = p["final"]["rel_l2"]
+        if v is None or math.isnan(float(v)) or float(v) > tol:
+            return row["unit"]
+    return None
+
+
+# -- in a comparison (pipeline.Sides) -------------------------------------------------------------
+def state_light(sides, local: bool) -> dict | None:
+    """The recurrent-state section of a comparison: for every point, the reference, the
+    engine (with its planted faults) on its own inputs (propagated) and, with `local`, the
+    engine with its linear units fed the reference's inputs, each with the probe; every
+    point's states folded into `StateStats` and dropped. None for a model without linear
+    attention, the rollout, a dump, or an engine under tensor parallelism (their states
+    are out of reach)."""
+    from numbisect.engine_state import arranged
+
+    ref, eng = sides.ref, sides.engine
+    units = linear_units(ref)
+    if not units or eng is None or eng.recorded or getattr(eng, "remote", False):
+        return None
+    samples = sides.samples
+    pts = points(samples)
+    sides.say(f"recurrent state: {len(units)} linear-attention layers at {len(pts)} points per side")
+    stats = {"propagated": StateStats(), **({"local": StateStats()} if local else {})}
+    shape: dict = {}
+    rp, ep = StateProbe(ref), StateProbe(eng)
+    undo = [rp.install()]
+    try:
+        with arranged(eng, ref, sides.faults):
+            undo.append(ep.install())
+            for i, s in enumerate(samples):
+                n = len(s.ids)
+                inputs = {}
+                for L in [n] + [L for _, L in pts if _ == i and L != n]:  # the whole sample first: its inputs
+                    final = L == n
+                    r = ref.forward([prefix(s, L)], capture_inputs=units if local and final else ())
+                    if final:
+                        inputs = {u: x[0] for u, x in r.inputs.items() if x}
+                    rs = rp.take()
+                    shape.update({u: list(t.shape) for u, t in rs.items()})
+                    eng.forward([prefix(s, L)], mode="prefill")
+                    stats["propagated"].add(i, L, final, rs, ep.take())
+                    if local and inputs:
+                        eng.forward([prefix(s, L)], feed={u: [x[:L]] for u, x in inputs.items()}, mode="prefill")
+                        stats["local"].add(i, L, final, rs, ep.take())
+    finally:
+        for u in reversed(undo):
+            u()
+    layers = []
+    for u in units:
+        row = {"unit": u, "layer": int(u.split(".")[1]), "state_shape": shape.get(u)}
+        for name in ("propagated", "local"):
+            row[name] = stats[name].result(u) if name in stats else None
+        layers.append(row)
+    report = {"chunk_size": CHUNK, "max_boundaries": MAX_BOUNDARIES, "source": {"ref": rp.source, "engine": ep.source},
+              "first_above_tol": None, "layers": layers}
+    report["first_above_tol"] = first_above(report, sides.settings.unit_tol)
+    return report
