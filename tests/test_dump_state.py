@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 
-from conftest import hf, model_dir, trace_path
+from conftest import hf, model_dir, trace_path, vllm
 from numbisect.backends.dump import write_dump
 from numbisect.cli import main
 from numbisect.compare import Settings
@@ -163,3 +163,18 @@ def test_states_of_a_unit_without_recurrence_or_missing_a_sample_are_refused(dum
     with pytest.raises(InputError) as e:
         _dump_compare(trace, str(d))
     assert "unit layers.2.attn is listed with recurrent states but has none for sample(s) 1" in e.value.message
+
+
+@pytest.mark.vllm
+def test_dump_of_vllm_holds_its_mamba_cache_states_as_compared_live(trace, tmp_path):
+    d = tmp_path / "vllm"
+    write_dump(vllm(NAME), load_trace(trace), str(d))
+    got = _rows(_dump_compare(trace, str(d)))
+    spec = Spec(ref=f"hf:{model_dir(NAME)}", engine=f"vllm:{model_dir(NAME)}", trace=trace, ref_dtype="float32",
+                engine_dtype="bfloat16")
+    live = _rows(Session(spec, Settings(), backends={"ref": hf(NAME, "float32"), "engine": vllm(NAME)}).compare())
+    for u in LINEAR:
+        g, w = got[u]["propagated"], live[u]["propagated"]
+        assert 0 < g["final"]["rel_l2"] < 0.05, u
+        assert g["final"]["rel_l2"] == pytest.approx(w["final"]["rel_l2"], rel=1e-6), u
+        assert [b["tokens"] for b in g["boundaries"]] == [64, 128]
