@@ -150,12 +150,16 @@ class DumpWriter:
         if inp is not None:
             self._put(unit, f"in.{sample}", inp)
 
+    def declare_state(self, unit: str, shard: str = "replicated") -> None:
+        """`unit` has states in this dump (every rank lists the same, as for `declare`)."""
+        if shard not in STATE_SHARDS:
+            raise ValueError(f"state shard must be one of {STATE_SHARDS}, got {shard!r}")
+        self.states[unit] = shard
+
     def state(self, unit: str, sample: int, state: torch.Tensor, tokens: int | None = None,
               shard: str = "replicated") -> None:
         """Linear unit `unit`'s recurrent state [heads, k_dim, v_dim] after sample `sample`
         (`tokens` None or the sample's length), or after its first `tokens` tokens."""
-        if shard not in STATE_SHARDS:
-            raise ValueError(f"state shard must be one of {STATE_SHARDS}, got {shard!r}")
         if not 0 <= sample < self.samples:
             raise ValueError(f"sample {sample} outside 0..{self.samples - 1}")
         if state.dim() == 4 and state.shape[0] == 1:
@@ -165,7 +169,7 @@ class DumpWriter:
         n = self.tokens[sample]
         if tokens is not None and not 0 < int(tokens) <= n:
             raise ValueError(f"{unit}: state after {tokens} tokens of sample {sample}, which has {n}")
-        self.states[unit] = shard
+        self.declare_state(unit, shard)
         name = f"state.{sample}" if tokens is None or int(tokens) == n else f"state.{sample}.{int(tokens)}"
         self._put(unit, name, state)
 

@@ -139,6 +139,22 @@ def test_layers_without_states_are_named_missing_and_an_old_dump_still_loads(dum
     assert "no state in the dump (not measured): layers.0.attn, layers.1.attn, layers.2.attn" in text
 
 
+def test_head_sharded_states_of_two_ranks_merge_to_the_single_rank_figures(dumps, trace, tmp_path):
+    d = tmp_path / "tp2"
+    write_dump(hf(NAME, "bfloat16"), load_trace(trace), str(d), world_size=2, state_shards={"layers.1.attn": "heads"})
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["states"] == {"layers.0.attn": {"shard": "replicated"}, "layers.1.attn": {"shard": "heads"},
+                           "layers.2.attn": {"shard": "replicated"}}
+    from safetensors import safe_open
+
+    with safe_open(str(d / "rank1" / "layers.1.attn.0000.safetensors"), framework="pt") as h:
+        assert tuple(h.get_slice("state.0").get_shape()) == (1, 128, 128)  # one of the 2 heads
+    two, one = _rows(_dump_compare(trace, str(d))), _rows(_dump_compare(trace, dumps["bfloat16"]))
+    for u in LINEAR:
+        assert two[u]["state_shape"] == [2, 128, 128]
+        assert two[u]["propagated"] == one[u]["propagated"] and two[u]["local"] == one[u]["local"], u
+
+
 def test_states_of_a_unit_without_recurrence_or_missing_a_sample_are_refused(dumps, trace, tmp_path):
     d = tmp_path / "bad"
     shutil.copytree(dumps["bfloat16"], d)

@@ -389,7 +389,7 @@ class DumpBackend(Backend):
 
 
 def write_dump(backend: Backend, trace, root: str, units=None, world_size: int = 1, shards: dict | None = None,
-               max_buffer_mb: float = 256.0, states: bool = True) -> None:
+               max_buffer_mb: float = 256.0, states: bool = True, state_shards: dict | None = None) -> None:
     """Run `backend` (vllm: or hf:) over `trace` and write its activations as a dump.
 
     Every unit's output and (where it has one) input, and the token log-probs. With
@@ -397,7 +397,9 @@ def write_dump(backend: Backend, trace, root: str, units=None, world_size: int =
     parallel engine holds them ("column": slices of the last dim; "row": partial sums
     that add up to the output), one rank directory each. With `states` (and a model
     with linear attention), each linear unit's recurrent state after every sample and at
-    its chunk boundaries (numbisect.recurrent's points: one more forward each), rank 0.
+    its chunk boundaries (numbisect.recurrent's points: one more forward each), rank 0;
+    a unit that `state_shards` marks "heads" has its heads split over the ranks in order
+    (as a tensor-parallel engine holds them).
     """
     from numbisect import recurrent as RS
     from numbisect.dump import DumpWriter
@@ -420,12 +422,10 @@ def write_dump(backend: Backend, trace, root: str, units=None, world_size: int =
             _write_sample(backend, writers, i, s, names, feed, shards, world_size)
             if undo is None:
                 continue
-            for u, st in probe.take().items():
-                writers[0].state(u, i, st)
+            _write_states(writers, i, probe.take(), None, state_shards or {})
             for L in (RS.boundaries(len(s.ids)) if s.images is None else []):
                 backend.forward([RS.prefix(s, L)])
-                for u, st in probe.take().items():
-                    writers[0].state(u, i, st, tokens=L)
+                _write_states(writers, i, probe.take(), L, state_shards or {})
     finally:
         if undo is not None:
             undo()
@@ -446,6 +446,17 @@ def _write_sample(backend, writers, i, s, names, feed, shards, world_size) -> No
         for r, w in enumerate(writers):
             if r == 0 or shards.get(n, "replicated") != "replicated":
                 w.add(n, i, out=parts[r], inp=inp if r == 0 else None)
+
+
+def _write_states(writers, i, states: dict, tokens, state_shards: dict) -> None:
+    for u, st in states.items():
+        if state_shards.get(u, "replicated") == "heads":
+            for w, part in zip(writers, torch.tensor_split(st, len(writers), dim=0)):
+                w.state(u, i, part, tokens=tokens, shard="heads")
+        else:  # rank 0 holds it; every rank's manifest lists it
+            writers[0].state(u, i, st, tokens=tokens)
+            for w in writers[1:]:
+                w.declare_state(u)
 
 
 def _split(t: torch.Tensor, shard: str, world: int) -> list[torch.Tensor]:
