@@ -250,7 +250,8 @@ def dump_states(sides, units: list[str], local: bool) -> dict:
                 inputs = {}
                 if local:
                     inputs = {u: x for u in have if u in eng.dumped for x in [eng.tensor(u, f"in.{i}")] if x is not None}
-                bl = spread(eng.state_bounds.get(have[0], {}).get(i, [])) if s.images is None else []
+                written = sorted(set().union(*(eng.state_bounds[u].get(i, []) for u in have)))  # any unit's
+                bl = spread(written) if s.images is None else []
                 for L in [n] + bl:
                     final = L == n
                     ref.forward([prefix(s, L)])
