@@ -29,6 +29,14 @@ Layout (version 1)::
   parallel linears, vocab-parallel logits); `row` = the shards are partial sums, add
   them (row-parallel linears before their all-reduce); `replicated` = every rank holds
   the whole tensor, rank 0 is read.
+- Recurrent state (linear attention: Gated DeltaNet layers of Qwen3.5 / Qwen3-Next),
+  optional: in the file of the linear unit (`layers.{L}.attn`), `state.{i}`, the layer's
+  state after sample i's last token, `[heads, k_dim, v_dim]`, and `state.{i}.{n}`, the
+  state after its first n tokens (a chunk boundary, 0 < n < T_i). The manifest lists the
+  units with states in "states": {UNIT: {"shard": "replicated" | "heads"}} (`heads`:
+  each rank holds its heads, concatenated along dim 0 in rank order). A unit may have
+  states without outputs. The state's own dtype is best (transformers: float32; vLLM: its
+  mamba cache's).
 - `COMPLETE`: JSON {"files": {NAME: {"bytes": n}}, "started": t0, "finished": t1}
   listing every file of that rank, and when its writer was made and closed (seconds
   since the epoch). A rank without it (a crashed engine) or a listed file of another
@@ -49,6 +57,10 @@ Use from forward hooks::
         logits = model(ids)   # hooks record each unit's last call with the sample's row count
         w.logprobs(i, token_logprobs)
     w.close()                 # files, then COMPLETE
+
+A linear-attention layer's recurrent state: `w.state("layers.0.attn", i, ssm_state)`
+after sample i's forward; `w.state(unit, i, s, tokens=n)` after a prefill of its first n
+tokens (a chunk boundary).
 """
 
 from __future__ import annotations
@@ -64,6 +76,7 @@ import torch
 
 LAYOUT_VERSION = 1
 SHARDS = ("replicated", "column", "row")
+STATE_SHARDS = ("replicated", "heads")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -107,6 +120,7 @@ class DumpWriter:
         self.trace_sha256 = trace_sha256
         self.max_bytes = int(max_buffer_mb * 2**20)
         self.units: dict[str, str] = {}
+        self.states: dict[str, str] = {}
         self.buf: dict[str, dict[str, torch.Tensor]] = {}
         self.held = 0
         self.parts: dict[str, int] = {}
@@ -135,6 +149,29 @@ class DumpWriter:
             self._put(unit, f"out.{sample}", out)
         if inp is not None:
             self._put(unit, f"in.{sample}", inp)
+
+    def declare_state(self, unit: str, shard: str = "replicated") -> None:
+        """`unit` has states in this dump (every rank lists the same, as for `declare`)."""
+        if shard not in STATE_SHARDS:
+            raise ValueError(f"state shard must be one of {STATE_SHARDS}, got {shard!r}")
+        self.states[unit] = shard
+
+    def state(self, unit: str, sample: int, state: torch.Tensor, tokens: int | None = None,
+              shard: str = "replicated") -> None:
+        """Linear unit `unit`'s recurrent state [heads, k_dim, v_dim] after sample `sample`
+        (`tokens` None or the sample's length), or after its first `tokens` tokens."""
+        if not 0 <= sample < self.samples:
+            raise ValueError(f"sample {sample} outside 0..{self.samples - 1}")
+        if state.dim() == 4 and state.shape[0] == 1:
+            state = state[0]
+        if state.dim() != 3:
+            raise ValueError(f"{unit}: a state is [heads, k_dim, v_dim], got shape {tuple(state.shape)}")
+        n = self.tokens[sample]
+        if tokens is not None and not 0 < int(tokens) <= n:
+            raise ValueError(f"{unit}: state after {tokens} tokens of sample {sample}, which has {n}")
+        self.declare_state(unit, shard)
+        name = f"state.{sample}" if tokens is None or int(tokens) == n else f"state.{sample}.{int(tokens)}"
+        self._put(unit, name, state)
 
     def logprobs(self, sample: int, token_logprobs: torch.Tensor) -> None:
         self._put("logprobs", f"token.{sample}", token_logprobs.float())
@@ -217,6 +254,7 @@ class DumpWriter:
             "samples": self.samples,
             "tokens": self.tokens,
             "units": {u: {"shard": s} for u, s in self.units.items()},
+            **({"states": {u: {"shard": s} for u, s in self.states.items()}} if self.states else {}),
         }
 
     def close(self) -> None:

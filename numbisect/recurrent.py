@@ -29,6 +29,10 @@ the output only through what later tokens read; the state itself shows it first.
    (as any capture's, `capture.UnitStats`: relative L2, max abs, cosine, ulps with the
    floor per sample; rows are heads, so `worst_token` names the head), per sample, and
    per boundary (over the samples reaching it), so its growth along the sequence shows.
+5. `dump_states(sides)`: against a `dump:` engine, the states it wrote (`numbisect.dump`:
+   `state.{i}`, and `state.{i}.{n}` at boundaries) against the reference's at the same
+   points; local: the reference's linear units fed the dumped inputs. Linear units whose
+   states the dump lacks are listed under `missing`.
 """
 
 from __future__ import annotations
@@ -51,7 +55,11 @@ def linear_units(backend) -> list[str]:
 def boundaries(n: int, chunk: int = CHUNK, cap: int = MAX_BOUNDARIES) -> list[int]:
     """Token counts at which the state is measured before the sample's end: multiples of
     `chunk` below `n`, at most `cap` of them evenly spread (the last one kept)."""
-    b = list(range(chunk, n, chunk))
+    return spread(list(range(chunk, n, chunk)), cap)
+
+
+def spread(b: list[int], cap: int = MAX_BOUNDARIES) -> list[int]:
+    """At most `cap` of the sorted boundaries `b`, evenly spread (the first and last kept)."""
     if len(b) > cap:
         b = sorted({b[round(i * (len(b) - 1) / (cap - 1))] for i in range(cap)}) if cap > 1 else b[-1:]
     return b
@@ -168,13 +176,15 @@ def state_light(sides, local: bool) -> dict | None:
     """The recurrent-state section of a comparison: for every point, the reference, the
     engine (with its planted faults) on its own inputs (propagated) and, with `local`, the
     engine with its linear units fed the reference's inputs, each with the probe; every
-    point's states folded into `StateStats` and dropped. None for a model without linear
-    attention, the rollout, a dump, or an engine under tensor parallelism (their states
-    are out of reach)."""
+    point's states folded into `StateStats` and dropped. A `dump:` engine: the states it
+    wrote (`dump_states`). None for a model without linear attention, the rollout, or an
+    engine under tensor parallelism (their states are out of reach)."""
     from numbisect.engine_state import arranged
 
     ref, eng = sides.ref, sides.engine
     units = linear_units(ref)
+    if units and eng is not None and getattr(eng, "kind", "") == "dump":
+        return dump_states(sides, units, local)
     if not units or eng is None or eng.recorded or getattr(eng, "remote", False):
         return None
     samples = sides.samples
@@ -213,5 +223,55 @@ def state_light(sides, local: bool) -> dict | None:
         layers.append(row)
     report = {"chunk_size": CHUNK, "max_boundaries": MAX_BOUNDARIES, "source": {"ref": rp.source, "engine": ep.source},
               "first_above_tol": None, "layers": layers}
+    report["first_above_tol"] = first_above(report, sides.settings.unit_tol)
+    return report
+
+
+def dump_states(sides, units: list[str], local: bool) -> dict:
+    """The recurrent-state section against a `dump:` engine: the states it wrote (final, and
+    the chunk boundaries it wrote, at most MAX_BOUNDARIES per sample, evenly spread) against
+    the reference's at the same points (propagated); with `local`, the reference's linear
+    units fed the dumped inputs (`in.{i}` of the unit), against the same dumped states (as
+    a dump's local error is). Linear units without states in the dump are listed under
+    `missing` (no figure, never a zero)."""
+    ref, eng = sides.ref, sides.engine
+    have = [u for u in units if u in eng.states]
+    missing = [u for u in units if u not in eng.states]
+    stats = {"propagated": StateStats(), **({"local": StateStats()} if local else {})}
+    shape: dict = {}
+    rp = StateProbe(ref)
+    if have:
+        sides.say(f"recurrent state: {len(have)} linear-attention layers from the dump"
+                  + (f" ({len(missing)} not in it)" if missing else ""))
+        undo = rp.install()
+        try:
+            for i, s in enumerate(sides.samples):
+                n = len(s.ids)
+                inputs = {}
+                if local:
+                    inputs = {u: x for u in have if u in eng.dumped for x in [eng.tensor(u, f"in.{i}")] if x is not None}
+                written = sorted(set().union(*(eng.state_bounds[u].get(i, []) for u in have)))  # any unit's
+                bl = spread(written) if s.images is None else []
+                for L in [n] + bl:
+                    final = L == n
+                    ref.forward([prefix(s, L)])
+                    rs = rp.take()
+                    es = {u: eng.state(u, i, L) for u in have if final or L in eng.state_bounds[u].get(i, [])}
+                    shape.update({u: list(t.shape) for u, t in es.items()})
+                    stats["propagated"].add(i, L, final, rs, es)
+                    if inputs:
+                        ref.forward([prefix(s, L)], feed={u: [x[:L]] for u, x in inputs.items()})
+                        stats["local"].add(i, L, final, rp.take(), {u: es[u] for u in inputs if u in es})
+        finally:
+            undo()
+    layers = []
+    for u in have:
+        row = {"unit": u, "layer": int(u.split(".")[1]), "state_shape": shape.get(u)}
+        for name in ("propagated", "local"):
+            row[name] = stats[name].result(u) if name in stats else None
+        layers.append(row)
+    report = {"chunk_size": CHUNK, "max_boundaries": MAX_BOUNDARIES,
+              "source": {"ref": rp.source, "engine": f"dump {eng.path} (state.{{i}} tensors of the linear units)"},
+              "first_above_tol": None, "layers": layers, "missing": missing}
     report["first_above_tol"] = first_above(report, sides.settings.unit_tol)
     return report

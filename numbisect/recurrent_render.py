@@ -36,5 +36,8 @@ def state_lines(r: dict | ReportView, max_boundaries: int = 8) -> list[str]:
         out.append(f"{str(row.get('unit')):<20}{fmt(num(_dict(p.get('final')).get('rel_l2'))):>11}"
                    f"{fmt(num(_dict(lo.get('final')).get('rel_l2'))):>12}{fmt(num(outputs.get(row.get('unit')))):>12}"
                    f"{w:>20}  {trend}")
+    missing = [str(u) for u in rs.get("missing") or []]
+    if missing:
+        out.append(f"no state in the dump (not measured): {', '.join(missing)}")
     out.append(f"first state above rel-L2 {fmt(v.unit_tol)}: {rs.get('first_above_tol') or 'none'}")
     return out

@@ -6,6 +6,9 @@ partial sums added). Opening checks everything that can be checked before a forw
 the layout version, every rank's COMPLETE marker and file sizes (a crashed or
 truncated dump is refused), the unit names, that every listed unit has every sample,
 the trace (sample count and token counts) and every tensor's shape after merging.
+Recurrent states of linear-attention units (optional, manifest "states"): every sample's
+final state on every rank that holds one, one shape per unit, boundaries inside the
+sample; `state(unit, i, tokens)` reads one, merging head shards.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 from numbisect.arch import arch_for
 from numbisect.backends.base import Backend, parse_dtype
-from numbisect.dump import LAYOUT_VERSION, SHARDS
+from numbisect.dump import LAYOUT_VERSION, SHARDS, STATE_SHARDS
 from numbisect.errors import InputError
 from numbisect.trace import show
 from numbisect.units import VISION_KINDS, nearby_names
@@ -113,7 +116,9 @@ class DumpBackend(Backend):
             if shard not in SHARDS:
                 raise InputError(f"{path}: unit {name}: shard {shard!r} is not one of {', '.join(SHARDS)}")
             self.dumped[name] = shard
+        self.states = self._state_units(m.get("states", {}), mpath)
         self._index = self._index_tensors(root)
+        self.state_bounds = self._check_states()
         if trace is not None:
             self.check_trace(trace)
 
@@ -201,6 +206,68 @@ class DumpBackend(Backend):
                                  f"has {t - 1} (one per token after the first)")
         return index
 
+    def _state_units(self, st, mpath) -> dict[str, str]:
+        """The manifest's "states": linear-attention units only, each with its shard kind."""
+        if not isinstance(st, dict) or not all(v is None or isinstance(v, dict) for v in st.values()):
+            raise InputError(f'{mpath}: states must map each linear-attention unit to {{"shard": ...}}')
+        linear = [u.name for u in self.units if u.kind == "attn" and getattr(u, "variant", "") == "linear"]
+        out = {}
+        for name, info in st.items():
+            if name not in linear:
+                raise InputError(f"{self.path}: the manifest lists a recurrent state for {name!r}, which is not a "
+                                 f"linear-attention unit of {self.arch.name} (those: {', '.join(linear) or 'none'})")
+            shard = (info or {}).get("shard", "replicated")
+            if shard not in STATE_SHARDS:
+                raise InputError(f"{self.path}: state of {name}: shard {shard!r} is not one of {', '.join(STATE_SHARDS)}")
+            out[name] = shard
+        return out
+
+    def _check_states(self) -> dict[str, dict[int, list[int]]]:
+        """Unit -> sample -> the boundaries (token counts) it has a state for. Every sample has
+        its final state on every rank that holds one; one shape per unit after merging."""
+        toks = self.manifest["tokens"]
+        bounds: dict = {}
+        for unit, shard in self.states.items():
+            ranks = range(self.world if shard == "heads" else 1)
+            names = [set(k for k in self._index.get((r, unit), {}) if k.startswith("state.")) for r in ranks]
+            missing = [i for i in range(len(toks)) if any(f"state.{i}" not in n for n in names)]
+            if missing:
+                raise InputError(f"{self.path}: unit {unit} is listed with recurrent states but has none for sample(s) "
+                                 f"{', '.join(map(str, missing[:5]))}")
+            if any(n != names[0] for n in names):
+                raise InputError(f"{self.path}: unit {unit}: the ranks hold states for different points")
+            shape = None
+            for k in sorted(names[0]):
+                parts = k.split(".")
+                ok = len(parts) in (2, 3) and all(p.isdigit() for p in parts[1:]) and int(parts[1]) < len(toks)
+                if ok and len(parts) == 3:
+                    ok = 0 < int(parts[2]) < toks[int(parts[1])]
+                    if ok:
+                        bounds.setdefault(unit, {}).setdefault(int(parts[1]), []).append(int(parts[2]))
+                if not ok:
+                    raise InputError(f"{self.path}: unit {unit}: tensor {k} is not state.SAMPLE or state.SAMPLE.TOKENS "
+                                     f"(0 < TOKENS < the sample's length) of this dump's samples")
+                shapes = [self._index[(r, unit)][k][1] for r in ranks]
+                if any(len(x) != 3 or x[1:] != shapes[0][1:] for x in shapes):
+                    raise InputError(f"{self.path}: unit {unit} {k}: a state is [heads, k_dim, v_dim] (heads split "
+                                     f"over the ranks), got {shapes}")
+                merged = (sum(x[0] for x in shapes),) + tuple(shapes[0][1:])
+                if shape is not None and merged != shape:
+                    raise InputError(f"{self.path}: unit {unit} {k}: state shape {merged}, {shape} elsewhere")
+                shape = merged
+            bounds.setdefault(unit, {})
+            for b in bounds[unit].values():
+                b.sort()
+        return bounds
+
+    def state(self, unit: str, i: int, tokens: int | None = None) -> torch.Tensor:
+        """Unit's recurrent state after sample i (or after its first `tokens` tokens), heads merged."""
+        n = self.manifest["tokens"][i]
+        name = f"state.{i}" if tokens is None or tokens == n else f"state.{i}.{tokens}"
+        if self.states[unit] == "replicated":
+            return self._read(0, unit, name)
+        return torch.cat([self._read(r, unit, name) for r in range(self.world)], dim=0)
+
     def check_trace(self, trace) -> None:
         n, toks = int(self.manifest["samples"]), list(self.manifest["tokens"])
         if n != len(trace.samples):
@@ -219,7 +286,7 @@ class DumpBackend(Backend):
             kind = self.unit_by_name[unit].kind
             if kind in VISION_KINDS:  # rows are image patches / image tokens, not the trace's tokens
                 continue
-            width = {"lm_head": cfg.vocab_size, "router": experts}.get(kind, cfg.hidden_size)
+            width = {"lm_head": cfg.vocab_size, "router": experts, "shared_expert_gate": 1}.get(kind, cfg.hidden_size)
             for i in range(n):
                 rows = toks[i] - (1 if kind == "lm_head" else 0)
                 if kind == "indexer":  # the [T, T] mask of keys picked (numbisect.selection.selection_mask)
@@ -322,14 +389,19 @@ class DumpBackend(Backend):
 
 
 def write_dump(backend: Backend, trace, root: str, units=None, world_size: int = 1, shards: dict | None = None,
-               max_buffer_mb: float = 256.0) -> None:
+               max_buffer_mb: float = 256.0, states: bool = True, state_shards: dict | None = None) -> None:
     """Run `backend` (vllm: or hf:) over `trace` and write its activations as a dump.
 
     Every unit's output and (where it has one) input, and the token log-probs. With
     `world_size` > 1 the tensors of the units in `shards` are split the way a tensor-
     parallel engine holds them ("column": slices of the last dim; "row": partial sums
-    that add up to the output), one rank directory each.
+    that add up to the output), one rank directory each. With `states` (and a model
+    with linear attention), each linear unit's recurrent state after every sample and at
+    its chunk boundaries (numbisect.recurrent's points: one more forward each), rank 0;
+    a unit that `state_shards` marks "heads" has its heads split over the ranks in order
+    (as a tensor-parallel engine holds them).
     """
+    from numbisect import recurrent as RS
     from numbisect.dump import DumpWriter
 
     shards = shards or {}
@@ -343,20 +415,48 @@ def write_dump(backend: Backend, trace, root: str, units=None, world_size: int =
     for w in writers:
         for n in names:
             w.declare(n, shards.get(n, "replicated"))
-    for i, s in enumerate(trace.samples):
-        res = backend.forward([s], capture=names, capture_inputs=feed)
-        writers[0].logprobs(i, res.token_logprobs[0])
-        for n in names:
-            if not res.captures.get(n):  # a vision unit on a sample without images
+    probe = RS.StateProbe(backend) if states else None
+    undo = probe.install() if probe is not None and probe.units else None
+    try:
+        for i, s in enumerate(trace.samples):
+            _write_sample(backend, writers, i, s, names, feed, shards, world_size)
+            if undo is None:
                 continue
-            out = res.captures[n][0]
-            inp = res.inputs[n][0] if res.inputs.get(n) else None
-            parts = _split(out, shards.get(n, "replicated"), world_size)
-            for r, w in enumerate(writers):
-                if r == 0 or shards.get(n, "replicated") != "replicated":
-                    w.add(n, i, out=parts[r], inp=inp if r == 0 else None)
+            _write_states(writers, i, probe.take(), None, state_shards or {})
+            for L in (RS.boundaries(len(s.ids)) if s.images is None else []):
+                backend.forward([RS.prefix(s, L)])
+                _write_states(writers, i, probe.take(), L, state_shards or {})
+    finally:
+        if undo is not None:
+            undo()
     for w in writers:
         w.close()
+
+
+def _write_sample(backend, writers, i, s, names, feed, shards, world_size) -> None:
+    """Sample i's forward: its log-probs, and each unit's output and input, split over the ranks."""
+    res = backend.forward([s], capture=names, capture_inputs=feed)
+    writers[0].logprobs(i, res.token_logprobs[0])
+    for n in names:
+        if not res.captures.get(n):  # a vision unit on a sample without images
+            continue
+        out = res.captures[n][0]
+        inp = res.inputs[n][0] if res.inputs.get(n) else None
+        parts = _split(out, shards.get(n, "replicated"), world_size)
+        for r, w in enumerate(writers):
+            if r == 0 or shards.get(n, "replicated") != "replicated":
+                w.add(n, i, out=parts[r], inp=inp if r == 0 else None)
+
+
+def _write_states(writers, i, states: dict, tokens, state_shards: dict) -> None:
+    for u, st in states.items():
+        if state_shards.get(u, "replicated") == "heads":
+            for w, part in zip(writers, torch.tensor_split(st, len(writers), dim=0)):
+                w.state(u, i, part, tokens=tokens, shard="heads")
+        else:  # rank 0 holds it; every rank's manifest lists it
+            writers[0].state(u, i, st, tokens=tokens)
+            for w in writers[1:]:
+                w.declare_state(u)
 
 
 def _split(t: torch.Tensor, shard: str, world: int) -> list[torch.Tensor]:
