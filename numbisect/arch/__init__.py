@@ -19,9 +19,10 @@ from numbisect.errors import InputError
 def _registry() -> dict[str, ArchMap]:
     from numbisect.arch import glm4_moe, mixtral, qwen3, qwen3_moe, qwen3_vl_moe
     from numbisect.arch import deepseek_v3, glm_moe_dsa, gpt_oss, olmoe, qwen3_5_moe
+    from numbisect.arch import qwen3_next
 
     maps = [qwen3_moe.ARCH, qwen3.ARCH, glm4_moe.ARCH, mixtral.ARCH, qwen3_vl_moe.ARCH, olmoe.ARCH, deepseek_v3.ARCH,
-            gpt_oss.ARCH, glm_moe_dsa.ARCH, qwen3_5_moe.ARCH]
+            gpt_oss.ARCH, glm_moe_dsa.ARCH, qwen3_5_moe.ARCH, qwen3_next.ARCH]
     return {a: m for m in maps for a in m.architectures}
 
 
