@@ -166,6 +166,7 @@ class Comparison:
     ref_routing: dict | None = None  # MoE: router unit -> per-sample expert ids of the reference
     logprob_contract: dict | None = None  # rollout engine: raw, processed (fitted sampler) or logits
     indexer_selection: dict | None = None  # sparse attention (GLM-5): the indexers' key selection agreement
+    engine_tokens: ForwardResult | None = None  # the engine's own token log-probs (an engine that ran)
 
 
 def _comparison(sides: Sides, tokens: dict, rows: list[dict], ref_tokens: ForwardResult, ranked: bool,
@@ -334,7 +335,8 @@ def streamed(sides: Sides, local: bool = True, capture: Capture | None = None) -
     routing, ref_ids = _routing_light(sides, local)
     return _comparison(sides, tokens, rows, ref_res, ranked=streamed_local and eng is not None, capture=info,
                        routing=routing, ref_routing=ref_ids, indexer_selection=SEL.selection_light(sides, streamed_local),
-                       logprob_contract=contract.result() if contract is not None else None)
+                       logprob_contract=contract.result() if contract is not None else None,
+                       engine_tokens=eng_res if eng is not None else None)
 
 
 def _routing_light(sides: Sides, local: bool) -> tuple[dict | None, dict | None]:
@@ -413,7 +415,8 @@ def whole_run(sides: Sides, local: bool = True, replay: str | None = None) -> Co
         contract = fit.result()
     return _comparison(sides, tokens, rows, ref, ranked=loc is not None, engine_modes=modes, routing=routing,
                        routing_replay=replayed, ref_result=ref, ref_routing=sides.ref_routing, logprob_contract=contract,
-                       indexer_selection=SEL.selection_light(sides, local and not remote))
+                       indexer_selection=SEL.selection_light(sides, local and not remote),
+                       engine_tokens=prop if eng is not None else None)
 
 
 def layer_streamed(sides: Sides, local: bool = True) -> Comparison:
