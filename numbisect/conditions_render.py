@@ -51,7 +51,7 @@ def engine_config_lines(ec) -> list[str]:
     src = f" ({ec.get('file')})" if ec.get("file") else ""
     if not ec.get("child"):
         return [f"engine config: your settings{src} run with hooks as they are: every part ran in them"]
-    changed = ", ".join(map(str, ec.get("changed") or [])) or "nothing"
+    changed = ", ".join(map(str, ec.get("changed") if isinstance(ec.get("changed"), list) else [])) or "nothing"
     vs = ec.get("hookable_vs_user") if isinstance(ec.get("hookable_vs_user"), dict) else {}
     same = ("bitwise equal to yours" if vs.get("bitwise") else f"k3 {fmt(vs.get('k3_mean'))} from yours (max |diff| {fmt(vs.get('max_abs_diff'))})"
             if vs else "not compared")

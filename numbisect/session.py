@@ -46,7 +46,7 @@ class Spec:
     capture_dir: str | None = None  # full mode: safetensors go here
     max_capture_mb: float | None = None  # full mode: RAM buffered before spilling a unit to disk
     threads: int | None = None  # torch threads pinned in this process (None: torch's, or vLLM's binding)
-    engine_config: dict | None = None  # the user's vLLM settings (--engine-config, --engine-opt on top; numbisect.userengine)
+    engine_config: dict | None = None  # the user's vLLM settings (--engine-config, --engine-opt on top; numbisect.userengine); the session sets engine_opts from it
     engine_config_path: str | None = None  # the --engine-config file
 
 
@@ -142,9 +142,10 @@ class Session:
         if self.user_engine is not None:  # before the in-process engine: its custom ops follow the user's engine
             from numbisect.backends.vllm.condition_worker import run_child
 
-            self.user_engine.run(self.trace.samples, eng_path, spec.engine_dtype,
-                                 int(spec.engine_opts.get("max_model_len", min(1024, int(getattr(eng_cfg.get_text_config(), "max_position_embeddings", 1024) or 1024)))),
-                                 int(eng_cfg.get_text_config().vocab_size), settings.judges_kl, run_child, self.say)
+            text = eng_cfg.get_text_config()
+            max_len = spec.engine_opts.get("max_model_len", min(1024, int(getattr(text, "max_position_embeddings", 1024) or 1024)))
+            self.user_engine.run(self.trace.samples, eng_path, spec.engine_dtype, int(max_len), int(text.vocab_size),
+                                 settings.judges_kl, run_child, self.say)
             spec.engine_opts = self.user_engine.backend_opts()
         if eng_kind != "rollout":
             self.engine = backends.get("engine") or self._open(
