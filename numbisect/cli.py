@@ -172,6 +172,11 @@ OPTIONS = {
     "quiet": (("-q", "--quiet"), dict(is_flag=True, help="No progress on stderr.")),
     "replay_routing": (("--replay-routing",), dict(type=click.Choice(["ref", "engine"]), default=None, help="MoE routing replay what-if (R3): run the engine with the reference's expert ids (ref) or the reference with the engine's (engine); splits k3 into routing flips and numeric drift.")),
     "strategy": (("--strategy",), dict(default="hierarchical", show_default=True, type=click.Choice(["hierarchical", "linear", "ddmin"]))),
+    "engine_config": (("--engine-config", "engine_config"), dict(type=click.Path(), metavar="FILE",
+                      help="Your vLLM engine's settings, JSON (or .toml): LLM() arguments (enforce_eager, compilation_config, "
+                           "enable_prefix_caching, ...) plus batch (1 or \"all\"), logprobs_mode, sampling; --engine-opt overrides it. "
+                           "The token-level comparison runs in them (a child process when hooks cannot), captures and the "
+                           "search in the hookable configuration (eager, the same other settings).")),
     "max_trials": (("--max-trials",), dict(type=AtLeastOneType(), default=None, help="Stop the search after this many trials (exit 4).")),
 }
 
@@ -217,6 +222,13 @@ def _spec_settings(kw):
         max_capture_mb=kw.get("max_capture_mb"),
         threads=kw.get("threads"),
     )
+    if kw.get("engine_config"):  # the user's engine settings: the session derives the in-process engine's options
+        from numbisect import engine_config as E
+
+        spec.engine_config = E.merge(E.load_settings(kw["engine_config"]), spec.engine_opts)
+        E.check_settings(spec.engine_config, "--engine-config/--engine-opt")
+        spec.engine_config_path = kw["engine_config"]
+        spec.engine_opts = {}
     if spec.threads:
         from numbisect.conditions import set_threads
 
@@ -327,7 +339,7 @@ def _check_new_log(log: str, resume: str | None) -> None:
 
 
 @cli.command(epilog=EPILOG)
-@options(*SESSION, "replay_routing")
+@options(*SESSION, "replay_routing", "engine_config")
 @click.option("--local/--no-local", default=True, show_default=True, help="Also feed each engine unit the reference's input (local error).")
 def compare(**kw):
     """Run the trace through both models: k3, KL, RL cost and per-unit divergence."""
@@ -352,7 +364,7 @@ def compare(**kw):
 @cli.command(epilog=EPILOG)
 @options(*SESSION)
 @click.option("--swap", multiple=True, metavar="KIND[,KIND]", help="Swap every unit of these kinds (moe, attn, norm, mlp, router, experts, embed, lm_head, layer) in one trial.")
-@options("replay_routing", "strategy", "max_trials")
+@options("replay_routing", "strategy", "max_trials", "engine_config")
 @click.option("--log", "log_path", type=click.Path(), help="Append each trial to this JSONL log as it ends.")
 @click.option("--resume", type=click.Path(), help="Continue from a trial log of an interrupted run (no trial repeated).")
 @click.option("--whatif/--no-whatif", default=True, show_default=True, help="Rerun each culprit with its arithmetic in fp32 (suggested fix).")
@@ -399,7 +411,7 @@ def run(**kw):
               help="Your vLLM engine's settings, JSON (or .toml): LLM() arguments (enforce_eager, compilation_config, "
                    "enable_prefix_caching, ...) plus batch (1 or \"all\"), logprobs_mode, sampling. --engine-opt overrides it.")
 @click.option("--good-config", "good_config", type=click.Path(), metavar="FILE",
-              help="The known-good settings [default: eager, vLLM's custom ops, no prefix caching, batch 1, raw log-probs, tp 1].")
+              help="The known-good settings [default: eager, every custom op native (custom_ops [\"none\"]), no prefix caching, batch 1, raw log-probs, tp 1].")
 @click.option("--threshold", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="A trial is fixed when its completion k3 against the good configuration is at or under this (0: bitwise equal).")
 @options("group", "max_trials")

@@ -41,3 +41,21 @@ def conditions_lines(cond) -> list[str]:
         else:
             out.append(f"  under {loc.get('atom')}: not localised ({loc.get('why')})")
     return out
+
+
+def engine_config_lines(ec) -> list[str]:
+    """One line for a report's `engine_config` section (`compare` / `run --engine-config`):
+    which parts ran in the user's configuration and which in the hookable one."""
+    if not isinstance(ec, dict):
+        return []
+    src = f" ({ec.get('file')})" if ec.get("file") else ""
+    if not ec.get("child"):
+        return [f"engine config: your settings{src} run with hooks as they are: every part ran in them"]
+    changed = ", ".join(map(str, ec.get("changed") if isinstance(ec.get("changed"), list) else [])) or "nothing"
+    vs = ec.get("hookable_vs_user") if isinstance(ec.get("hookable_vs_user"), dict) else {}
+    same = ("bitwise equal to yours" if vs.get("bitwise") else f"k3 {fmt(vs.get('k3_mean'))} from yours (max |diff| {fmt(vs.get('max_abs_diff'))})"
+            if vs else "not compared")
+    hb = ec.get("hookable_baseline") if isinstance(ec.get("hookable_baseline"), dict) else {}
+    return [f"engine config: token metrics in your settings{src} (child process); captures and search in the hookable one "
+            f"(changed: {changed}), whose log-probs are {same}, {hb.get('verdict', '?')} against the reference "
+            f"(value {fmt(hb.get('value'))})"]

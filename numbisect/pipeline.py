@@ -168,6 +168,7 @@ class Comparison:
     logprob_contract: dict | None = None  # rollout engine: raw, processed (fitted sampler) or logits
     indexer_selection: dict | None = None  # sparse attention (GLM-5): the indexers' key selection agreement
     recurrent_state: dict | None = None  # linear attention (Qwen3.5, Qwen3-Next): the recurrent state's error
+    engine_tokens: ForwardResult | None = None  # the engine's own token log-probs (an engine that ran)
 
 
 def _comparison(sides: Sides, tokens: dict, rows: list[dict], ref_tokens: ForwardResult, ranked: bool,
@@ -339,7 +340,8 @@ def streamed(sides: Sides, local: bool = True, capture: Capture | None = None) -
     return _comparison(sides, tokens, rows, ref_res, ranked=streamed_local and eng is not None, capture=info,
                        routing=routing, ref_routing=ref_ids, indexer_selection=SEL.selection_light(sides, streamed_local),
                        recurrent_state=RS.state_light(sides, streamed_local),
-                       logprob_contract=contract.result() if contract is not None else None)
+                       logprob_contract=contract.result() if contract is not None else None,
+                       engine_tokens=eng_res if eng is not None else None)
 
 
 def _routing_light(sides: Sides, local: bool) -> tuple[dict | None, dict | None]:
@@ -419,7 +421,8 @@ def whole_run(sides: Sides, local: bool = True, replay: str | None = None) -> Co
     return _comparison(sides, tokens, rows, ref, ranked=loc is not None, engine_modes=modes, routing=routing,
                        routing_replay=replayed, ref_result=ref, ref_routing=sides.ref_routing, logprob_contract=contract,
                        indexer_selection=SEL.selection_light(sides, local and not remote),
-                       recurrent_state=RS.state_light(sides, local and not remote))
+                       recurrent_state=RS.state_light(sides, local and not remote),
+                       engine_tokens=prop if eng is not None else None)
 
 
 def layer_streamed(sides: Sides, local: bool = True) -> Comparison:

@@ -218,14 +218,14 @@ def _group_evidence(v: ReportView, unit: str) -> str | None:
 
 def render(r: dict | ReportView) -> str:
     """The plain-text summary of report `r`; every character printable (newlines aside)."""
-    from numbisect.conditions_render import conditions_lines
+    from numbisect.conditions_render import conditions_lines, engine_config_lines
     from numbisect.decode_render import render_lines as decode_lines
     from numbisect.recurrent_render import state_lines
     from numbisect.routing_render import routing_lines
     from numbisect.selection_render import selection_lines
 
     v = view(r)
-    parts = header(v) + [""] + token_table(v) + rl_lines(v)
+    parts = header(v) + engine_config_lines(v.r.get("engine_config")) + [""] + token_table(v) + rl_lines(v)
     for section in (unit_table(v), state_lines(v), routing_lines(v), selection_lines(v)):
         if section:
             parts += [""] + section

@@ -327,6 +327,12 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
     finally:
         logger.close()
     result.trials = [t.to_dict() for t in runner.trials]
+    ue = getattr(session, "user_engine", None)
+    if ue is not None and ue.child and compared.get("verdict") == "diverged" and code == ExitCode.ALIGNED:
+        # the module search ran in the hookable configuration, which is aligned: the settings are the cause
+        result.search["stop_reason"] += ("; your engine configuration diverges but the hookable one the search ran in does not: "
+                                         "the divergence comes from its settings (bisect conditions --engine-config names them)")
+        code = ExitCode.NO_CULPRIT
     # The search is done: nothing after it may lose its result (see `after_search`).
     failed = result.post_search_errors
     after_search(failed, "prefix_reuse", None, progress,

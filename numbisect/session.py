@@ -46,6 +46,8 @@ class Spec:
     capture_dir: str | None = None  # full mode: safetensors go here
     max_capture_mb: float | None = None  # full mode: RAM buffered before spilling a unit to disk
     threads: int | None = None  # torch threads pinned in this process (None: torch's, or vLLM's binding)
+    engine_config: dict | None = None  # the user's vLLM settings (--engine-config, --engine-opt on top; numbisect.userengine); the session sets engine_opts from it
+    engine_config_path: str | None = None  # the --engine-config file
 
 
 class Session:
@@ -82,6 +84,12 @@ class Session:
         self.engine_kind = eng_kind
         # A dump or the rollout's own log-probs: compared, never run (no faults, swaps, trials).
         self.engine_runs = eng_kind in BACKENDS and BACKENDS[eng_kind].runs
+        self.user_engine = None  # --engine-config: the user's engine, as they run it (numbisect.userengine)
+        if spec.engine_config is not None:
+            from numbisect.userengine import UserEngine
+
+            self.user_engine = UserEngine.check(spec, eng_kind)
+            spec.engine_opts = self.user_engine.backend_opts()
         C.check_opts("hf", spec.ref_opts, "--ref-opt")
         C.check_opts(eng_kind, spec.engine_opts, "--engine-opt")
         self.faults = [parse_fault(f) for f in spec.faults]
@@ -131,6 +139,14 @@ class Session:
             backends = {**backends, "ref": LayerStreamRef(ref_path, spec.ref_dtype)}
         self.ref: Backend = backends.get("ref") or self._open("hf", ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
         self.engine: Backend | None = None
+        if self.user_engine is not None:  # before the in-process engine: its custom ops follow the user's engine
+            from numbisect.backends.vllm.condition_worker import run_child
+
+            text = eng_cfg.get_text_config()
+            max_len = spec.engine_opts.get("max_model_len", min(1024, int(getattr(text, "max_position_embeddings", 1024) or 1024)))
+            self.user_engine.run(self.trace.samples, eng_path, spec.engine_dtype, int(max_len), int(text.vocab_size),
+                                 settings.judges_kl, run_child, self.say)
+            spec.engine_opts = self.user_engine.backend_opts()
         if eng_kind != "rollout":
             self.engine = backends.get("engine") or self._open(
                 eng_kind, eng_path, spec.engine_dtype, spec.engine_opts, "starting engine"
@@ -223,7 +239,12 @@ class Session:
         if c.ref_routing is not None:
             self.ref_routing = c.ref_routing
         self.comparison = c
-        return P.report_body(c)
+        body = P.report_body(c)
+        if self.user_engine is not None:  # the token-level comparison in the user's own configuration
+            if self.user_engine.child:
+                self.user_engine.fit_contract(self.ref, self.samples)
+            body = self.user_engine.apply(body, c, self.samples, self.settings, self.groups, self.ref)
+        return body
 
     def _prefix_key(self):
         """What the recorded prefix depends on besides the session's fixed engine and trace."""

