@@ -25,7 +25,9 @@ those. Compared like MoE routing (numbisect.routing), with tokens for experts:
    cause, as `--replay-routing ref` does for experts. A probe given `replay` hands the
    attention those keys (`replay_ids`) instead of its indexer's; queries whose picks
    already agree keep the indexer's own ids, so replaying a side's own picks changes
-   nothing. API only for now (no command-line flag).
+   nothing. `bisect compare --replay-indexer` (and `run`, after its search) adds it to the
+   report as `indexer_replay`; `check_replay` refuses it, before any model loads, where
+   it cannot run.
 """
 
 from __future__ import annotations
@@ -263,6 +265,33 @@ def selection_light(sides, local: bool) -> dict | None:
                 undo()
             passes["local"] = (p.masks, p.scores)
     return selection_report(sides.samples, k, units, probe.masks, probe.scores, passes)
+
+
+def check_replay(spec) -> None:
+    """Refuse `--replay-indexer` where it cannot run, before any model loads: a model without
+    sparse attention's indexer, an engine that does not run (a dump, the rollout), tensor
+    parallelism, decode mode. `spec`: the session's `Spec`."""
+    from numbisect.arch import arch_for
+    from numbisect.backends import BACKENDS
+    from numbisect.backends.base import load_config
+    from numbisect.compare import parse_spec
+    from numbisect.errors import InputError
+
+    _, ref_path = parse_spec(spec.ref, "--ref")
+    config = load_config(ref_path)
+    arch = arch_for(config)
+    if "indexer" not in arch.attn_sub_units or index_topk(config) is None:
+        raise InputError(f"--replay-indexer needs a model with sparse attention's indexer (GLM-5's DSA); {arch.name} has none")
+    engine_kind = parse_spec(spec.engine, "--engine")[0]
+    entry = BACKENDS.get(engine_kind)
+    if entry is None or not entry.runs:
+        raise InputError(f"--replay-indexer needs an engine that runs (hf: or vllm:), not {engine_kind}")
+    opts = spec.engine_opts or {}
+    if entry.remote(opts):
+        raise InputError(f"--replay-indexer does not run under tensor parallelism yet (tensor_parallel_size="
+                         f"{opts.get('tensor_parallel_size')}): replay on tensor_parallel_size=1")
+    if spec.engine_mode != "prefill":
+        raise InputError("--replay-indexer works in prefill mode only (--engine-mode decode replays no picks yet)")
 
 
 def _replay_trial(sides, replay: dict, ref_tokens) -> tuple[float, dict, dict]:
