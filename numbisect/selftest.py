@@ -8,7 +8,8 @@
 3. Each round plants each fault kind in turn at a unit of the right kind, chosen by a
    seeded RNG, and runs the hierarchical search with a fresh trial runner, its splits
    ordered by local error as `bisect run` orders them. The session (models, cached
-   reference result) is reused: only `session.faults` changes.
+   reference result) is reused: only `session.faults` changes. A profile's
+   `family_faults` (the DSA indexer) are planted only on models that have such a unit.
 4. A round is *found* when the search names culprits and they are, exactly, the planted
    unit P ("exact"), one or more sub-units of P ("sub-unit": a fault in a moe block
    lives in its experts), or P's parent unit when that is not a layer ("parent": a
