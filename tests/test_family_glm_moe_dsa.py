@@ -248,6 +248,24 @@ def test_decode_mode_measures_the_indexers_selection_stitched_over_the_steps():
         assert p is not None and 0 <= p["ulps"]["frac_differ"] < 0.5
 
 
+def test_decode_mode_reports_the_indexers_selection_agreement():
+    """`indexer_selection` in decode mode: the engine's picks step by step (its indexer units'
+    captures) against the reference's prefill picks. A fault in layer 1's indexer flips most
+    of its queries; upstream, the only flips are at the reference's exact ties (the decode
+    path's tie-break); teacher-forced, layer 2 flips less than propagated."""
+    s = session(NAME, "hf", ref_dtype="float32", engine_dtype="float32", samples=3, engine_mode="decode",
+                faults=[INDEXER_FAULT])
+    sel = s.compare()["indexer_selection"]
+    assert "decode mode" in sel["source"]
+    rows = {r["layer"]: r for r in sel["layers"]}
+    assert sorted(rows) == [0, 1, 2]
+    assert rows[0]["propagated"]["flips_at_ties"] == rows[0]["propagated"]["flipped"]
+    assert rows[1]["propagated"]["agree_frac"] < 0.5 and rows[1]["local"]["flipped"] == rows[1]["propagated"]["flipped"]
+    assert rows[2]["local"]["flipped"] < rows[2]["propagated"]["flipped"]
+    flips = rows[1]["propagated"]["flips"]
+    assert flips and all(f["engine_margin"] is None and f["ref_margin"] is not None for f in flips)
+
+
 # -- dump engine ---------------------------------------------------------------------------------------
 def test_a_dump_of_an_engine_with_a_faulty_indexer_is_compared_with_its_selection(tmp_path):
     from numbisect.backends.dump import write_dump
