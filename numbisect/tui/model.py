@@ -353,6 +353,11 @@ def report_trials(r: dict | ReportView) -> list[dict]:
     return [t for t in cond.get("trials") or [] if isinstance(t, dict)] if isinstance(cond.get("trials"), list) else []
 
 
+def section(cond: dict, key: str) -> dict:
+    """A conditions report's sub-section `key` (search, localisation, ...); {} when absent or odd."""
+    return _d(cond.get(key))
+
+
 def atoms_of(cond: dict) -> list[dict]:
     return [a for a in cond.get("atoms") or [] if isinstance(a, dict)] if isinstance(cond.get("atoms"), list) else []
 
@@ -360,7 +365,7 @@ def atoms_of(cond: dict) -> list[dict]:
 _UNSET = object()  # a setting one side leaves out
 
 
-def _setting(v) -> str:
+def setting_text(v) -> str:
     """A setting's value in one short line (JSON for lists and objects)."""
     if isinstance(v, (dict, list)):
         return json.dumps(v, sort_keys=True, ensure_ascii=True)
@@ -388,8 +393,8 @@ def settings_rows(cond: dict) -> list[tuple[str, str, str, str]]:
     atoms = {str(a.get("atom")) for a in atoms_of(cond)}
     rows = []
     for k in sorted(set(user) | set(good), key=str):
-        a = _setting(user[k]) if k in user else "(not set)"
-        b = _setting(good[k]) if k in good else "(not set)"
+        a = setting_text(user[k]) if k in user else "(not set)"
+        b = setting_text(good[k]) if k in good else "(not set)"
         mark = " " if user.get(k, _UNSET) == good.get(k, _UNSET) else "≠" if _is_atom(str(k), atoms) else "~"
         rows.append((mark, str(k), a, b))
     return sorted(rows, key=lambda x: {"≠": 0, "~": 1}.get(x[0], 2))
@@ -403,7 +408,7 @@ def op_rows(cond: dict) -> list[tuple[str, str, str, str]]:
 
     def state(side, k):
         v = side.get(k)
-        return "on" if v is True else "off" if v is False else "-" if k not in side else _setting(v)
+        return "on" if v is True else "off" if v is False else "-" if k not in side else setting_text(v)
 
     rows = [("≠" if state(user, k) != state(good, k) else " ", str(k), state(user, k), state(good, k))
             for k in sorted(set(user) | set(good), key=str)]

@@ -31,7 +31,7 @@ def conditions_text(r: dict | ReportView) -> Text:
     rv = view(r)
     cond = M.conditions_of(rv) or {}
     t = Text()
-    s = M._d(cond.get("search"))
+    s = M.section(cond, "search")
     t.append(f"search: {s.get('verdict')} after {s.get('trials_used')} trials: {s.get('stop_reason')}\n")
     _pairs(t, "Settings (≠: differs, an atom below; ~: written differently, the same in effect)", M.settings_rows(cond))
     ops = M.op_rows(cond)
@@ -60,7 +60,7 @@ def conditions_text(r: dict | ReportView) -> Text:
         for label, cells in ref:
             t.append(f"  {_cell(label, 11)}" + "".join(f"{c:>10}" for c in cells) + "\n")
 
-    loc = M._d(cond.get("localisation"))
+    loc = M.section(cond, "localisation")
     if loc:
         t.append(f"\nLocalisation under {loc.get('atom')}\n", style="bold")
         if loc.get("done") is not True:

@@ -77,7 +77,7 @@ def condition_trial_text(t: dict, threshold: float) -> Text:
     if isinstance(settings, dict) and settings:
         out.append("settings this trial ran with:\n", style="bold")
         for k in sorted(settings, key=str):
-            out.append(f"  {k} = {M._setting(settings[k])}\n")
+            out.append(f"  {k} = {M.setting_text(settings[k])}\n")
     return out
 
 
