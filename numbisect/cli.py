@@ -171,6 +171,7 @@ OPTIONS = {
                                     help="torch threads in this process (fp32 results depend on it; recorded in the trial log) [default: torch's, or vLLM's binding].")),
     "quiet": (("-q", "--quiet"), dict(is_flag=True, help="No progress on stderr.")),
     "replay_routing": (("--replay-routing",), dict(type=click.Choice(["ref", "engine"]), default=None, help="MoE routing replay what-if (R3): run the engine with the reference's expert ids (ref) or the reference with the engine's (engine); splits k3 into routing flips and numeric drift.")),
+    "replay_indexer": (("--replay-indexer",), dict(is_flag=True, help="Sparse attention replay what-if (GLM-5's DSA indexer): run the engine with the reference's key picks at every indexer, then at each indexer that flipped alone; splits k3 into selection flips and numeric drift (prefill, hf: or vllm: engine).")),
     "strategy": (("--strategy",), dict(default="hierarchical", show_default=True, type=click.Choice(["hierarchical", "linear", "ddmin"]))),
     "engine_config": (("--engine-config", "engine_config"), dict(type=click.Path(), metavar="FILE",
                       help="Your vLLM engine's settings, JSON (or .toml): LLM() arguments (enforce_eager, compilation_config, "
@@ -338,8 +339,25 @@ def _check_new_log(log: str, resume: str | None) -> None:
             raise log_in_use(log, resume)
 
 
+def _check_replay_indexer(kw, spec) -> None:
+    """--replay-indexer refused, before any model loads, where it cannot run."""
+    if kw.get("replay_indexer"):
+        from numbisect.selection import check_replay
+
+        check_replay(spec)
+
+
+def _replay_indexer(session, body: dict) -> None:
+    """The indexer replay what-if (numbisect.selection) into the report body as `indexer_replay`."""
+    from numbisect.selection import replay_whatif
+
+    replay = replay_whatif(session.sides())
+    if replay is not None:
+        body["indexer_replay"] = replay
+
+
 @cli.command(epilog=EPILOG)
-@options(*SESSION, "replay_routing", "engine_config")
+@options(*SESSION, "replay_routing", "replay_indexer", "engine_config")
 @click.option("--local/--no-local", default=True, show_default=True, help="Also feed each engine unit the reference's input (local error).")
 def compare(**kw):
     """Run the trace through both models: k3, KL, RL cost and per-unit divergence."""
@@ -350,10 +368,13 @@ def compare(**kw):
     _check_out(kw)
     with Progress(kw["quiet"]) as say:
         spec, settings = _spec_settings(kw)
+        _check_replay_indexer(kw, spec)
         _resolve_floor(kw, spec, settings, say)
         session = Session(spec, settings, progress=say)
         try:
             body = session.compare(local=kw["local"])
+            if kw["replay_indexer"]:
+                _replay_indexer(session, body)
             report = new_report("compare", command_line(click.get_current_context().obj["argv"]), session.inputs(), settings.to_dict(), body)
         finally:
             session.close()
@@ -364,7 +385,7 @@ def compare(**kw):
 @cli.command(epilog=EPILOG)
 @options(*SESSION)
 @click.option("--swap", multiple=True, metavar="KIND[,KIND]", help="Swap every unit of these kinds (moe, attn, norm, mlp, router, experts, embed, lm_head, layer) in one trial.")
-@options("replay_routing", "strategy", "max_trials", "engine_config")
+@options("replay_routing", "replay_indexer", "strategy", "max_trials", "engine_config")
 @click.option("--log", "log_path", type=click.Path(), help="Append each trial to this JSONL log as it ends.")
 @click.option("--resume", type=click.Path(), help="Continue from a trial log of an interrupted run (no trial repeated).")
 @click.option("--whatif/--no-whatif", default=True, show_default=True, help="Rerun each culprit with its arithmetic in fp32 (suggested fix).")
@@ -385,6 +406,7 @@ def run(**kw):
     _refuse_dump(kw["engine"])
     with Progress(kw["quiet"]) as say:
         spec, settings = _spec_settings(kw)
+        _check_replay_indexer(kw, spec)
         _resolve_floor(kw, spec, settings, say)
         session = Session(spec, settings, progress=say, prefix_reuse=kw["prefix_reuse"], prefix_cache_mb=kw["prefix_cache_mb"])
         try:
@@ -398,6 +420,13 @@ def run(**kw):
                 progress=say,
                 whatif=kw["whatif"],
             )
+            if kw["replay_indexer"]:  # after the search: a failure is recorded, the search's result stands
+                from numbisect.run import after_search
+
+                failed: list[dict] = []
+                after_search(failed, "indexer_replay", None, say, lambda: _replay_indexer(session, body))
+                if failed:
+                    body.setdefault("post_search_errors", []).extend(failed)
             report = new_report("run", command_line(click.get_current_context().obj["argv"]), session.inputs(), settings.to_dict(), body)
         finally:
             session.close()

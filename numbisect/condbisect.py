@@ -186,6 +186,17 @@ def pattern(units: list[str], layers: int) -> list[str]:
     return out + rest
 
 
+def execution_order(units: list[str], model_path: str) -> list[str]:
+    """`units` in the arch map's execution order (embed, each layer's units by index and in
+    their order, final_norm, lm_head); a name the map lacks goes last, in its given order."""
+    from numbisect.arch import arch_for
+    from numbisect.backends.base import load_config
+
+    cfg = load_config(model_path)
+    order = {u.name: u.order for u in arch_for(cfg).units(cfg)}
+    return sorted(units, key=lambda u: order.get(u, len(order)))
+
+
 def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress) -> dict:
     """Units whose local output differs when custom op `atom` is in the user's state
     instead of the good one (both eager, numbisect's own engine)."""
@@ -212,7 +223,8 @@ def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress) ->
             fed[side] = run_child(sess.job(jobs[side], job="capture", feed=feed), f"localisation capture ({side} state)")["captures"]
     good, local = {"captures": fed["good"]}, fed["user"]
     rows, differ = [], []
-    for unit, outs in good["captures"].items():
+    for unit in execution_order(list(good["captures"]), sess.eng_path):
+        outs = good["captures"][unit]
         if unit not in local:
             continue
         same = all(torch.equal(a, b) for a, b in zip(outs, local[unit]))

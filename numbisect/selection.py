@@ -20,12 +20,16 @@ those. Compared like MoE routing (numbisect.routing), with tokens for experts:
 4. `selection_light`: in a comparison, both sides run once more with the probe (the engine
    also teacher-forced: its attention and indexer fed the reference's input), or the
    masks a dump engine recorded (no scores there: margins on the reference side only).
+   In decode mode the engine's picks are its indexer units' captures (one row of the
+   [T, T] mask per step; no scores either).
 5. `replay_whatif`: the engine runs with the reference's picks at every indexer (then at
    each indexer that flipped, alone): how much of the judged metric the different picks
    cause, as `--replay-routing ref` does for experts. A probe given `replay` hands the
    attention those keys (`replay_ids`) instead of its indexer's; queries whose picks
    already agree keep the indexer's own ids, so replaying a side's own picks changes
-   nothing. API only for now (no command-line flag).
+   nothing. `bisect compare --replay-indexer` (and `run`, after its search) adds it to the
+   report as `indexer_replay`; `check_replay` refuses it, before any model loads, where
+   it cannot run.
 """
 
 from __future__ import annotations
@@ -225,7 +229,7 @@ def selection_light(sides, local: bool) -> dict | None:
     ref, eng = sides.ref, sides.engine
     units = indexer_units(ref)
     k = index_topk(ref.config)
-    if not units or k is None or eng is None or eng.remote or sides.mode != "prefill":
+    if not units or k is None or eng is None or eng.remote or sides.mode not in ("prefill", "decode"):
         return None
     sides.say("indexer selection: indexers of both sides")
     fed_units = [u.rsplit(".", 1)[0] for u in units] + units  # the attention around each indexer, and it
@@ -246,6 +250,16 @@ def selection_light(sides, local: bool) -> dict | None:
             for u in have:
                 masks[u].append(outs[u].float())
         passes["propagated"] = (masks, {})
+    elif sides.mode == "decode":
+        # The probe counts one engine call per sample; decode calls once per token. The
+        # engine's picks are then its indexer units' captures, each step's picks a row of
+        # the sample's [T, T] mask (no scores: margins on the reference side only).
+        res = sides.engine_forward(capture=units, full_logits=False)
+        passes["propagated"] = ({u: [m.float() for m in res.captures[u]] for u in units}, {})
+        if local:
+            res = sides.engine_forward(capture=units, full_logits=False,
+                                       feed={n: r.inputs[n] for n in fed_units if r.inputs.get(n)})
+            passes["local"] = ({u: [m.float() for m in res.captures[u]] for u in units}, {})
     else:
         p = SelectionProbe(eng, sides.samples)
         undo = p.install()
@@ -262,7 +276,38 @@ def selection_light(sides, local: bool) -> dict | None:
             finally:
                 undo()
             passes["local"] = (p.masks, p.scores)
-    return selection_report(sides.samples, k, units, probe.masks, probe.scores, passes)
+    out = selection_report(sides.samples, k, units, probe.masks, probe.scores, passes)
+    if sides.mode == "decode":
+        out["source"] = ("reference: hooked indexer (prefill; margins from its scores); engine: its indexer units' "
+                         "picks in decode mode, step by step")
+    return out
+
+
+def check_replay(spec) -> None:
+    """Refuse `--replay-indexer` where it cannot run, before any model loads: a model without
+    sparse attention's indexer, an engine that does not run (a dump, the rollout), tensor
+    parallelism, decode mode. `spec`: the session's `Spec`."""
+    from numbisect.arch import arch_for
+    from numbisect.backends import BACKENDS
+    from numbisect.backends.base import load_config
+    from numbisect.compare import parse_spec
+    from numbisect.errors import InputError
+
+    _, ref_path = parse_spec(spec.ref, "--ref")
+    config = load_config(ref_path)
+    arch = arch_for(config)
+    if "indexer" not in arch.attn_sub_units or index_topk(config) is None:
+        raise InputError(f"--replay-indexer needs a model with sparse attention's indexer (GLM-5's DSA); {arch.name} has none")
+    engine_kind = parse_spec(spec.engine, "--engine")[0]
+    entry = BACKENDS.get(engine_kind)
+    if entry is None or not entry.runs:
+        raise InputError(f"--replay-indexer needs an engine that runs (hf: or vllm:), not {engine_kind}")
+    opts = spec.engine_opts or {}
+    if entry.remote(opts):
+        raise InputError(f"--replay-indexer does not run under tensor parallelism yet (tensor_parallel_size="
+                         f"{opts.get('tensor_parallel_size')}): replay on tensor_parallel_size=1")
+    if spec.engine_mode != "prefill":
+        raise InputError("--replay-indexer works in prefill mode only (--engine-mode decode replays no picks yet)")
 
 
 def _replay_trial(sides, replay: dict, ref_tokens) -> tuple[float, dict, dict]:

@@ -1,5 +1,6 @@
-"""Text lines for a report's `indexer_selection` section (sparse attention's key selection,
-numbisect.selection), from the report alone through `numbisect.reportview`. Torch-free."""
+"""Text lines for a report's `indexer_selection` and `indexer_replay` sections (sparse
+attention's key selection and the replay what-if, numbisect.selection), from the report
+alone through `numbisect.reportview`. Torch-free."""
 
 from __future__ import annotations
 
@@ -26,10 +27,29 @@ def _list(x) -> list[dict]:
     return [e for e in x if isinstance(e, dict)] if isinstance(x, list) else []
 
 
+def replay_lines(r: dict | ReportView) -> list[str]:
+    """The indexer replay what-if (`--replay-indexer`): the judged metric with the reference's
+    picks handed to the engine's attention, at every indexer, then at each that flipped alone."""
+    rr = view(r).r.get("indexer_replay")
+    if not isinstance(rr, dict) or not rr:
+        return []
+    metric = rr.get("metric") or "k3"
+    base = fmt(num(rr.get("baseline")))
+    out = [f"indexer replay (ref): the engine with the reference's picks at every indexer: {metric} {base} -> "
+           f"{fmt(num(rr.get('replayed')))}; from selection flips {fmt(num(rr.get('from_flips')))}, "
+           f"numeric drift {fmt(num(rr.get('from_drift')))}"]
+    for row in _list(rr.get("layers")):
+        if num(row.get("value_replayed_alone")) is not None:
+            out.append(f"  {row.get('unit')} alone: {row.get('flips_before')} flipped queries, {metric} {base} -> "
+                       f"{fmt(num(row.get('value_replayed_alone')))} (from its flips {fmt(num(row.get('from_flips')))})")
+    return out
+
+
 def selection_lines(r: dict | ReportView, flips_per_layer: int = 3) -> list[str]:
+    """The selection agreement table, its first flips per layer, and the replay what-if."""
     se = view(r).indexer_selection
     if not isinstance(se, dict) or not se:
-        return []
+        return replay_lines(r)
     out = [
         f"Sparse attention (indexer top-{se.get('index_topk')}): queries picking the same keys per layer, among those that"
         " choose; propagated and local (engine fed the reference's input); exact ties at the k-th key",
@@ -46,4 +66,4 @@ def selection_lines(r: dict | ReportView, flips_per_layer: int = 3) -> list[str]
         flips = _list(_dict(row.get("propagated")).get("flips"))
         for f in flips[:flips_per_layer]:
             out.append(f"  {row.get('unit')}: {flip_line(f)}")
-    return out
+    return out + replay_lines(r)

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from conftest import bound, child_env, hf, model_dir, search, session, short_trace, trace_path
+from conftest import ROOT, bound, child_env, hf, model_dir, search, session, short_trace, trace_path
 from numbisect import selection as SEL
 from numbisect.arch import arch_for
 from numbisect.cli import main
@@ -163,6 +163,49 @@ def test_replaying_the_references_picks_removes_what_the_faulty_indexer_caused()
     assert rows[1]["value_replayed_alone"] == 0 and rows[2]["value_replayed_alone"] > 0
 
 
+def test_replay_indexer_flag_on_compare_adds_the_typed_what_if(tmp_path, capsys):
+    """`bisect compare --replay-indexer`: the report's `indexer_replay` is the what-if of
+    `replay_whatif` (fp32 engine, fault in layer 1's indexer: the reference's picks give
+    the reference back, all of the baseline from the flips), typed in the schema and in the
+    summary."""
+    d = model_dir(NAME)
+    out = tmp_path / "c.json"
+    code = main(["compare", "--ref", f"hf:{d}", "--engine", f"hf:{d}", "--ref-dtype", "float32", "--engine-dtype",
+                 "float32", "--trace", short_trace(NAME, 6), "--engine-fault", INDEXER_FAULT, "--replay-indexer",
+                 "--no-local", "--out", str(out), "-q"])
+    r = json.loads(out.read_text())
+    assert code == ExitCode.ALIGNED  # k3 under the default 1e-3: the what-if is reported all the same
+    w = r["indexer_replay"]
+    assert w["baseline"] == r["baseline"]["value"] > 0 and w["replayed"] == 0 and w["from_flips"] == w["baseline"]
+    rows = {x["layer"]: x for x in w["layers"]}
+    assert rows[0]["flips_before"] == 0 and rows[1]["flips_before"] > 0 and all(x["flips_after"] == 0 for x in rows.values())
+    assert rows[1]["value_replayed_alone"] == 0
+    assert validate(r) == []
+    assert "indexer replay (ref): the engine with the reference's picks at every indexer" in render(r)
+    assert "layers.1.attn.indexer alone:" in render(r)
+    bad = json.loads(out.read_text())
+    bad["indexer_replay"]["layers"][1]["flips_before"] = "many"
+    assert validate(bad) != []
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--ref", "hf:fixtures/models/qwen3_moe", "--engine", "hf:fixtures/models/qwen3_moe", "--trace",
+      "fixtures/traces/qwen3_moe.jsonl"], "--replay-indexer needs a model with sparse attention's indexer (GLM-5's DSA); qwen3_moe has none"),
+    (["--ref", "hf:fixtures/models/glm_moe_dsa", "--engine", "hf:fixtures/models/glm_moe_dsa", "--trace",
+      "fixtures/traces/glm_moe_dsa.jsonl", "--engine-mode", "decode"], "--replay-indexer works in prefill mode only"),
+    (["--ref", "hf:fixtures/models/glm_moe_dsa", "--engine", "rollout", "--trace", "fixtures/traces/glm_moe_dsa.jsonl"],
+     "--replay-indexer needs an engine that runs (hf: or vllm:), not rollout"),
+], ids=["no-indexer", "decode", "rollout"])
+def test_replay_indexer_refused_where_it_cannot_run(argv, words):
+    env = child_env()
+    r = subprocess.run([sys.executable, "-m", "numbisect", "compare", *argv, "--replay-indexer"], capture_output=True,
+                       text=True, cwd=ROOT, env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == ExitCode.USAGE and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"bisect: error: {words}")
+
+
 def test_compare_and_run_through_the_cli_on_an_hf_engine(tmp_path, capsys):
     d = model_dir(NAME)
     out = tmp_path / "c.json"
@@ -182,11 +225,14 @@ def test_compare_and_run_through_the_cli_on_an_hf_engine(tmp_path, capsys):
     out = tmp_path / "r.json"
     code = main(["run", "--ref", f"hf:{d}", "--engine", f"hf:{d}", "--ref-dtype", "float32", "--engine-dtype",
                  "float32", "--trace", trace_path(NAME), "--engine-fault", "weight_noise=0.5@layers.2.attn.indexer",
-                 "--threshold", "1e-10", "--out", str(out), "-q"])
+                 "--threshold", "1e-10", "--replay-indexer", "--out", str(out), "-q"])
     r = json.loads(out.read_text())
     assert code == ExitCode.DIVERGED
     assert [c["unit"] for c in r["culprits"]] == ["layers.2.attn.indexer"]
     assert r["self_check"]["passed"] and validate(r) == []
+    # --replay-indexer on run: the what-if after the search (the reference's picks at layer 2 undo its fault)
+    assert r["indexer_replay"]["replayed"] == 0 and r["indexer_replay"]["baseline"] == r["search"]["baseline"] > 0
+    assert "post_search_errors" not in r
     capsys.readouterr()
 
 
@@ -200,6 +246,24 @@ def test_decode_mode_measures_the_indexers_selection_stitched_over_the_steps():
     for i in range(3):
         p = rows[f"layers.{i}.attn.indexer"]["propagated"]
         assert p is not None and 0 <= p["ulps"]["frac_differ"] < 0.5
+
+
+def test_decode_mode_reports_the_indexers_selection_agreement():
+    """`indexer_selection` in decode mode: the engine's picks step by step (its indexer units'
+    captures) against the reference's prefill picks. A fault in layer 1's indexer flips most
+    of its queries; upstream, the only flips are at the reference's exact ties (the decode
+    path's tie-break); teacher-forced, layer 2 flips less than propagated."""
+    s = session(NAME, "hf", ref_dtype="float32", engine_dtype="float32", samples=3, engine_mode="decode",
+                faults=[INDEXER_FAULT])
+    sel = s.compare()["indexer_selection"]
+    assert "decode mode" in sel["source"]
+    rows = {r["layer"]: r for r in sel["layers"]}
+    assert sorted(rows) == [0, 1, 2]
+    assert rows[0]["propagated"]["flips_at_ties"] == rows[0]["propagated"]["flipped"]
+    assert rows[1]["propagated"]["agree_frac"] < 0.5 and rows[1]["local"]["flipped"] == rows[1]["propagated"]["flipped"]
+    assert rows[2]["local"]["flipped"] < rows[2]["propagated"]["flipped"]
+    flips = rows[1]["propagated"]["flips"]
+    assert flips and all(f["engine_margin"] is None and f["ref_margin"] is not None for f in flips)
 
 
 # -- dump engine ---------------------------------------------------------------------------------------

@@ -42,6 +42,25 @@ def test_hf_fp32_selftest_finds_every_planted_fault():
     assert "threshold 1.00e-" in text and "noise floor" in text
 
 
+def test_the_glm5_indexer_is_planted_and_found_where_the_family_has_one():
+    """The hf profile's indexer fault (weight noise in a DSA indexer) is planted on GLM-5's
+    family only: the search names the indexer (or its attention) within the bound; a
+    family without an indexer neither plants nor lists it."""
+    from dataclasses import replace
+
+    s, profile = selftest_session("glm_moe_dsa", "hf")
+    assert [p.unit_kinds for p in ST.profile_plan(s.engine, profile)][len(profile.faults):] == [("indexer",)]
+    res = ST.selftest(s, replace(profile, faults=()), seed=0)  # the indexer kind alone
+    assert s.faults == []
+    (r,) = res["results"]
+    assert r["unit_kind"] == "indexer" and r["unit"].endswith(".attn.indexer")
+    assert r["found"] and r["within_bound"] and r["fault_k3"] > 10 * res["threshold"], r
+    assert res["passed"] and [p["unit_kinds"] for p in res["planted_kinds"]] == [["indexer"]]
+    assert "at indexer" in ST.render(res)
+    q, qp = selftest_session("qwen3_moe", "hf")
+    assert ST.profile_plan(q.engine, qp) == list(qp.faults)
+
+
 def test_seed_decides_the_planted_units():
     s, profile = selftest_session("qwen3_moe", "hf")
     plan = list(profile.faults)

@@ -14,6 +14,10 @@
    as read (`source`) is what export writes. `preflight` draws every text the app would
    draw from a report, so `bisect tui` refuses one it cannot show with one line, before
    the app starts.
+6. A `bisect conditions` report (engine settings, not units) opens on its own answer: the
+   guilty setting in the answer bar, its settings, atoms, RL cost against the reference
+   and localisation in the Overview (`widgets/conditions.py`), its trials (atoms reverted)
+   in the Trials tab.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from numbisect.tui.screens.main import TABS, MainScreen
 from numbisect.tui.widgets.culprit import CulpritPanel
 from numbisect.tui.widgets.overview import OverviewPanel, overview_text
 from numbisect.tui.widgets.token_view import TokenView, strips_text, worst_text
-from numbisect.tui.widgets.trials import TrialsPanel, _log, role, trial_text
+from numbisect.tui.widgets.trials import TrialsPanel, _log, condition_trial_text, role, trial_text
 from numbisect.tui.widgets.unit_detail import UnitDetail, detail_text
 from numbisect.tui.widgets.unit_tree import UnitTree, row_label
 
@@ -64,7 +68,8 @@ def _draw_all(r: dict, report_path: str | None) -> None:
     first = rv.first_divergence.get("above_tol")
     M.visible_units(r, "")
     rows = M.unit_rows(r)
-    trials = list(rv.trials)
+    trials = M.report_trials(r)
+    cond = M.conditions_of(r) is not None
     for row in rows:
         for view in ("propagated", "local"):
             row_label(row, view, tol, culprits, first)
@@ -81,6 +86,9 @@ def _draw_all(r: dict, report_path: str | None) -> None:
     universe = M.candidate_universe(r)
     for t in trials:
         trial_text(t, th, metric)
+        if cond:
+            condition_trial_text(t, th)
+            M.reference_cells(M.trial_reference(t))
         role(t)
         M.abbreviate(t["swapped"], universe, width=60)
         M.value_mark(t["value"], th)
@@ -133,7 +141,7 @@ class BisectApp(App[int]):
         self.live = live
         self.live_shown = live is not None  # the report shown is the live run's (not an opened file)
         self.final = report is not None  # the report is complete (exportable)
-        self.trials: list[dict] = list(report_view(self.report).trials) if self.report else []
+        self.trials: list[dict] = M.report_trials(self.report) if self.report else []
         self.view = "propagated"
         self.filter_text = ""
         self.selected = self._default_unit(self.report)
@@ -248,7 +256,8 @@ class BisectApp(App[int]):
         th = M.threshold_of(r) if r else (self.live.settings.threshold if self.live else 1e-3)
         metric = report_view(r).metric if r else (self.live.settings.metric if self.live else "k3-mean")
         universe = M.candidate_universe(r) if r else []
-        self.main.query_one(TrialsPanel).reset(self.trials, th, metric, universe)
+        cond = r is not None and M.conditions_of(r) is not None
+        self.main.query_one(TrialsPanel).reset(self.trials, th, metric, universe, conditions=cond)
 
     def refresh_detail(self) -> None:
         manual = [m for m in self.manual if self.selected in m["units"]]
@@ -364,7 +373,7 @@ class BisectApp(App[int]):
         self.report_path = path
         self.live_shown = False
         self.final = True
-        self.trials = list(report_view(self.report).trials)
+        self.trials = M.report_trials(self.report)
         self.manual = []
         self.selected = self._default_unit(self.report)
         self._set_titles()
@@ -515,7 +524,7 @@ class BisectApp(App[int]):
         self.final = True
         self.last_code = msg.code
         rv = report_view(r)
-        self.trials = list(rv.trials)
+        self.trials = M.report_trials(r)
         self.selected = self._default_unit(r) if self.selected in ("model", None) or rv.culprits else self.selected
         self.refresh_all()
         s = rv.search or {}

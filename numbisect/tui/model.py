@@ -7,6 +7,11 @@
 4. `TokenData`: per-sample per-token k3 (baseline.per_sample), group masks (completion,
    prompt, all, and trace groups when the trace file is at hand), heat-strip cells and
    the worst tokens of a group.
+5. A `bisect conditions` report (`conditions_of`): its search is over engine settings
+   (atoms), not units. `settings_rows`, `op_rows`, `atom_rows`, `reference_rows` and
+   `localisation_rows` are its Overview's tables, `report_trials` its trials (atoms
+   reverted to the known-good state), `trial_reference` a trial's RL cost against the
+   reference.
 
 Every verdict carries a word or a symbol, never only a colour.
 
@@ -69,6 +74,13 @@ def verdict_line(r: dict | ReportView) -> tuple[str, str, str]:
         x = v / t
         ratio = f" ({x:.0f}x)" if x >= 100 else f" ({x:.2g}x)"
     cmp_ = "<=" if rv.aligned else ">"
+    cond = conditions_of(rv)
+    if cond is not None:  # judged against the known-good configuration; the RL cost is the reference's
+        text = f"{metric_words(rv.metric)} vs the known-good configuration {fmt(rv.value)} {cmp_} {fmt(rv.threshold)}"
+        rej = _rl(_d(_d(cond.get("vs_reference")).get("user"))).get("seq_frac_rejected")
+        if rej is not None:
+            text += f" · yours vs the reference: {pct(rej)} of sequences rejected"
+        return mark, style, text
     text = f"{metric_words(rv.metric)} {fmt(rv.value)} {cmp_} {fmt(rv.threshold)}{ratio}"
     rl = rv.rl_cost
     if rl.get("seq_frac_rejected") is not None:
@@ -79,6 +91,8 @@ def verdict_line(r: dict | ReportView) -> tuple[str, str, str]:
 def culprit_lines(r: dict | ReportView) -> list[tuple[str, str]]:
     """(style, sentence) lines: the answer with its evidence."""
     rv = view(r)
+    if conditions_of(rv) is not None:
+        return conditions_culprit_lines(rv)
     words = metric_words(rv.metric)
     s = rv.search
     if not s:
@@ -273,7 +287,11 @@ def _compact(names) -> str:
 
 
 def candidate_universe(r: dict | ReportView) -> list[str]:
-    """The search's candidates: children of the model and of each layer (not layers)."""
+    """The search's candidates: children of the model and of each layer (not layers); a
+    conditions report's atoms."""
+    cond = conditions_of(r)
+    if cond is not None:
+        return [str(a.get("atom")) for a in atoms_of(cond)]
     units = view(r).units
     kinds = {u["name"]: u["kind"] for u in units}
     out = []
@@ -308,6 +326,186 @@ def value_mark(value, threshold) -> str:
     if v is None or t is None or math.isnan(v) or math.isnan(t):
         return "?"
     return "fixed" if v <= t else ""
+
+
+# -- conditions (bisect conditions) ----------------------------------------------------------
+def _d(x) -> dict:
+    return x if isinstance(x, dict) else {}
+
+
+def _rl(side: dict) -> dict:
+    return _d(side.get("rl_cost"))
+
+
+def conditions_of(r: dict | ReportView) -> dict | None:
+    """The `conditions` section of a `bisect conditions` report; None for any other report."""
+    rv = view(r)
+    c = rv.r.get("conditions")
+    return c if rv.kind == "conditions" and isinstance(c, dict) else None
+
+
+def report_trials(r: dict | ReportView) -> list[dict]:
+    """The report's search trials: a conditions report's (each reverts atoms) or the units'."""
+    rv = view(r)
+    cond = conditions_of(rv)
+    if cond is None:
+        return list(rv.trials)
+    return [t for t in cond.get("trials") or [] if isinstance(t, dict)] if isinstance(cond.get("trials"), list) else []
+
+
+def section(cond: dict, key: str) -> dict:
+    """A conditions report's sub-section `key` (search, localisation, ...); {} when absent or odd."""
+    return _d(cond.get(key))
+
+
+def atoms_of(cond: dict) -> list[dict]:
+    return [a for a in cond.get("atoms") or [] if isinstance(a, dict)] if isinstance(cond.get("atoms"), list) else []
+
+
+_UNSET = object()  # a setting one side leaves out
+
+
+def setting_text(v) -> str:
+    """A setting's value in one short line (JSON for lists and objects)."""
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, sort_keys=True, ensure_ascii=True)
+    if isinstance(v, bool) or v is None:
+        return json.dumps(v)
+    return fmt(v) if isinstance(v, float) else str(v)
+
+
+def _is_atom(key: str, atoms: set[str]) -> bool:
+    """Whether setting `key` differs in effect: an atom stands for it (enforce_eager is the
+    `compiled` atom; compilation_config its own and the custom-op atoms)."""
+    if key == "enforce_eager":
+        return "compiled" in atoms
+    if key == "compilation_config":
+        return bool(atoms & {"compilation_config", "custom_ops"}) or any(a.startswith("custom_op:") for a in atoms)
+    return key in atoms
+
+
+def settings_rows(cond: dict) -> list[tuple[str, str, str, str]]:
+    """(mark, setting, yours, known-good) for every setting either side gives, the ones that
+    differ first. Mark "≠": it differs in effect (an atom stands for it); "~": written
+    differently, the same in effect (a side leaves out numbisect's default); " ": equal.
+    A setting one side leaves out reads "(not set)"."""
+    user, good = _d(cond.get("user")), _d(cond.get("good"))
+    atoms = {str(a.get("atom")) for a in atoms_of(cond)}
+    rows = []
+    for k in sorted(set(user) | set(good), key=str):
+        a = setting_text(user[k]) if k in user else "(not set)"
+        b = setting_text(good[k]) if k in good else "(not set)"
+        mark = " " if user.get(k, _UNSET) == good.get(k, _UNSET) else "≠" if _is_atom(str(k), atoms) else "~"
+        rows.append((mark, str(k), a, b))
+    return sorted(rows, key=lambda x: {"≠": 0, "~": 1}.get(x[0], 2))
+
+
+def op_rows(cond: dict) -> list[tuple[str, str, str, str]]:
+    """(mark, custom op, yours, known-good) as the engines reported the ops ("≠": the states
+    differ); differing first."""
+    ops = _d(cond.get("custom_ops"))
+    user, good = _d(ops.get("user")), _d(ops.get("good"))
+
+    def state(side, k):
+        v = side.get(k)
+        return "on" if v is True else "off" if v is False else "-" if k not in side else setting_text(v)
+
+    rows = [("≠" if state(user, k) != state(good, k) else " ", str(k), state(user, k), state(good, k))
+            for k in sorted(set(user) | set(good), key=str)]
+    return sorted(rows, key=lambda x: x[0] == " ")
+
+
+def atom_result(a: dict) -> tuple[str, str]:
+    """(word, style) of an atom's result: culprit, changes log-probs, bitwise invariant, not measured."""
+    if a.get("culprit") is True:
+        return f"{CULPRIT_MARK} CULPRIT", "bold magenta"
+    if a.get("bitwise_invariant") is True:
+        return "= bitwise invariant here", "green"
+    if a.get("alone") is None:
+        return "- not measured", "dim"
+    return "! changes log-probs", "yellow"
+
+
+def atom_rows(cond: dict) -> list[dict]:
+    """One row per atom: name, alone (k3 vs good with only it in the user's state), result
+    word and style, description, and its run against the reference (k3 mean, rejected)."""
+    out = []
+    for a in atoms_of(cond):
+        word, style = atom_result(a)
+        ref = _d(a.get("vs_reference"))
+        out.append({"atom": str(a.get("atom")), "alone": fmt(a.get("alone")), "result": word, "style": style,
+                    "description": "" if a.get("description") is None else str(a.get("description")),
+                    "ref_k3": fmt(_d(_d(ref.get("groups")).get("completion")).get("k3_mean")),
+                    "ref_rejected": pct(_rl(ref).get("seq_frac_rejected"))})
+    return out
+
+
+REFERENCE_COLUMNS = ("k3 mean", "rejected", "TIS", "IcePop", "geo-mean", "seq k3")
+
+
+def reference_cells(side: dict) -> tuple[str, ...]:
+    """A run against the reference: completion k3 mean, then the RL cost (fractions of sequences)."""
+    rl = _rl(side)
+    k3 = _d(_d(side.get("groups")).get("completion")).get("k3_mean")
+    return (fmt(k3), pct(rl.get("seq_frac_rejected")), pct(rl.get("seq_frac_tis")), pct(rl.get("seq_frac_icepop")),
+            pct(rl.get("seq_frac_geo")), pct(rl.get("seq_frac_k3")))
+
+
+def reference_rows(cond: dict) -> list[tuple[str, tuple[str, ...]]]:
+    """Your configuration and the known-good one against the reference."""
+    vr = _d(cond.get("vs_reference"))
+    return [(label, reference_cells(_d(vr.get(side)))) for side, label in (("user", "yours"), ("good", "known-good")) if side in vr]
+
+
+def trial_reference(t: dict) -> dict:
+    """A conditions trial's run against the reference (k3 mean, RL cost); {} when absent."""
+    return _d(_d(t.get("metrics")).get("vs_reference"))
+
+
+def localisation_rows(cond: dict) -> list[dict]:
+    """The localisation's units as the report lists them: unit, local output equal or not,
+    rel-L2 and max abs of the user's state against the good one (fed the same inputs)."""
+    loc = _d(cond.get("localisation"))
+    units = loc.get("units")
+    out = []
+    for u in units if isinstance(units, list) else []:
+        if not isinstance(u, dict):
+            continue
+        eq = u.get("bitwise_equal")
+        out.append({"unit": str(u.get("unit")), "equal": eq is True,
+                    "state": "= equal" if eq is True else "≠ differs" if eq is False else "-",
+                    "rel_l2": fmt(u.get("rel_l2")), "max_abs": fmt(u.get("max_abs"))})
+    return out
+
+
+def conditions_culprit_lines(r: dict | ReportView) -> list[tuple[str, str]]:
+    """The answer of a conditions report: the guilty atoms with their evidence."""
+    rv = view(r)
+    cond = conditions_of(rv) or {}
+    s = _d(cond.get("search"))
+    verdict = s.get("verdict")
+    names = [str(c) for c in cond.get("culprits") or []] if isinstance(cond.get("culprits"), list) else []
+    by = {str(a.get("atom")): a for a in atoms_of(cond)}
+    if verdict == "culprits" and names:
+        out = []
+        for n in names:
+            a = by.get(n, {})
+            out.append(("bold magenta", f"{n}: with only it in your state, k3 vs the known-good configuration is "
+                                        f"{fmt(a.get('alone'))} (all of yours: {fmt(s.get('baseline'))})"))
+        ev = [f"{CULPRIT_MARK} guilty setting" + ("s" if len(names) > 1 else ""), f"threshold {fmt(rv.threshold)}",
+              f"{s.get('trials_used')} trials"]
+        loc = _d(cond.get("localisation"))
+        if loc.get("done") is True:
+            named = loc.get("named") if isinstance(loc.get("named"), list) else []
+            ev.append("units it changes: " + (", ".join(map(str, named)) or "none"))
+        elif loc:
+            ev.append("not localised")
+        out.append(("", " · ".join(ev)))
+        return out
+    if verdict == "aligned":
+        return [("green", "aligned: your settings give the known-good configuration's log-probs"
+                          + (" bitwise" if cond.get("bitwise_equal") is True else ""))]
+    return [("yellow", f"{verdict}: {s.get('stop_reason')}")]
 
 
 # -- tokens --------------------------------------------------------------------------------

@@ -34,3 +34,11 @@ def test_main_screen_at_80x24(snap_compare):
 
 def test_units_at_200x50(snap_compare):
     assert snap_compare(report_app(), press=["2"], terminal_size=(200, 50))
+
+
+COND = "fixtures/reports/qwen3_moe_conditions.json"
+
+
+@pytest.mark.parametrize("keys", [[], ["4"]], ids=["overview", "trials"])
+def test_conditions_report_screens(snap_compare, keys):
+    assert snap_compare(report_app(COND), press=keys, terminal_size=SIZE)

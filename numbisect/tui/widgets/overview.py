@@ -1,5 +1,6 @@
 """Overview: inputs, the verdict (k3 mean / p99 / max against the threshold), the RL
-cost and the token groups."""
+cost and the token groups; for a conditions report, its settings, atoms, cost against the
+reference and localisation (`widgets/conditions.py`) in place of the RL cost."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from numbisect.formatting import fmt, num, pct
 from numbisect.render import header, search_lines, token_table
 from numbisect.reportview import ReportView, view
 from numbisect.tui import model as M
+from numbisect.tui.widgets.conditions import conditions_text
 
 
 def overview_text(r: dict | ReportView) -> Text:
@@ -19,9 +21,11 @@ def overview_text(r: dict | ReportView) -> Text:
     for line in header(rv)[:-1]:  # the verdict line is drawn below, with its numbers
         t.append(line + "\n", style="dim")
     mark, style, _ = M.verdict_line(rv)
+    cond = M.conditions_of(rv) is not None
     t.append("\n")
     t.append(mark, style=style)
-    t.append(f"  judged on {M.metric_words(rv.metric)} of {rv.group} tokens, threshold {fmt(rv.threshold)}\n")
+    against = " against the known-good configuration" if cond else ""
+    t.append(f"  judged on {M.metric_words(rv.metric)} of {rv.group} tokens{against}, threshold {fmt(rv.threshold)}\n")
     if g:
         k3 = g["k3"]
         t_num = num(rv.threshold)
@@ -35,7 +39,10 @@ def overview_text(r: dict | ReportView) -> Text:
         if g.get("kl"):
             t.append(f"  KL mean {fmt(g['kl'].get('mean')):>10}   top-1 agreement {pct(g.get('top1_agree'))}\n")
     c = rv.rl_cost
-    if c:
+    if cond:  # a conditions report: its own sections; the tokens below are yours vs the known-good
+        t.append("\n")
+        t.append(conditions_text(rv))
+    elif c:
         tt = c["thresholds"]
         t.append("\nRL cost ", style="bold")
         t.append(f"({c['sequences']} sequences, {c['tokens']} tokens)\n")
@@ -50,7 +57,7 @@ def overview_text(r: dict | ReportView) -> Text:
         for label, v in rules:
             t.append(f"    {label:<30}{pct(v):>7}\n")
         t.append(f"  tokens over TIS cap {pct(c['token_frac_tis'])}, outside IcePop {pct(c['token_frac_icepop'])}\n")
-    t.append("\nToken groups\n", style="bold")
+    t.append("\nToken groups" + (" (yours against the known-good configuration)" if cond else "") + "\n", style="bold")
     for line in token_table(rv):
         t.append("  " + line + "\n")
     sc = rv.self_check

@@ -37,7 +37,9 @@ class UnitTree(Tree[str]):
         self.clear()
         rv = report_view(report) if report is not None else None
         if rv is None or not rv.units:
-            self.root.set_label(Text("model (no per-unit data)", style="italic"))
+            cond = rv is not None and M.conditions_of(rv) is not None
+            note = "model (a conditions report: its localisation's units are in the Overview)" if cond else "model (no per-unit data)"
+            self.root.set_label(Text(note, style="italic"))
             return
         tol = M.unit_tol(report)
         culprits = M.culprit_names(report)

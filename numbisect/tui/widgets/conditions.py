@@ -1,0 +1,83 @@
+"""The Overview of a `bisect conditions` report: your settings against the known-good
+ones, the custom ops as the engines reported them, every atom's result alone, both
+configurations against the reference (RL cost), the search, and the units a guilty
+custom op changes (localisation). Reads the report through `numbisect.tui.model`."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from numbisect.formatting import fmt
+from numbisect.reportview import ReportView, view
+from numbisect.tui import model as M
+
+
+def _cell(s: str, width: int) -> str:
+    """`s` in a column of `width` (cut with an ellipsis when longer)."""
+    return (s if len(s) <= width else s[: width - 1] + "…").ljust(width)
+
+
+def _pairs(t: Text, title: str, rows: list[tuple[str, str, str, str]], width: int = 28) -> None:
+    t.append(f"\n{title}\n", style="bold")
+    t.append(f"  {'':2}{_cell('', width)} {_cell('yours', 34)} known-good\n", style="dim")
+    for mark, name, a, b in rows:
+        differs = mark == "≠"
+        t.append(f"  {mark} {_cell(name, width)} ", style="bold" if differs else "")
+        t.append(_cell(a, 34) + " ", style="yellow" if differs else "")
+        t.append(b + "\n")
+
+
+def conditions_text(r: dict | ReportView) -> Text:
+    rv = view(r)
+    cond = M.conditions_of(rv) or {}
+    t = Text()
+    s = M.section(cond, "search")
+    t.append(f"search: {s.get('verdict')} after {s.get('trials_used')} trials: {s.get('stop_reason')}\n")
+    _pairs(t, "Settings (≠: differs, an atom below; ~: written differently, the same in effect)", M.settings_rows(cond))
+    ops = M.op_rows(cond)
+    if ops:
+        _pairs(t, "Custom ops, as the engines reported them", ops)
+
+    atoms = M.atom_rows(cond)
+    t.append("\nAtoms, each alone in your state (every other one reverted)\n", style="bold")
+    if not atoms:
+        t.append("  none: your settings do not differ from the known-good ones\n", style="dim")
+    else:
+        t.append(f"  {_cell('atom', 32)} {'alone k3':>9}  {_cell('result', 25)} {'vs ref k3':>9} {'rejected':>8}\n", style="dim")
+        for a in atoms:
+            t.append(f"  {_cell(a['atom'], 32)} {a['alone']:>9}  ")
+            t.append(_cell(a["result"], 25), style=a["style"])
+            t.append(f" {a['ref_k3']:>9} {a['ref_rejected']:>8}\n")
+            if a["description"]:
+                t.append(f"    {a['description']}\n", style="dim")
+        t.append("  alone k3: mean completion k3 against the known-good configuration (0: bitwise equal);"
+                 " vs ref: the same run against the reference\n", style="dim")
+
+    ref = M.reference_rows(cond)
+    if ref:
+        t.append("\nAgainst the reference (completion k3 mean, then the fraction of sequences an RL rule rejects)\n", style="bold")
+        t.append(f"  {_cell('', 11)}" + "".join(f"{c:>10}" for c in M.REFERENCE_COLUMNS) + "\n", style="dim")
+        for label, cells in ref:
+            t.append(f"  {_cell(label, 11)}" + "".join(f"{c:>10}" for c in cells) + "\n")
+
+    loc = M.section(cond, "localisation")
+    if loc:
+        t.append(f"\nLocalisation under {loc.get('atom')}\n", style="bold")
+        if loc.get("done") is not True:
+            t.append(f"  not localised: {loc.get('why')}\n", style="yellow")
+        else:
+            named = loc.get("named") if isinstance(loc.get("named"), list) else []
+            t.append("  units whose local output differs: ")
+            t.append((", ".join(map(str, named)) or "none") + "\n", style="bold magenta" if named else "green")
+            if loc.get("method"):
+                t.append(f"  {loc.get('method')}\n", style="dim")
+            rows = M.localisation_rows(cond)
+            if rows:
+                t.append(f"  {_cell('unit', 28)} {_cell('local output', 13)} {'rel-L2':>9} {'max abs':>9}\n", style="dim")
+                for u in rows:
+                    t.append(f"  {_cell(u['unit'], 28)} ")
+                    t.append(_cell(u["state"], 13), style="green" if u["equal"] else "yellow")
+                    t.append(f" {u['rel_l2']:>9} {u['max_abs']:>9}\n")
+    t.append(f"\nTrials tab: the search's trials (atoms reverted, k3 vs the known-good configuration, "
+             f"RL cost vs the reference); threshold {fmt(rv.threshold)}\n", style="dim")
+    return t

@@ -1,0 +1,181 @@
+"""A `bisect conditions` report in the TUI: the answer bar names the guilty setting, the
+Overview shows your settings against the known-good ones, each atom's result alone, both
+configurations' RL cost against the reference and the localisation's units; the Trials tab
+lists the condition trials (atoms reverted, k3 vs the known-good, RL cost vs the reference).
+
+The fixture report is a real `bisect conditions` run (its command line is in the report);
+expected texts are read from its numbers, not hard-coded."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from conftest import read
+from numbisect.formatting import fmt, pct
+from numbisect.report import validate
+from numbisect.tui import model as M
+from numbisect.tui.widgets.culprit import CulpritPanel
+from numbisect.tui.widgets.overview import OverviewPanel
+from numbisect.tui.widgets.trials import TrialsPanel
+from numbisect.tui.widgets.unit_tree import UnitTree
+from textual.widgets import DataTable, Static
+
+COND = "fixtures/reports/qwen3_moe_conditions.json"
+SIZE = (130, 50)
+
+
+def app_for(report: dict, path: str = COND):
+    from numbisect.tui.app import BisectApp, preflight
+
+    preflight(report, path)
+    return BisectApp(report=report, report_path=path)
+
+
+def text(widget) -> str:
+    return str(widget.render())
+
+
+def test_the_fixture_is_a_conditions_report_with_a_localised_culprit():
+    r = read(COND)
+    assert r["kind"] == "conditions" and validate(r) == []
+    c = r["conditions"]
+    assert len(c["culprits"]) == 1 and c["localisation"]["done"] and c["localisation"]["units"]
+    assert any(a["bitwise_invariant"] for a in c["atoms"])
+
+
+@pytest.mark.asyncio
+async def test_opens_on_the_guilty_setting():
+    r = read(COND)
+    c = r["conditions"]
+    culprit = c["culprits"][0]
+    alone = next(a["alone"] for a in c["atoms"] if a["atom"] == culprit)
+    app = app_for(r)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        panel = text(app.main.query_one(CulpritPanel))
+        assert "!! DIVERGED" in panel and "vs the known-good configuration" in panel
+        assert f"{culprit}: with only it in your state, k3 vs the known-good configuration is {fmt(alone)}" in panel
+        assert f"{c['search']['trials_used']} trials" in panel
+        assert "units it changes: " + ", ".join(c["localisation"]["named"]) in panel
+        rej = c["vs_reference"]["user"]["rl_cost"]["seq_frac_rejected"]
+        assert f"yours vs the reference: {pct(rej)} of sequences rejected" in panel
+        assert "no search in this report" not in panel
+
+
+@pytest.mark.asyncio
+async def test_overview_shows_settings_atoms_reference_cost_and_localisation_units():
+    r = read(COND)
+    c = r["conditions"]
+    app = app_for(r)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        ov = text(app.main.query_one(OverviewPanel))
+        lines = ov.splitlines()
+        # settings: yours against the known-good, the ones that differ marked
+        for k, v in c["user"].items():
+            row = next(x for x in lines if x.strip(" ≠~").startswith(k + " "))
+            assert json.dumps(v, sort_keys=True) in row or str(v).lower() in row.lower()
+        cc = next(x for x in lines if "compilation_config" in x)
+        assert cc.lstrip().startswith("≠") and "(not set)" in cc
+        # every atom with its result alone: culprit, bitwise invariant, or changes log-probs
+        for a in c["atoms"]:
+            row = next(x for x in lines if x.strip().startswith(a["atom"][:31]))
+            word = "CULPRIT" if a["culprit"] else "bitwise invariant here" if a["bitwise_invariant"] else "changes log-probs"
+            assert word in row and fmt(a["alone"]) in row
+            assert pct(a["vs_reference"]["rl_cost"]["seq_frac_rejected"]) in row
+        # both configurations against the reference: k3 and the RL cost
+        after = lines[next(i for i, x in enumerate(lines) if x.startswith("Against the reference")):]
+        for side, label in (("user", "yours"), ("good", "known-good")):
+            ref = c["vs_reference"][side]
+            row = next(x for x in after if x.strip().startswith(label + " "))
+            assert fmt(ref["groups"]["completion"]["k3_mean"]) in row and pct(ref["rl_cost"]["seq_frac_rejected"]) in row
+        # the localisation: the named units, then every unit in the report's order
+        loc = c["localisation"]
+        assert f"Localisation under {loc['atom']}" in ov
+        assert "units whose local output differs: " + ", ".join(loc["named"]) in ov
+        unit_rows = [x.split()[0] for x in lines if x.strip() and x.split()[0] in {u["unit"] for u in loc["units"]}]
+        assert unit_rows == [u["unit"] for u in loc["units"]]
+        for u in loc["units"]:
+            row = next(x for x in lines if x.split() and x.split()[0] == u["unit"])
+            assert ("= equal" if u["bitwise_equal"] else "≠ differs") in row and fmt(u["rel_l2"]) in row
+
+
+@pytest.mark.asyncio
+async def test_trials_tab_lists_the_condition_trials_with_their_rl_cost():
+    r = read(COND)
+    trials = r["conditions"]["trials"]
+    app = app_for(r)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("4")
+        await pilot.pause()
+        table = app.main.query_one("#trials-table", DataTable)
+        assert table.row_count == len(trials)
+        labels = [str(col.label) for col in table.columns.values()]
+        assert labels == ["#", "role", "n", "k3 vs good", "", "rejected", "reverted to the known-good state"]
+        for i, t in enumerate(trials):
+            row = [str(x) for x in table.get_row_at(i)]
+            assert row[1] == t["role"] and row[2] == str(len(t["swapped"])) and row[3] == fmt(t["value"])
+            assert row[5] == pct(t["metrics"]["vs_reference"]["rl_cost"]["seq_frac_rejected"])
+            assert row[4] == ("fixed" if t["value"] <= r["threshold"]["threshold"] else "")
+        # a trial's detail: the atoms it reverted, and its run against the reference
+        i = next(i for i, t in enumerate(trials) if t["swapped"])
+        table.move_cursor(row=i)
+        await pilot.pause()
+        detail = text(app.main.query_one("#trial-detail", Static))
+        t = trials[i]
+        assert f"reverted to the known-good state ({len(t['swapped'])}):" in detail
+        assert all(f"  {a}" in detail for a in t["swapped"])
+        assert "against the reference" in detail
+        assert pct(t["metrics"]["vs_reference"]["rl_cost"]["seq_frac_rejected"]) in detail
+        assert "k3 vs the known-good" in text(app.main.query_one("#trials-caption", Static))
+
+
+@pytest.mark.asyncio
+async def test_units_tab_says_where_the_localisation_is_and_a_run_report_after_it_gets_its_own_columns():
+    app = app_for(read(COND))
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("2")
+        assert "localisation's units are in the Overview" in app.main.query_one(UnitTree).root.label.plain
+        from conftest import REPORT
+        from numbisect.report import load_report
+
+        app.open_report(load_report(REPORT), REPORT)  # as the `o` dialog does
+        await pilot.pause()
+        labels = [str(col.label) for col in app.main.query_one("#trials-table", DataTable).columns.values()]
+        assert labels[-1] == "swapped" and "rejected" not in labels
+        assert not app.main.query_one(TrialsPanel).conditions
+
+
+@pytest.mark.asyncio
+async def test_odd_but_schema_valid_conditions_sections_still_open():
+    r = copy.deepcopy(read(COND))
+    c = r["conditions"]
+    c["vs_reference"] = {"user": 3, "good": {"rl_cost": "x"}}
+    c["custom_ops"] = {"user": "all", "good": {"rms_norm": "maybe"}}
+    c["localisation"]["units"] = [1, {"unit": None, "bitwise_equal": "?"}, {}]
+    c["localisation"]["named"] = []
+    c["user"]["weird"] = {"nested": [1, 2]}
+    c["trials"][0]["metrics"] = {"vs_reference": "none", "settings": [1]}
+    c["atoms"][0].pop("description", None)
+    c["atoms"][0]["alone"] = "nan"
+    assert validate(r) == []
+    app = app_for(r)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert app.failure is None
+        assert "Localisation under" in text(app.main.query_one(OverviewPanel))
+        await pilot.press("4")
+        await pilot.pause()
+        assert app.main.query_one("#trials-table", DataTable).row_count == len(c["trials"])
+
+
+def test_settings_marks_tell_an_atom_from_a_default_written_out():
+    cond = {"user": {"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}, "max_num_seqs": 8},
+            "good": {"enforce_eager": True, "batch": 1, "max_num_seqs": 8},
+            "atoms": [{"atom": "custom_op:rms_norm", "culprit": False}]}
+    marks = {name: mark for mark, name, _, _ in M.settings_rows(cond)}
+    assert marks == {"compilation_config": "≠", "batch": "~", "enforce_eager": " ", "max_num_seqs": " "}
+    assert [name for _, name, _, _ in M.settings_rows(cond)][:2] == ["compilation_config", "batch"]
