@@ -291,3 +291,21 @@ def test_conditions_name_the_cpu_rope_kernel_that_breaks_mla(tmp_path):
     ref = c["vs_reference"]
     assert ref["good"]["value"] < 1e-3 < 1 < ref["user"]["value"]  # the floor, and far over it
     assert ref["user"]["rl_cost"]["seq_frac_rejected"] > ref["good"]["rl_cost"]["seq_frac_rejected"]
+
+
+@pytest.mark.parametrize("how", ["timeout", "failure"])
+def test_a_child_leaves_no_temporary_files_however_it_ends(tmp_path, monkeypatch, how):
+    """Each configuration's child writes its job and answer under a temporary directory; a
+    child that times out (or is killed with this process: `subprocess.run` kills it on any
+    exception) or fails must not leave one behind per trial."""
+    import tempfile
+
+    from numbisect.backends.vllm.condition_worker import run_child
+    from numbisect.errors import BackendError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("NUMBISECT_DEBUG", raising=False)
+    job = {"job": "no-such-job"}
+    with pytest.raises(BackendError, match="ran past" if how == "timeout" else "child process failed"):
+        run_child(job, "trial", timeout=0.2 if how == "timeout" else 120)
+    assert list(tmp_path.iterdir()) == []

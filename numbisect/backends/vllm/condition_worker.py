@@ -149,41 +149,43 @@ def main(argv: list[str]) -> int:
 
 def run_child(job: dict, what: str, timeout: float | None = None):
     """Run `job` in a child process; its answer (a dict; a capture job's read with
-    torch.load). Its temporary files are removed. A child that fails raises BackendError with one line (its stderr tail
-    too under NUMBISECT_DEBUG)."""
+    torch.load). Its temporary files are removed however it ends (an answer, a failure, a
+    timeout, Ctrl-C or SIGTERM in this process, which `subprocess.run` passes on by killing
+    the child), except a failure's under NUMBISECT_DEBUG. A child that fails raises
+    BackendError with one line (its stderr tail too under NUMBISECT_DEBUG)."""
     tmp = tempfile.mkdtemp(prefix="numbisect-cond-")
-    in_path, out_path, err_path = (os.path.join(tmp, n) for n in ("in.json", "out", "stderr"))
-    with open(in_path, "w") as f:
-        json.dump(job, f)
-    env = dict(os.environ)
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.dirname(os.path.abspath(__file__))))), env.get("PYTHONPATH", "")] if p)
-    with open(err_path, "wb") as err:
-        try:
-            rc = subprocess.run([sys.executable, "-m", "numbisect.backends.vllm.condition_worker", in_path, out_path],
-                                stdout=subprocess.DEVNULL, stderr=err, env=env, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            raise BackendError(f"{what}: the vLLM child process ran past {timeout:g} s") from None
-    why = None
-    for p in (out_path + ".err", out_path):
-        if os.path.exists(p) and p.endswith(".err") or (rc != 0 and os.path.exists(p)):
-            try:
-                with open(p) as f:
-                    why = json.load(f).get("error")
-            except (ValueError, OSError, AttributeError):
-                pass
-            if why:
-                break
-    if rc != 0 or why:
-        if not os.environ.get("NUMBISECT_DEBUG"):  # kept for a look under NUMBISECT_DEBUG
-            shutil.rmtree(tmp, ignore_errors=True)
-        msg = f"{what}: the vLLM child process failed ({why or f'exit status {rc}'})"
-        if os.environ.get("NUMBISECT_DEBUG"):  # the child's stderr tail, as it is, before the one-line error
-            with open(err_path, "rb") as f:
-                sys.stderr.write(f.read()[-3000:].decode(errors="replace") + "\n")
-        raise BackendError(msg)
+    keep = False
     try:
+        in_path, out_path, err_path = (os.path.join(tmp, n) for n in ("in.json", "out", "stderr"))
+        with open(in_path, "w") as f:
+            json.dump(job, f)
+        env = dict(os.environ)
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.dirname(os.path.abspath(__file__))))), env.get("PYTHONPATH", "")] if p)
+        with open(err_path, "wb") as err:
+            try:
+                rc = subprocess.run([sys.executable, "-m", "numbisect.backends.vllm.condition_worker", in_path, out_path],
+                                    stdout=subprocess.DEVNULL, stderr=err, env=env, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                raise BackendError(f"{what}: the vLLM child process ran past {timeout:g} s") from None
+        why = None
+        for p in (out_path + ".err", out_path):
+            if os.path.exists(p) and p.endswith(".err") or (rc != 0 and os.path.exists(p)):
+                try:
+                    with open(p) as f:
+                        why = json.load(f).get("error")
+                except (ValueError, OSError, AttributeError):
+                    pass
+                if why:
+                    break
+        if rc != 0 or why:
+            keep = bool(os.environ.get("NUMBISECT_DEBUG"))  # kept for a look under NUMBISECT_DEBUG
+            msg = f"{what}: the vLLM child process failed ({why or f'exit status {rc}'})"
+            if keep:  # the child's stderr tail, as it is, before the one-line error
+                with open(err_path, "rb") as f:
+                    sys.stderr.write(f.read()[-3000:].decode(errors="replace") + "\n")
+            raise BackendError(msg)
         if job["job"] == "capture":
             import torch
 
@@ -191,7 +193,8 @@ def run_child(job: dict, what: str, timeout: float | None = None):
         with open(out_path) as f:
             return json.load(f)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
