@@ -28,7 +28,7 @@ Exit codes:
   1    diverged (run: culprits named)
   2    usage or input error
   3    backend or load error; failed swap self-check
-  4    diverged, but no culprit set found within --max-trials
+  4    diverged, but no culprit set found within --max-trials (or only --engine-config's settings diverge)
   130  interrupted (Ctrl-C, SIGTERM, SIGHUP)
 Set NUMBISECT_DEBUG=1 to see tracebacks."""
 

@@ -10,7 +10,7 @@ class ExitCode(enum.IntEnum):
     DIVERGED = 1  # diverged (with `run`: culprits named)
     USAGE = 2  # usage or input error
     BACKEND = 3  # backend or load error; a failed swap self-check
-    NO_CULPRIT = 4  # diverged, but no culprit set found within --max-trials
+    NO_CULPRIT = 4  # diverged, but no culprit set found within --max-trials (or only the --engine-config settings diverge)
     INTERRUPTED = 130  # Ctrl-C
 
 
