@@ -82,3 +82,16 @@ def test_search_names_a_weight_noise_planted_on_packed_linear_attention():
     assert body["baseline"]["value"] == unpacked  # the same fault, packed or not
     assert code == ExitCode.DIVERGED, body["search"]["stop_reason"]
     assert [c["unit"] for c in body["culprits"]] == ["layers.1.attn"]
+
+
+def test_weight_noise_at_lm_head_reaches_the_logits():
+    # vLLM's `lm_head` unit is its logits processor, which holds no weights: the noise goes to
+    # the model's lm_head that the processor is handed (before, nothing was planted).
+    s = session(NAME, "vllm", samples=1)
+    eng = s.engine
+    base = captured(eng, s, "lm_head")
+    noisy = captured(eng, s, "lm_head", ["weight_noise=5e-2@lm_head"])
+    rel = ((noisy - base).norm() / base.norm()).item()
+    print(f"weight_noise=5e-2@lm_head moves the logits by {rel:.3g}")
+    assert rel > 1e-2
+    assert torch.equal(captured(eng, s, "lm_head"), base)

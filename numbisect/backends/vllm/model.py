@@ -158,7 +158,13 @@ class VLLMModel(Backend):
             # The runner also holds the router's gate and the shared expert (units of their own).
             plant_weight_noise_cpu(moe.runner(self, unit.parent).routed_experts, fault, ledger)
         elif fault.kind == "weight_noise":
-            plant_weight_noise_cpu(self.module(fault.unit), fault, ledger)
+            mod = self.module(fault.unit)
+            if unit.kind == "lm_head" and not any(p.numel() for p in mod.parameters()):
+                # vLLM's logits processor holds no weights: it is handed the model's lm_head
+                mod = getattr(self.root, "lm_head", mod)
+            if not any(p.is_floating_point() for p in mod.parameters()):
+                raise self.lacks(f"plant weight_noise at {fault.unit}: its module holds no weights")
+            plant_weight_noise_cpu(mod, fault, ledger)
         else:
             super().plant_fault(fault, ledger)
 
