@@ -11,8 +11,10 @@ it) and a bare model inside a tensor-parallel worker (`VLLMModel.of(model, dtype
   runner's and a gated shared expert's references to the swapped module (`moe.py`).
 - Faults (`plant_fault`): `moe_combine_*` and an output noise on the experts' routed sum
   in the fused-MoE runner, a weight noise at experts on the routed experts' weights only
-  (the runner holds the gate and shared expert too); the others as on any module
-  (`Backend.plant_fault`).
+  (the runner holds the gate and shared expert too); a weight noise reaches a linear
+  layer's GEMM through `plant_weight_noise_cpu` (on a CPU with a bf16 GEMM kernel vLLM keeps
+  the weight packed in its `cpu_linear` closure and empties `.weight`); the others as on
+  any module (`Backend.plant_fault`).
 - What-ifs: `fp32 weighted sum` in the runner (`moe.slot_sum_whatif`); `fp32 unit` is the
   reference's module in float32 swapped in (vLLM's linear weights are prepacked: the
   engine's own module cannot be copied), so noise planted at or inside the unit is lost,
@@ -27,7 +29,8 @@ import torch
 from torch import nn
 
 from numbisect.arch import arch_for
-from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM, Backend, parse_dtype, plant_weight_noise
+from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM, Backend, parse_dtype
+from numbisect.backends.common import seeded
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.vllm import moe
 from numbisect.backends.vllm.adapters import ADAPTERS, VllmGatedShared
@@ -37,6 +40,55 @@ PRECISION_FAULTS = ("moe_combine", "router_logits", "rmsnorm_no_upcast")
 
 def _inside(name: str, unit: str) -> bool:
     return name == unit or name.startswith(unit + ".")
+
+
+def _gemm_weight(lin: nn.Module) -> torch.Tensor:
+    """The [N, K] weight a vLLM-CPU linear layer multiplies by. vLLM's CPU linear methods
+    (`dispatch_cpu_unquantized_gemm`, vllm/model_executor/layers/utils.py) hand it to a GEMM
+    kernel in `lin.cpu_linear` (oneDNN, the SGL kernel, zentorch) that keeps a packed copy
+    and, for a `LinearBase`, leave `.weight` empty; where no such kernel runs (this CPU lacks
+    a bf16 one) `cpu_linear` is `F.linear` over `.weight` itself. The packed weight is read
+    back through the kernel on the identity: each output is one weight times 1, exact."""
+    w = lin.weight
+    if w.numel():
+        return w.data
+    k = getattr(lin, "input_size_per_partition", None) or lin.input_size
+    return lin.cpu_linear(torch.eye(k, dtype=w.dtype), w, None).t().contiguous()
+
+
+def _plain_linear(weight: torch.Tensor):
+    """A `cpu_linear` that multiplies by `weight` (a bias vLLM turned to float32 cast back)."""
+
+    def cpu_linear(x, _weight, bias):
+        return torch.nn.functional.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+    return cpu_linear
+
+
+def plant_weight_noise_cpu(mod: nn.Module, fault, ledger: Ledger) -> None:
+    """`weight_noise` on a vLLM module: every float parameter times (1 + value * N(0, 1)),
+    seeded by the unit (as `base.plant_weight_noise`), where a linear layer's weight is the
+    one its GEMM kernel reads (`_gemm_weight`): the noisy weight goes to the kernel through a
+    `cpu_linear` of its own, and into `.weight` too where that holds one (an embedding's
+    lookup reads it). Noise written into `.weight` alone would not reach a packed GEMM."""
+    gemm = {id(m.weight): m for m in mod.modules() if hasattr(m, "cpu_linear") and isinstance(getattr(m, "weight", None), torch.Tensor)}
+    g = seeded(fault.unit)
+    for p in mod.parameters():
+        if not p.is_floating_point():
+            continue
+        lin = gemm.get(id(p))
+        if lin is None:
+            if p.numel():
+                ledger.save(p)
+                p.data.mul_(1 + fault.value * torch.randn(p.shape, generator=g))
+            continue
+        w = _gemm_weight(lin)
+        noisy = w * (1 + fault.value * torch.randn(w.shape, generator=g))
+        noisy = noisy.to(w.dtype)
+        if p.numel():
+            ledger.save(p)
+            p.data.copy_(noisy)
+        ledger.setattr(lin, "cpu_linear", _plain_linear(noisy))
 
 
 class Fp32Donor:
@@ -104,7 +156,15 @@ class VLLMModel(Backend):
             moe.plant_routed_noise(self, fault, ledger)
         elif fault.kind == "weight_noise" and unit.kind == "experts":
             # The runner also holds the router's gate and the shared expert (units of their own).
-            plant_weight_noise(moe.runner(self, unit.parent).routed_experts, fault, ledger)
+            plant_weight_noise_cpu(moe.runner(self, unit.parent).routed_experts, fault, ledger)
+        elif fault.kind == "weight_noise":
+            mod = self.module(fault.unit)
+            if unit.kind == "lm_head" and not any(p.numel() for p in mod.parameters()):
+                # vLLM's logits processor holds no weights: it is handed the model's lm_head
+                mod = getattr(self.root, "lm_head", mod)
+            if not any(p.is_floating_point() for p in mod.parameters()):
+                raise self.lacks(f"plant weight_noise at {fault.unit}: its module holds no weights")
+            plant_weight_noise_cpu(mod, fault, ledger)
         else:
             super().plant_fault(fault, ledger)
 
