@@ -39,6 +39,7 @@ BASES = {
     "run": ROOT / "fixtures" / "reports" / "qwen3_moe_planted_fault.json",
     "compare_vllm": ROOT / "fixtures" / "reports" / "qwen3_moe_compare_vllm.json",
     "compare_hf": ROOT / "tests" / "data" / "report_compare_hf.json",
+    "conditions": ROOT / "fixtures" / "reports" / "qwen3_moe_conditions.json",
 }
 BASE = {k: json.loads(p.read_text()) for k, p in BASES.items()}
 
