@@ -308,16 +308,16 @@ def _check_out(kw) -> None:
 
 
 def _not_in_a_model(path: str, opt: str, kw) -> None:
-    """An output that is an existing file of a model directory (its config.json, a weight
-    file) would damage the checkpoint every later run reads: refused."""
+    """An output that is an existing file of a model or dump directory (its config.json, a
+    weight file, a dump's manifest) would damage what every later run reads: refused."""
     from numbisect.safeio import same_file
 
     if not os.path.isfile(path):
         return
     for side in ("ref", "engine"):
         kind, _, d = (kw.get(side) or "").partition(":")
-        if kind in ("hf", "vllm") and d and os.path.isdir(d) and same_file(os.path.dirname(os.path.abspath(path)), d):
-            raise InputError(f"{opt} {path} is a file of the --{side} model {d}; it would be overwritten (choose another path)")
+        if kind in ("hf", "vllm", "dump") and d and os.path.isdir(d) and same_file(os.path.dirname(os.path.abspath(path)), d):
+            raise InputError(f"{opt} {path} is a file of the --{side} {'dump' if kind == 'dump' else 'model'} {d}; it would be overwritten (choose another path)")
 
 
 def _check_new_log(log: str, resume: str | None) -> None:

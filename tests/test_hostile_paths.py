@@ -168,3 +168,17 @@ def test_conditions_outputs_never_overwrite_a_settings_file(tmp_path, opt, confi
     assert rc == 2 and len(lines) == 1, err.getvalue()
     assert f"is the {config_opt} input; it would be overwritten" in lines[0]
     assert snapshot(tmp_path) == before
+
+
+def test_an_output_that_is_a_file_of_a_dump_is_refused(tmp_path):
+    d = tmp_path / "dump"
+    d.mkdir()
+    (d / "manifest.json").write_text("{}")
+    before = snapshot(tmp_path)
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main(["compare", "--ref", f"hf:{MODEL}", "--engine", f"dump:{d}", "--trace", trace_path("qwen3_moe"), "-q",
+                   "--out", str(d / "manifest.json")])
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and "is a file of the --engine dump" in lines[0], err.getvalue()
+    assert snapshot(tmp_path) == before
