@@ -215,16 +215,7 @@ def state_light(sides, local: bool) -> dict | None:
     finally:
         for u in reversed(undo):
             u()
-    layers = []
-    for u in units:
-        row = {"unit": u, "layer": int(u.split(".")[1]), "state_shape": shape.get(u)}
-        for name in ("propagated", "local"):
-            row[name] = stats[name].result(u) if name in stats else None
-        layers.append(row)
-    report = {"chunk_size": CHUNK, "max_boundaries": MAX_BOUNDARIES, "source": {"ref": rp.source, "engine": ep.source},
-              "first_above_tol": None, "layers": layers}
-    report["first_above_tol"] = first_above(report, sides.settings.unit_tol)
-    return report
+    return _section(units, stats, shape, {"ref": rp.source, "engine": ep.source}, sides.settings.unit_tol)
 
 
 def dump_states(sides, units: list[str], local: bool) -> dict:
@@ -264,14 +255,19 @@ def dump_states(sides, units: list[str], local: bool) -> dict:
                         stats["local"].add(i, L, final, rp.take(), {u: es[u] for u in inputs if u in es})
         finally:
             undo()
+    return _section(have, stats, shape, {"ref": rp.source, "engine": f"dump {eng.path} (state.{{i}} tensors of the linear units)"},
+                    sides.settings.unit_tol, missing=missing)
+
+
+def _section(units: list[str], stats: dict, shape: dict, source: dict, unit_tol: float, **extra) -> dict:
+    """The report's `recurrent_state` section from the folded statistics of `units`."""
     layers = []
-    for u in have:
+    for u in units:
         row = {"unit": u, "layer": int(u.split(".")[1]), "state_shape": shape.get(u)}
         for name in ("propagated", "local"):
             row[name] = stats[name].result(u) if name in stats else None
         layers.append(row)
-    report = {"chunk_size": CHUNK, "max_boundaries": MAX_BOUNDARIES,
-              "source": {"ref": rp.source, "engine": f"dump {eng.path} (state.{{i}} tensors of the linear units)"},
-              "first_above_tol": None, "layers": layers, "missing": missing}
-    report["first_above_tol"] = first_above(report, sides.settings.unit_tol)
+    report = {"chunk_size": CHUNK, "max_boundaries": MAX_BOUNDARIES, "source": source, "first_above_tol": None,
+              "layers": layers, **extra}
+    report["first_above_tol"] = first_above(report, unit_tol)
     return report

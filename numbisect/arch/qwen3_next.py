@@ -28,20 +28,8 @@ processor.
 """
 
 from numbisect.arch.base import ArchMap
-from numbisect.arch.qwen3_moe import _HF as _QWEN_HF
+from numbisect.arch.qwen3_5_moe import _HF, _attn_variant  # the same module tree and layer pattern
 from numbisect.arch.qwen3_moe import _ffn_kind, _router
-
-_HF = {
-    **_QWEN_HF,
-    "layers.{i}.attn@linear": "model.layers.{i}.linear_attn",
-    "layers.{i}.moe.shared_expert": "model.layers.{i}.mlp.shared_expert",
-    "layers.{i}.moe.shared_expert_gate": "model.layers.{i}.mlp.shared_expert_gate",
-}
-
-
-def _attn_variant(config, i: int) -> str:
-    return "linear" if config.layer_types[i] == "linear_attention" else ""
-
 
 ARCH = ArchMap(
     name="qwen3_next",
