@@ -567,13 +567,13 @@ def engine_part_rows(ec: dict) -> list[tuple[str, str]]:
 
 
 def engine_settings_rows(ec: dict) -> list[tuple[str, str, str, str]]:
-    """(mark, setting, yours, hookable) for every setting either side gives, the changed ones
-    first. Mark "≠": the hookable configuration changed it; "~": written out, the same in
+    """(mark, setting, yours, hookable) for every setting either side gives or `changed`
+    names, the changed ones first. Mark "≠": the hookable configuration changed it; "~": written out, the same in
     effect (custom ops in the states your engine reported); " ": equal. Left out: "(not set)"."""
     user, hook = _d(ec.get("user")), _d(ec.get("hookable"))
     changed = {str(c) for c in ec.get("changed") or []} if isinstance(ec.get("changed"), list) else set()
     rows = []
-    for k in sorted(set(user) | set(hook), key=str):
+    for k in sorted(set(user) | set(hook) | changed, key=str):
         a = setting_text(user[k]) if k in user else "(not set)"
         b = setting_text(hook[k]) if k in hook else "(not set)"
         mark = "≠" if str(k) in changed else " " if user.get(k, _UNSET) == hook.get(k, _UNSET) else "~"
