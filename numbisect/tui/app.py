@@ -18,6 +18,9 @@
    guilty setting in the answer bar, its settings, atoms, RL cost against the reference
    and localisation in the Overview (`widgets/conditions.py`), its trials (atoms reverted)
    in the Trials tab.
+7. A report of `compare` / `run --engine-config` shows its `engine_config` section in the
+   Overview (`widgets/engine_config.py`): whether the module search, run in the hookable
+   configuration, saw your numbers; "your settings alone diverge" is then the answer bar's.
 """
 
 from __future__ import annotations
