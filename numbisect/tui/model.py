@@ -96,7 +96,21 @@ def culprit_lines(r: dict | ReportView) -> list[tuple[str, str]]:
     """(style, sentence) lines: the answer with its evidence, after the log-prob contract
     when the engine's log-probs are processed (the report's first finding)."""
     rv = view(r)
-    return contract_line(rv) + _answer_lines(rv)
+    return contract_line(rv) + _answer_lines(rv) + engine_config_line(rv)
+
+
+def engine_config_line(r: dict | ReportView) -> list[tuple[str, str]]:
+    """With --engine-config, a short line on whether the module search saw your numbers
+    (the Overview has the whole section; "your settings alone diverge" is the answer itself)."""
+    rv = view(r)
+    if engine_config_of(rv) is None:
+        return []
+    mark, style, _ = engine_config_finding(rv)
+    vs = _d(engine_config_of(rv).get("hookable_vs_user"))
+    short = {"=": "your engine configuration: the module search sees exactly your numbers",
+             "!": f"your engine configuration: the module search sees numbers near yours (k3 {fmt(vs.get('k3_mean'))} apart), "
+                  "not yours"}
+    return [(style, short[mark])] if mark in short else []
 
 
 def contract_line(r: dict | ReportView) -> list[tuple[str, str]]:
@@ -552,6 +566,16 @@ def engine_config_finding(r: dict | ReportView) -> tuple[str, str, str]:
     rv = view(r)
     mark, sentence = engine_config_finding_of(engine_config_of(rv), rv.aligned, rv.value, rv.threshold)
     return mark, FINDING_STYLE[mark], sentence
+
+
+def trials_note(r: dict | ReportView) -> str:
+    """The Trials caption's end when the search ran in another configuration than the
+    verdict's (--engine-config with a child): its trials' values are the hookable one's."""
+    rv = view(r)
+    ec = engine_config_of(rv)
+    if ec is None or ec.get("child") is not True:
+        return ""
+    return f"; the trials ran in the hookable configuration (yours: {fmt(rv.value)}, the Overview)"
 
 
 PARTS = {"tokens": "token comparison (log-probs, k3, KL, RL cost)", "units": "per-unit captures, self-check",

@@ -25,6 +25,7 @@ from numbisect.report import validate
 from numbisect.tui import model as M
 from numbisect.tui.widgets.culprit import CulpritPanel
 from numbisect.tui.widgets.overview import OverviewPanel, overview_text
+from textual.widgets import DataTable, Static
 
 EAGER = "fixtures/reports/qwen3_moe_engine_config.json"
 COMPILED = "fixtures/reports/qwen3_moe_engine_config_compiled.json"
@@ -68,6 +69,7 @@ async def test_bitwise_equal_says_the_search_sees_your_numbers_and_shows_the_con
         # the first finding: the log-probs are processed, with the fitted temperature
         assert bar[1] == (f"!! log-prob contract: your engine's log-probs are processed (fitted: temperature "
                           f"{fmt(c['fitted']['temperature'])}), not the model's raw ones: what to change is in the Overview")
+        assert bar[-1] == "your engine configuration: the module search sees exactly your numbers"
         ov = text(app.main.query_one(OverviewPanel))
         lines = ov.splitlines()
         assert f"Your engine configuration ({ec['file']})" in ov
@@ -122,6 +124,12 @@ async def test_only_your_settings_diverging_is_the_answer():
         assert all(f"-{op}" in cc for op in ec["custom_ops"]["disabled"])
         assert "  off: " + ", ".join(ec["custom_ops"]["disabled"]) in ov
         assert "Log-prob contract" not in ov
+        # the search's trials are the hookable configuration's, and the caption says so
+        await pilot.press("4")
+        await pilot.pause()
+        cap = text(app.main.query_one("#trials-caption", Static))
+        assert cap.endswith(f"; the trials ran in the hookable configuration (yours: {fmt(r['baseline']['value'])}, the Overview)")
+        assert [str(x) for x in app.main.query_one("#trials-table", DataTable).get_row_at(0)][3] == fmt(hb["value"])
 
 
 def test_a_bitwise_difference_without_a_verdict_change_is_near_not_yours():
@@ -131,7 +139,9 @@ def test_a_bitwise_difference_without_a_verdict_change_is_near_not_yours():
     vs = r["engine_config"]["hookable_vs_user"]
     assert mark == "!" and sentence == (f"the hookable configuration's log-probs differ from yours (k3 {fmt(vs['k3_mean'])}, "
                                         f"max |diff| {fmt(vs['max_abs_diff'])}): the module search sees numbers near yours, not yours")
-    assert not any("alone diverge" in line for _, line in M.culprit_lines(r))
+    lines = [line for _, line in M.culprit_lines(r)]
+    assert not any("alone diverge" in line for line in lines)
+    assert lines[-1] == f"your engine configuration: the module search sees numbers near yours (k3 {fmt(vs['k3_mean'])} apart), not yours"
 
 
 def test_hookable_settings_run_everything_in_yours():
