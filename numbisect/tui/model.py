@@ -586,14 +586,14 @@ def engine_part_rows(ec: dict) -> list[tuple[str, str]]:
     """(part, where it ran: yours or hookable) for each part the section names."""
     parts = _d(ec.get("parts"))
     where = {"user": "your settings", "hookable": "hookable settings"}
-    return [(PARTS.get(str(k), str(k)), where.get(v, setting_text(v)) if isinstance(v, str) else setting_text(v))
-            for k, v in parts.items()]
+    return [(PARTS.get(str(k), str(k)), where.get(v, v) if isinstance(v, str) else setting_text(v)) for k, v in parts.items()]
 
 
 def engine_settings_rows(ec: dict) -> list[tuple[str, str, str, str]]:
     """(mark, setting, yours, hookable) for every setting either side gives or `changed`
-    names, the changed ones first. Mark "≠": the hookable configuration changed it; "~": written out, the same in
-    effect (custom ops in the states your engine reported); " ": equal. Left out: "(not set)"."""
+    names, the changed ones first. Mark "≠": the hookable configuration changed it; "~":
+    written out, the same in effect (a default, or custom ops in the states your engine
+    reported); " ": equal. A setting one side leaves out reads "(not set)"."""
     user, hook = _d(ec.get("user")), _d(ec.get("hookable"))
     changed = {str(c) for c in ec.get("changed") or []} if isinstance(ec.get("changed"), list) else set()
     rows = []
