@@ -1,46 +1,15 @@
-"""TUI test helpers: tests run from the repository root, so report paths (and the trace
-path a report names) resolve as they do for a user there, and snapshots show short,
-machine-independent paths."""
+"""TUI tests run from the repository root, so report paths (and the trace path a report
+names) resolve as they do for a user there, and snapshots show short, machine-independent
+paths. Shared names live in tests/tui/support.py."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-REPORT = "fixtures/reports/qwen3_moe_planted_fault.json"
-COMPARE_REPORT = "tests/data/report_compare_hf.json"
+from tui.support import ROOT
 
 
 @pytest.fixture(autouse=True)
 def at_root(monkeypatch):
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-def report_app(path: str = REPORT):
-    from numbisect.report import load_report
-    from numbisect.tui.app import BisectApp
-
-    return BisectApp(report=load_report(path), report_path=path)
-
-
-def read(path) -> dict:
-    return json.loads(Path(path).read_text())
-
-
-def expected_sentence(r: dict) -> str:
-    """The culprit sentence the report's own numbers give (the fixture is regenerated
-    from a real vLLM run, so its digits are read, not hard-coded)."""
-    from numbisect.formatting import fmt
-
-    c = r["culprits"][0]
-    return f"{c['unit']}: swapping it alone takes mean k3 from {fmt(r['search']['baseline'])} to {fmt(c['alone'])}"
-
-
-def unit_value(r: dict, name: str, view: str) -> str:
-    from numbisect.formatting import fmt
-
-    return fmt(next(u for u in r["units"] if u["name"] == name)[view]["rel_l2"])

@@ -9,7 +9,7 @@ import pytest
 
 from rich.console import Console
 
-from conftest import COMPARE_REPORT, REPORT, expected_sentence, read, report_app, unit_value
+from tui.support import COMPARE_REPORT, REPORT, expected_sentence, read, report_app, unit_value
 from numbisect.formatting import fmt
 from numbisect.tui.screens.dialogs import ErrorScreen, PathScreen
 from numbisect.tui.screens.help import HelpScreen

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import REPORT, read
+from tui.support import REPORT, read
 from numbisect.cli import main
 from numbisect.errors import ExitCode
 

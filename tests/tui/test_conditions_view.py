@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from conftest import read
+from tui.support import read
 from numbisect.formatting import fmt, pct
 from numbisect.report import validate
 from numbisect.tui import model as M
@@ -139,7 +139,7 @@ async def test_units_tab_says_where_the_localisation_is_and_a_run_report_after_i
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("2")
         assert "localisation's units are in the Overview" in app.main.query_one(UnitTree).root.label.plain
-        from conftest import REPORT
+        from tui.support import REPORT
         from numbisect.report import load_report
 
         app.open_report(load_report(REPORT), REPORT)  # as the `o` dialog does

@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from conftest import read
+from tui.support import read
 from numbisect.formatting import fmt, pct
 from numbisect.report import validate
 from numbisect.tui import model as M

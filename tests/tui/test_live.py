@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import read
+from tui.support import read
 from numbisect.compare import Settings
 from numbisect.session import Spec
 from numbisect.tui.app import BisectApp

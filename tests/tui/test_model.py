@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from conftest import COMPARE_REPORT, REPORT, expected_sentence, read, unit_value
+from tui.support import COMPARE_REPORT, REPORT, expected_sentence, read, unit_value
 from numbisect.formatting import fmt
 from numbisect.tui import model as M
 

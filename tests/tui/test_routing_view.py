@@ -17,7 +17,7 @@ D = "fixtures/models/qwen3_moe"
 def routed_report(tmp_path_factory):
     import os
 
-    from conftest import ROOT
+    from tui.support import ROOT
 
     out = tmp_path_factory.mktemp("routing") / "r.json"
     cwd = os.getcwd()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import report_app
+from tui.support import report_app
 
 SIZE = (100, 32)
 

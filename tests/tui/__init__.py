@@ -1,0 +1,1 @@
+"""The TUI tests (a package, so their conftest is `tui.conftest`, not a second `conftest`)."""
