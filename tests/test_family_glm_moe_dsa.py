@@ -302,7 +302,8 @@ def test_a_dump_of_an_engine_with_a_faulty_indexer_is_compared_with_its_selectio
 # not supported on CPU"): the child builds vLLM's GlmMoeDsaForCausalLM (deepseek_v2.py, the
 # class vLLM's registry gives on CPU) on the meta device with that one question answered as
 # for dense MLA (use_sparse=False, CPU_MLA named: on a CPU with AMX vLLM prefers AMX_MLA, whose
-# impl refuses the indexer's buffer); every other module is vLLM's own, the indexer included. No weights, no KV cache, no forward.
+# impl refuses the indexer's buffer); every other module is vLLM's own, the indexer included.
+# No weights, no KV cache, no forward.
 META_BUILD = r"""
 import json, os, socket, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
