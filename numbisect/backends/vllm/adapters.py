@@ -101,9 +101,10 @@ class VllmAttn(VllmHF):
 class VllmRope(VllmHF):
     """MLA's rotary part (numbisect.backends.vllm.rope): `(packed q/k rope dims, positions) ->
     rotated`, computed by the donor's `MlaRope` (transformers' rotary function) with cos/sin
-    from the donor's rotary embedding, in the donor's dtype."""
+    from the donor's rotary embedding, in the donor's dtype (the engine's strides are its kernel's
+    concern: unused)."""
 
-    def forward(self, x, positions):
+    def forward(self, x, positions, strides=None):
         x3 = x.to(self.rdt)[None]
         rotary = text_rotary(self._donor_arch, self._donor_arch.rotary(self._donor_model[0]))
         cos_sin = rotary(x3, positions.view(1, -1).long())
