@@ -26,6 +26,11 @@ from __future__ import annotations
 import torch
 
 
+def width(text_config) -> int:
+    """Values per token of a rope unit's input and output: every query head's rope dims and the key's."""
+    return (text_config.num_attention_heads + 1) * text_config.qk_rope_head_dim
+
+
 def pack(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """[.., heads, rope] queries and the [.., 1, rope] key as one [.., (heads + 1) * rope] tensor."""
     return torch.cat([q.flatten(-2), k.flatten(-2)], dim=-1)
