@@ -20,8 +20,8 @@ import torch
 
 from numbisect.arch import arch_for
 from numbisect.backends.base import Backend, parse_dtype
-from numbisect.dump import LAYOUT_VERSION, SHARDS, STATE_SHARDS
 from numbisect.backends.mla_rope import width as rope_width
+from numbisect.dump import LAYOUT_VERSION, SHARDS, STATE_SHARDS
 from numbisect.errors import InputError
 from numbisect.trace import show
 from numbisect.units import VISION_KINDS, nearby_names

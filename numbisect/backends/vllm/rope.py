@@ -41,7 +41,7 @@ class RopeUnit(nn.Module):
     def forward(self, x, positions, strides=None):
         q, k = unpack(x, self.rope_dim)
         if strides is not None:  # the attention's own views' strides: the CPU kernel reads them
-            q, k = (torch.empty_strided(t.shape, st, dtype=t.dtype).copy_(t) for t, st in zip((q, k), strides))
+            q, k = (torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device).copy_(t) for t, st in zip((q, k), strides))
         q, k = self._rotary[0](positions, q, k)
         if self.interleaved:
             q, k = split_pairs(q), split_pairs(k)
