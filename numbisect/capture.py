@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from numbisect import metrics as M
+from numbisect.backends.mla_rope import width as rope_width
 from numbisect.errors import InputError
 
 MODES = ("stats", "full")
@@ -252,6 +253,8 @@ def unit_bytes(unit, tokens: int, config, dtype: torch.dtype) -> int:
         width = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", width)
     elif unit.kind == "indexer":  # the [tokens, tokens] mask of keys picked, float32
         width, dtype = tokens, torch.float32
+    elif unit.kind == "rope":  # MLA's packed query and key rope dims
+        width = rope_width(cfg)
     size = torch.tensor([], dtype=dtype).element_size() if unit.kind != "lm_head" else 4
     return max(tokens, 0) * width * size
 

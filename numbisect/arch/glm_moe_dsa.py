@@ -11,7 +11,8 @@ of the causal keys each query attends (`numbisect.selection.selection_mask`): th
 whatever the order an engine returns the ids in, and a "the indexer picked different
 tokens" finding is a non-zero error on it (selection agreement, flips and margins:
 numbisect.selection). A swap of the indexer carries the reference's module with the
-rotary cos/sin it reads recomputed in its own dtype (numbisect.backends.hf.swap).
+rotary cos/sin it reads recomputed in its own dtype (numbisect.backends.hf.swap). The
+attention's own rotary part is DeepSeek-V3's `layers.{i}.attn.rope` unit (numbisect.arch.deepseek_v3).
 
 transformers: `model.layers.{i}.self_attn` (GlmMoeDsaAttention) with `.indexer`
 (GlmMoeDsaIndexer; absent on "shared" layers, which reuse the previous layer's choice:
@@ -41,6 +42,6 @@ ARCH = ArchMap(
     vllm={**_DSV3.vllm, "layers.{i}.attn.indexer": "model.layers.{i}.self_attn.indexer"},
     ffn_kind=lambda config, i: "moe" if config.mlp_layer_types[i] == "sparse" else "mlp",
     moe_sub_units=("router", "experts", "shared_expert"),
-    attn_sub_units=("indexer",),
+    attn_sub_units=("rope", "indexer"),  # the attention's rope runs before its indexer
     router_spec=_router,
 )

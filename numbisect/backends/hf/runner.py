@@ -19,7 +19,7 @@ import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, hidden_arg, with_hidden
 from numbisect.backends.common import first
-from numbisect.backends.hf import faults, indexer, recurrent, routing, swap, whatif
+from numbisect.backends.hf import faults, indexer, recurrent, rope, routing, swap, whatif
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.steps import Steps
 from numbisect.errors import InputError
@@ -84,6 +84,7 @@ class HFBackend(Backend):
             why, key = bad[0]
             raise InputError(f"{path}: weights do not match config.json: {len(bad)} tensors differ, e.g. {key} ({why})")
         self.model.eval()
+        rope.install(self)  # MLA's rotary part as a module per attention (`rope` units)
         self.options = {
             "attn_implementation": attn_implementation,
             "experts_implementation": experts_implementation,

@@ -5,7 +5,8 @@ casts: tensors in to the donor's dtype, float outputs back to the engine's (logi
 a swapped `lm_head` stay in the donor's dtype: the backend takes a float32 log-softmax
 of them). Attention and whole layers recompute their rotary cos/sin with the donor's
 own rotary embedding, in the donor's dtype (under M-RoPE from the 3-D position ids the
-engine's rotary embedding was called with), so the donor's rope_theta is carried.
+engine's rotary embedding was called with), so the donor's rope_theta is carried; so does a
+swapped MLA `rope` unit (numbisect.backends.hf.rope hands it the layer's position ids).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def swap_unit(engine, unit, donor, ledger: Ledger) -> None:
     """Put the donor's module for `unit` in the engine, behind a `CastAdapter`."""
     ref = donor.module(unit.name)
     out_dtype = None if unit.kind == "lm_head" else engine.dtype
-    rotary = text_rotary(donor.arch, donor.arch.layer_rotary(donor.model)) if unit.kind in ("attn", "layer", "indexer") else None
+    rotary = text_rotary(donor.arch, donor.arch.layer_rotary(donor.model)) if unit.kind in ("attn", "layer", "indexer", "rope") else None
     positions = None
     if unit.kind in ("attn", "layer") and donor.arch.mrope:
         # M-RoPE: a layer's 1-D position ids cannot give cos/sin, the 3-D ids the engine's own

@@ -1,7 +1,7 @@
 """Precision what-ifs on a transformers engine (numbisect.whatif).
 
 - `fp32 unit`: the engine's own module (with its planted faults) copied and run in
-  float32 behind a `CastAdapter`; attention and layers get a float32 copy of the
+  float32 behind a `CastAdapter`; attention, layers and MLA rope units get a float32 copy of the
   engine's rotary embedding (M-RoPE included).
 - `fp32 weighted sum`: the block's experts called once per top-k slot with weight 1
   (`SlotSum`), the weighted sum taken in float32. A planted output noise on the experts
@@ -54,7 +54,7 @@ def install(engine, whatif: str, unit, ledger: Ledger) -> list:
     if whatif != WHATIF_UNIT:
         raise engine.lacks(f"run the precision what-if {whatif!r}")
     mod = engine.module(unit.name)
-    rotary = text_rotary(engine.arch, engine.arch.layer_rotary(engine.root)) if unit.kind in ("attn", "layer") else None
+    rotary = text_rotary(engine.arch, engine.arch.layer_rotary(engine.root)) if unit.kind in ("attn", "layer", "rope") else None
     if rotary is not None:  # cos/sin recomputed in fp32 (M-RoPE: the engine's, cast)
         rotary = copy.deepcopy(rotary).float()
     out_dtype = None if unit.kind == "lm_head" else engine.dtype

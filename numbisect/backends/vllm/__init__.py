@@ -9,6 +9,7 @@
   rebuilt from data in a worker (`apply_swap_spec`).
 - `adapters.py`: donor transformers modules given vLLM's calling convention;
   `moe.py`: every change made inside vLLM's fused-MoE runner.
+- `rope.py`: MLA's rotary part as a module per layer (the `rope` units).
 
 vLLM itself is imported only when an engine starts (`import_vllm`).
 """

@@ -98,6 +98,19 @@ class VllmAttn(VllmHF):
         return out[0][0].to(self.edt)
 
 
+class VllmRope(VllmHF):
+    """MLA's rotary part (numbisect.backends.vllm.rope): `(packed q/k rope dims, positions) ->
+    rotated`, computed by the donor's `MlaRope` (transformers' rotary function) with cos/sin
+    from the donor's rotary embedding, in the donor's dtype (the engine's strides are its kernel's
+    concern: unused)."""
+
+    def forward(self, x, positions, strides=None):
+        x3 = x.to(self.rdt)[None]
+        rotary = text_rotary(self._donor_arch, self._donor_arch.rotary(self._donor_model[0]))
+        cos_sin = rotary(x3, positions.view(1, -1).long())
+        return self.inner(x3, position_embeddings=cos_sin)[0].to(self.edt)
+
+
 class VllmLinearAttn(VllmHF):
     """Linear attention (Qwen3.5's Gated DeltaNet): `(hidden_states) -> hidden`. The donor runs
     on the one unpadded sequence from a zero conv and recurrent state: right for a prefill of
@@ -177,6 +190,7 @@ ADAPTERS = {
     "norm": VllmNorm,
     "attn": VllmAttn,
     "attn@linear": VllmLinearAttn,
+    "rope": VllmRope,
     "moe": VllmBlock,
     "mlp": VllmBlock,
     "shared_expert": VllmBlock,

@@ -103,11 +103,16 @@ def missing(model, arch, units) -> None:
 
 
 def worker_absent(model) -> list[str]:
-    """`absent` inside a tensor-parallel worker (`llm.apply_model`), for every unit."""
+    """`absent` inside a tensor-parallel worker (`llm.apply_model`), for every unit; the
+    first call into a worker, so it puts in MLA's per-layer rope modules first (as the
+    in-process engine does at start-up: numbisect.backends.vllm.rope)."""
     from numbisect.arch import arch_for
+    from numbisect.backends.vllm import rope
 
     arch = arch_for(model.config)
-    return absent(model, arch, arch.units(model.config))
+    units = arch.units(model.config)
+    rope.install(model, arch, units)
+    return absent(model, arch, units)
 
 
 def report_absent(per_worker: list[list[str]]) -> None:

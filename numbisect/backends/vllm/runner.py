@@ -29,7 +29,7 @@ from numbisect.backends.common import first
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.steps import Steps, vllm_logit_spans
-from numbisect.backends.vllm import hookpoints, moe
+from numbisect.backends.vllm import hookpoints, moe, rope
 from numbisect.backends.vllm.model import VLLMModel
 from numbisect.errors import BackendError, InputError
 
@@ -146,6 +146,7 @@ class VLLMBackend(VLLMModel):
         if not models or not isinstance(models[0], torch.nn.Module):
             raise BackendError("vLLM runs its model in another process; numbisect needs the in-process engine")
         self.model = models[0]
+        rope.install(self.model, self.arch, self.units)  # MLA's rotary part as a module per layer
         hookpoints.check_version()
         self._broken: str | None = None
         self._sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
