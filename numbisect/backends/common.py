@@ -7,6 +7,7 @@
 - `slot_sum`: the engine's own experts run one top-k slot at a time, summed either in
   float32 (the `fp32 weighted sum` what-if) or in a low precision (the `moe_combine`
   fault), written once for every engine.
+- `head_rows`: a per-head activation (Gated DeltaNet's gated norm) in per-token rows.
 """
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ import torch
 from torch import nn
 
 LOWP = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
+
+
+def head_rows(kind: str, t: torch.Tensor, config) -> torch.Tensor:
+    """An `out_gate` activation as [tokens, value heads * head dim]: the gated norm runs per
+    value head, on [tokens * heads, head dim] in transformers and [tokens, heads, head dim]
+    in vLLM; other kinds as they are."""
+    if kind != "out_gate":
+        return t
+    text = config.get_text_config()
+    return t.reshape(-1, text.linear_num_value_heads * text.linear_value_head_dim)
 
 
 def first(x):

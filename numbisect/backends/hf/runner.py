@@ -18,7 +18,7 @@ import os
 import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, hidden_arg, with_hidden
-from numbisect.backends.common import first
+from numbisect.backends.common import first, head_rows
 from numbisect.backends.hf import faults, indexer, recurrent, routing, swap, whatif
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.steps import Steps
@@ -177,7 +177,8 @@ class HFBackend(Backend):
             t = t.reshape(sum(sizes), -1) if t.shape[0] != sum(sizes) else t
             return [x.detach().to("cpu", copy=True) for x in torch.split(t, sizes)]
 
-        def split(t: torch.Tensor) -> list[torch.Tensor]:
+        def split(t: torch.Tensor, kind: str = "") -> list[torch.Tensor]:
+            t = head_rows(kind, t, self.config)
             if t.dim() == 2:  # flat [B*T, ...] (MoE router/experts see flattened tokens)
                 t = t.view(B, T, -1)
             return [t[b, : lens[b]].detach().to("cpu", copy=True) for b in range(B)]
@@ -203,7 +204,7 @@ class HFBackend(Backend):
                     if name in capture_inputs and x is not None and rows:
                         res.inputs[name].extend(split_rows(x, tokens=False))
                     elif name in capture_inputs and x is not None:
-                        xs = split(x)
+                        xs = split(x, self.unit(name).kind)
                         res.inputs[name].extend(v[:-1] for v in xs) if name == "lm_head" else res.inputs[name].extend(xs)
                     return args, kwargs
 
@@ -218,7 +219,7 @@ class HFBackend(Backend):
                         elif self.unit(name).kind == "indexer":  # key ids -> the [n, n] mask of keys picked
                             res.captures[name].extend(selection_mask(t[b, : lens[b]], 0, lens[b]) for b in range(B))
                         else:
-                            res.captures[name].extend(split(t))
+                            res.captures[name].extend(split(t, self.unit(name).kind))
 
                 hooks.hooks(mod, pre=pre, post=post)
             try:
@@ -241,7 +242,8 @@ class HFBackend(Backend):
         seen: dict[str, list] = {u: [] for u in capture}
         seen_in: dict[str, list] = {u: [] for u in capture_inputs}
 
-        def flat(t: torch.Tensor) -> torch.Tensor:
+        def flat(t: torch.Tensor, name: str) -> torch.Tensor:
+            t = head_rows(self.unit(name).kind, t, self.config)
             return t[0] if t.dim() == 3 else t  # [1, n, ...] or flat [n, ...] (MoE router/experts)
 
         with Ledger() as hooks:
@@ -254,7 +256,7 @@ class HFBackend(Backend):
                         tokens = next(a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor))
                         m.__dict__["_numbisect_span"] = steps.take(name, tokens.shape[-1])
                         return args, kwargs
-                    span = steps.take(name, flat(x).shape[0])
+                    span = steps.take(name, flat(x, name).shape[0])
                     m.__dict__["_numbisect_span"] = span
                     fed = feed.get(name)
                     if fed is not None and span[1] <= fed.shape[0]:
@@ -262,13 +264,13 @@ class HFBackend(Backend):
                         args, kwargs = with_hidden(args, kwargs, x, new)
                         x = new
                     if name in seen_in:
-                        seen_in[name].append((*span, flat(x).detach().to("cpu", copy=True)))
+                        seen_in[name].append((*span, flat(x, name).detach().to("cpu", copy=True)))
                     return args, kwargs
 
                 def post(m, args, kwargs, out, name=name):
                     if name in seen:
                         span = m.__dict__["_numbisect_span"]
-                        t = flat(first(out))
+                        t = flat(first(out), name)
                         if self.unit(name).kind == "indexer":  # key ids -> rows of the [T, T] mask of keys picked
                             t = selection_mask(t, span[0], T)
                         seen[name].append((*span, t.detach().to("cpu", copy=True)))

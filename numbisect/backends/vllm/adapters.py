@@ -6,7 +6,7 @@ layers, fuses RMSNorm with the residual add, calls attention as `(positions, hid
 in practice; gpt-oss's as `(hidden, positions)`, layers `(hidden, positions, residual)`:
 `hidden_first` tells them apart) and takes logits from a logits processor. Each unit kind has
 an adapter here (`ADAPTERS`; `KIND@VARIANT` for a variant of a kind: Qwen3.5's linear
-attention); the donor module keeps its own weights and dtype, and the adapter casts at the
+attention; `out_gate` and `out_proj`, its sub-units); the donor module keeps its own weights and dtype, and the adapter casts at the
 boundary. The MoE sub-units (router, experts) are swapped inside vLLM's fused-MoE runner
 instead (`moe.py`).
 """
@@ -107,6 +107,14 @@ class VllmLinearAttn(VllmHF):
         return self.inner(hidden_states=hidden_states.to(self.rdt)[None])[0].to(self.edt)
 
 
+class VllmGatedNorm(VllmHF):
+    """Linear attention's gated RMSNorm (the output gate): `(core, z) -> norm(core) * silu(z)`,
+    both [tokens, heads, head dim] in vLLM; the donor's norms each row alike."""
+
+    def forward(self, x, z):
+        return self.inner(x.to(self.rdt), z.to(self.rdt)).to(self.edt)
+
+
 class VllmGatedShared(VllmHF):
     """A shared expert vLLM gates itself (Qwen3.5-MoE's Qwen2MoeMLP with `expert_gate`): the
     donor (transformers' ungated MLP), times the sigmoid of the block's `shared_expert_gate`
@@ -181,6 +189,8 @@ ADAPTERS = {
     "mlp": VllmBlock,
     "shared_expert": VllmBlock,
     "shared_expert_gate": VllmLinearOut,
+    "out_gate": VllmGatedNorm,
+    "out_proj": VllmLinearOut,
     "layer": VllmLayer,
     "lm_head": VllmLogits,
 }

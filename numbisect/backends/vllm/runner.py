@@ -355,7 +355,8 @@ def _canonical_input(kind: str, args: list, kwargs: dict) -> torch.Tensor | None
         return x if r is None else x + r
     if kind == "embed":
         return None
-    return hidden_arg(tuple(args), kwargs)
+    x = hidden_arg(tuple(args), kwargs)
+    return x.flatten(1) if kind == "out_gate" and x is not None else x  # [tokens, heads, head dim]
 
 
 def _feed(kind: str, args: list, kwargs: dict, fed: torch.Tensor) -> None:
@@ -382,7 +383,7 @@ def _feed(kind: str, args: list, kwargs: dict, fed: torch.Tensor) -> None:
         return
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.is_floating_point():
-            args[i] = fed.to(a.dtype)
+            args[i] = fed.to(a.dtype).view(a.shape)  # an out_gate's [tokens, heads, head dim] from canonical rows
             return
 
 
@@ -405,4 +406,5 @@ def _canonical_output(kind: str, out) -> torch.Tensor:
     if kind == "layer":  # (hidden_states, residual): the residual stream is their sum
         h, r = out
         return h if r is None else h + r
-    return first(out)
+    y = first(out)
+    return y.flatten(1) if kind == "out_gate" else y  # the gated norm's [tokens, heads, head dim]
