@@ -18,7 +18,7 @@ import os
 import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, hidden_arg, with_hidden
-from numbisect.backends.common import first, head_rows
+from numbisect.backends.common import first, gate_input, head_rows, with_gate_input
 from numbisect.backends.hf import faults, indexer, recurrent, routing, swap, whatif
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.steps import Steps
@@ -141,6 +141,19 @@ class HFBackend(Backend):
             self._forward_batch(batch, full_logits, capture, capture_inputs, fed, res)
         return res
 
+    def _canonical_input(self, name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """A unit call's input as captured and fed: its hidden states (an `out_gate`'s core
+        output and gate together, `gate_input`)."""
+        if self.unit(name).kind == "out_gate":
+            return gate_input(args, self.config)
+        return hidden_arg(args, kwargs)
+
+    def _with_input(self, name: str, args: tuple, kwargs: dict, x: torch.Tensor, new: torch.Tensor) -> tuple[tuple, dict]:
+        """(args, kwargs) with the input `_canonical_input` gave as `x` replaced by `new`."""
+        if self.unit(name).kind == "out_gate":
+            return with_gate_input(args, new), kwargs
+        return with_hidden(args, kwargs, x, new)
+
     def _rows_kind(self, name: str) -> bool:
         return self.unit(name).kind in VISION_KINDS
 
@@ -196,15 +209,15 @@ class HFBackend(Backend):
                 rows = self._rows_kind(name)
 
                 def pre(m, args, kwargs, name=name, rows=rows):
-                    x = hidden_arg(args, kwargs)
+                    x = self._canonical_input(name, args, kwargs)
                     if name in feed and x is not None:
                         new = torch.cat(feed[name]).to(x.dtype).view(x.shape) if rows else pad(feed[name], x)
-                        args, kwargs = with_hidden(args, kwargs, x, new)
+                        args, kwargs = self._with_input(name, args, kwargs, x, new)
                         x = new
                     if name in capture_inputs and x is not None and rows:
                         res.inputs[name].extend(split_rows(x, tokens=False))
                     elif name in capture_inputs and x is not None:
-                        xs = split(x, self.unit(name).kind)
+                        xs = split(x)
                         res.inputs[name].extend(v[:-1] for v in xs) if name == "lm_head" else res.inputs[name].extend(xs)
                     return args, kwargs
 
@@ -242,8 +255,7 @@ class HFBackend(Backend):
         seen: dict[str, list] = {u: [] for u in capture}
         seen_in: dict[str, list] = {u: [] for u in capture_inputs}
 
-        def flat(t: torch.Tensor, name: str) -> torch.Tensor:
-            t = head_rows(self.unit(name).kind, t, self.config)
+        def flat(t: torch.Tensor) -> torch.Tensor:
             return t[0] if t.dim() == 3 else t  # [1, n, ...] or flat [n, ...] (MoE router/experts)
 
         with Ledger() as hooks:
@@ -251,26 +263,26 @@ class HFBackend(Backend):
                 mod = self.module(name)
 
                 def pre(m, args, kwargs, name=name):
-                    x = hidden_arg(args, kwargs)
+                    x = self._canonical_input(name, args, kwargs)
                     if x is None:  # the embedding: input ids [1, n]
                         tokens = next(a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor))
                         m.__dict__["_numbisect_span"] = steps.take(name, tokens.shape[-1])
                         return args, kwargs
-                    span = steps.take(name, flat(x, name).shape[0])
+                    span = steps.take(name, flat(x).shape[0])
                     m.__dict__["_numbisect_span"] = span
                     fed = feed.get(name)
                     if fed is not None and span[1] <= fed.shape[0]:
                         new = fed[span[0] : span[1]].to(x.dtype).view(x.shape)
-                        args, kwargs = with_hidden(args, kwargs, x, new)
+                        args, kwargs = self._with_input(name, args, kwargs, x, new)
                         x = new
                     if name in seen_in:
-                        seen_in[name].append((*span, flat(x, name).detach().to("cpu", copy=True)))
+                        seen_in[name].append((*span, flat(x).detach().to("cpu", copy=True)))
                     return args, kwargs
 
                 def post(m, args, kwargs, out, name=name):
                     if name in seen:
                         span = m.__dict__["_numbisect_span"]
-                        t = flat(first(out), name)
+                        t = flat(head_rows(self.unit(name).kind, first(out), self.config))
                         if self.unit(name).kind == "indexer":  # key ids -> rows of the [T, T] mask of keys picked
                             t = selection_mask(t, span[0], T)
                         seen[name].append((*span, t.detach().to("cpu", copy=True)))
