@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from numbisect import metrics as M
+from numbisect.backends.common import gate_width
 from numbisect.errors import InputError
 
 MODES = ("stats", "full")
@@ -252,6 +253,8 @@ def unit_bytes(unit, tokens: int, config, dtype: torch.dtype) -> int:
         width = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", width)
     elif unit.kind == "indexer":  # the [tokens, tokens] mask of keys picked, float32
         width, dtype = tokens, torch.float32
+    elif unit.kind == "out_gate":  # Gated DeltaNet's gated norm: [tokens, value heads * head dim]
+        width = gate_width(config)
     size = torch.tensor([], dtype=dtype).element_size() if unit.kind != "lm_head" else 4
     return max(tokens, 0) * width * size
 

@@ -30,6 +30,11 @@ KINDS += ("shared_expert_gate",)  # Qwen3.5-MoE: the shared expert's sigmoid gat
 # the output gate) and the projection after it, sub-units of attn; [tokens, value heads * head dim]
 # and [tokens, hidden].
 KINDS += ("out_gate", "out_proj")
+# Sub-units whose input is computed inside their parent (the core output and gate z of the
+# gated norm): never teacher-forced, or the joint local pass (every unit fed the reference's
+# input) would hide the parent's own error before them. Their local error runs from the
+# parent's fed input to their output.
+INNER_KINDS = ("out_gate", "out_proj")
 # Kinds a user may name in `--swap`: every unit of that kind is swapped.
 SWAP_KINDS = KINDS
 # Kinds whose rows are image patches / image tokens, not the trace's tokens.

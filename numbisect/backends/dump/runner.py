@@ -20,6 +20,7 @@ import torch
 
 from numbisect.arch import arch_for
 from numbisect.backends.base import Backend, parse_dtype
+from numbisect.backends.common import gate_width
 from numbisect.dump import LAYOUT_VERSION, SHARDS, STATE_SHARDS
 from numbisect.errors import InputError
 from numbisect.trace import show
@@ -287,6 +288,10 @@ class DumpBackend(Backend):
             if kind in VISION_KINDS:  # rows are image patches / image tokens, not the trace's tokens
                 continue
             width = {"lm_head": cfg.vocab_size, "router": experts, "shared_expert_gate": 1}.get(kind, cfg.hidden_size)
+            in_width = cfg.hidden_size
+            if kind in ("out_gate", "out_proj"):  # Gated DeltaNet: value heads * head dim (the gate's input: core and z)
+                vd = gate_width(self.config)
+                width, in_width = (vd, 2 * vd) if kind == "out_gate" else (cfg.hidden_size, vd)
             for i in range(n):
                 rows = toks[i] - (1 if kind == "lm_head" else 0)
                 if kind == "indexer":  # the [T, T] mask of keys picked (numbisect.selection.selection_mask)
@@ -295,7 +300,7 @@ class DumpBackend(Backend):
                     shape = self._merged_shape(unit, f"{which}.{i}", shard if which == "out" else "replicated")
                     if shape is None:
                         continue
-                    w = width if which == "out" else cfg.hidden_size
+                    w = width if which == "out" else in_width
                     if len(shape) != 2 or shape[0] != rows or (w is not None and shape[-1] != w):
                         raise InputError(f"{self.path}: {unit} {which}put of sample {i} has shape {shape}"
                                          + (f" after merging {self.world} {shard} shards" if which == "out" and shard != "replicated" else "")

@@ -18,7 +18,7 @@ import os
 import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, hidden_arg, with_hidden
-from numbisect.backends.common import first, gate_input, head_rows, with_gate_input
+from numbisect.backends.common import first, gate_input, head_rows
 from numbisect.backends.hf import faults, indexer, recurrent, routing, swap, whatif
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.steps import Steps
@@ -142,17 +142,11 @@ class HFBackend(Backend):
         return res
 
     def _canonical_input(self, name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
-        """A unit call's input as captured and fed: its hidden states (an `out_gate`'s core
-        output and gate together, `gate_input`)."""
+        """A unit call's input as captured (and fed): its hidden states (an `out_gate`'s core
+        output and gate together, `gate_input`; never fed: `INNER_KINDS`)."""
         if self.unit(name).kind == "out_gate":
             return gate_input(args, self.config)
         return hidden_arg(args, kwargs)
-
-    def _with_input(self, name: str, args: tuple, kwargs: dict, x: torch.Tensor, new: torch.Tensor) -> tuple[tuple, dict]:
-        """(args, kwargs) with the input `_canonical_input` gave as `x` replaced by `new`."""
-        if self.unit(name).kind == "out_gate":
-            return with_gate_input(args, new), kwargs
-        return with_hidden(args, kwargs, x, new)
 
     def _rows_kind(self, name: str) -> bool:
         return self.unit(name).kind in VISION_KINDS
@@ -212,7 +206,7 @@ class HFBackend(Backend):
                     x = self._canonical_input(name, args, kwargs)
                     if name in feed and x is not None:
                         new = torch.cat(feed[name]).to(x.dtype).view(x.shape) if rows else pad(feed[name], x)
-                        args, kwargs = self._with_input(name, args, kwargs, x, new)
+                        args, kwargs = with_hidden(args, kwargs, x, new)
                         x = new
                     if name in capture_inputs and x is not None and rows:
                         res.inputs[name].extend(split_rows(x, tokens=False))
@@ -273,7 +267,7 @@ class HFBackend(Backend):
                     fed = feed.get(name)
                     if fed is not None and span[1] <= fed.shape[0]:
                         new = fed[span[0] : span[1]].to(x.dtype).view(x.shape)
-                        args, kwargs = self._with_input(name, args, kwargs, x, new)
+                        args, kwargs = with_hidden(args, kwargs, x, new)
                         x = new
                     if name in seen_in:
                         seen_in[name].append((*span, flat(x).detach().to("cpu", copy=True)))

@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from numbisect.backends.base import ForwardResult, fail, hidden_arg
-from numbisect.backends.common import first, with_gate_input
+from numbisect.backends.common import first
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.steps import Steps, vllm_logit_spans
@@ -356,7 +356,7 @@ def _canonical_input(kind: str, args: list, kwargs: dict) -> torch.Tensor | None
     if kind == "embed":
         return None
     if kind == "out_gate":  # (core, z), each [tokens, heads, head dim]: as backends.common.gate_input
-        return torch.cat([args[0].flatten(1), args[1].flatten(1)], dim=-1)
+        return torch.cat([args[0].flatten(1), args[1].flatten(1)], dim=-1)  # (captured, never fed: INNER_KINDS)
     return hidden_arg(tuple(args), kwargs)
 
 
@@ -368,9 +368,6 @@ def _feed(kind: str, args: list, kwargs: dict, fed: torch.Tensor) -> None:
     """
     x = _canonical_input(kind, args, kwargs)
     if x is None or x.shape[0] != fed.shape[0]:
-        return
-    if kind == "out_gate":  # the core output and the gate, both
-        args[:2] = with_gate_input(tuple(args[:2]), fed)
         return
     # A fused norm `(x, residual)` or a layer `(positions, hidden_states, residual)`: the
     # stream becomes the reference's input and the residual zero, so their sum is it.
