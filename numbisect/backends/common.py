@@ -7,8 +7,8 @@
 - `slot_sum`: the engine's own experts run one top-k slot at a time, summed either in
   float32 (the `fp32 weighted sum` what-if) or in a low precision (the `moe_combine`
   fault), written once for every engine.
-- `gate_width`, `head_rows`, `gate_input`: Gated DeltaNet's gated norm (`out_gate`), which runs per value
-  head, in per-token rows; its two inputs as one canonical input.
+- `gate_width`, `head_rows`, `gate_input`: Gated DeltaNet's gated norm (`out_gate`), which
+  runs per value head, in per-token rows; its two inputs as one canonical input.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ layers, fuses RMSNorm with the residual add, calls attention as `(positions, hid
 in practice; gpt-oss's as `(hidden, positions)`, layers `(hidden, positions, residual)`:
 `hidden_first` tells them apart) and takes logits from a logits processor. Each unit kind has
 an adapter here (`ADAPTERS`; `KIND@VARIANT` for a variant of a kind: Qwen3.5's linear
-attention; `out_gate` and `out_proj`, its sub-units); the donor module keeps its own weights and dtype, and the adapter casts at the
-boundary. The MoE sub-units (router, experts) are swapped inside vLLM's fused-MoE runner
+attention, whose sub-units `out_gate` and `out_proj` have theirs); the donor module keeps
+its own weights and dtype, and the adapter casts at the boundary. The MoE sub-units (router, experts) are swapped inside vLLM's fused-MoE runner
 instead (`moe.py`).
 """
 
@@ -109,7 +109,8 @@ class VllmLinearAttn(VllmHF):
 
 class VllmGatedNorm(VllmHF):
     """Linear attention's gated RMSNorm (the output gate): `(core, z) -> norm(core) * silu(z)`,
-    both [tokens, heads, head dim] in vLLM; the donor's norms each row alike."""
+    both [tokens, heads, head dim] in vLLM; the donor normalises over the last dimension
+    whatever the leading ones, so it takes them as they are."""
 
     def forward(self, x, z):
         return self.inner(x.to(self.rdt), z.to(self.rdt)).to(self.edt)
