@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from numbisect import metrics as M
+from numbisect.backends.common import gate_width
 from numbisect.backends.mla_rope import width as rope_width
 from numbisect.errors import InputError
 
@@ -255,6 +256,8 @@ def unit_bytes(unit, tokens: int, config, dtype: torch.dtype) -> int:
         width, dtype = tokens, torch.float32
     elif unit.kind == "rope":  # MLA's packed query and key rope dims
         width = rope_width(cfg)
+    elif unit.kind == "out_gate":  # Gated DeltaNet's gated norm: [tokens, value heads * head dim]
+        width = gate_width(config)
     size = torch.tensor([], dtype=dtype).element_size() if unit.kind != "lm_head" else 4
     return max(tokens, 0) * width * size
 

@@ -28,6 +28,7 @@ from numbisect.backends.options import HF_OPTS, VLLM_INTS, VLLM_RESERVED, parse_
 from numbisect.errors import InputError
 from numbisect.jsonsafe import sanitize  # noqa: F401  (re-exported: numbisect.compare.sanitize)
 from numbisect.trace import Sample, Trace
+from numbisect.units import INNER_KINDS
 
 METRICS = ("k3-mean", "k3-p99", "kl-mean")
 
@@ -350,8 +351,9 @@ def capture_names(backend: Backend) -> list[str]:
 
 
 def local_feed_names(backend: Backend) -> list[str]:
-    """Units whose input is a hidden state (so they can be teacher-forced)."""
-    return [u.name for u in backend.units if u.kind != "embed"]
+    """Units whose input is a hidden state (so they can be teacher-forced); not those fed
+    from inside their parent (`INNER_KINDS`)."""
+    return [u.name for u in backend.units if u.kind != "embed" and u.kind not in INNER_KINDS]
 
 
 def env_threads() -> int:

@@ -6,7 +6,9 @@ A unit name is one of `embed`, `layers.{i}.input_norm`, `layers.{i}.attn`,
 block gates it), `layers.{i}.attn.rope` (MLA's rotary part: the rotated query and key
 rope dims, packed as numbisect.backends.mla_rope lays them out), `layers.{i}.attn.indexer` (sparse
 attention's token selection, GLM-5's DSA indexer: its output is the [tokens, tokens] 0/1
-mask of the keys each query attends), `layers.{i}` (the residual
+mask of the keys each query attends), `layers.{i}.attn.out_gate` and `.out_proj` (linear
+attention's gated RMSNorm, the output gate, and its output projection: Gated DeltaNet
+layers only), `layers.{i}` (the residual
 stream after the layer), `final_norm` and `lm_head`; multimodal models add `vision`
 (the vision tower, whose output is the image tokens' embeddings) containing
 `vision.projector` (the merger/projector into the language model's width). The unit graph (networkx) holds
@@ -26,6 +28,15 @@ KINDS = ("embed", "norm", "attn", "moe", "mlp", "router", "experts", "shared_exp
          "indexer")
 KINDS += ("shared_expert_gate",)  # Qwen3.5-MoE: the shared expert's sigmoid gate logit (a sub-unit of moe)
 KINDS += ("rope",)  # MLA (DeepSeek-V3, GLM-5): the attention's rotary part (a sub-unit of attn)
+# Gated DeltaNet (Qwen3.5, Qwen3-Next linear attention): the gated RMSNorm (norm(core) * silu(z):
+# the output gate) and the projection after it, sub-units of attn; [tokens, value heads * head dim]
+# and [tokens, hidden].
+KINDS += ("out_gate", "out_proj")
+# Sub-units whose input is computed inside their parent (the core output and gate z of the
+# gated norm): never teacher-forced, or the joint local pass (every unit fed the reference's
+# input) would hide the parent's own error before them. Their local error runs from the
+# parent's fed input to their output.
+INNER_KINDS = ("out_gate", "out_proj")
 # Kinds a user may name in `--swap`: every unit of that kind is swapped.
 SWAP_KINDS = KINDS
 # Kinds whose rows are image patches / image tokens, not the trace's tokens.
@@ -66,13 +77,15 @@ def layer_units(i: int, ffn: str, sub_units: tuple[str, ...], attn_sub_units: tu
 
 
 def build_units(num_layers: int, ffn_kinds: list[str], moe_sub_units: tuple[str, ...], vision: bool = False,
-                attn_sub_units: tuple[str, ...] = ()) -> list[Unit]:
-    """Every unit of a model, in execution order."""
+                attn_sub_units: tuple[str, ...] | list[tuple[str, ...]] = ()) -> list[Unit]:
+    """Every unit of a model, in execution order. `attn_sub_units`: the same for every
+    layer, or a list with each layer's (hybrid models: linear attention has its own)."""
     rows: list[tuple[str, str, str]] = [("embed", "embed", "model")]
     if vision:  # the tower runs after the token embedding, before the first layer
         rows += [("vision.projector", "projector", "vision"), ("vision", "vision", "model")]
     for i in range(num_layers):
-        rows += layer_units(i, ffn_kinds[i], moe_sub_units, attn_sub_units)
+        subs = attn_sub_units[i] if isinstance(attn_sub_units, list) else attn_sub_units
+        rows += layer_units(i, ffn_kinds[i], moe_sub_units, subs)
     rows += [("final_norm", "norm", "model"), ("lm_head", "lm_head", "model")]
     units = []
     for order, (name, kind, parent) in enumerate(rows):

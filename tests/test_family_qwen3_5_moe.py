@@ -46,6 +46,21 @@ def test_map_puts_each_layers_attn_unit_on_its_own_attention_module():
     assert not any(u.kind == "mlp" for u in b.units)
 
 
+def test_linear_attention_layers_have_the_output_gate_and_projection_as_sub_units():
+    b = hf(NAME, "float32")
+    for i in range(3):
+        gate, proj = b.unit(f"layers.{i}.attn.out_gate"), b.unit(f"layers.{i}.attn.out_proj")
+        assert (gate.kind, gate.parent, proj.kind, proj.parent) == ("out_gate", f"layers.{i}.attn", "out_proj", f"layers.{i}.attn")
+        assert gate.order < proj.order < b.unit(f"layers.{i}.attn").order
+        assert type(b.module(gate.name)).__name__ == "Qwen3_5MoeRMSNormGated"
+    assert not [u.name for u in b.units if u.name.startswith("layers.3.attn.")]  # full attention has none
+    # canonical form: [tokens, value heads * head dim], one row per token
+    res = b.forward(session(NAME, "hf", samples=1).samples, capture=["layers.0.attn.out_gate", "layers.0.attn.out_proj"])
+    n = len(session(NAME, "hf", samples=1).samples[0].ids)
+    assert tuple(res.captures["layers.0.attn.out_gate"][0].shape) == (n, 2 * 128)
+    assert tuple(res.captures["layers.0.attn.out_proj"][0].shape) == (n, b.config.hidden_size)
+
+
 def test_select_and_weights_reproduce_the_transformers_router():
     b = hf(NAME, "float32")
     spec = R.router_spec(b.config)
@@ -78,7 +93,9 @@ def test_decode_mode_runs_the_recurrent_step_and_differs_from_prefill_first_in_l
     s = session(NAME, "hf", ref_dtype="float32", engine_dtype="bfloat16", samples=3, engine_mode="decode")
     m = s.compare()["engine_modes"]
     assert m["mode"] == "decode"
-    assert m["decode_vs_prefill"]["first_unit"]["bitwise"] == "layers.0.attn"
+    # the first unit to differ is the output gate, the first module after the recurrence
+    # (the core output it takes differs; the gate and projection are per-token)
+    assert m["decode_vs_prefill"]["first_unit"]["bitwise"] == "layers.0.attn.out_gate"
     # measured: 4.6e-8 between the two paths, 5.4e-5 against the reference
     assert 0 < m["decode_vs_prefill"]["value"] < m["prefill_vs_reference"]["value"] / 100
     assert sorted(m["not_swappable"]["kinds"]) == ["attn", "layer"]
@@ -88,6 +105,9 @@ HF_CASES = [
     ("output_noise=1e-2@layers.1.attn", "layers.1.attn"),  # linear attention (Gated DeltaNet)
     ("weight_noise=1e-2@layers.0.attn", "layers.0.attn"),  # conv, gates, A_log, dt_bias, norm all perturbed
     ("output_noise=1e-2@layers.3.attn", "layers.3.attn"),  # gated full attention
+    ("output_noise=1e-2@layers.1.attn.out_gate", "layers.1.attn.out_gate"),  # the gated RMSNorm
+    ("weight_noise=1e-1@layers.2.attn.out_gate", "layers.2.attn.out_gate"),  # its weight, per head dim
+    ("weight_noise=1e-2@layers.0.attn.out_proj", "layers.0.attn.out_proj"),
     ("output_noise=1e-2@layers.2.moe.experts", "layers.2.moe.experts"),
     ("output_noise=1e-2@layers.1.moe.shared_expert", "layers.1.moe.shared_expert"),
     ("output_noise=1e-1@layers.3.moe.shared_expert_gate", "layers.3.moe.shared_expert_gate"),

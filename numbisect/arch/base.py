@@ -58,12 +58,17 @@ class ArchMap:
     # layers): (config, layer) -> "" or a variant name; the unit stays `layers.{i}.attn` and its
     # module path is looked up under `layers.{i}.attn@VARIANT` first.
     attn_variant: Callable[[Any, int], str] | None = None
+    # Sub-units of attention in the layers of one variant only (Qwen3.5's linear attention:
+    # "out_gate", "out_proj"), after `attn_sub_units`, in execution order.
+    variant_attn_sub_units: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def units(self, config) -> list[Unit]:
         text = config.get_text_config()
         n = text.num_hidden_layers
+        variants = [self.attn_variant(text, i) if self.attn_variant else "" for i in range(n)]
+        subs = [self.attn_sub_units + self.variant_attn_sub_units.get(v, ()) for v in variants]
         units = build_units(n, [self.ffn_kind(text, i) for i in range(n)], self.moe_sub_units, vision=self.vision,
-                            attn_sub_units=self.attn_sub_units)
+                            attn_sub_units=subs)
         if self.attn_variant is None:
             return units
         return [replace(u, variant=self.attn_variant(text, u.layer)) if u.kind == "attn" else u for u in units]

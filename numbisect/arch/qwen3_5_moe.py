@@ -8,7 +8,16 @@ full attention, every layer a sparse MoE block with a gated shared expert.
   delta-rule recurrence over a per-head [k, v] state, the gated RMSNorm `norm` with
   `in_proj_z` as its output gate, `out_proj`. The unit is `layers.{i}.attn` with variant
   "linear": a swap carries the whole module (conv, gates, state handling); it takes no
-  rotary cos/sin.
+  rotary cos/sin. Two sub-units, modules on both sides: `layers.{i}.attn.out_gate` (kind
+  `out_gate`, the gated RMSNorm `norm(core, z)` = rmsnorm(core) * silu(z), per value head;
+  canonical output [tokens, value heads * head dim] in head order, as transformers
+  flattens [tokens * heads, head dim] and vLLM [tokens, heads, head dim]) and
+  `layers.{i}.attn.out_proj` (kind `out_proj`, the projection back to the hidden size).
+  The conv, the gates (beta, g) and the delta-rule recurrence are no units: transformers
+  calls the conv as a function on `conv1d.weight` and computes the gates inline, and
+  vLLM-CPU runs conv and recurrence (gates included) inside one custom op
+  (`torch.ops.vllm.cpu_gdn_attention_core`): nothing to hook without patching that op.
+  A fault there is named as the attention unit, with neither sub-unit fixing it.
 - "full_attention": transformers `self_attn` (Qwen3_5MoeAttention): Qwen3's attention
   with q/k norms and an output gate (`q_proj` gives the queries and a per-head gate,
   sigmoid(gate) scales the attention output before `o_proj`), partial rotary.
@@ -34,6 +43,8 @@ from numbisect.arch.qwen3_moe import _HF as _QWEN_HF
 _HF = {
     **_QWEN_HF,
     "layers.{i}.attn@linear": "model.layers.{i}.linear_attn",
+    "layers.{i}.attn.out_gate": "model.layers.{i}.linear_attn.norm",
+    "layers.{i}.attn.out_proj": "model.layers.{i}.linear_attn.out_proj",
     "layers.{i}.moe.shared_expert": "model.layers.{i}.mlp.shared_expert",
     "layers.{i}.moe.shared_expert_gate": "model.layers.{i}.mlp.shared_expert_gate",
 }
@@ -41,6 +52,9 @@ _HF = {
 
 def _attn_variant(config, i: int) -> str:
     return "linear" if config.layer_types[i] == "linear_attention" else ""
+
+
+LINEAR_SUB_UNITS = {"linear": ("out_gate", "out_proj")}  # Gated DeltaNet's sub-units, in execution order
 
 
 ARCH = ArchMap(
@@ -53,4 +67,5 @@ ARCH = ArchMap(
     moe_sub_units=("router", "experts", "shared_expert", "shared_expert_gate"),
     router_spec=lambda c: RouterSpec(c.num_experts_per_tok, c.num_experts, "softmax", True),
     attn_variant=_attn_variant,
+    variant_attn_sub_units=LINEAR_SUB_UNITS,
 )

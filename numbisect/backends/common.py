@@ -7,6 +7,8 @@
 - `slot_sum`: the engine's own experts run one top-k slot at a time, summed either in
   float32 (the `fp32 weighted sum` what-if) or in a low precision (the `moe_combine`
   fault), written once for every engine.
+- `gate_width`, `head_rows`, `gate_input`: Gated DeltaNet's gated norm (`out_gate`), which
+  runs per value head, in per-token rows; its two inputs as one canonical input.
 """
 
 from __future__ import annotations
@@ -18,6 +20,26 @@ import torch
 from torch import nn
 
 LOWP = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
+
+
+def gate_width(config) -> int:
+    """Width of an `out_gate`'s output and of `out_proj`'s input: value heads * head dim."""
+    text = config.get_text_config()
+    return text.linear_num_value_heads * text.linear_value_head_dim
+
+
+def head_rows(kind: str, t: torch.Tensor, config) -> torch.Tensor:
+    """An `out_gate` activation as [tokens, value heads * head dim]: the gated norm runs per
+    value head, on [tokens * heads, head dim] in transformers and [tokens, heads, head dim]
+    in vLLM; other kinds as they are."""
+    return t.reshape(-1, gate_width(config)) if kind == "out_gate" else t
+
+
+def gate_input(args: tuple, config) -> torch.Tensor:
+    """An `out_gate`'s canonical input: its two inputs, the core attention output and the
+    gate z, as [tokens, 2 * value heads * head dim] (every head's core, then every head's z)."""
+    core, z = args[0], args[1]
+    return torch.cat([head_rows("out_gate", core, config), head_rows("out_gate", z, config)], dim=-1)
 
 
 def first(x):

@@ -20,6 +20,7 @@ import torch
 
 from numbisect.arch import arch_for
 from numbisect.backends.base import Backend, parse_dtype
+from numbisect.backends.common import gate_width
 from numbisect.backends.mla_rope import width as rope_width
 from numbisect.dump import LAYOUT_VERSION, SHARDS, STATE_SHARDS
 from numbisect.errors import InputError
@@ -291,6 +292,9 @@ class DumpBackend(Backend):
             width_in = cfg.hidden_size
             if kind == "rope":  # MLA's packed query and key rope dims, in and out (numbisect.backends.mla_rope)
                 width = width_in = rope_width(cfg)
+            if kind in ("out_gate", "out_proj"):  # Gated DeltaNet: value heads * head dim (the gate's input: core and z)
+                vd = gate_width(self.config)
+                width, width_in = (vd, 2 * vd) if kind == "out_gate" else (cfg.hidden_size, vd)
             for i in range(n):
                 rows = toks[i] - (1 if kind == "lm_head" else 0)
                 if kind == "indexer":  # the [T, T] mask of keys picked (numbisect.selection.selection_mask)

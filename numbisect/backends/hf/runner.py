@@ -18,7 +18,7 @@ import os
 import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, hidden_arg, with_hidden
-from numbisect.backends.common import first
+from numbisect.backends.common import first, gate_input, head_rows
 from numbisect.backends.hf import faults, indexer, recurrent, rope, routing, swap, whatif
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.steps import Steps
@@ -142,6 +142,13 @@ class HFBackend(Backend):
             self._forward_batch(batch, full_logits, capture, capture_inputs, fed, res)
         return res
 
+    def _canonical_input(self, name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """A unit call's input as captured (and fed): its hidden states (an `out_gate`'s core
+        output and gate together, `gate_input`; never fed: `INNER_KINDS`)."""
+        if self.unit(name).kind == "out_gate":
+            return gate_input(args, self.config)
+        return hidden_arg(args, kwargs)
+
     def _rows_kind(self, name: str) -> bool:
         return self.unit(name).kind in VISION_KINDS
 
@@ -178,7 +185,8 @@ class HFBackend(Backend):
             t = t.reshape(sum(sizes), -1) if t.shape[0] != sum(sizes) else t
             return [x.detach().to("cpu", copy=True) for x in torch.split(t, sizes)]
 
-        def split(t: torch.Tensor) -> list[torch.Tensor]:
+        def split(t: torch.Tensor, kind: str = "") -> list[torch.Tensor]:
+            t = head_rows(kind, t, self.config)
             if t.dim() == 2:  # flat [B*T, ...] (MoE router/experts see flattened tokens)
                 t = t.view(B, T, -1)
             return [t[b, : lens[b]].detach().to("cpu", copy=True) for b in range(B)]
@@ -196,7 +204,7 @@ class HFBackend(Backend):
                 rows = self._rows_kind(name)
 
                 def pre(m, args, kwargs, name=name, rows=rows):
-                    x = hidden_arg(args, kwargs)
+                    x = self._canonical_input(name, args, kwargs)
                     if name in feed and x is not None:
                         new = torch.cat(feed[name]).to(x.dtype).view(x.shape) if rows else pad(feed[name], x)
                         args, kwargs = with_hidden(args, kwargs, x, new)
@@ -219,7 +227,7 @@ class HFBackend(Backend):
                         elif self.unit(name).kind == "indexer":  # key ids -> the [n, n] mask of keys picked
                             res.captures[name].extend(selection_mask(t[b, : lens[b]], 0, lens[b]) for b in range(B))
                         else:
-                            res.captures[name].extend(split(t))
+                            res.captures[name].extend(split(t, self.unit(name).kind))
 
                 hooks.hooks(mod, pre=pre, post=post)
             try:
@@ -250,7 +258,7 @@ class HFBackend(Backend):
                 mod = self.module(name)
 
                 def pre(m, args, kwargs, name=name):
-                    x = hidden_arg(args, kwargs)
+                    x = self._canonical_input(name, args, kwargs)
                     if x is None:  # the embedding: input ids [1, n]
                         tokens = next(a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor))
                         m.__dict__["_numbisect_span"] = steps.take(name, tokens.shape[-1])
@@ -269,7 +277,7 @@ class HFBackend(Backend):
                 def post(m, args, kwargs, out, name=name):
                     if name in seen:
                         span = m.__dict__["_numbisect_span"]
-                        t = flat(first(out))
+                        t = flat(head_rows(self.unit(name).kind, first(out), self.config))
                         if self.unit(name).kind == "indexer":  # key ids -> rows of the [T, T] mask of keys picked
                             t = selection_mask(t, span[0], T)
                         seen[name].append((*span, t.detach().to("cpu", copy=True)))

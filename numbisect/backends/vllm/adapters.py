@@ -6,8 +6,8 @@ layers, fuses RMSNorm with the residual add, calls attention as `(positions, hid
 in practice; gpt-oss's as `(hidden, positions)`, layers `(hidden, positions, residual)`:
 `hidden_first` tells them apart) and takes logits from a logits processor. Each unit kind has
 an adapter here (`ADAPTERS`; `KIND@VARIANT` for a variant of a kind: Qwen3.5's linear
-attention); the donor module keeps its own weights and dtype, and the adapter casts at the
-boundary. The MoE sub-units (router, experts) are swapped inside vLLM's fused-MoE runner
+attention, whose sub-units `out_gate` and `out_proj` have theirs); the donor module keeps
+its own weights and dtype, and the adapter casts at the boundary. The MoE sub-units (router, experts) are swapped inside vLLM's fused-MoE runner
 instead (`moe.py`).
 """
 
@@ -120,6 +120,15 @@ class VllmLinearAttn(VllmHF):
         return self.inner(hidden_states=hidden_states.to(self.rdt)[None])[0].to(self.edt)
 
 
+class VllmGatedNorm(VllmHF):
+    """Linear attention's gated RMSNorm (the output gate): `(core, z) -> norm(core) * silu(z)`,
+    both [tokens, heads, head dim] in vLLM; the donor normalises over the last dimension
+    whatever the leading ones, so it takes them as they are."""
+
+    def forward(self, x, z):
+        return self.inner(x.to(self.rdt), z.to(self.rdt)).to(self.edt)
+
+
 class VllmGatedShared(VllmHF):
     """A shared expert vLLM gates itself (Qwen3.5-MoE's Qwen2MoeMLP with `expert_gate`): the
     donor (transformers' ungated MLP), times the sigmoid of the block's `shared_expert_gate`
@@ -195,6 +204,8 @@ ADAPTERS = {
     "mlp": VllmBlock,
     "shared_expert": VllmBlock,
     "shared_expert_gate": VllmLinearOut,
+    "out_gate": VllmGatedNorm,
+    "out_proj": VllmLinearOut,
     "layer": VllmLayer,
     "lm_head": VllmLogits,
 }

@@ -356,6 +356,8 @@ def _canonical_input(kind: str, args: list, kwargs: dict) -> torch.Tensor | None
         return x if r is None else x + r
     if kind == "embed":
         return None
+    if kind == "out_gate":  # (core, z), each [tokens, heads, head dim]: as backends.common.gate_input
+        return torch.cat([args[0].flatten(1), args[1].flatten(1)], dim=-1)  # (captured, never fed: INNER_KINDS)
     return hidden_arg(tuple(args), kwargs)
 
 
@@ -406,4 +408,5 @@ def _canonical_output(kind: str, out) -> torch.Tensor:
     if kind == "layer":  # (hidden_states, residual): the residual stream is their sum
         h, r = out
         return h if r is None else h + r
-    return first(out)
+    y = first(out)
+    return y.flatten(1) if kind == "out_gate" else y  # the gated norm's [tokens, heads, head dim]
