@@ -276,6 +276,14 @@ def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress, cu
             "method": "eager engine, every unit fed the good state's unit inputs, the op in the good state vs the user's"}
 
 
+def localisation_target(culprits: list[str]) -> str | None:
+    """The atom the localisation runs under: a single culprit, or `compiled` when the
+    others are custom ops (they are put in the user's state for it); otherwise none."""
+    if E.COMPILED in culprits and all(c == E.COMPILED or c.startswith(E.OP_PREFIX) for c in culprits):
+        return E.COMPILED
+    return culprits[0] if len(culprits) == 1 else None
+
+
 def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, resume=None, localise_culprit=True,
                    progress=lambda m: None) -> tuple[dict, int]:
     """Everything `bisect conditions` does; the report body and the exit code."""
@@ -352,9 +360,7 @@ def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, r
     cond["culprits"] = names
     cond["search"] = {k: v for k, v in found.to_dict().items() if k != "culprits"}
     cond["trials"] = [t.to_dict() for t in runner.trials]
-    # One culprit, or `compiled` among custom ops (localised with those ops in the user's state).
-    target = E.COMPILED if E.COMPILED in names and all(n == E.COMPILED or n.startswith(E.OP_PREFIX) for n in names) else (
-        names[0] if len(names) == 1 else None)
+    target = localisation_target(names)
     if localise_culprit and target:
         try:
             cond["localisation"] = localise(sess, target, eng, run_child, progress, culprits=names)

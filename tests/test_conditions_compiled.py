@@ -31,6 +31,19 @@ def test_answer_ops_put_the_answers_ops_in_the_users_state_and_the_rest_in_the_g
     assert answer_ops([E.COMPILED], eng) == ["+quant_fp8", "-rms_norm", "-rotary_embedding", "-silu_and_mul"]
 
 
+@pytest.mark.parametrize("culprits, target", [
+    (["compiled"], "compiled"),
+    (["compiled", "custom_op:rotary_embedding"], "compiled"),  # the op in the user's state, then compiled
+    (["custom_op:rotary_embedding"], "custom_op:rotary_embedding"),
+    (["compiled", "enable_prefix_caching"], None),
+    (["custom_op:rms_norm", "custom_op:rotary_embedding"], None),
+])
+def test_localisation_target(culprits, target):
+    from numbisect.condbisect import localisation_target
+
+    assert localisation_target(culprits) == target
+
+
 @pytest.mark.vllm
 def test_conditions_localise_a_guilty_compiled_path(tmp_path):
     """Compiled, every custom op native as in the known-good configuration, prefix caching
