@@ -1,5 +1,6 @@
-"""The text of a report's `conditions` section (`bisect conditions`): torch-free, read by
-`numbisect.render` for the summary and `bisect report show`."""
+"""The text of a report's `conditions` section (`bisect conditions`) and `engine_config`
+section (`compare` / `run --engine-config`): torch-free, read by `numbisect.render` for the
+summary and `bisect report show`, `report md` and the TUI."""
 
 from __future__ import annotations
 
@@ -44,19 +45,45 @@ def conditions_lines(cond) -> list[str]:
     return out
 
 
-def engine_config_lines(ec) -> list[str]:
-    """One line for a report's `engine_config` section (`compare` / `run --engine-config`):
-    which parts ran in the user's configuration and which in the hookable one."""
+def _d(x) -> dict:
+    return x if isinstance(x, dict) else {}
+
+
+def engine_config_finding(ec, aligned: bool, value, threshold) -> tuple[str, str]:
+    """(mark, sentence): whether the module search, run in the hookable configuration, saw
+    the numbers of the user's own configuration (the one the verdict judges). Mark "=":
+    exactly; "!!": the user's settings alone diverge (the search cannot find it); "!": near
+    them, not them; "?": not compared."""
+    ec = _d(ec)
+    if ec.get("child") is not True:
+        return "=", ("your settings run with hooks as they are: the token comparison, the captures and the search all "
+                     "ran in them; the module search sees exactly your numbers")
+    vs, hb = _d(ec.get("hookable_vs_user")), _d(ec.get("hookable_baseline"))
+    if vs.get("bitwise") is True:
+        return "=", "the hookable configuration's log-probs are bitwise equal to yours: the module search sees exactly your numbers"
+    if not aligned and hb.get("verdict") == "aligned":
+        return "!!", (f"your settings alone diverge: yours {fmt(value)} > {fmt(threshold)}, the hookable configuration's "
+                      f"{fmt(hb.get('value'))} is under it; the module search runs in the hookable one and cannot find it: "
+                      f"`bisect conditions --engine-config {ec.get('file') or 'FILE'}` names the setting")
+    if vs.get("bitwise") is False:
+        return "!", (f"the hookable configuration's log-probs differ from yours (k3 {fmt(vs.get('k3_mean'))}, max |diff| "
+                     f"{fmt(vs.get('max_abs_diff'))}): the module search sees numbers near yours, not yours")
+    return "?", "the hookable configuration's log-probs were not compared with yours"
+
+
+def engine_config_lines(v) -> list[str]:
+    """A report's `engine_config` section (`compare` / `run --engine-config`), for the summary
+    and `bisect report show`: which parts ran in the user's configuration and which in the
+    hookable one, then whether the module search saw the user's numbers."""
+    ec = v.r.get("engine_config")
     if not isinstance(ec, dict):
         return []
     src = f" ({ec.get('file')})" if ec.get("file") else ""
-    if not ec.get("child"):
-        return [f"engine config: your settings{src} run with hooks as they are: every part ran in them"]
+    mark, sentence = engine_config_finding(ec, v.aligned, v.value, v.threshold)
+    if ec.get("child") is not True:
+        return [f"engine config{src}: {sentence}"]
     changed = ", ".join(map(str, ec.get("changed") if isinstance(ec.get("changed"), list) else [])) or "nothing"
-    vs = ec.get("hookable_vs_user") if isinstance(ec.get("hookable_vs_user"), dict) else {}
-    same = ("bitwise equal to yours" if vs.get("bitwise") else f"k3 {fmt(vs.get('k3_mean'))} from yours (max |diff| {fmt(vs.get('max_abs_diff'))})"
-            if vs else "not compared")
-    hb = ec.get("hookable_baseline") if isinstance(ec.get("hookable_baseline"), dict) else {}
+    hb = _d(ec.get("hookable_baseline"))
     return [f"engine config: token metrics in your settings{src} (child process); captures and search in the hookable one "
-            f"(changed: {changed}), whose log-probs are {same}, {hb.get('verdict', '?')} against the reference "
-            f"(value {fmt(hb.get('value'))})"]
+            f"(changed: {changed}), {hb.get('verdict', '?')} against the reference (value {fmt(hb.get('value'))})",
+            f"{'  ' if mark == '=' else mark + ' '}{sentence}"]

@@ -225,7 +225,7 @@ def render(r: dict | ReportView) -> str:
     from numbisect.selection_render import selection_lines
 
     v = view(r)
-    parts = header(v) + engine_config_lines(v.r.get("engine_config")) + [""] + token_table(v) + rl_lines(v)
+    parts = header(v) + engine_config_lines(v) + [""] + token_table(v) + rl_lines(v)
     for section in (unit_table(v), state_lines(v), routing_lines(v), selection_lines(v)):
         if section:
             parts += [""] + section

@@ -446,6 +446,21 @@ def _env_lines(v: ReportView) -> list[str]:
     return out
 
 
+def _engine_config_md(v: ReportView) -> list[str]:
+    """The `engine_config` section (`--engine-config`): whether the module search saw the
+    user's numbers, and the settings changed so hooks could run."""
+    from numbisect.conditions_render import engine_config_finding
+
+    ec = v.r.get("engine_config")
+    if not isinstance(ec, dict):
+        return []
+    _, sentence = engine_config_finding(ec, v.aligned, v.value, v.threshold)
+    src = f" ({_code(ec.get('file'))})" if ec.get("file") else ""
+    changed = ec.get("changed") if isinstance(ec.get("changed"), list) else []
+    more = f" Changed so hooks can run: {', '.join(_code(c) for c in changed)}." if changed and ec.get("child") is True else ""
+    return ["", f"**Your engine configuration**{src}: {_md(sentence)}.{more}"]
+
+
 def markdown(r: dict | ReportView) -> str:
     """A Markdown summary of one report, to paste into a GitHub issue; a report's strings
     show as escaped text or code spans (no markup, no control characters of their own)."""
@@ -465,6 +480,7 @@ def markdown(r: dict | ReportView) -> str:
         parts += [f"{_md(x.strip())}" for x in cl[1:]]
     elif cl:
         parts += ["", _md(cl[0])]
+    parts += _engine_config_md(v)
     sl = _search_lines(v)
     if sl:
         parts += [""] + sl

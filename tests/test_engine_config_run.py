@@ -133,9 +133,11 @@ def test_run_cli_with_prefix_caching(tmp_path):
     assert ec["child"] and ec["changed"] == ["enable_prefix_caching"] and ec["user"] == {"enforce_eager": True, "enable_prefix_caching": True}
     assert ec["hookable_vs_user"]["bitwise"] is True  # requests asking prompt log-probs skip the cache
     assert rep["search"]["strategy"] == "swap"
-    assert [x for x in r.stdout.splitlines() if x.startswith("engine config:")] == [
+    lines = r.stdout.splitlines()
+    i = next(i for i, x in enumerate(lines) if x.startswith("engine config:"))
+    assert lines[i:i + 2] == [
         f"engine config: token metrics in your settings ({cfg}) (child process); captures and search in the hookable one "
-        f"(changed: enable_prefix_caching), whose log-probs are bitwise equal to yours, aligned against the reference "
-        f"(value {fmt(ec['hookable_baseline']['value'])})"]
+        f"(changed: enable_prefix_caching), aligned against the reference (value {fmt(ec['hookable_baseline']['value'])})",
+        "  the hookable configuration's log-probs are bitwise equal to yours: the module search sees exactly your numbers"]
     show = _bisect("report", "validate", str(out))
     assert show.returncode == 0, show.stderr

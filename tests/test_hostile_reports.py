@@ -40,6 +40,8 @@ BASES = {
     "compare_vllm": ROOT / "fixtures" / "reports" / "qwen3_moe_compare_vllm.json",
     "compare_hf": ROOT / "tests" / "data" / "report_compare_hf.json",
     "conditions": ROOT / "fixtures" / "reports" / "qwen3_moe_conditions.json",
+    "engine_config": ROOT / "fixtures" / "reports" / "qwen3_moe_engine_config.json",
+    "engine_config_run": ROOT / "fixtures" / "reports" / "qwen3_moe_engine_config_compiled.json",
 }
 BASE = {k: json.loads(p.read_text()) for k, p in BASES.items()}
 
@@ -47,7 +49,7 @@ BASE = {k: json.loads(p.read_text()) for k, p in BASES.items()}
 def _every_section() -> dict:
     """The run report with every optional section the tool writes (shapes copied from real
     runs of the qwen3_moe fixture: decode mode, routing with replay, a floor threshold, a
-    precision what-if, a failed post-search step), so the generated cases reach their readers."""
+    precision what-if, a failed post-search step, --engine-config), so the generated cases reach their readers."""
     r = copy.deepcopy(BASE["run"])
     r["threshold"]["threshold_origin"] = {"source": "file", "file": "floor.json", "factor": 2.0, "floor": 0.0005, "variants": ["batch", "attn"]}
     r["culprits"][0]["precision"] = {"suggested": "accumulate the expert weighted sum in fp32", "whatifs": [
@@ -82,7 +84,8 @@ def _every_section() -> dict:
     r["inputs"]["engine"]["mode"] = "decode"
     r["logprob_contract"] = {"verdict": "processed", "positions": 480, "raw_error": 0.1437, "fit_error": 0.0039, "inconsistent_raw": 0,
                              "fitted": {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "kept_mass": 0.972, "inconsistent": 0},
-                             "advice": "the rollout's log-probs are processed (temperature 0.7, top-p 0.9)"}
+                             "advice": "the rollout's log-probs are processed (temperature 0.7, top-p 0.9)", "source": "engine_config"}
+    r["engine_config"] = copy.deepcopy(BASE["engine_config_run"]["engine_config"])
     return r
 
 

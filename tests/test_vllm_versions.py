@@ -104,7 +104,7 @@ def test_forced_decode_works_on_this_vllm():
     assert 0 <= em["decode_vs_prefill"]["value"] < 1e-6  # the trace's own tokens were decoded (forced)
 
 
-@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3", "gpt_oss", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3", "gpt_oss", "qwen3_5_moe", "qwen3_next"])
 def test_every_hook_point_of_each_family_exists_runs_and_swaps_to_zero_on_this_vllm(family):
     """The families added after the first releases were checked on reach into other vLLM
     modules (MLA, sinks, Gated DeltaNet): on each release, each of their hook points exists

@@ -18,6 +18,9 @@
    guilty setting in the answer bar, its settings, atoms, RL cost against the reference
    and localisation in the Overview (`widgets/conditions.py`), its trials (atoms reverted)
    in the Trials tab.
+7. A report of `compare` / `run --engine-config` shows its `engine_config` section in the
+   Overview (`widgets/engine_config.py`): whether the module search, run in the hookable
+   configuration, saw your numbers; "your settings alone diverge" is then the answer bar's.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def _draw_all(r: dict, report_path: str | None) -> None:
     """Every text the app draws from report `r` (already printable), once."""
     M.verdict_line(r)
     M.culprit_lines(r)
+    M.trials_note(r)
     overview_text(r)
     tol = M.unit_tol(r)
     M.legend(tol)
@@ -257,7 +261,8 @@ class BisectApp(App[int]):
         metric = report_view(r).metric if r else (self.live.settings.metric if self.live else "k3-mean")
         universe = M.candidate_universe(r) if r else []
         cond = r is not None and M.conditions_of(r) is not None
-        self.main.query_one(TrialsPanel).reset(self.trials, th, metric, universe, conditions=cond)
+        self.main.query_one(TrialsPanel).reset(self.trials, th, metric, universe, conditions=cond,
+                                               note=M.trials_note(r) if r is not None else "")
 
     def refresh_detail(self) -> None:
         manual = [m for m in self.manual if self.selected in m["units"]]

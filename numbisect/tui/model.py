@@ -12,6 +12,9 @@
    `localisation_rows` are its Overview's tables, `report_trials` its trials (atoms
    reverted to the known-good state), `trial_reference` a trial's RL cost against the
    reference.
+6. A report of `compare` / `run --engine-config FILE` (`engine_config_of`): where each part
+   ran (your settings or the hookable ones), `engine_config_finding` whether the module
+   search saw your numbers, `engine_settings_rows` / `engine_op_rows` its Overview's tables.
 
 Every verdict carries a word or a symbol, never only a colour.
 
@@ -30,6 +33,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from numbisect.conditions_render import engine_config_finding as engine_config_finding_of
 from numbisect.formatting import fmt, num, pct
 from numbisect.reportview import ReportView, view
 from numbisect.units import Unit, children, unit_graph
@@ -89,10 +93,47 @@ def verdict_line(r: dict | ReportView) -> tuple[str, str, str]:
 
 
 def culprit_lines(r: dict | ReportView) -> list[tuple[str, str]]:
-    """(style, sentence) lines: the answer with its evidence."""
+    """(style, sentence) lines: the answer with its evidence, after the log-prob contract
+    when the engine's log-probs are processed (the report's first finding)."""
     rv = view(r)
+    return contract_line(rv) + _answer_lines(rv) + engine_config_line(rv)
+
+
+def engine_config_line(r: dict | ReportView) -> list[tuple[str, str]]:
+    """With --engine-config, a short line on whether the module search saw your numbers
+    (the Overview has the whole section; "your settings alone diverge" is the answer itself)."""
+    rv = view(r)
+    if engine_config_of(rv) is None:
+        return []
+    mark, style, _ = engine_config_finding(rv)
+    vs = _d(engine_config_of(rv).get("hookable_vs_user"))
+    short = {"=": "your engine configuration: the module search sees exactly your numbers",
+             "!": f"your engine configuration: the module search sees numbers near yours (k3 {fmt(vs.get('k3_mean'))} apart), "
+                  "not yours"}
+    return [(style, short[mark])] if mark in short else []
+
+
+def contract_line(r: dict | ReportView) -> list[tuple[str, str]]:
+    """The log-prob contract in one line when it is processed (its advice is in the Overview)."""
+    c = view(r).logprob_contract
+    if c.get("verdict") != "processed":
+        return []
+    f = _d(c.get("fitted"))
+    top_k = f.get("top_k")
+    fitted = [f"temperature {fmt(f.get('temperature'))}"] + ([f"top-p {fmt(f.get('top_p'))}"] if num(f.get("top_p")) != 1 else []) \
+        + ([f"top-k {fmt(top_k)}"] if top_k else [])
+    whose = "your engine's" if c.get("source") == "engine_config" else "the rollout's"
+    return [("bold red", f"!! log-prob contract: {whose} log-probs are processed (fitted: {', '.join(fitted)}), "
+                         "not the model's raw ones: what to change is in the Overview")]
+
+
+def _answer_lines(rv: ReportView) -> list[tuple[str, str]]:
     if conditions_of(rv) is not None:
         return conditions_culprit_lines(rv)
+    if engine_config_of(rv) is not None:
+        mark, style, sentence = engine_config_finding(rv)
+        if mark == "!!":  # the search ran in the hookable configuration: it cannot find what only your settings do
+            return [(style, sentence)]
     words = metric_words(rv.metric)
     s = rv.search
     if not s:
@@ -506,6 +547,73 @@ def conditions_culprit_lines(r: dict | ReportView) -> list[tuple[str, str]]:
         return [("green", "aligned: your settings give the known-good configuration's log-probs"
                           + (" bitwise" if cond.get("bitwise_equal") is True else ""))]
     return [("yellow", f"{verdict}: {s.get('stop_reason')}")]
+
+
+# -- engine_config (compare / run --engine-config) ------------------------------------------
+def engine_config_of(r: dict | ReportView) -> dict | None:
+    """The `engine_config` section (the user's vLLM settings and where each part ran); None
+    when the report has none."""
+    ec = view(r).r.get("engine_config")
+    return ec if isinstance(ec, dict) else None
+
+
+FINDING_STYLE = {"=": "green", "!!": "bold red", "!": "yellow", "?": "dim"}
+
+
+def engine_config_finding(r: dict | ReportView) -> tuple[str, str, str]:
+    """(mark, style, sentence): whether the module search (run in the hookable configuration)
+    saw the numbers of the user's own configuration (`conditions_render.engine_config_finding`)."""
+    rv = view(r)
+    mark, sentence = engine_config_finding_of(engine_config_of(rv), rv.aligned, rv.value, rv.threshold)
+    return mark, FINDING_STYLE[mark], sentence
+
+
+def trials_note(r: dict | ReportView) -> str:
+    """The Trials caption's end when the search ran in another configuration than the
+    verdict's (--engine-config with a child): its trials' values are the hookable one's."""
+    rv = view(r)
+    ec = engine_config_of(rv)
+    if ec is None or ec.get("child") is not True:
+        return ""
+    return f"; the trials ran in the hookable configuration (yours: {fmt(rv.value)}, the Overview)"
+
+
+PARTS = {"tokens": "token comparison (log-probs, k3, KL, RL cost)", "units": "per-unit captures, self-check",
+         "search": "module search, what-ifs"}
+
+
+def engine_part_rows(ec: dict) -> list[tuple[str, str]]:
+    """(part, where it ran: yours or hookable) for each part the section names."""
+    parts = _d(ec.get("parts"))
+    where = {"user": "your settings", "hookable": "hookable settings"}
+    return [(PARTS.get(str(k), str(k)), where.get(v, v) if isinstance(v, str) else setting_text(v)) for k, v in parts.items()]
+
+
+def engine_settings_rows(ec: dict) -> list[tuple[str, str, str, str]]:
+    """(mark, setting, yours, hookable) for every setting either side gives or `changed`
+    names, the changed ones first. Mark "≠": the hookable configuration changed it; "~":
+    written out, the same in effect (a default, or custom ops in the states your engine
+    reported); " ": equal. A setting one side leaves out reads "(not set)"."""
+    user, hook = _d(ec.get("user")), _d(ec.get("hookable"))
+    changed = {str(c) for c in ec.get("changed") or []} if isinstance(ec.get("changed"), list) else set()
+    rows = []
+    for k in sorted(set(user) | set(hook) | changed, key=str):
+        a = setting_text(user[k]) if k in user else "(not set)"
+        b = setting_text(hook[k]) if k in hook else "(not set)"
+        mark = "≠" if str(k) in changed else " " if user.get(k, _UNSET) == hook.get(k, _UNSET) else "~"
+        rows.append((mark, str(k), a, b))
+    return sorted(rows, key=lambda x: {"≠": 0, "~": 1}.get(x[0], 2))
+
+
+def engine_op_rows(ec: dict) -> tuple[list[str], list[str]]:
+    """The custom ops the user's engine reported on and off ([] and [] when it did not say)."""
+    ops = _d(ec.get("custom_ops"))
+
+    def names(key):
+        v = ops.get(key)
+        return [setting_text(x) if not isinstance(x, str) else x for x in v] if isinstance(v, list) else []
+
+    return names("enabled"), names("disabled")
 
 
 # -- tokens --------------------------------------------------------------------------------

@@ -42,3 +42,12 @@ COND = "fixtures/reports/qwen3_moe_conditions.json"
 @pytest.mark.parametrize("keys", [[], ["4"]], ids=["overview", "trials"])
 def test_conditions_report_screens(snap_compare, keys):
     assert snap_compare(report_app(COND), press=keys, terminal_size=SIZE)
+
+
+ENGINE_CONFIG = {"eager_bitwise": "fixtures/reports/qwen3_moe_engine_config.json",
+                 "compiled_alone_diverges": "fixtures/reports/qwen3_moe_engine_config_compiled.json"}
+
+
+@pytest.mark.parametrize("path", list(ENGINE_CONFIG.values()), ids=list(ENGINE_CONFIG))
+def test_engine_config_report_overview(snap_compare, path):
+    assert snap_compare(report_app(path), terminal_size=(130, 50))

@@ -12,18 +12,19 @@ from numbisect.reportview import ReportView, view
 from numbisect.tui import model as M
 
 
-def _cell(s: str, width: int) -> str:
+def cell(s: str, width: int) -> str:
     """`s` in a column of `width` (cut with an ellipsis when longer)."""
     return (s if len(s) <= width else s[: width - 1] + "…").ljust(width)
 
 
-def _pairs(t: Text, title: str, rows: list[tuple[str, str, str, str]], width: int = 28) -> None:
+def pairs(t: Text, title: str, rows: list[tuple[str, str, str, str]], width: int = 28, other: str = "known-good") -> None:
+    """A table of (mark, name, yours, the other configuration's), the differing rows marked."""
     t.append(f"\n{title}\n", style="bold")
-    t.append(f"  {'':2}{_cell('', width)} {_cell('yours', 34)} known-good\n", style="dim")
+    t.append(f"  {'':2}{cell('', width)} {cell('yours', 34)} {other}\n", style="dim")
     for mark, name, a, b in rows:
         differs = mark == "≠"
-        t.append(f"  {mark} {_cell(name, width)} ", style="bold" if differs else "")
-        t.append(_cell(a, 34) + " ", style="yellow" if differs else "")
+        t.append(f"  {mark} {cell(name, width)} ", style="bold" if differs else "")
+        t.append(cell(a, 34) + " ", style="yellow" if differs else "")
         t.append(b + "\n")
 
 
@@ -33,20 +34,20 @@ def conditions_text(r: dict | ReportView) -> Text:
     t = Text()
     s = M.section(cond, "search")
     t.append(f"search: {s.get('verdict')} after {s.get('trials_used')} trials: {s.get('stop_reason')}\n")
-    _pairs(t, "Settings (≠: differs, an atom below; ~: written differently, the same in effect)", M.settings_rows(cond))
+    pairs(t, "Settings (≠: differs, an atom below; ~: written differently, the same in effect)", M.settings_rows(cond))
     ops = M.op_rows(cond)
     if ops:
-        _pairs(t, "Custom ops, as the engines reported them", ops)
+        pairs(t, "Custom ops, as the engines reported them", ops)
 
     atoms = M.atom_rows(cond)
     t.append("\nAtoms, each alone in your state (every other one reverted)\n", style="bold")
     if not atoms:
         t.append("  none: your settings do not differ from the known-good ones\n", style="dim")
     else:
-        t.append(f"  {_cell('atom', 32)} {'alone k3':>9}  {_cell('result', 25)} {'vs ref k3':>9} {'rejected':>8}\n", style="dim")
+        t.append(f"  {cell('atom', 32)} {'alone k3':>9}  {cell('result', 25)} {'vs ref k3':>9} {'rejected':>8}\n", style="dim")
         for a in atoms:
-            t.append(f"  {_cell(a['atom'], 32)} {a['alone']:>9}  ")
-            t.append(_cell(a["result"], 25), style=a["style"])
+            t.append(f"  {cell(a['atom'], 32)} {a['alone']:>9}  ")
+            t.append(cell(a["result"], 25), style=a["style"])
             t.append(f" {a['ref_k3']:>9} {a['ref_rejected']:>8}\n")
             if a["description"]:
                 t.append(f"    {a['description']}\n", style="dim")
@@ -56,9 +57,9 @@ def conditions_text(r: dict | ReportView) -> Text:
     ref = M.reference_rows(cond)
     if ref:
         t.append("\nAgainst the reference (completion k3 mean, then the fraction of sequences an RL rule rejects)\n", style="bold")
-        t.append(f"  {_cell('', 11)}" + "".join(f"{c:>10}" for c in M.REFERENCE_COLUMNS) + "\n", style="dim")
+        t.append(f"  {cell('', 11)}" + "".join(f"{c:>10}" for c in M.REFERENCE_COLUMNS) + "\n", style="dim")
         for label, cells in ref:
-            t.append(f"  {_cell(label, 11)}" + "".join(f"{c:>10}" for c in cells) + "\n")
+            t.append(f"  {cell(label, 11)}" + "".join(f"{c:>10}" for c in cells) + "\n")
 
     loc = M.section(cond, "localisation")
     if loc:
@@ -73,10 +74,10 @@ def conditions_text(r: dict | ReportView) -> Text:
                 t.append(f"  {loc.get('method')}\n", style="dim")
             rows = M.localisation_rows(cond)
             if rows:
-                t.append(f"  {_cell('unit', 28)} {_cell('local output', 13)} {'rel-L2':>9} {'max abs':>9}\n", style="dim")
+                t.append(f"  {cell('unit', 28)} {cell('local output', 13)} {'rel-L2':>9} {'max abs':>9}\n", style="dim")
                 for u in rows:
-                    t.append(f"  {_cell(u['unit'], 28)} ")
-                    t.append(_cell(u["state"], 13), style="green" if u["equal"] else "yellow")
+                    t.append(f"  {cell(u['unit'], 28)} ")
+                    t.append(cell(u["state"], 13), style="green" if u["equal"] else "yellow")
                     t.append(f" {u['rel_l2']:>9} {u['max_abs']:>9}\n")
     t.append(f"\nTrials tab: the search's trials (atoms reverted, k3 vs the known-good configuration, "
              f"RL cost vs the reference); threshold {fmt(rv.threshold)}\n", style="dim")

@@ -1,6 +1,8 @@
 """Overview: inputs, the verdict (k3 mean / p99 / max against the threshold), the RL
 cost and the token groups; for a conditions report, its settings, atoms, cost against the
-reference and localisation (`widgets/conditions.py`) in place of the RL cost."""
+reference and localisation (`widgets/conditions.py`) in place of the RL cost; for a report
+of `compare` / `run --engine-config`, where each part ran and whether the module search saw
+your numbers (`widgets/engine_config.py`), before the RL cost."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from numbisect.render import header, search_lines, token_table
 from numbisect.reportview import ReportView, view
 from numbisect.tui import model as M
 from numbisect.tui.widgets.conditions import conditions_text
+from numbisect.tui.widgets.engine_config import engine_config_text
 
 
 def overview_text(r: dict | ReportView) -> Text:
@@ -38,6 +41,9 @@ def overview_text(r: dict | ReportView) -> Text:
             t.append("over\n" if over else "under\n", style="red" if over else "green")
         if g.get("kl"):
             t.append(f"  KL mean {fmt(g['kl'].get('mean')):>10}   top-1 agreement {pct(g.get('top1_agree'))}\n")
+    if M.engine_config_of(rv) is not None:
+        t.append("\n")
+        t.append(engine_config_text(rv))
     c = rv.rl_cost
     if cond:  # a conditions report: its own sections; the tokens below are yours vs the known-good
         t.append("\n")

@@ -89,6 +89,7 @@ class TrialsPanel(Vertical):
         self.metric = "k3-mean"
         self.universe: list[str] = []
         self.conditions = False  # the trials of a conditions search (atoms reverted)
+        self.note = ""  # the caption's end: which configuration the trials ran in
 
     def compose(self) -> ComposeResult:
         yield Static("", id="trials-caption")
@@ -101,8 +102,10 @@ class TrialsPanel(Vertical):
     def on_mount(self) -> None:
         self.query_one(DataTable).add_columns(*COLUMNS)
 
-    def reset(self, trials: list[dict], threshold: float, metric: str, universe: list[str], conditions: bool = False) -> None:
-        self.threshold, self.metric, self.universe = threshold, metric, universe
+    def reset(self, trials: list[dict], threshold: float, metric: str, universe: list[str], conditions: bool = False,
+              note: str = "") -> None:
+        """Show `trials`; `note` ends the caption (which configuration the trials ran in)."""
+        self.threshold, self.metric, self.universe, self.note = threshold, metric, universe, note
         self.trials = []
         table = self.query_one(DataTable)
         if conditions != self.conditions:
@@ -159,5 +162,5 @@ class TrialsPanel(Vertical):
             + ("; rejected: sequences an RL rule rejects, against the reference" if self.conditions else "")
             if self.trials
             else "no trials (yet): a compare report has none; in live mode they appear as the search runs"
-        )
+        ) + self.note
         self.query_one("#trials-caption", Static).update(Text(cap, style="dim"))
