@@ -447,7 +447,8 @@ def run(**kw):
 @click.option("--log", "log_path", type=click.Path(), help="Append each trial to this JSONL log as it ends.")
 @click.option("--resume", type=click.Path(), help="Continue from a trial log of an interrupted run (no trial repeated).")
 @click.option("--localise/--no-localise", default=True, show_default=True,
-              help="Under a guilty custom op, name the units whose local output it changes.")
+              help="Under a guilty custom op, name the units whose local output it changes; under a guilty "
+                   "compiled path, the units whose code compiled alone (inductor) differs.")
 @click.option("-o", "--out", type=click.Path(), help="Write the JSON report here (atomically).")
 @options("json", "quiet")
 def conditions(**kw):

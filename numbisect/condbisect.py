@@ -17,7 +17,11 @@
 5. A guilty custom op is localised: numbisect's eager engine runs with the op in the good
    state (every unit's input and output captured) and in the user's state fed the good
    state's unit inputs; units whose local output differs are named. Hooks cannot see
-   inside a compiled graph, so a guilty `compiled` atom is not localised further.
+   inside vLLM's compiled graph, so when the answer includes `compiled` (alone or with
+   custom ops) each unit is compiled alone instead (`unitcompile`): the eager engine, the
+   answer's custom ops in the user's state and the others in the good one, every unit fed
+   the same captured inputs eager and compiled; units whose compiled code gives other
+   numbers are named.
 """
 
 from __future__ import annotations
@@ -197,16 +201,63 @@ def execution_order(units: list[str], model_path: str) -> list[str]:
     return sorted(units, key=lambda u: order.get(u, len(order)))
 
 
-def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress) -> dict:
-    """Units whose local output differs when custom op `atom` is in the user's state
-    instead of the good one (both eager, numbisect's own engine)."""
-    if atom == E.COMPILED:
-        return {"atom": atom, "done": False,
-                "why": "the compiled path is guilty on its own: module hooks cannot see inside a compiled graph"}
-    if not atom.startswith(E.OP_PREFIX):
-        return {"atom": atom, "done": False, "why": f"module localisation under {atom} is not supported (custom ops only)"}
+def _differing(base: dict, local: dict, model_path: str) -> dict:
+    """Each unit's local output in `local` against `base` (unit -> per-sample tensors), in
+    execution order; the units that differ, and the innermost of them named."""
     from numbisect import metrics as M
 
+    rows, differ = [], []
+    for unit in execution_order(list(base), model_path):
+        if unit not in local:
+            continue
+        outs = base[unit]
+        same = all(torch.equal(a, b) for a, b in zip(outs, local[unit]))
+        err = M.activation_error_multi([o.float() for o in outs], [o.float() for o in local[unit]])
+        rows.append({"unit": unit, "bitwise_equal": same, "rel_l2": err["rel_l2"], "max_abs": err["max_abs"]})
+        if not same:
+            differ.append(unit)
+    layers = len({m.group(1) for u in base for m in [re.match(r"^layers\.(\d+)", u)] if m})
+    # A unit differs locally; its parents (layers.N) differ because it does: name the innermost.
+    inner = [u for u in differ if not any(v != u and v.startswith(u + ".") for v in differ)]
+    return {"units": rows, "differ": differ, "named": pattern(inner, layers)}
+
+
+def answer_ops(culprits: list[str], eng: Engines) -> list[str]:
+    """Every custom op the engines reported, written out (`+NAME` / `-NAME`) in the state
+    of the answer's trial: the culprit ops in the user's state, the others in the good one."""
+    out = []
+    for name in sorted(set(eng.user_ops) | set(eng.good_ops)):
+        side = eng.user_ops if E.OP_PREFIX + name in culprits else eng.good_ops
+        on = side.get(name, eng.user_ops.get(name))
+        out.append(("+" if on else "-") + name)
+    return out
+
+
+def localise_compiled(sess: CondSession, culprits: list[str], eng: Engines, run_child, progress) -> dict:
+    """Units whose code compiled alone by inductor gives other numbers than eager, in one
+    child (`unitcompile.eager_and_compiled`): numbisect's eager engine with the custom ops
+    in the answer's state, every unit fed the same captured inputs both ways."""
+    ops = answer_ops(culprits, eng)
+    progress(f"localise {E.COMPILED}: every unit eager, then each compiled alone (inductor), fed the same inputs")
+    out = run_child(sess.job({"compilation_config": {"custom_ops": ops}}, job="capture", compile=True),
+                    "localisation of the compiled path")
+    return {"atom": E.COMPILED, "done": True, **_differing(out["eager"], out["compiled"], sess.eng_path),
+            "custom_ops": ops, "compiled_units": list(out["compiled_units"]),
+            "compile_seconds": float(out["compile_seconds"]),
+            "method": "eager engine, every unit fed the same captured inputs, each leaf unit eager vs compiled alone "
+                      "(torch.compile, inductor, vLLM-CPU's options); vLLM compiles the whole model as one graph: "
+                      "fusions across units and the glue between them are not seen"}
+
+
+def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress, culprits: list[str] | None = None) -> dict:
+    """Units whose local output differs when custom op `atom` is in the user's state
+    instead of the good one (both eager, numbisect's own engine); under `compiled`, the
+    units whose compiled code differs (`localise_compiled`, the `culprits` ops in the
+    user's state)."""
+    if atom == E.COMPILED:
+        return localise_compiled(sess, culprits or [atom], eng, run_child, progress)
+    if not atom.startswith(E.OP_PREFIX):
+        return {"atom": atom, "done": False, "why": f"module localisation under {atom} is not supported (custom ops only)"}
     name = atom[len(E.OP_PREFIX):]
     states = {"good": eng.good_ops.get(name), "user": eng.user_ops.get(name)}
     jobs = {side: {"compilation_config": {"custom_ops": [("+" if on else "-") + name]}} for side, on in states.items()}
@@ -221,22 +272,16 @@ def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress) ->
         for side in ("good", "user"):
             progress(f"localise {atom}: every unit fed those inputs, the op {'enabled' if states[side] else 'disabled'}")
             fed[side] = run_child(sess.job(jobs[side], job="capture", feed=feed), f"localisation capture ({side} state)")["captures"]
-    good, local = {"captures": fed["good"]}, fed["user"]
-    rows, differ = [], []
-    for unit in execution_order(list(good["captures"]), sess.eng_path):
-        outs = good["captures"][unit]
-        if unit not in local:
-            continue
-        same = all(torch.equal(a, b) for a, b in zip(outs, local[unit]))
-        err = M.activation_error_multi([o.float() for o in outs], [o.float() for o in local[unit]])
-        rows.append({"unit": unit, "bitwise_equal": same, "rel_l2": err["rel_l2"], "max_abs": err["max_abs"]})
-        if not same:
-            differ.append(unit)
-    layers = len({m.group(1) for u in good["captures"] for m in [re.match(r"^layers\.(\d+)", u)] if m})
-    # A unit differs locally; its parents (layers.N) differ because it does: name the innermost.
-    inner = [u for u in differ if not any(v != u and v.startswith(u + ".") for v in differ)]
-    return {"atom": atom, "done": True, "units": rows, "differ": differ, "named": pattern(inner, layers),
+    return {"atom": atom, "done": True, **_differing(fed["good"], fed["user"], sess.eng_path),
             "method": "eager engine, every unit fed the good state's unit inputs, the op in the good state vs the user's"}
+
+
+def localisation_target(culprits: list[str]) -> str | None:
+    """The atom the localisation runs under: a single culprit, or `compiled` when the
+    others are custom ops (they are put in the user's state for it); otherwise none."""
+    if E.COMPILED in culprits and all(c == E.COMPILED or c.startswith(E.OP_PREFIX) for c in culprits):
+        return E.COMPILED
+    return culprits[0] if len(culprits) == 1 else None
 
 
 def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, resume=None, localise_culprit=True,
@@ -315,10 +360,11 @@ def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, r
     cond["culprits"] = names
     cond["search"] = {k: v for k, v in found.to_dict().items() if k != "culprits"}
     cond["trials"] = [t.to_dict() for t in runner.trials]
-    if localise_culprit and len(names) == 1:
+    target = localisation_target(names)
+    if localise_culprit and target:
         try:
-            cond["localisation"] = localise(sess, names[0], eng, run_child, progress)
+            cond["localisation"] = localise(sess, target, eng, run_child, progress, culprits=names)
         except Exception as e:  # the search's answer stands
-            cond["localisation"] = {"atom": names[0], "done": False, "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+            cond["localisation"] = {"atom": target, "done": False, "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     code = {"aligned": ExitCode.ALIGNED, "culprits": ExitCode.DIVERGED}.get(found.verdict, ExitCode.NO_CULPRIT)
     return body, code

@@ -38,7 +38,8 @@ def conditions_lines(cond) -> list[str]:
     loc = cond.get("localisation")
     if isinstance(loc, dict):
         if loc.get("done"):
-            out.append(f"  under {loc.get('atom')}: units whose local output differs: {', '.join(map(str, loc.get('named') or [])) or 'none'}")
+            what = "whose code compiled alone differs" if loc.get("compiled_units") is not None else "whose local output differs"
+            out.append(f"  under {loc.get('atom')}: units {what}: {', '.join(map(str, loc.get('named') or [])) or 'none'}")
         else:
             out.append(f"  under {loc.get('atom')}: not localised ({loc.get('why')})")
     return out

@@ -167,8 +167,10 @@ def atoms(user: dict, good: dict, user_ops: dict[str, bool] | None = None, good_
 def trial_settings(user: dict, good: dict, reverted, user_ops: dict[str, bool] | None = None,
                    good_ops: dict[str, bool] | None = None, all_atoms=()) -> dict:
     """The user's settings with the atoms in `reverted` set to the good configuration's
-    state. Custom-op atoms (`all_atoms` names them) are written out explicitly, "+NAME"
-    or "-NAME", so that their state no longer depends on whether the engine compiles."""
+    state. Every custom op the engines reported is written out explicitly, "+NAME" or
+    "-NAME", so that its state no longer depends on whether the engine compiles: an atom
+    in the state `reverted` asks, any other op in the state both engines reported (left
+    out, reverting `compiled` alone would turn vLLM's ops on, eager's default)."""
     reverted = set(reverted)
     s = {k: v for k, v in user.items()}
     if COMPILED in reverted:
@@ -180,13 +182,13 @@ def trial_settings(user: dict, good: dict, reverted, user_ops: dict[str, bool] |
         cc.pop("custom_ops", None)
         if "custom_ops" in (good.get("compilation_config") or {}):
             cc["custom_ops"] = list(good["compilation_config"]["custom_ops"])
-    op_atoms = [a for a in all_atoms if a.startswith(OP_PREFIX)]
-    if op_atoms:
-        names = {a[len(OP_PREFIX):] for a in op_atoms}
+    op_atoms = {a[len(OP_PREFIX):] for a in all_atoms if a.startswith(OP_PREFIX)}
+    names = sorted(op_atoms | set(user_ops or {}) | set(good_ops or {}))
+    if names:
         ops = [o for o in cc.get("custom_ops", []) if o.lstrip("+-") not in names]
-        for a in op_atoms:
-            name = a[len(OP_PREFIX):]
-            on = (good_ops or {}).get(name) if a in reverted else (user_ops or {}).get(name)
+        for name in names:
+            side = good_ops if OP_PREFIX + name in reverted else user_ops
+            on = (side or {}).get(name, (user_ops or {}).get(name, (good_ops or {}).get(name)))
             ops.append(("+" if on else "-") + name)
         cc["custom_ops"] = ops
     if cc:

@@ -84,11 +84,17 @@ def test_compiled_splits_into_custom_op_atoms():
     # the rotary op reverted alone: compiled, every op explicit, rotary in the good (native) state
     s = E.trial_settings(user, good, {"custom_op:rotary_embedding"}, user_ops, good_ops, atoms)
     assert s["enforce_eager"] is False
-    assert sorted(s["compilation_config"]["custom_ops"]) == ["+rms_norm", "+silu_and_mul", "-rotary_embedding"]
+    assert sorted(s["compilation_config"]["custom_ops"]) == ["+rms_norm", "+silu_and_mul", "-fused_moe", "-rotary_embedding"]
     # everything reverted: eager, the good ops, the good values (a key good leaves out: vLLM's default)
     s = E.trial_settings(user, good, set(atoms), user_ops, good_ops, atoms)
     assert s["enforce_eager"] is True and "max_num_seqs" not in s and s["enable_prefix_caching"] is False
-    assert sorted(s["compilation_config"]["custom_ops"]) == ["-rms_norm", "-rotary_embedding", "-silu_and_mul"]
+    assert sorted(s["compilation_config"]["custom_ops"]) == ["-fused_moe", "-rms_norm", "-rotary_embedding", "-silu_and_mul"]
+    # `compiled` reverted alone where the ops agree (both off): they stay off, written out, as
+    # eager alone would turn them on
+    both_off = dict(good_ops)
+    s = E.trial_settings(user, good, {"compiled"}, both_off, both_off, ["compiled"])
+    assert s["enforce_eager"] is True
+    assert sorted(s["compilation_config"]["custom_ops"]) == ["-fused_moe", "-rms_norm", "-rotary_embedding", "-silu_and_mul"]
 
 
 def test_known_good_default_is_eager_native_ops_one_sample_raw():

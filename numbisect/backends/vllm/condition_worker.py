@@ -19,7 +19,9 @@ Jobs (IN.json: {"job", "model", "dtype", "settings", "samples": [[ids], ...], ..
 - "capture": numbisect's own eager engine (`VLLMBackend`, the settings' compilation_config
   passed on) captures every unit's output and input, or, with "feed" (a torch file of unit
   -> per-sample inputs), every unit's output when fed those inputs (local outputs). OUT is
-  a torch file {"captures", "inputs"}.
+  a torch file {"captures", "inputs"}. With "compile": true, every unit's input is captured,
+  then every unit fed those inputs eager and with each leaf unit compiled by inductor
+  (`unitcompile`): OUT is {"eager", "compiled", "compiled_units", "compile_seconds"}.
 
 A failure writes {"error": one line} to OUT and exits 1.
 """
@@ -116,7 +118,11 @@ def capture_job(job: dict, out_path: str) -> None:
     samples = [Sample(line=i + 1, prompt_ids=list(ids[:p]), completion_ids=list(ids[p:]))
                for i, (ids, p) in enumerate(zip(job["samples"], job["prompt_lens"]))]
     names = [u.name for u in eng.units]
-    if job.get("feed"):
+    if job.get("compile"):
+        from numbisect.backends.vllm.unitcompile import eager_and_compiled
+
+        torch.save(eager_and_compiled(eng, samples), out_path)
+    elif job.get("feed"):
         feed = torch.load(job["feed"])
         res = eng.forward(samples, capture=names, feed=feed)
         torch.save({"captures": res.captures}, out_path)

