@@ -38,11 +38,17 @@ def conditions_lines(cond) -> list[str]:
     loc = cond.get("localisation")
     if isinstance(loc, dict):
         if loc.get("done"):
-            what = "whose code compiled alone differs" if loc.get("compiled_units") is not None else "whose local output differs"
-            out.append(f"  under {loc.get('atom')}: units {what}: {', '.join(map(str, loc.get('named') or [])) or 'none'}")
+            out.append(f"  under {loc.get('atom')}: units {localised_what(loc)}: {', '.join(map(str, loc.get('named') or [])) or 'none'}")
         else:
             out.append(f"  under {loc.get('atom')}: not localised ({loc.get('why')})")
     return out
+
+
+def localised_what(loc: dict) -> str:
+    """What the named units of a localisation are: under the compiled path, units whose code
+    compiled alone differs from its eager code; under a custom op, units whose local output
+    differs when fed the good state's inputs."""
+    return "whose code compiled alone differs" if loc.get("compiled_units") is not None else "whose local output differs"
 
 
 def _d(x) -> dict:

@@ -134,6 +134,28 @@ async def test_trials_tab_lists_the_condition_trials_with_their_rl_cost():
 
 
 @pytest.mark.asyncio
+async def test_a_localisation_of_the_compiled_path_says_its_units_differ_compiled_alone():
+    """Under a guilty `compiled` atom the named units are the ones whose code compiled alone
+    gives other numbers than eager (condbisect.localise_compiled), not units fed another
+    state's inputs: the Overview and the text summary say which of the two was measured."""
+    from numbisect.conditions_render import conditions_lines
+    r = copy.deepcopy(read(COND))
+    loc = r["conditions"]["localisation"]
+    loc.update(atom="compiled", compiled_units=[u["unit"] for u in loc["units"]], custom_ops=["none"],
+               compile_seconds=4.6, method="eager engine, each leaf unit eager vs compiled alone")
+    assert validate(r) == []
+    app = app_for(r)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        ov = text(app.main.query_one(OverviewPanel))
+        assert "Localisation under compiled" in ov
+        assert "units whose code compiled alone differs: " + ", ".join(loc["named"]) in ov
+        assert "whose local output differs" not in ov
+    summary = "\n".join(conditions_lines(r["conditions"]))
+    assert "under compiled: units whose code compiled alone differs: " + ", ".join(loc["named"]) in summary
+
+
+@pytest.mark.asyncio
 async def test_units_tab_says_where_the_localisation_is_and_a_run_report_after_it_gets_its_own_columns():
     app = app_for(read(COND))
     async with app.run_test(size=SIZE) as pilot:

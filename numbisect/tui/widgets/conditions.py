@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from numbisect.conditions_render import localised_what
 from numbisect.formatting import fmt
 from numbisect.reportview import ReportView, view
 from numbisect.tui import model as M
@@ -68,7 +69,7 @@ def conditions_text(r: dict | ReportView) -> Text:
             t.append(f"  not localised: {loc.get('why')}\n", style="yellow")
         else:
             named = loc.get("named") if isinstance(loc.get("named"), list) else []
-            t.append("  units whose local output differs: ")
+            t.append(f"  units {localised_what(loc)}: ")
             t.append((", ".join(map(str, named)) or "none") + "\n", style="bold magenta" if named else "green")
             if loc.get("method"):
                 t.append(f"  {loc.get('method')}\n", style="dim")
