@@ -250,18 +250,29 @@ def localise_compiled(sess: CondSession, culprits: list[str], eng: Engines, run_
 
 
 def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress, culprits: list[str] | None = None) -> dict:
-    """Units whose local output differs when custom op `atom` is in the user's state
-    instead of the good one (both eager, numbisect's own engine); under `compiled`, the
+    """Units whose local output differs when custom op `atom` (or a setting of
+    `engine_config.LOCALISABLE`, every op as the good engine ran it) is in the user's state instead of the
+    good one (both eager, numbisect's own engine); under `compiled`, the
     units whose compiled code differs (`localise_compiled`, the `culprits` ops in the
     user's state)."""
     if atom == E.COMPILED:
         return localise_compiled(sess, culprits or [atom], eng, run_child, progress)
-    if not atom.startswith(E.OP_PREFIX):
-        return {"atom": atom, "done": False, "why": f"module localisation under {atom} is not supported (custom ops only)"}
-    name = atom[len(E.OP_PREFIX):]
-    states = {"good": eng.good_ops.get(name), "user": eng.user_ops.get(name)}
-    jobs = {side: {"compilation_config": {"custom_ops": [("+" if on else "-") + name]}} for side, on in states.items()}
-    progress(f"localise {atom}: every unit's input, the op {'enabled' if states['good'] else 'disabled'} (eager)")
+    if atom in E.LOCALISABLE:  # a setting hooks run in: each side's value, every custom op as the good engine ran it
+        ops = [("+" if o else "-") + name for name, o in sorted(eng.good_ops.items())]
+        jobs = {side: {**({atom: conf[atom]} if atom in conf else {}), "compilation_config": {"custom_ops": ops}}
+                for side, conf in (("good", sess.good), ("user", sess.user))}
+        state = {side: f"{atom}={conf.get(atom, '(vLLM default)')}" for side, conf in (("good", sess.good), ("user", sess.user))}
+        what = "the setting"
+    elif atom.startswith(E.OP_PREFIX):
+        name = atom[len(E.OP_PREFIX):]
+        on = {"good": eng.good_ops.get(name), "user": eng.user_ops.get(name)}
+        jobs = {side: {"compilation_config": {"custom_ops": [("+" if o else "-") + name]}} for side, o in on.items()}
+        state = {side: f"the op {'enabled' if o else 'disabled'}" for side, o in on.items()}
+        what = "the op"
+    else:
+        return {"atom": atom, "done": False, "why": f"module localisation under {atom} is not supported "
+                f"(custom ops, the compiled path and {', '.join(E.LOCALISABLE)} only)"}
+    progress(f"localise {atom}: every unit's input, {state['good']} (eager)")
     first = run_child(sess.job(jobs["good"], job="capture"), "localisation capture (good state)")
     # Both states fed the same inputs: a fed fused norm (x + residual given as one tensor)
     # rounds differently from an unfed one, so the good state is fed too.
@@ -270,10 +281,10 @@ def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress, cu
         feed = os.path.join(d, "inputs.pt")
         torch.save(first["inputs"], feed)
         for side in ("good", "user"):
-            progress(f"localise {atom}: every unit fed those inputs, the op {'enabled' if states[side] else 'disabled'}")
+            progress(f"localise {atom}: every unit fed those inputs, {state[side]}")
             fed[side] = run_child(sess.job(jobs[side], job="capture", feed=feed), f"localisation capture ({side} state)")["captures"]
     return {"atom": atom, "done": True, **_differing(fed["good"], fed["user"], sess.eng_path),
-            "method": "eager engine, every unit fed the good state's unit inputs, the op in the good state vs the user's"}
+            "method": f"eager engine, every unit fed the good state's unit inputs, {what} in the good state vs the user's"}
 
 
 def localisation_target(culprits: list[str]) -> str | None:

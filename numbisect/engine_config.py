@@ -50,6 +50,12 @@ HOOKED = {"enforce_eager": True, "enable_prefix_caching": False, "batch": 1, "lo
 # enable_prefix_caching left out is vLLM's default, which differs from false).
 DEFAULTS = {"batch": 1, "logprobs_mode": "raw_logprobs", "tensor_parallel_size": 1}
 COMPILED = "compiled"
+# Settings (atoms named by their key) that change what a unit computes and that numbisect's
+# hooked eager engine runs in, so a guilty one is localised as a custom op is (units
+# captured in each state, fed the same inputs). Not the others: batching, scheduling and
+# chunking change no unit's arithmetic here (bitwise invariant on CPU), model_impl swaps the
+# module tree the units are read from, tensor_parallel_size runs in worker processes.
+LOCALISABLE = ("kv_cache_dtype",)
 OP_PREFIX = "custom_op:"
 
 

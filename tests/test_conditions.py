@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, model_dir, trace_path
+from conftest import ROOT, fp8_kv_cache_runs, model_dir, trace_path
 
 from numbisect import engine_config as E
 from numbisect.errors import InputError
@@ -267,6 +267,32 @@ def test_conditions_end_to_end_vllm_eager_custom_ops(real, tmp_path):
     show = subprocess.run([sys.executable, "-m", "numbisect", "report", "show", str(out)], capture_output=True, text=True,
                           cwd=ROOT, env=env)
     assert show.returncode == 1 and "CULPRIT" in show.stdout
+
+
+@pytest.mark.vllm
+def test_conditions_name_an_fp8_kv_cache_and_localise_it_to_the_attention(real, tmp_path):
+    """A setting hooks run in (`engine_config.LOCALISABLE`): your engine is the known-good one
+    but for an fp8 KV cache; the search names `kv_cache_dtype` within the bound, and the
+    localisation (every unit captured with each side's cache, fed the same inputs) names the
+    attention units and nothing else. Without AVX-512 or AMX vLLM refuses the setting: one
+    error line, no report (not this machine's case)."""
+    _, _, _, _, trace = real
+    cfg = tmp_path / "user.json"
+    cfg.write_text(json.dumps({**E.GOOD, "kv_cache_dtype": "fp8"}))
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "numbisect", "conditions", "-q", "--ref", f"hf:{model_dir(FIX)}",
+                        "--engine", f"vllm:{model_dir(FIX)}", "--trace", trace, "--engine-config", str(cfg), "-o", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if not fp8_kv_cache_runs():
+        assert r.returncode != 0 and not out.exists() and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        return
+    assert r.returncode == 1, r.stderr
+    c = json.loads(out.read_text())["conditions"]
+    assert [a["atom"] for a in c["atoms"]] == ["kv_cache_dtype"] and c["culprits"] == ["kv_cache_dtype"]
+    assert len([t for t in c["trials"] if t["role"] != "invariance"]) <= 4  # ceil(log2 1) + 4
+    loc = c["localisation"]
+    assert loc["done"] and loc["named"] == ["layers.*.attn"], loc
+    assert "the setting in the good state vs the user's" in loc["method"]
 
 
 @pytest.mark.vllm

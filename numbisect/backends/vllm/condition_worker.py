@@ -113,7 +113,10 @@ def capture_job(job: dict, out_path: str) -> None:
     from numbisect.backends.vllm.runner import VLLMBackend
     from numbisect.trace import Sample
 
-    opts = {k: v for k, v in _llm_kwargs(job["settings"]).items() if k in ("compilation_config", "max_model_len", "seed")}
+    from numbisect.engine_config import LOCALISABLE
+
+    keep = ("compilation_config", "max_model_len", "seed", *LOCALISABLE)
+    opts = {k: v for k, v in _llm_kwargs(job["settings"]).items() if k in keep}
     eng = VLLMBackend(job["model"], job["dtype"], **opts)
     samples = [Sample(line=i + 1, prompt_ids=list(ids[:p]), completion_ids=list(ids[p:]))
                for i, (ids, p) in enumerate(zip(job["samples"], job["prompt_lens"]))]
