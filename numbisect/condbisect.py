@@ -201,6 +201,16 @@ def execution_order(units: list[str], model_path: str) -> list[str]:
     return sorted(units, key=lambda u: order.get(u, len(order)))
 
 
+def _inner_units(model_path: str) -> set[str]:
+    """The model's units of `units.INNER_KINDS` (never teacher-forced)."""
+    from numbisect.arch import arch_for
+    from numbisect.backends.base import load_config
+    from numbisect.units import INNER_KINDS
+
+    cfg = load_config(model_path)
+    return {u.name for u in arch_for(cfg).units(cfg) if u.kind in INNER_KINDS}
+
+
 def _differing(base: dict, local: dict, model_path: str) -> dict:
     """Each unit's local output in `local` against `base` (unit -> per-sample tensors), in
     execution order; the units that differ, and the innermost of them named."""
@@ -218,7 +228,12 @@ def _differing(base: dict, local: dict, model_path: str) -> dict:
             differ.append(unit)
     layers = len({m.group(1) for u in base for m in [re.match(r"^layers\.(\d+)", u)] if m})
     # A unit differs locally; its parents (layers.N) differ because it does: name the innermost.
-    inner = [u for u in differ if not any(v != u and v.startswith(u + ".") for v in differ)]
+    # A sub-unit never fed (`units.INNER_KINDS`: its input is computed inside its parent)
+    # differs whenever its parent's code before it does: it does not count as a differing
+    # descendant, and is not named when its parent differs (the parent is).
+    inner_kind = _inner_units(model_path)
+    inner = [u for u in differ if not any(v != u and v.startswith(u + ".") and v not in inner_kind for v in differ)]
+    inner = [u for u in inner if not (u in inner_kind and u.rsplit(".", 1)[0] in differ)]
     return {"units": rows, "differ": differ, "named": pattern(inner, layers)}
 
 
@@ -233,6 +248,16 @@ def answer_ops(culprits: list[str], eng: Engines) -> list[str]:
     return out
 
 
+def compiled_differing(out: dict, model_path: str) -> dict:
+    """`_differing` for the compiled localisation: the units named are the compiled ones
+    that differ. A sub-unit of an attention compiled whole (MLA's rope) differs with it but
+    was not compiled alone: the attention's code is what changed."""
+    d = _differing(out["eager"], out["compiled"], model_path)
+    compiled = set(out["compiled_units"])
+    layers = len({m.group(1) for u in out["eager"] for m in [re.match(r"^layers\.(\d+)", u)] if m})
+    return {**d, "named": pattern([u for u in d["differ"] if u in compiled], layers)}
+
+
 def localise_compiled(sess: CondSession, culprits: list[str], eng: Engines, run_child, progress) -> dict:
     """Units whose code compiled alone by inductor gives other numbers than eager, in one
     child (`unitcompile.eager_and_compiled`): numbisect's eager engine with the custom ops
@@ -241,7 +266,7 @@ def localise_compiled(sess: CondSession, culprits: list[str], eng: Engines, run_
     progress(f"localise {E.COMPILED}: every unit eager, then each compiled alone (inductor), fed the same inputs")
     out = run_child(sess.job({"compilation_config": {"custom_ops": ops}}, job="capture", compile=True),
                     "localisation of the compiled path")
-    return {"atom": E.COMPILED, "done": True, **_differing(out["eager"], out["compiled"], sess.eng_path),
+    return {"atom": E.COMPILED, "done": True, **compiled_differing(out, sess.eng_path),
             "custom_ops": ops, "compiled_units": list(out["compiled_units"]),
             "compile_seconds": float(out["compile_seconds"]),
             "method": "eager engine, every unit fed the same captured inputs, each leaf unit eager vs compiled alone "

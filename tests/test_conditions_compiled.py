@@ -77,3 +77,70 @@ def test_conditions_localise_a_guilty_compiled_path(tmp_path):
     assert not any("router" in n for n in loc["named"]) and "lm_head" not in loc["named"]
     assert all(0 < rows[u]["rel_l2"] < 1e-2 for u in loc["differ"])  # bf16 rounding, not a broken unit
     assert "whose code compiled alone differs" in r.stdout and "layers.*.attn" in r.stdout
+
+
+def test_an_attention_with_sub_units_is_compiled_whole():
+    """MLA's rope, GLM-5's indexer and the Gated DeltaNet's output gate and projection sit
+    inside an attention whose own code is more than theirs: the attention is compiled (its
+    sub-units traced into it), not its sub-units alone; a MoE block is not (its sub-units
+    are all of its code but the sum)."""
+    from numbisect.arch import arch_for
+    from numbisect.backends.base import load_config
+    from numbisect.backends.vllm.unitcompile import leaf_units
+
+    for fam, subs in (("deepseek_v3", ("rope",)), ("glm_moe_dsa", ("rope", "indexer")),
+                      ("qwen3_5_moe", ("out_gate", "out_proj"))):
+        cfg = load_config(model_dir(fam))
+        units = arch_for(cfg).units(cfg)
+        compiled = leaf_units(units)
+        attn = [u.name for u in units if u.kind == "attn"]
+        assert set(attn) <= set(compiled), fam
+        assert not [u.name for u in units if u.kind in subs and u.name in compiled], fam
+        assert not [n for n in compiled if n.endswith(".moe") or n.startswith("layers.") and n.count(".") == 1], fam
+        assert [u.name for u in units if u.kind == "experts"][0] in compiled
+
+
+def test_an_inner_sub_unit_is_not_named_when_its_parent_differs():
+    """The Gated DeltaNet's output gate and projection are never fed: they differ whenever the
+    attention's core before them does, so the attention is named, not them; a fed sub-unit
+    (MLA's rope) that differs is named instead of its attention."""
+    import torch
+
+    from numbisect.condbisect import _differing
+
+    def caps(differing):
+        return {u: [torch.zeros(2, 2)] for u in differing}, {u: [torch.ones(2, 2)] for u in differing}
+
+    names = ["layers.0.attn.out_gate", "layers.0.attn.out_proj", "layers.0.attn", "layers.0"]
+    base, local = caps(names)
+    base["layers.0.input_norm"] = local["layers.0.input_norm"] = [torch.zeros(2, 2)]
+    assert _differing(base, local, model_dir("qwen3_5_moe"))["named"] == ["layers.0.attn"]
+    base, local = caps(["layers.0.attn.rope", "layers.0.attn", "layers.0"])
+    assert _differing(base, local, model_dir("deepseek_v3"))["named"] == ["layers.0.attn.rope"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("fam", ["deepseek_v3", "qwen3_5_moe"])
+def test_compiled_localisation_runs_on_families_with_attention_sub_units(fam, tmp_path):
+    """The localisation child on MLA (rope sub-unit) and Gated DeltaNet (never-fed output
+    gate) families: every unit fed the same inputs eager and compiled (an inner sub-unit's
+    input is not fed: it has another shape than its module's first argument), every
+    attention compiled whole; one sample, every custom op native."""
+    from numbisect.backends.vllm.condition_worker import run_child
+    from numbisect.compare import Settings
+    from numbisect.condbisect import CondSession, CondSpec
+
+    trace = tmp_path / "t1.jsonl"
+    trace.write_text(open(trace_path(fam)).readline())
+    sess = CondSession(CondSpec(ref=f"hf:{model_dir(fam)}", engine=f"vllm:{model_dir(fam)}", trace=str(trace)),
+                       Settings(threshold=0.0), {}, {})
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    out = run_child(sess.job({"compilation_config": {"custom_ops": ["none"]}}, job="capture", compile=True), "compiled")
+    attn = [u for u in out["eager"] if u.endswith(".attn")]
+    assert attn and set(attn) <= set(out["compiled_units"])
+    assert set(out["eager"]) == set(out["compiled"])
+    # named: compiled units only (an MLA rope traced into its compiled attention is not)
+    from numbisect.condbisect import compiled_differing
+
+    named = compiled_differing(out, model_dir(fam))["named"]
+    assert named and not [n for n in named if n.endswith((".rope", ".out_gate", ".out_proj"))], named

@@ -130,7 +130,9 @@ def capture_job(job: dict, out_path: str) -> None:
         res = eng.forward(samples, capture=names, feed=feed)
         torch.save({"captures": res.captures}, out_path)
     else:
-        res = eng.forward(samples, capture=names, capture_inputs=[u.name for u in eng.units if u.kind != "embed"])
+        from numbisect.compare import local_feed_names
+
+        res = eng.forward(samples, capture=names, capture_inputs=local_feed_names(eng))
         torch.save({"captures": res.captures, "inputs": res.inputs}, out_path)
 
 

@@ -2,7 +2,8 @@
 
 Module hooks cannot see inside vLLM's compiled graph, so a guilty `compiled` atom is
 localised in numbisect's eager engine instead: each leaf unit's `forward` (a unit with no
-unit inside it: norms, attention, router, experts, lm_head ...) is replaced by its
+unit inside it: norms, attention, router, experts, lm_head ...; an attention with sub-units
+whole, `leaf_units`) is replaced by its
 `torch.compile` with inductor and the inductor options vLLM-CPU's compiled mode sets,
 the token dimension of its tensor arguments dynamic as in vLLM's graph. Hooks stay on the
 module's `__call__`, outside the compiled code, so feeding and capturing work as in eager.
@@ -30,9 +31,21 @@ INDUCTOR_OPTIONS = {"dce": True, "size_asserts": False, "nan_asserts": False, "e
 
 
 def leaf_units(units) -> list[str]:
-    """Unit names with no other unit inside them (`layers.0.attn`, not `layers.0`)."""
-    names = [u.name for u in units]
-    return [n for n in names if not any(m != n and m.startswith(n + ".") for m in names)]
+    """The units compiled: those with no other unit inside them (`layers.0.attn`, not
+    `layers.0`), except that an attention with sub-units (MLA's rope, GLM-5's indexer, the
+    Gated DeltaNet's output gate and projection) is compiled whole, its sub-units traced
+    into it: its own code (projections, the attention or recurrence core) is more than its
+    sub-units, as a MoE block's is not (router, experts, shared expert and their sum)."""
+    by_name = {u.name: u for u in units}
+    out = []
+    for u in units:
+        if any(m != u.name and m.startswith(u.name + ".") for m in by_name):
+            if u.kind != "attn":
+                continue
+        elif by_name.get(u.parent) is not None and by_name[u.parent].kind == "attn":
+            continue  # inside a compiled attention
+        out.append(u.name)
+    return out
 
 
 def _token_dim_dynamic(fn):
@@ -67,8 +80,10 @@ def eager_and_compiled(backend, samples) -> dict:
     """Every unit's input captured (eager), then every unit fed those inputs eager and with
     each leaf unit compiled: {"eager", "compiled"} (unit -> per-sample local output),
     "compiled_units", "compile_seconds" (the first compiled forward, compiles included)."""
+    from numbisect.compare import local_feed_names
+
     names = [u.name for u in backend.units]
-    first = backend.forward(samples, capture=names, capture_inputs=[u.name for u in backend.units if u.kind != "embed"])
+    first = backend.forward(samples, capture=names, capture_inputs=local_feed_names(backend))
     eager = backend.forward(samples, capture=names, feed=first.inputs)
     leaves = leaf_units(backend.units)
     compile_units(backend, leaves)
