@@ -32,10 +32,13 @@ KINDS += ("rope",)  # MLA (DeepSeek-V3, GLM-5): the attention's rotary part (a s
 # the output gate) and the projection after it, sub-units of attn; [tokens, value heads * head dim]
 # and [tokens, hidden].
 KINDS += ("out_gate", "out_proj")
-# Sub-units whose input is computed inside their parent (the core output and gate z of the
-# gated norm): never teacher-forced, or the joint local pass (every unit fed the reference's
-# input) would hide the parent's own error before them. Their local error runs from the
-# parent's fed input to their output.
+# Sub-units whose feeding would replace the rest of their parent's computation (the gated
+# norm's input is the core output and gate z, everything the Gated DeltaNet computed before
+# it): never teacher-forced, or the joint local pass (every unit fed the reference's input)
+# would hide the parent's own error. Their local error runs from the parent's fed input to
+# their output. MLA's rope is fed: its input is a part of the attention's state (the rope
+# dims), its local error is its own, and the attention's leaves out only what its
+# projections did to those dims.
 INNER_KINDS = ("out_gate", "out_proj")
 # Kinds a user may name in `--swap`: every unit of that kind is swapped.
 SWAP_KINDS = KINDS
