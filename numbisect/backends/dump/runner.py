@@ -414,8 +414,10 @@ def write_dump(backend: Backend, trace, root: str, units=None, world_size: int =
 
     shards = shards or {}
     names = list(units) if units is not None else [u.name for u in backend.units]
-    # the units that can be teacher-forced (numbisect.compare.local_feed_names): all but the embedding
-    feed = [u.name for u in backend.units if u.kind != "embed" and u.name in names]
+    # the units that can be teacher-forced: their inputs are what a dump engine feeds the reference
+    from numbisect.compare import local_feed_names
+
+    feed = [n for n in local_feed_names(backend) if n in names]
     toks = [len(s.ids) for s in trace.samples]
     writers = [DumpWriter(root, str(Path(backend.path) / "config.json"), len(toks), toks, rank=r, world_size=world_size,
                           dtype=backend.dtype_name, trace_sha256=trace.sha256, max_buffer_mb=max_buffer_mb)
