@@ -58,12 +58,16 @@ class UserEngine:
         """Refuse what cannot run before anything loads."""
         if eng_kind != "vllm":
             raise InputError(f"--engine-config needs --engine vllm:DIR (got {spec.engine!r})")
-        if spec.engine_mode != "prefill":
-            raise InputError("--engine-config runs in prefill mode only (--engine-mode decode with your engine's settings is not done yet)")
-        if spec.replay_routing:
-            raise InputError("--replay-routing with --engine-config is not done yet (the replay needs hooks in your engine)")
         E.check_settings(spec.engine_config, "--engine-config/--engine-opt")
-        return cls(spec.engine_config, spec.engine_config_path)
+        u = cls(spec.engine_config, spec.engine_config_path)
+        # Decode mode and the routing replay run in numbisect's own engine: with settings
+        # hooks run in as they are (no child), that engine is the user's; otherwise not yet.
+        for asked, what in ((spec.engine_mode != "prefill", "--engine-mode decode"), (spec.replay_routing, "--replay-routing")):
+            if asked and u.child:
+                raise InputError(f"{what} with --engine-config needs settings numbisect's engine runs with hooks as they are "
+                                 f"(eager, prefix caching off, batch 1, raw log-probs, no sampling); yours change "
+                                 f"{', '.join(u.changed)} (not done yet)")
+        return u
 
     def backend_opts(self) -> dict:
         """The in-process engine's options (the hookable configuration)."""

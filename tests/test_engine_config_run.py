@@ -64,9 +64,12 @@ def _bisect(*args):
 @pytest.mark.parametrize("command, text, extra, line", [
     ("compare", '{"batch": 3}', [], 'bisect: error: --engine-config {p}: batch must be 1 or "all" (got 3)'),
     ("run", "{not json", [], "bisect: error: --engine-config {p}: not JSON"),
-    ("compare", '{"batch": "all"}', ["--engine-mode", "decode"], "bisect: error: --engine-config runs in prefill mode only"),
+    ("compare", '{"batch": "all"}', ["--engine-mode", "decode"],
+     "bisect: error: --engine-mode decode with --engine-config needs settings numbisect's engine runs with hooks as they are"),
+    ("run", '{"enforce_eager": false}', ["--replay-routing", "ref"],
+     "bisect: error: --replay-routing with --engine-config needs settings numbisect's engine runs with hooks as they are"),
     ("compare", '{"batch": "all"}', ["--engine", "hf:" + model_dir(FIX)], "bisect: error: --engine-config needs --engine vllm:DIR"),
-], ids=["bad-value", "not-json", "decode", "hf-engine"])
+], ids=["bad-value", "not-json", "decode", "replay-routing", "hf-engine"])
 def test_bad_engine_config_is_one_line_exit_2(tmp_path, command, text, extra, line):
     p = tmp_path / "mine.json"
     p.write_text(text)
@@ -172,3 +175,24 @@ def test_an_fp8_kv_cache_runs_with_hooks_and_its_error_is_in_the_attention(tmp_p
             assert u["local"]["rel_l2"] > 5 * plain[u["name"]]["local"]["rel_l2"] > 0, u["name"]
     sw = rep["swap"]
     assert sw["kinds"] == ["attn"] and sw["after"] < sw["before"] / 2
+
+
+@pytest.mark.vllm
+def test_decode_mode_and_routing_replay_run_in_settings_hooks_run_in():
+    """Settings numbisect's engine runs with hooks as they are (eager, prefix caching off:
+    the shared engine's) need no child: decode mode and the routing replay run in them, and
+    the report's engine_config section says every part ran in the hookable configuration,
+    which is yours."""
+    from numbisect.compare import Settings
+    from numbisect.session import Session, Spec
+
+    user = {"enforce_eager": True, "enable_prefix_caching": False}
+    for more, key in (({"engine_mode": "decode"}, "engine_modes"), ({"replay_routing": "ref"}, "routing_replay")):
+        spec = Spec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=short_trace(FIX, 2),
+                    engine_config=user, engine_config_path="mine.json", **more)
+        body = Session(spec, Settings(), backends={"ref": hf(FIX), "engine": vllm(FIX)}).compare()
+        ec = body["engine_config"]
+        assert not ec["child"] and ec["changed"] == [] and ec["user"] == user, more
+        assert set(ec["parts"].values()) == {"hookable"}
+        assert body.get(key), (more, sorted(body))
+    assert body["routing_replay"]["direction"] == "ref"
