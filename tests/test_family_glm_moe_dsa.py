@@ -335,7 +335,7 @@ from vllm.model_executor.models.registry import ModelRegistry
 cls, arch = ModelRegistry.resolve_model_cls(["GlmMoeDsaForCausalLM"], vc.model_config)
 with set_current_vllm_config(vc), torch.device("meta"):
     model = cls(vllm_config=vc, prefix="")
-print("MODULES " + json.dumps({n: type(m).__name__ for n, m in model.named_modules()}))
+print("MODULES " + json.dumps({n: type(m).__name__ for n, m in model.named_modules(remove_duplicate=False)}))
 """
 
 
