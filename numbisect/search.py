@@ -707,7 +707,8 @@ class _Search:
         on and reuses them (a resumed log replays this phase from its trials too).
 
         The rule: the kinds are a systematic culprit when each is needed in more than half
-        of its layers (and at least two). During the descent (`need_all`) each must be
+        of its layers (and at least two), and they are not every kind there is (that names
+        the whole model: bf16 rounding noise spread over every unit, which is diffuse). During the descent (`need_all`) each must be
         needed in every one of its layers: the descent has not yet shown that the minimal
         set needs every layer, and a fault in some layers only is better named unit by unit
         (the descent goes on and does that; if its minimal set then needs every layer, the
@@ -777,6 +778,8 @@ class _Search:
                 chosen = rest
         if not chosen:
             return None
+        if len(kinds) > 1 and set(chosen) == set(kinds):
+            return None  # every kind, in every layer: the whole model, which is diffuse (rounding noise everywhere)
         units = units_of(chosen)
         value = self._run(units, "kinds").value
         shares: dict[str, dict[str, float | None]] = {}

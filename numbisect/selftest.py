@@ -121,7 +121,7 @@ PROFILES = {
             ("router_logits_fp8", "at most 1.4e-4"),
             ("weight_noise on attn, mlp, router, lm_head, norm",
              "as low as 4.5e-5 (5.3e-4 at norms) at the value this profile plants: the noise reaches the GEMM (on a "
-             "CPU without a bf16 GEMM kernel vLLM multiplies by .weight; a packed weight is re-packed noisy), "
+             "CPU without a bf16 GEMM kernel vLLM multiplies by .weight; a packed weight, as on a CPU with AMX, is re-packed noisy), "
              "these units are just insensitive to it; lm_head was planted on no weights before and is not re-measured"),
         ),
     ),

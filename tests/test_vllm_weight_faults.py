@@ -4,10 +4,12 @@ vLLM's CPU linear methods (`dispatch_cpu_unquantized_gemm`, vllm/model_executor/
 give each linear layer a `cpu_linear` kernel. On a CPU with a bf16 GEMM (oneDNN with
 AVX512-BF16/AMX, the SGL kernel, zentorch) that kernel keeps its own packed copy of the weight
 and `.weight` is left empty (`remove_weight=True`), so noise written into `.weight` never
-reaches the matmul. This machine has no bf16 oneDNN matmul: vLLM falls back to
-`F.linear(x, layer.weight)` and reads `.weight`. The tests put a linear layer into the packed
-state the way vLLM does on such a CPU (kernel over a private copy, `.weight` empty) and check
-that a weight noise does exactly what it does on the unpacked layer, and that the search
+reaches the matmul. Without a bf16 oneDNN matmul (earlier machines of this project) vLLM falls
+back to `F.linear(x, layer.weight)` and reads `.weight`; this one has AMX and vLLM packs. The
+tests put every linear layer vLLM did not pack into the packed state the way vLLM does
+(kernel over a private copy, `.weight` empty), so both kinds of machine test the packed
+path, and check that a weight noise does exactly what it does on the unpacked layer (where
+vLLM packed already, the same layer before and after the context), and that the search
 names the unit.
 """
 
@@ -34,7 +36,7 @@ def packed(mod: nn.Module):
     """Every vLLM linear layer under `mod` as vLLM leaves it on a CPU with a bf16 GEMM kernel:
     `cpu_linear` multiplies by a copy of its own, `.weight` is an empty tensor."""
     undo = []
-    for lin in [m for m in mod.modules() if hasattr(m, "cpu_linear")]:
+    for lin in [m for m in mod.modules() if hasattr(m, "cpu_linear") and m.weight.numel()]:  # not packed by vLLM
         old_w, old_k = lin.weight, lin.__dict__["cpu_linear"]
         copy = old_w.data.clone()
         lin.cpu_linear = lambda x, weight, bias, _w=copy: torch.nn.functional.linear(x, _w, bias)
