@@ -778,9 +778,9 @@ class _Search:
                 chosen = rest
         if not chosen:
             return None
-        if len(kinds) > 1 and set(chosen) == set(kinds):
-            return None  # every kind, in every layer: the whole model, which is diffuse (rounding noise everywhere)
         units = units_of(chosen)
+        if len(kinds) > 1 and all(k in chosen or self._covered(self.by_kind[k], set(units)) for k in kinds):
+            return None  # every kind, in every layer: the whole model, which is diffuse (rounding noise everywhere)
         value = self._run(units, "kinds").value
         shares: dict[str, dict[str, float | None]] = {}
         needed: dict[str, list[int]] = {}
@@ -806,6 +806,15 @@ class _Search:
         info = {"kinds": list(chosen), "units": len(units), "layers": len(layers), "value": _json_float(value),
                 "per_kind": {k: _json_float(v) for k, v in tried.items()}, "per_layer": shares, "trigger": trigger}
         return self._result("culprits", [], reason, systematic=info)
+
+    def _covered(self, units: list[str], swapped: set[str]) -> bool:
+        """Each of `units` is swapped, itself or through all of its sub-units (a moe block
+        through its router, experts and shared expert)."""
+        def done(u):
+            kids = children(self.g, u)
+            return u in swapped or bool(kids) and all(done(k) for k in kids)
+
+        return all(done(u) for u in units)
 
     def _diffuse(self, found, reason: str) -> SearchResult:
         groups: dict[str, list[str]] = {}
