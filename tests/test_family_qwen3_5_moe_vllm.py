@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import bound, search, session
+from conftest import bound, check_gdn_sub_units, search, session
 from numbisect import selftest as ST
 from numbisect.errors import ExitCode, InputError
 from numbisect.run import run
@@ -50,21 +50,7 @@ def test_every_layer_swapped_whole_reproduces_the_reference():
 
 
 def test_the_output_gate_and_projection_are_captured_and_swapped_as_sub_units():
-    # vLLM's gated norm gives [tokens, heads, head dim], transformers' [tokens * heads, head dim]:
-    # both are read as [tokens, heads * head dim] in the same head order (heads out of order
-    # would be off by ~100%, not bf16 rounding)
-    s = session(NAME, "vllm", samples=4)
-    rows = {r["name"]: r for r in s.compare()["units"]}
-    for i in range(3):
-        gate, proj, attn = (rows[f"layers.{i}.attn{x}"] for x in (".out_gate", ".out_proj", ""))
-        print(f"layer {i}: out_gate local {gate['local']['rel_l2']:.2g} propagated {gate['propagated']['rel_l2']:.2g}; "
-              f"attn local {attn['local']['rel_l2']:.2g}")
-        assert 0 < gate["local"]["rel_l2"] < 2e-2 and gate["propagated"]["rel_l2"] < 3e-2
-        assert proj["local"] == attn["local"]  # the same tensor: the projection's output is the attention's
-    floor, _ = s.trial([])
-    value, _ = s.trial([u.name for u in s.engine.units if u.kind in ("out_gate", "out_proj")])
-    print(f"floor {floor:.3g}; every out_gate and out_proj swapped {value:.3g}")
-    assert value < 2 * floor
+    check_gdn_sub_units(NAME)
 
 
 def test_the_shared_expert_and_its_gate_swapped_apart_each_leave_the_engine_as_it_was():
