@@ -29,6 +29,11 @@ the output only through what later tokens read; the state itself shows it first.
    (as any capture's, `capture.UnitStats`: relative L2, max abs, cosine, ulps with the
    floor per sample; rows are heads, so `worst_token` names the head), per sample, and
    per boundary (over the samples reaching it), so its growth along the sequence shows.
+   In decode mode (`--engine-mode decode`) also `decode`: the engine runs each sample as a
+   rollout does (prompt prefilled, then one token per step through its recurrent-step
+   kernel, not the chunked rule), and its state after the prompt and after decode steps
+   (`decode_points`, at most `MAX_BOUNDARIES` evenly spread, then the end) is measured
+   against the reference's after the same tokens; its `boundaries` are those points.
 5. `dump_states(sides)`: against a `dump:` engine, the states it wrote (`numbisect.dump`:
    `state.{i}`, and `state.{i}.{n}` at boundaries) against the reference's at the same
    points; local: the reference's linear units fed the dumped inputs. Linear units whose
@@ -90,21 +95,40 @@ class StateProbe:
         self.units = linear_units(backend)
         self.last: dict[str, torch.Tensor] = {}
         self.source = ""  # where the backend reads the state (set by its install)
+        # Decode mode: the token counts after which a call's state is kept as well (`steps`);
+        # each call says how many tokens it ran (a prefill: the prompt; a step: one).
+        self.at: set[int] = set()
+        self.steps: dict[str, dict[int, torch.Tensor]] = {}
+        self._seen: dict[str, int] = {}  # unit -> tokens its calls ran in this forward
 
-    def record(self, unit: str, state: torch.Tensor) -> None:
+    def record(self, unit: str, state: torch.Tensor, tokens: int | None = None) -> None:
         """One call of `unit`'s recurrence: `state` [heads, k_dim, v_dim] (or [1, ...]) after
-        the call's last token. A later call of the same forward (a prefill in steps) replaces it."""
+        the call's last token. A later call of the same forward (a prefill in steps, a decode
+        step) replaces it; with `tokens` (the call's token count) the state is also kept in
+        `steps` when the tokens run so far are one of `at`."""
         if state.dim() == 4:
             if state.shape[0] != 1:
                 from numbisect.errors import BackendError
 
                 raise BackendError(f"state probe on {unit}: {state.shape[0]} sequences in one call (expected one sample)")
             state = state[0]
-        self.last[unit] = state.detach().to("cpu", copy=True)
+        state = state.detach().to("cpu", copy=True)
+        self.last[unit] = state
+        if tokens is not None:
+            seen = self._seen[unit] = self._seen.get(unit, 0) + int(tokens)
+            if seen in self.at:
+                self.steps.setdefault(unit, {})[seen] = state
 
     def take(self) -> dict[str, torch.Tensor]:
         """The states of the forward that just ran; the probe is then empty."""
         out, self.last = self.last, {}
+        self._seen = {}
+        return out
+
+    def take_steps(self) -> dict[str, dict[int, torch.Tensor]]:
+        """Per unit, the states kept at `at` token counts in the forward that just ran
+        (`take` is still to be called for its last states)."""
+        out, self.steps = self.steps, {}
         return out
 
     def install(self):
@@ -190,8 +214,10 @@ def state_light(sides, local: bool) -> dict | None:
     samples = sides.samples
     pts = points(samples)
     sides.say(f"recurrent state: {len(units)} linear-attention layers at {len(pts)} points per side")
-    stats = {"propagated": StateStats(), **({"local": StateStats()} if local else {})}
+    decode = getattr(sides, "mode", "prefill") == "decode"
+    stats = {"propagated": StateStats(), **({"local": StateStats()} if local else {}), **({"decode": StateStats()} if decode else {})}
     shape: dict = {}
+    unread: list[str] = []
     rp, ep = StateProbe(ref), StateProbe(eng)
     undo = [rp.install()]
     try:
@@ -206,16 +232,56 @@ def state_light(sides, local: bool) -> dict | None:
                     if final:
                         inputs = {u: x[0] for u, x in r.inputs.items() if x}
                     rs = rp.take()
+                    if final:
+                        ref_final = rs
                     shape.update({u: list(t.shape) for u, t in rs.items()})
                     eng.forward([prefix(s, L)], mode="prefill")
                     stats["propagated"].add(i, L, final, rs, ep.take())
                     if local and inputs:
                         eng.forward([prefix(s, L)], feed={u: [x[:L]] for u, x in inputs.items()}, mode="prefill")
                         stats["local"].add(i, L, final, rs, ep.take())
+                if decode:
+                    unread += _decode_states(ref, eng, rp, ep, s, i, ref_final, stats["decode"])
     finally:
         for u in reversed(undo):
             u()
-    return _section(units, stats, shape, {"ref": rp.source, "engine": ep.source}, sides.settings.unit_tol)
+    extra = {"engine_mode": "decode", "decode_unread": unread} if decode else {}
+    return _section(units, stats, shape, {"ref": rp.source, "engine": ep.source}, sides.settings.unit_tol, **extra)
+
+
+def decode_points(P: int, T: int, cap: int = MAX_BOUNDARIES) -> list[int]:
+    """Token counts at which a decode-mode engine's state is measured: after the prompt's
+    prefill (P) and after decode steps (P+1 .. T-1), at most `cap` evenly spread; then the
+    sample's end (T, after the last step)."""
+    return spread(list(range(P, T)), cap) + [T]
+
+
+def _decode_states(ref, eng, rp: StateProbe, ep: StateProbe, s: Sample, i: int, ref_final: dict, stats: StateStats) -> list[str]:
+    """Decode mode: the engine runs sample `s` as a rollout does (the prompt prefilled, then
+    one token per step through its recurrent-step kernel), with its state kept at
+    `decode_points`; each is folded against the reference's state after the same tokens
+    (a prefill of that prefix; its final state is `ref_final`). Returns `unit@tokens` for
+    points the engine's probe did not read (never counted as agreement)."""
+    n = len(s.ids)
+    want = decode_points(len(s.prompt_ids), n)
+    ep.at = set(want)
+    try:
+        eng.forward([s], mode="decode")
+        got = ep.take_steps()
+        ep.take()
+    finally:
+        ep.at = set()
+    unread = []
+    for L in want:
+        if L == n:
+            rs = ref_final
+        else:
+            ref.forward([prefix(s, L)])
+            rs = rp.take()
+        es = {u: got[u][L] for u in rs if L in got.get(u, {})}
+        unread += [f"{u}@{L} (sample {i})" for u in rs if u not in es]
+        stats.add(i, L, L == n, rs, es)
+    return unread
 
 
 def dump_states(sides, units: list[str], local: bool) -> dict:
@@ -264,8 +330,9 @@ def _section(units: list[str], stats: dict, shape: dict, source: dict, unit_tol:
     layers = []
     for u in units:
         row = {"unit": u, "layer": int(u.split(".")[1]), "state_shape": shape.get(u)}
-        for name in ("propagated", "local"):
-            row[name] = stats[name].result(u) if name in stats else None
+        for name in ("propagated", "local", "decode"):
+            if name in stats or name != "decode":
+                row[name] = stats[name].result(u) if name in stats else None
         layers.append(row)
     report = {"chunk_size": CHUNK, "max_boundaries": MAX_BOUNDARIES, "source": source, "first_above_tol": None,
               "layers": layers, **extra}

@@ -137,3 +137,58 @@ def test_vllm_state_is_read_from_its_mamba_cache_and_agrees_to_bf16(trace):
             # a wrong slot or a transposed layout would be off by order 1; bf16 storage gives ~1e-2
             assert 0 < p["final"]["rel_l2"] < 0.05 and p["final"]["cosine"] > 0.999
             assert [b["tokens"] for b in p["boundaries"]] == [64, 128, 192]
+
+
+def test_decode_mode_measures_the_state_after_the_prompt_and_decode_steps_against_the_same_tokens(trace, tmp_path, capsys):
+    # The engine runs each sample as a rollout (prompt prefilled, then one token per step
+    # through the recurrent-step kernel); its state at those points is read against the
+    # reference's after the same tokens. The fixture's decay forgets a token within a
+    # step, so a state read one token off would differ by order 1, not by kernel rounding.
+    engine = damaged_copy(NAME, tmp_path, _scale("model.layers.1.linear_attn.A_log", 0.5))
+    out = tmp_path / "d.json"
+    code = main(["compare", "--ref", f"hf:{model_dir(NAME)}", "--engine", f"hf:{engine}", "--trace", trace,
+                 "--ref-dtype", "float32", "--engine-dtype", "float32", "--engine-mode", "decode", "-q", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code in (0, 4)
+    r = json.loads(out.read_text())
+    assert validate(r) == []
+    rs = r["recurrent_state"]
+    assert rs["engine_mode"] == "decode" and rs["decode_unread"] == []
+    samples = [json.loads(line) for line in open(trace)]
+    want = sorted({L for s in samples for L in RS.decode_points(len(s["prompt_ids"]), len(s["prompt_ids"]) + len(s["completion_ids"]))[:-1]})
+    rows = {row["unit"]: row for row in rs["layers"]}
+    assert list(rows) == LINEAR
+    for row in rows.values():
+        assert [b["tokens"] for b in row["decode"]["boundaries"]] == want
+        assert [s["tokens"] for s in row["decode"]["per_sample"]] == [s["tokens"] for s in row["propagated"]["per_sample"]]
+    # upstream of the damage: only the step kernel's fp32 rounding against the chunked rule
+    layer0 = rows["layers.0.attn"]["decode"]
+    assert 0 < layer0["final"]["rel_l2"] < 1e-5 and max(b["rel_l2"] for b in layer0["boundaries"]) < 1e-5
+    # the damaged decay gate: the decode state carries the same damage as the prefill state
+    d1, p1 = rows["layers.1.attn"]["decode"]["final"]["rel_l2"], rows["layers.1.attn"]["propagated"]["final"]["rel_l2"]
+    assert d1 > 1e-3 and abs(d1 - p1) < 1e-3 * p1
+    assert "Decode mode: the engine's state after the prompt and after decode steps" in text
+
+
+def test_decode_points_are_the_prompt_then_spread_steps_then_the_end():
+    assert RS.decode_points(5, 9) == [5, 6, 7, 8, 9]
+    many = RS.decode_points(80, 200)
+    assert many[0] == 80 and many[-2] == 199 and many[-1] == 200 and len(many) == RS.MAX_BOUNDARIES + 1
+
+
+@pytest.mark.vllm
+def test_vllm_decode_mode_state_after_each_step_is_read_from_its_mamba_cache(trace):
+    # decode: vLLM's recurrent-step kernel updates the request's cache slot one token at a
+    # time; its state after the prompt and after the steps agrees with the reference's after
+    # the same tokens to bf16 (measured 4e-3 to 8e-3); one token off would be order 1
+    spec = Spec(ref=f"hf:{model_dir(NAME)}", engine=f"vllm:{model_dir(NAME)}", trace=trace, ref_dtype="float32",
+                engine_dtype="bfloat16", engine_mode="decode")
+    s = Session(spec, Settings(), backends={"ref": hf(NAME, "float32"), "engine": vllm(NAME)})
+    rs = RS.state_light(s.sides(), local=False)
+    assert rs["engine_mode"] == "decode" and rs["decode_unread"] == []
+    assert [row["unit"] for row in rs["layers"]] == LINEAR
+    for row in rs["layers"]:
+        d = row["decode"]
+        assert 0 < d["final"]["rel_l2"] < 0.05 and d["final"]["cosine"] > 0.999
+        assert [b["tokens"] for b in d["boundaries"]][-1] == LONG - 1  # after the last decode step but one
+        assert max(b["rel_l2"] for b in d["boundaries"]) < 0.05

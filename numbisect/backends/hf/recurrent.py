@@ -6,7 +6,9 @@ transformers' Gated DeltaNet modules (Qwen3.5-MoE's `Qwen3_5MoeGatedDeltaNet`, Q
 state only when asked (`output_final_state`, set when a cache is in use). The probe puts a
 wrapper in that name for one forward: it asks for the final state, hands it to the probe
 under the unit whose module is running (a pre-hook on each linear unit says which), and
-returns to the module exactly what it asked for. The computation is unchanged: asking for
+returns to the module exactly what it asked for. A decode step with a cache runs the
+module's `torch_recurrent_gated_delta_rule` instead: wrapped the same way, so decode mode's
+states after each step are read too. The computation is unchanged: asking for
 the state only keeps a tensor the function computes anyway.
 """
 
@@ -18,6 +20,7 @@ from numbisect.backends.ledger import Ledger
 from numbisect.errors import BackendError
 
 CHUNK_FN = "torch_chunk_gated_delta_rule"
+STEP_FN = "torch_recurrent_gated_delta_rule"  # a decode step with a cache (one token)
 
 
 def install_probe(engine, probe, ledger: Ledger) -> None:
@@ -38,15 +41,19 @@ def install_probe(engine, probe, ledger: Ledger) -> None:
 
         ledger.hooks(m, pre=pre, post=post)
     for pymod in modules.values():
-        original = getattr(pymod, CHUNK_FN)
+        for name in (CHUNK_FN, STEP_FN):
+            original = getattr(pymod, name, None)
+            if not callable(original):
+                continue  # no recurrent step: decode-mode states are not read (prefill is)
 
-        def wrapped(*args, original=original, **kwargs):
-            want = kwargs.get("output_final_state", False)
-            kwargs["output_final_state"] = True
-            out, state = original(*args, **kwargs)
-            if running and state is not None:
-                probe.record(running[-1], state)
-            return out, (state if want else None)
+            def wrapped(*args, original=original, **kwargs):
+                want = kwargs.get("output_final_state", False)
+                kwargs["output_final_state"] = True
+                out, state = original(*args, **kwargs)
+                if running and state is not None:
+                    query = args[0] if args else kwargs.get("query")
+                    probe.record(running[-1], state, int(query.shape[1]))  # [batch, tokens, heads, dim]
+                return out, (state if want else None)
 
-        ledger.setattr(pymod, CHUNK_FN, wrapped)
+            ledger.setattr(pymod, name, wrapped)
     probe.source = f"transformers {CHUNK_FN} final state (float32)"

@@ -5,8 +5,8 @@ vLLM keeps a Gated DeltaNet layer's recurrent state in its mamba cache: the laye
 the forward's GDN metadata (`non_spec_state_indices_tensor`). The CPU path
 (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py) views the cache as
 [slots, heads, k_dim, v_dim] and its chunked delta rule writes each prefill's final state
-there in place. A forward hook on each linear unit reads the request's slot right after
-the layer ran, in that view, in the cache's own dtype (`mamba_ssm_cache_dtype`: the
+there in place (a decode step's recurrent update too). A forward hook on each linear unit
+reads the request's slot right after the layer ran (with the step's token count), in that view, in the cache's own dtype (`mamba_ssm_cache_dtype`: the
 model dtype unless set). One request per forward (the runner's), so one slot; a step
 with several requests is not read (the point is then missing from the report).
 """
@@ -37,8 +37,9 @@ def install_probe(engine, probe, ledger: Ledger) -> None:
                 return  # not one sample's step (never raised inside the engine: it would break it); the point stays unread
             ssm = mod.kv_cache[1]
             slots, heads, a, b = ssm.shape
-            probe.record(unit, ssm.view(slots, heads, b, a)[int(idx[0])])
+            tokens = int(meta.num_prefill_tokens) + int(meta.num_decode_tokens)  # this step's, of the one request
+            probe.record(unit, ssm.view(slots, heads, b, a)[int(idx[0])], tokens)
 
         ledger.hooks(m, post=post)
         dtypes.add(str(m.kv_cache[1].dtype).removeprefix("torch."))
-    probe.source = f"vLLM mamba cache ssm_state slot after the prefill ({', '.join(sorted(dtypes))})"
+    probe.source = f"vLLM mamba cache ssm_state slot after the prefill or decode step ({', '.join(sorted(dtypes))})"
