@@ -258,30 +258,53 @@ def compiled_differing(out: dict, model_path: str) -> dict:
     return {**d, "named": pattern([u for u in d["differ"] if u in compiled], layers)}
 
 
-def localise_compiled(sess: CondSession, culprits: list[str], eng: Engines, run_child, progress) -> dict:
+def chained(sess: CondSession, out: dict, path_k3: float | None) -> dict | None:
+    """How much of the compiled path the units compiled alone reproduce: the engine run on
+    its own inputs with every leaf unit compiled, against its eager run (k3, as the search
+    measures), beside `path_k3` (the compiled path alone against the known-good
+    configuration, from the search). `ratio` of the same order as 1: the named units
+    account for the compiled path; well below: its effect is mostly across units (fusions,
+    the glue between them); well above: the units alone round more than the whole graph
+    does (a fusion across units keeps more precision)."""
+    if "chained_logprobs" not in out:
+        return None
+    got = compare_lp(sess, _result(out["eager_logprobs"]), _result(out["chained_logprobs"]))
+    k3 = 0.0 if got["bitwise"] else float(got["report"]["value"])
+    ratio = k3 / path_k3 if path_k3 else None
+    return {"k3": k3, "bitwise_equal": got["bitwise"], "max_abs_diff": got["max_abs_diff"],
+            "compiled_path_k3": path_k3, "ratio": ratio}
+
+
+def localise_compiled(sess: CondSession, culprits: list[str], eng: Engines, run_child, progress,
+                      path_k3: float | None = None) -> dict:
     """Units whose code compiled alone by inductor gives other numbers than eager, in one
     child (`unitcompile.eager_and_compiled`): numbisect's eager engine with the custom ops
-    in the answer's state, every unit fed the same captured inputs both ways."""
+    in the answer's state, every unit fed the same captured inputs both ways; then how much
+    of the compiled path (`path_k3`) those units, chained, reproduce (`chained`)."""
     ops = answer_ops(culprits, eng)
     progress(f"localise {E.COMPILED}: every unit eager, then each compiled alone (inductor), fed the same inputs")
     out = run_child(sess.job({"compilation_config": {"custom_ops": ops}}, job="capture", compile=True),
                     "localisation of the compiled path")
+    chain = chained(sess, out, path_k3)
     return {"atom": E.COMPILED, "done": True, **compiled_differing(out, sess.eng_path),
             "custom_ops": ops, "compiled_units": list(out["compiled_units"]),
             "compile_seconds": float(out["compile_seconds"]),
+            **({"units_chained": chain} if chain is not None else {}),
             "method": "eager engine, every unit fed the same captured inputs, each leaf unit eager vs compiled alone "
                       "(torch.compile, inductor, vLLM-CPU's options); vLLM compiles the whole model as one graph: "
-                      "fusions across units and the glue between them are not seen"}
+                      "fusions across units and the glue between them are not seen here, but units_chained says how "
+                      "much of the compiled path's k3 the units compiled alone reproduce"}
 
 
-def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress, culprits: list[str] | None = None) -> dict:
+def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress, culprits: list[str] | None = None,
+             path_k3: float | None = None) -> dict:
     """Units whose local output differs when custom op `atom` (or a setting of
     `engine_config.LOCALISABLE`, every op as the good engine ran it) is in the user's state instead of the
     good one (both eager, numbisect's own engine); under `compiled`, the
     units whose compiled code differs (`localise_compiled`, the `culprits` ops in the
     user's state)."""
     if atom == E.COMPILED:
-        return localise_compiled(sess, culprits or [atom], eng, run_child, progress)
+        return localise_compiled(sess, culprits or [atom], eng, run_child, progress, path_k3)
     if atom in E.LOCALISABLE:  # a setting hooks run in: each side's value, every custom op as the good engine ran it
         ops = [("+" if o else "-") + name for name, o in sorted(eng.good_ops.items())]
         jobs = {side: {**({atom: conf[atom]} if atom in conf else {}), "compilation_config": {"custom_ops": ops}}
@@ -399,7 +422,8 @@ def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, r
     target = localisation_target(names)
     if localise_culprit and target:
         try:
-            cond["localisation"] = localise(sess, target, eng, run_child, progress, culprits=names)
+            alone_k3 = alone[E.COMPILED].value if E.COMPILED in alone else None
+            cond["localisation"] = localise(sess, target, eng, run_child, progress, culprits=names, path_k3=alone_k3)
         except Exception as e:  # the search's answer stands
             cond["localisation"] = {"atom": target, "done": False, "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     code = {"aligned": ExitCode.ALIGNED, "culprits": ExitCode.DIVERGED}.get(found.verdict, ExitCode.NO_CULPRIT)

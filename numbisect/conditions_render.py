@@ -4,7 +4,7 @@ summary and `bisect report show`, `report md` and the TUI."""
 
 from __future__ import annotations
 
-from numbisect.formatting import fmt
+from numbisect.formatting import fmt, num
 
 
 def _pct(x) -> str:
@@ -39,9 +39,26 @@ def conditions_lines(cond) -> list[str]:
     if isinstance(loc, dict):
         if loc.get("done"):
             out.append(f"  under {loc.get('atom')}: units {localised_what(loc)}: {', '.join(map(str, loc.get('named') or [])) or 'none'}")
+            chain = chained_line(loc.get("units_chained"))
+            if chain:
+                out.append(f"  {chain}")
         else:
             out.append(f"  under {loc.get('atom')}: not localised ({loc.get('why')})")
     return out
+
+
+def chained_line(ch) -> str | None:
+    """How much of the compiled path the units compiled alone reproduce, in one line."""
+    if not isinstance(ch, dict) or num(ch.get("k3")) is None:
+        return None
+    path, ratio = num(ch.get("compiled_path_k3")), num(ch.get("ratio"))
+    tail = ""
+    if path is not None and ratio is not None and 0 <= ratio < float("inf"):
+        why = ("the named units account for it" if 0.5 <= ratio <= 2 else
+               "most of it is across units (fusions, the glue between them)" if ratio < 0.5 else
+               "the units alone round more than the whole graph does")
+        tail = f"; the compiled path alone: k3 {fmt(path)} (ratio {ratio:.2f}: {why})"
+    return f"every leaf unit compiled alone, chained on the engine's own inputs: k3 {fmt(num(ch.get('k3')))} against eager{tail}"
 
 
 def localised_what(loc: dict) -> str:

@@ -77,6 +77,14 @@ def test_conditions_localise_a_guilty_compiled_path(tmp_path):
     assert not any("router" in n for n in loc["named"]) and "lm_head" not in loc["named"]
     assert all(0 < rows[u]["rel_l2"] < 1e-2 for u in loc["differ"])  # bf16 rounding, not a broken unit
     assert "whose code compiled alone differs" in r.stdout and "layers.*.attn" in r.stdout
+    # how much of the compiled path the units compiled alone reproduce, chained on the
+    # engine's own inputs, beside the compiled path's own k3 (the search's trial); measured:
+    # 3.9e-5 against 2.5e-5 (ratio 1.6: the units alone account for it)
+    ch = loc["units_chained"]
+    alone = next(a["alone"] for a in c["atoms"] if a["atom"] == E.COMPILED)
+    assert ch["compiled_path_k3"] == alone and alone > 0
+    assert ch["k3"] > 0 and not ch["bitwise_equal"] and ch["ratio"] == pytest.approx(ch["k3"] / alone)
+    assert "compiled alone, chained on the engine's own inputs" in r.stdout
 
 
 def test_an_attention_with_sub_units_is_compiled_whole():

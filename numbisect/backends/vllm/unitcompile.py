@@ -11,7 +11,10 @@ module's `__call__`, outside the compiled code, so feeding and capturing work as
 What it approximates: vLLM compiles the whole model as one graph, so fusions across unit
 boundaries (a norm into the next projection, a residual add into a norm) and the glue
 between units (a layer's residual adds, a MoE block's sum of shared and routed experts) are
-not compiled here; the graph passes vLLM adds (its fusion pass manager) are not run.
+not compiled here; the graph passes vLLM adds (its fusion pass manager) are not run. How
+much that leaves out is measured: the engine run with every leaf unit compiled, chained on
+its own inputs, gives token log-probs whose k3 against the eager run is set beside the
+compiled path's own k3 (`condbisect.localise_compiled`).
 
 `fullgraph=True`: a unit dynamo cannot capture whole raises instead of running parts of
 it eagerly (which would read as "bitwise equal"). Each layer's unit is its own module
@@ -79,7 +82,10 @@ def compile_units(backend, names: list[str]) -> None:
 def eager_and_compiled(backend, samples) -> dict:
     """Every unit's input captured (eager), then every unit fed those inputs eager and with
     each leaf unit compiled: {"eager", "compiled"} (unit -> per-sample local output),
-    "compiled_units", "compile_seconds" (the first compiled forward, compiles included)."""
+    "compiled_units", "compile_seconds" (the first compiled forward, compiles included).
+    Then the engine run on its own inputs with every leaf compiled (nothing fed): its token
+    log-probs ("chained_logprobs") against the eager run's ("eager_logprobs") say how much
+    of the compiled path the units compiled alone reproduce; the rest is across them."""
     from numbisect.compare import local_feed_names
 
     names = [u.name for u in backend.units]
@@ -89,5 +95,8 @@ def eager_and_compiled(backend, samples) -> dict:
     compile_units(backend, leaves)
     start = time.perf_counter()
     compiled = backend.forward(samples, capture=names, feed=first.inputs)
+    seconds = time.perf_counter() - start
+    chained = backend.forward(samples)
     return {"eager": eager.captures, "compiled": compiled.captures, "compiled_units": leaves,
-            "compile_seconds": time.perf_counter() - start}
+            "compile_seconds": seconds, "eager_logprobs": [t.float() for t in first.token_logprobs],
+            "chained_logprobs": [t.float() for t in chained.token_logprobs]}
