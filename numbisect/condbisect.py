@@ -241,8 +241,7 @@ def answer_ops(culprits: list[str], eng: Engines) -> list[str]:
     """Every custom op the engines reported, written out (`+NAME` / `-NAME`) in the state
     of the answer's trial: the culprit ops in the user's state, the others in the good one,
     as `engine_config.trial_settings` wrote them for that trial (`engine_config.ops_written`)."""
-    ops = lambda atoms: {a[len(E.OP_PREFIX):] for a in atoms if a.startswith(E.OP_PREFIX)}  # noqa: E731
-    return E.ops_written(ops(culprits), eng.user_ops, eng.good_ops, ops(eng.atoms))
+    return E.ops_written(E.op_names(culprits), eng.user_ops, eng.good_ops, E.op_names(eng.atoms))
 
 
 def compiled_differing(out: dict, model_path: str) -> dict:

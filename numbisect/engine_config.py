@@ -170,6 +170,11 @@ def atoms(user: dict, good: dict, user_ops: dict[str, bool] | None = None, good_
     return out
 
 
+def op_names(atoms) -> set[str]:
+    """The op names of the `custom_op:NAME` atoms among `atoms`."""
+    return {a[len(OP_PREFIX):] for a in atoms if a.startswith(OP_PREFIX)}
+
+
 def ops_written(user_side, user_ops: dict[str, bool] | None, good_ops: dict[str, bool] | None, names=()) -> list[str]:
     """Every custom op the engines reported (and `names`), by name, written out "+NAME" or
     "-NAME": the ops in `user_side` in the state the user's engine reported, the others in
@@ -203,7 +208,7 @@ def trial_settings(user: dict, good: dict, reverted, user_ops: dict[str, bool] |
         cc.pop("custom_ops", None)
         if "custom_ops" in (good.get("compilation_config") or {}):
             cc["custom_ops"] = list(good["compilation_config"]["custom_ops"])
-    op_atoms = {a[len(OP_PREFIX):] for a in all_atoms if a.startswith(OP_PREFIX)}
+    op_atoms = op_names(all_atoms)
     names = op_atoms | set(user_ops or {}) | set(good_ops or {})
     if names:
         kept = {n for n in names if OP_PREFIX + n not in reverted}
