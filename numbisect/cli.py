@@ -583,18 +583,22 @@ def report_md(file):
 @click.argument("report_file", required=False, type=click.Path(), metavar="[REPORT.json]")
 @options("ref", "engine", "trace", required=False)
 @options("ref_dtype", "engine_dtype", "ref_opt", "engine_opt", "engine_fault", "threshold", "floor", "metric", "group", "strategy", "max_trials",
-         "engine_mode", "group_def", "trace_format", "trace_fields")
+         "engine_mode", "group_def", "trace_format", "trace_fields", "engine_config")
 def tui(report_file, **kw):
     """Terminal UI: explore REPORT.json, or run the search live (--ref, --engine, --trace).
 
     Live mode runs what `bisect run` runs, in the background, while the trials table
-    fills in; its exported report is the one `bisect run` writes. Press ? for keys.
+    fills in; its exported report is the one `bisect run` writes (with --engine-config,
+    the token comparison in your settings and the search in the hookable ones, as `run`
+    does). Press ? for keys.
     """
     from numbisect.report import command_line, load_report
 
     live_opts = [k for k in ("ref", "engine", "trace") if kw[k]]
     if report_file and live_opts:
         raise InputError("give either REPORT.json or --ref/--engine/--trace (live mode), not both")
+    if report_file and kw["engine_config"]:  # a report shows the settings it was run with
+        raise InputError("--engine-config is for a live run (--ref, --engine, --trace), not with REPORT.json")
     report, config = None, None
     if report_file:
         report = load_report(report_file)

@@ -239,13 +239,9 @@ def _differing(base: dict, local: dict, model_path: str) -> dict:
 
 def answer_ops(culprits: list[str], eng: Engines) -> list[str]:
     """Every custom op the engines reported, written out (`+NAME` / `-NAME`) in the state
-    of the answer's trial: the culprit ops in the user's state, the others in the good one."""
-    out = []
-    for name in sorted(set(eng.user_ops) | set(eng.good_ops)):
-        side = eng.user_ops if E.OP_PREFIX + name in culprits else eng.good_ops
-        on = side.get(name, eng.user_ops.get(name))
-        out.append(("+" if on else "-") + name)
-    return out
+    of the answer's trial: the culprit ops in the user's state, the others in the good one,
+    as `engine_config.trial_settings` wrote them for that trial (`engine_config.ops_written`)."""
+    return E.ops_written(E.op_names(culprits), eng.user_ops, eng.good_ops, E.op_names(eng.atoms))
 
 
 def compiled_differing(out: dict, model_path: str) -> dict:

@@ -170,6 +170,26 @@ def atoms(user: dict, good: dict, user_ops: dict[str, bool] | None = None, good_
     return out
 
 
+def op_names(atoms) -> set[str]:
+    """The op names of the `custom_op:NAME` atoms among `atoms`."""
+    return {a[len(OP_PREFIX):] for a in atoms if a.startswith(OP_PREFIX)}
+
+
+def ops_written(user_side, user_ops: dict[str, bool] | None, good_ops: dict[str, bool] | None, names=()) -> list[str]:
+    """Every custom op the engines reported (and `names`), by name, written out "+NAME" or
+    "-NAME": the ops in `user_side` in the state the user's engine reported, the others in
+    the good engine's. An op one engine did not report takes the state the other reported
+    (so the two states of such an op's atom are written alike: the trial a search ran and
+    the answer a localisation reruns have every op in the same state); one neither
+    reported, off. `trial_settings` and `condbisect.answer_ops` both write ops with it."""
+    user_ops, good_ops = user_ops or {}, good_ops or {}
+    out = []
+    for name in sorted(set(names) | set(user_ops) | set(good_ops)):
+        first, other = (user_ops, good_ops) if name in user_side else (good_ops, user_ops)
+        out.append(("+" if first.get(name, other.get(name)) else "-") + name)
+    return out
+
+
 def trial_settings(user: dict, good: dict, reverted, user_ops: dict[str, bool] | None = None,
                    good_ops: dict[str, bool] | None = None, all_atoms=()) -> dict:
     """The user's settings with the atoms in `reverted` set to the good configuration's
@@ -188,15 +208,12 @@ def trial_settings(user: dict, good: dict, reverted, user_ops: dict[str, bool] |
         cc.pop("custom_ops", None)
         if "custom_ops" in (good.get("compilation_config") or {}):
             cc["custom_ops"] = list(good["compilation_config"]["custom_ops"])
-    op_atoms = {a[len(OP_PREFIX):] for a in all_atoms if a.startswith(OP_PREFIX)}
-    names = sorted(op_atoms | set(user_ops or {}) | set(good_ops or {}))
+    op_atoms = op_names(all_atoms)
+    names = op_atoms | set(user_ops or {}) | set(good_ops or {})
     if names:
-        ops = [o for o in cc.get("custom_ops", []) if o.lstrip("+-") not in names]
-        for name in names:
-            side = good_ops if OP_PREFIX + name in reverted else user_ops
-            on = (side or {}).get(name, (user_ops or {}).get(name, (good_ops or {}).get(name)))
-            ops.append(("+" if on else "-") + name)
-        cc["custom_ops"] = ops
+        kept = {n for n in names if OP_PREFIX + n not in reverted}
+        cc["custom_ops"] = ([o for o in cc.get("custom_ops", []) if o.lstrip("+-") not in names]
+                            + ops_written(kept, user_ops, good_ops, op_atoms))
     if cc:
         s["compilation_config"] = cc
     else:

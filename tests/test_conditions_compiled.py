@@ -31,6 +31,27 @@ def test_answer_ops_put_the_answers_ops_in_the_users_state_and_the_rest_in_the_g
     assert answer_ops([E.COMPILED], eng) == ["+quant_fp8", "-rms_norm", "-rotary_embedding", "-silu_and_mul"]
 
 
+def test_answer_ops_are_the_ops_of_the_answers_trial():
+    """The localisation reruns the answer's trial: its ops are the ones `trial_settings`
+    wrote for that trial (every atom but the culprits reverted), also for a culprit op that
+    only the good engine reported (the user's engine left it out: the good engine's state,
+    as in the trial; it was once written off here)."""
+    from numbisect.condbisect import Engines, answer_ops
+
+    user = {"enforce_eager": False, "compilation_config": {"custom_ops": ["none"]}}
+    good_ops = {"rms_norm": False, "rotary_embedding": False, "quant_fp8": True}
+    user_ops = {"rms_norm": True, "rotary_embedding": True, "silu_and_mul": False}
+    atoms = E.atoms(user, dict(E.GOOD), user_ops, good_ops)
+    assert "custom_op:quant_fp8" in atoms and "custom_op:silu_and_mul" in atoms
+    eng = Engines(ref=None, good=None, good_ops=good_ops, user_ops=user_ops, atoms=atoms)
+    for culprits in ([E.COMPILED], [E.COMPILED, "custom_op:rotary_embedding"], ["custom_op:quant_fp8"],
+                     ["custom_op:silu_and_mul", "custom_op:rms_norm"]):
+        trial = E.trial_settings(user, dict(E.GOOD), set(atoms) - set(culprits), user_ops, good_ops, atoms)
+        written = [o for o in trial["compilation_config"]["custom_ops"] if o[:1] in "+-"]
+        assert answer_ops(culprits, eng) == written, culprits
+    assert "+quant_fp8" in answer_ops(["custom_op:quant_fp8"], eng)
+
+
 @pytest.mark.parametrize("culprits, target", [
     (["compiled"], "compiled"),
     (["compiled", "custom_op:rotary_embedding"], "compiled"),  # the op in the user's state, then compiled

@@ -21,6 +21,8 @@
 7. A report of `compare` / `run --engine-config` shows its `engine_config` section in the
    Overview (`widgets/engine_config.py`): whether the module search, run in the hookable
    configuration, saw your numbers; "your settings alone diverge" is then the answer bar's.
+   A live run with `--engine-config FILE` runs as `bisect run --engine-config` does (the
+   session derives both configurations), so its report carries the section too.
 """
 
 from __future__ import annotations
@@ -228,6 +230,8 @@ class BisectApp(App[int]):
             f"engine     {sp.engine} ({sp.engine_dtype})",
             f"trace      {sp.trace}",
             f"faults     {', '.join(sp.faults) or 'none planted'}",
+            *([f"settings   {sp.engine_config_path or 'your engine settings'} (--engine-config: the token comparison in "
+               "yours, the search in the hookable ones)"] if sp.engine_config is not None else []),
             f"judged on  {M.metric_words(st.metric)} of {st.group} tokens, threshold {fmt(st.threshold)}",
             f"search     {cfg.strategy}" + (f", at most {cfg.max_trials} trials" if cfg.max_trials else ""),
             "",

@@ -2,6 +2,8 @@
 
 1. `LiveConfig`: what `bisect tui --ref ... --engine ... --trace ...` asked for, plus the
    equivalent `bisect run` command line (recorded in the report, so it reproduces it).
+   `--engine-config FILE` is the spec's `engine_config`: the session runs the user's
+   settings and the hookable ones exactly as `bisect run --engine-config` does.
 2. `open_session`: load both backends (slow: this runs in a worker thread).
 3. `run_search`: `numbisect.run.run` exactly as `bisect run` calls it, and the report
    built exactly as `bisect run` builds it, so an exported report equals the CLI's
@@ -115,6 +117,10 @@ def check_live(cfg: LiveConfig) -> None:
     from numbisect import decode as D
 
     D.check_mode(kind, cfg.spec.engine_mode)
+    if cfg.spec.engine_config is not None:  # the file was read and checked where parsed; here what it asks of the engine
+        from numbisect.userengine import UserEngine
+
+        UserEngine.check(cfg.spec, kind)
     if cfg.strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {cfg.strategy!r}; choose one of {', '.join(STRATEGIES)}")
     for f in cfg.spec.faults:

@@ -116,3 +116,57 @@ def test_help_lists_tui(capsys):
     main(["tui", "--help"])
     out = capsys.readouterr().out
     assert "REPORT.json" in out and "--engine-fault" in out and "--strategy" in out
+
+
+VLLM_LIVE = ["--ref", "hf:fixtures/models/qwen3_moe", "--engine", "vllm:fixtures/models/qwen3_moe",
+             "--trace", "fixtures/traces/qwen3_moe.jsonl"]
+
+
+@pytest.mark.parametrize("settings", ['{"enforce_eager": true, "enable_prefix_caching": false}',
+                                      'enforce_eager = false\nbatch = "all"\n'], ids=["json-hookable", "toml-child"])
+def test_live_mode_takes_the_engine_config_into_the_session_and_the_run_command(started, monkeypatch, tmp_path, settings):
+    """The settings file reaches the session as `bisect run --engine-config` gives it (the
+    session derives both configurations from it), and the recorded command is that run's."""
+    from numbisect import engine_config as E
+
+    mine = tmp_path / ("mine.json" if settings.startswith("{") else "mine.toml")
+    mine.write_text(settings)
+    argv = ["bisect", "tui", *VLLM_LIVE, "--engine-config", str(mine), "--engine-opt", "max_num_seqs=4"]
+    monkeypatch.setattr("sys.argv", ["pytest"])
+    assert main(argv[1:]) == ExitCode.ALIGNED
+    (app,) = started
+    cfg = app.live
+    assert cfg.argv == ["bisect", "run", *argv[2:]]
+    assert cfg.spec.engine_config == {**E.load_settings(str(mine)), "max_num_seqs": 4}  # --engine-opt on top
+    assert cfg.spec.engine_config_path == str(mine)
+    assert f"settings   {mine} (--engine-config" in app._live_intro()
+
+
+@pytest.mark.parametrize("text,engine,extra,needle", [
+    ("{not json", "vllm", [], "--engine-config {p}: not JSON"),
+    ('{"batch": 3}', "vllm", [], '--engine-config {p}: batch must be 1 or "all" (got 3)'),
+    ('{"trust_remote_code": true}', "vllm", [], "trust_remote_code is refused"),
+    (None, "vllm", [], "--engine-config not found: {p}"),
+    ('{"enforce_eager": true}', "hf", [], "--engine-config needs --engine vllm:DIR"),
+    ('{"batch": "all"}', "vllm", ["--engine-mode", "decode"],
+     "--engine-mode decode with --engine-config needs settings numbisect's engine runs with hooks as they are"),
+], ids=["not-json", "bad-value", "remote-code", "missing-file", "hf-engine", "decode-child"])
+def test_bad_engine_config_is_one_line_before_the_live_app_starts(capsys, started, tmp_path, text, engine, extra, needle):
+    """The refusals of `bisect run --engine-config`, before the app starts (the last two
+    are the session's own checks, run before the app, not in its worker)."""
+    p = tmp_path / "mine.json"
+    if text is not None:
+        p.write_text(text)
+    args = ["--ref", "hf:fixtures/models/qwen3_moe", "--engine", f"{engine}:fixtures/models/qwen3_moe",
+            "--trace", "fixtures/traces/qwen3_moe.jsonl"]
+    assert main(["tui", *args, "--engine-config", str(p), *extra]) == ExitCode.USAGE
+    assert needle.format(p=p) in one_line_error(capsys)
+    assert started == []
+
+
+def test_engine_config_with_a_report_is_refused_not_ignored(capsys, started, tmp_path):
+    p = tmp_path / "mine.json"
+    p.write_text('{"enforce_eager": true}')
+    assert main(["tui", REPORT, "--engine-config", str(p)]) == ExitCode.USAGE
+    assert "--engine-config is for a live run" in one_line_error(capsys)
+    assert started == []

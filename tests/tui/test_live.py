@@ -6,6 +6,7 @@ durations."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -127,3 +128,42 @@ async def test_live_mode_waits_for_r_when_autostart_is_off_and_reports_a_bad_gro
         await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen), timeout=60)
         assert "unknown group 'no-such-group'" in app.screen.message
         assert app.busy is None
+
+
+@pytest.mark.vllm
+async def test_live_run_with_engine_settings_hooks_run_in_shows_the_engine_config_section(tmp_path, monkeypatch):
+    """`bisect tui ... --engine-config mine.json` with settings numbisect's engine runs with
+    hooks as they are (eager, prefix caching off: the shared engine's): the live run ends with
+    the report `bisect run --engine-config` writes, its `engine_config` section saying every
+    part ran in your settings, and the Overview shows it. Two samples, at most 3 trials."""
+    from conftest import hf, short_trace, vllm
+
+    from numbisect import engine_config as E
+    from numbisect.cli import main
+    from numbisect.tui.widgets.overview import OverviewPanel
+
+    fix = "qwen3_moe"
+    mine = tmp_path / "mine.json"
+    user = {"enforce_eager": True, "enable_prefix_caching": False}
+    mine.write_text(json.dumps(user))
+    apps = []
+    monkeypatch.setattr(BisectApp, "run", lambda self, *a, **k: apps.append(self))
+    argv = ["tui", "--ref", f"hf:{MODEL}", "--engine", f"vllm:{MODEL}", "--trace", short_trace(fix, 2),
+            "--engine-config", str(mine), "--max-trials", "3"]
+    assert main(argv) == 0
+    (built,) = apps
+    cfg = built.live
+    cfg.backends = {"ref": hf(fix), "engine": vllm(fix)}  # the session's shared engines: no engine started here
+    app = BisectApp(live=cfg)
+    async with app.run_test(size=(130, 60)) as pilot:
+        await wait_for(pilot, lambda: app.final)
+        overview = str(app.main.query_one(OverviewPanel).render())
+        await pilot.press("q")
+    r = app.report
+    print(f"live run, --engine-config: {r['verdict']}, value {r['baseline']['value']:.3g}, "
+          f"{r['search']['trials_used']} trials, exit {app.last_code}")
+    assert r["command"] == ["bisect", "run", *argv[1:]]
+    assert r["engine_config"] == {"user": user, "file": str(mine), "hookable": E.hookable(user), "changed": [], "child": False,
+                                  "parts": {"tokens": "hookable", "units": "hookable", "search": "hookable"}}
+    assert f"Your engine configuration ({mine})" in overview
+    assert "your settings run with hooks as they are" in overview
