@@ -13,7 +13,8 @@ Two configurations take part:
 - the hookable one (`engine_config.hookable`): the user's settings made eager, without
   prefix caching, one sample per call, raw log-probs, custom ops as the user's engine ran
   them. Every capture (per-unit errors, routing, the local pass), the self-check, the
-  module search and the what-ifs run in it, in this process.
+  module search, the what-ifs and the routing replay (forcing expert ids needs hooks in
+  the router) run in it, in this process.
 
 The report's `engine_config` section records both, which part ran in which, and the
 hookable configuration's log-probs against the user's (bitwise equal: the module search
@@ -57,6 +58,7 @@ class UserEngine:
         self.settings = dict(settings)
         self.path = path  # the --engine-config file, if any
         self.mode = mode  # the engine mode (--engine-mode): the child's job runs in it too
+        self.replay = False  # --replay-routing: a what-if in the hookable configuration (see `apply`)
         self.hook = E.hookable(self.settings)
         self.changed = E.differs(self.settings, self.hook)
         self.child = bool(self.changed)  # the token-level comparison needs its own engine
@@ -75,12 +77,7 @@ class UserEngine:
             raise InputError(f"--engine-mode decode with --engine-config needs logprobs_mode \"raw_logprobs\" (yours: {mode!r}): "
                              f"decode mode forces the trace's tokens with a logits processor, and vLLM {DECODE_LOGPROBS[mode]}; "
                              "run the log-prob contract with --engine-mode prefill")
-        # The routing replay runs in numbisect's own engine: with settings hooks run in as
-        # they are (no child), that engine is the user's; otherwise not yet.
-        if spec.replay_routing and u.child:
-            raise InputError(f"--replay-routing with --engine-config needs settings numbisect's engine runs with hooks as they are "
-                             f"(eager, prefix caching off, batch 1, raw log-probs, no sampling); yours change "
-                             f"{', '.join(u.changed)} (not done yet)")
+        u.replay = bool(spec.replay_routing)
         return u
 
     def backend_opts(self) -> dict:
@@ -156,9 +153,17 @@ class UserEngine:
             "parts": {"tokens": "user" if self.child else "hookable", "units": "hookable", "search": "hookable"},
             "mode": self.mode,
         }
+        if self.replay:
+            section["parts"]["replay"] = "hookable"
         if not self.child:
             body["engine_config"] = section
             return body
+        if body.get("routing_replay"):
+            # Forcing expert ids needs hooks in the router: the user's engine (compiled, batched)
+            # cannot run it. The what-if splits the hookable configuration's own metric into
+            # routing flips and drift (its `baseline` is that one's, not the report's); how far
+            # that is from the user's numbers is `hookable_vs_user`.
+            body["routing_replay"]["configuration"] = "hookable"
         section["custom_ops"] = self.out.get("custom_ops")
         section["seconds"] = self.out.get("seconds")
         user = self.result()
