@@ -92,10 +92,10 @@ def engine_config_lines(v) -> list[str]:
     hb = _d(ec.get("hookable_baseline"))
     return [f"engine config: token metrics in your settings{src} (child process); captures and search in the hookable one "
             f"(changed: {changed}), {hb.get('verdict', '?')} against the reference (value {fmt(hb.get('value'))})",
-            f"{'  ' if mark == '=' else mark + ' '}{sentence}"] + _user_modes_lines(_d(ec.get("engine_modes")))
+            f"{'  ' if mark == '=' else mark + ' '}{sentence}"] + user_modes_lines(_d(ec.get("engine_modes")))
 
 
-def _user_modes_lines(em: dict) -> list[str]:
+def user_modes_lines(em: dict) -> list[str]:
     """Decode mode: the user's engine's decode run against its own prefill run (completion k3)."""
     if not em:
         return []
