@@ -19,7 +19,9 @@ Jobs (IN.json: {"job", "model", "dtype", "settings", "samples": [[ids], ...], ..
 - "decode": the same engine with numbisect's forcing logits processor, and after the
   prefill run the decode run of `--engine-mode decode` (`runner.forced_decode_params`:
   each prompt prefilled, its completion decoded one token per step, forced to the
-  trace's; all samples side by side when batch is "all"). OUT as "logprobs", with
+  trace's; all samples side by side when batch is "all"; greedy whatever the settings'
+  sampling: raw log-probs come before the sampler, and the forced token is the only one
+  left). OUT as "logprobs", with
   "logprobs" / "full" the decode run's and "prefill_logprobs" / "prefill_full" the
   prefill run's.
 - "capture": numbisect's own eager engine (`VLLMBackend`, the settings' compilation_config
