@@ -109,4 +109,21 @@ def engine_config_lines(v) -> list[str]:
     hb = _d(ec.get("hookable_baseline"))
     return [f"engine config: token metrics in your settings{src} (child process); captures and search in the hookable one "
             f"(changed: {changed}), {hb.get('verdict', '?')} against the reference (value {fmt(hb.get('value'))})",
-            f"{'  ' if mark == '=' else mark + ' '}{sentence}"]
+            f"{'  ' if mark == '=' else mark + ' '}{sentence}"] + user_modes_lines(_d(ec.get("engine_modes")))
+
+
+def user_modes_lines(em: dict) -> list[str]:
+    """Decode mode: the user's engine's decode run against its own prefill run (completion k3)."""
+    if not em:
+        return []
+    dvp = _d(em.get("decode_vs_prefill"))
+    lp = _d(dvp.get("logprob_diff"))
+
+    def k3(sec):
+        return fmt(_d(_d(_d(sec).get("groups")).get("completion")).get("k3_mean"))
+
+    frac = lp.get("frac_equal")
+    same = f"{100 * frac:.1f}%" if isinstance(frac, (int, float)) else "?"
+    return [f"  in your settings, completion k3 mean: decode vs reference {k3(em.get('decode_vs_reference'))}, prefill vs "
+            f"reference {k3(em.get('prefill_vs_reference'))}, decode vs prefill {k3(dvp)} (max |diff| "
+            f"{fmt(lp.get('max_abs'))}, identical on {same} of {lp.get('tokens', 0)} completion tokens)"]

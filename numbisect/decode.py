@@ -80,28 +80,37 @@ def engine_modes(samples, settings, groups, engine_dtype, ref, decode, prefill, 
     `prefill` runs (ForwardResults with every unit captured) against the reference `ref`
     and each other."""
     s = settings
-    pre_vs_ref = C.token_report(samples, ref, prefill, s, groups)
-    dec_vs_pre = C.token_report(samples, prefill, decode, s, groups)
+    section = mode_pair(samples, s, groups, ref, decode, prefill)
     rows = C.unit_report(units, prefill, decode, None, engine_dtype, s)
+    section["decode_vs_prefill"].update({
+        "first_unit": C.first_divergence(rows, s),
+        "units_differing": [
+            {"name": r["name"], "rel_l2": r["propagated"]["rel_l2"], "max_abs": r["propagated"]["max_abs"]}
+            for r in rows
+            if r["propagated"] and not r["propagated"]["ulps"]["bitwise_equal"]
+        ],
+    })
     return {
-        "mode": "decode",
-        "prefill_vs_reference": _groups(pre_vs_ref),
-        "decode_vs_reference": None,  # filled by the caller from the baseline
-        "decode_vs_prefill": {
-            **_groups(dec_vs_pre),
-            "logprob_diff": _logprob_diff(samples, prefill, decode),
-            "first_unit": C.first_divergence(rows, s),
-            "units_differing": [
-                {"name": r["name"], "rel_l2": r["propagated"]["rel_l2"], "max_abs": r["propagated"]["max_abs"]}
-                for r in rows
-                if r["propagated"] and not r["propagated"]["ulps"]["bitwise_equal"]
-            ],
-        },
+        **section,
         "not_swappable": {
             "units": not_swappable(units, "decode"),
             "kinds": list(NEEDS_KV_CACHE),
             "reason": "attention (and whole layers) would need the engine's KV cache; swap them with --engine-mode prefill",
         },
+    }
+
+
+def mode_pair(samples, settings, groups, ref, decode, prefill) -> dict:
+    """Token metrics of one engine's `decode` and `prefill` runs (ForwardResults): prefill
+    against the reference `ref`, decode against prefill, and their log-prob differences.
+    The token part of `engine_modes`; alone, the user's engine's (`userengine`, a child
+    process: no unit captured)."""
+    return {
+        "mode": "decode",
+        "prefill_vs_reference": _groups(C.token_report(samples, ref, prefill, settings, groups)),
+        "decode_vs_reference": None,  # filled by the caller from the baseline
+        "decode_vs_prefill": {**_groups(C.token_report(samples, prefill, decode, settings, groups)),
+                              "logprob_diff": _logprob_diff(samples, prefill, decode)},
     }
 
 

@@ -24,8 +24,11 @@ def render_lines(r: dict | ReportView) -> list[str]:
     lp = dvp.get("logprob_diff") or {}
     fu = dvp.get("first_unit") or {}
     ns = em.get("not_swappable") or {}
+    ec = v.r.get("engine_config")
+    where = ("; below the hookable configuration's runs, yours are in the engine config line"
+             if isinstance(ec, dict) and ec.get("child") is True else "")
     out = [
-        "engine mode: decode (prompt prefilled, completion decoded one token per step, every token forced to the trace's)",
+        f"engine mode: decode (prompt prefilled, completion decoded one token per step, every token forced to the trace's){where}",
         f"  completion k3 mean: decode vs reference {k3(em.get('decode_vs_reference'))}, prefill vs reference "
         f"{k3(em.get('prefill_vs_reference'))}, decode vs prefill (same engine) {k3(dvp)}",
         f"  decode vs prefill log-probs: max |diff| {fmt(lp.get('max_abs'))}, identical on "

@@ -449,7 +449,7 @@ def _env_lines(v: ReportView) -> list[str]:
 def _engine_config_md(v: ReportView) -> list[str]:
     """The `engine_config` section (`--engine-config`): whether the module search saw the
     user's numbers, and the settings changed so hooks could run."""
-    from numbisect.conditions_render import engine_config_finding
+    from numbisect.conditions_render import user_modes_lines, engine_config_finding
 
     ec = v.r.get("engine_config")
     if not isinstance(ec, dict):
@@ -458,7 +458,8 @@ def _engine_config_md(v: ReportView) -> list[str]:
     src = f" ({_code(ec.get('file'))})" if ec.get("file") else ""
     changed = ec.get("changed") if isinstance(ec.get("changed"), list) else []
     more = f" Changed so hooks can run: {', '.join(_code(c) for c in changed)}." if changed and ec.get("child") is True else ""
-    return ["", f"**Your engine configuration**{src}: {_md(sentence)}.{more}"]
+    modes = [f"- {_md(line.strip())}" for line in user_modes_lines(ec.get("engine_modes") if isinstance(ec.get("engine_modes"), dict) else {})]
+    return ["", f"**Your engine configuration**{src}: {_md(sentence)}.{more}"] + ([""] + modes if modes else [])
 
 
 def markdown(r: dict | ReportView) -> str:

@@ -46,6 +46,7 @@ def routing_lines(r: dict | ReportView, flips_per_layer: int = 3) -> list[str]:
         out.append(
             f"routing replay ({rr['direction']}): {who} expert ids at every MoE layer: {rr.get('metric', 'k3')} {fmt(num(rr['baseline']))} -> "
             f"{fmt(num(rr['replayed']))}; from routing flips {fmt(num(rr['from_flips']))}, numeric drift {fmt(num(rr['from_drift']))}"
+            + ("; in the hookable configuration (its metric, not your settings')" if rr.get("configuration") == "hookable" else "")
         )
         for row in rr.get("layers") or []:
             if num(row.get("value_replayed_alone")) is not None:

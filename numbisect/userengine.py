@@ -13,7 +13,8 @@ Two configurations take part:
 - the hookable one (`engine_config.hookable`): the user's settings made eager, without
   prefix caching, one sample per call, raw log-probs, custom ops as the user's engine ran
   them. Every capture (per-unit errors, routing, the local pass), the self-check, the
-  module search and the what-ifs run in it, in this process.
+  module search, the what-ifs and the routing replay (forcing expert ids needs hooks in
+  the router) run in it, in this process.
 
 The report's `engine_config` section records both, which part ran in which, and the
 hookable configuration's log-probs against the user's (bitwise equal: the module search
@@ -34,6 +35,15 @@ FULL_VOCAB_MAX = 4096  # full-vocabulary log-probs from the child (the KL) up to
 SAMPLE_TOKENS = 16  # tokens sampled per prompt for the log-prob contract
 
 
+# Why a forced decode cannot give the token comparison's log-probs in a logprobs_mode other
+# than raw_logprobs (vLLM 0.32's sampler: raw log-probs come before the logits processors).
+DECODE_LOGPROBS = {
+    "processed_logprobs": "computes processed log-probs after logits processors (every forced token would read 0)",
+    "processed_logits": "returns logits after logits processors (every forced token's alone), not log-probs",
+    "raw_logits": "returns raw logits, not log-probs",
+}
+
+
 def processed_asked(settings: dict) -> bool:
     """The settings ask for log-probs other than the model's raw ones: a processed_* or
     *_logits logprobs_mode, or sampling (a processed mode is raw only at temperature 1 with
@@ -44,9 +54,11 @@ def processed_asked(settings: dict) -> bool:
 class UserEngine:
     """The user's settings and what their engine gave."""
 
-    def __init__(self, settings: dict, path: str | None = None):
+    def __init__(self, settings: dict, path: str | None = None, mode: str = "prefill"):
         self.settings = dict(settings)
         self.path = path  # the --engine-config file, if any
+        self.mode = mode  # the engine mode (--engine-mode): the child's job runs in it too
+        self.replay = False  # --replay-routing: a what-if in the hookable configuration (see `apply`)
         self.hook = E.hookable(self.settings)
         self.changed = E.differs(self.settings, self.hook)
         self.child = bool(self.changed)  # the token-level comparison needs its own engine
@@ -59,14 +71,13 @@ class UserEngine:
         if eng_kind != "vllm":
             raise InputError(f"--engine-config needs --engine vllm:DIR (got {spec.engine!r})")
         E.check_settings(spec.engine_config, "--engine-config/--engine-opt")
-        u = cls(spec.engine_config, spec.engine_config_path)
-        # Decode mode and the routing replay run in numbisect's own engine: with settings
-        # hooks run in as they are (no child), that engine is the user's; otherwise not yet.
-        for asked, what in ((spec.engine_mode != "prefill", "--engine-mode decode"), (spec.replay_routing, "--replay-routing")):
-            if asked and u.child:
-                raise InputError(f"{what} with --engine-config needs settings numbisect's engine runs with hooks as they are "
-                                 f"(eager, prefix caching off, batch 1, raw log-probs, no sampling); yours change "
-                                 f"{', '.join(u.changed)} (not done yet)")
+        u = cls(spec.engine_config, spec.engine_config_path, spec.engine_mode)
+        mode = u.settings.get("logprobs_mode", "raw_logprobs")
+        if spec.engine_mode == "decode" and mode != "raw_logprobs":
+            raise InputError(f"--engine-mode decode with --engine-config needs logprobs_mode \"raw_logprobs\" (yours: {mode!r}): "
+                             f"decode mode forces the trace's tokens with a logits processor, and vLLM {DECODE_LOGPROBS[mode]}; "
+                             "run the log-prob contract with --engine-mode prefill")
+        u.replay = bool(spec.replay_routing)
         return u
 
     def backend_opts(self) -> dict:
@@ -78,8 +89,8 @@ class UserEngine:
         the hookable configuration's custom ops to the states it reported."""
         if not self.child:
             return
-        say("your engine configuration (child process)")
-        job = {"job": "logprobs", "model": eng_path, "dtype": dtype, "settings": self.settings,
+        say(f"your engine configuration (child process{', decode and prefill' if self.mode == 'decode' else ''})")
+        job = {"job": "decode" if self.mode == "decode" else "logprobs", "model": eng_path, "dtype": dtype, "settings": self.settings,
                "samples": [list(s.ids) for s in samples], "prompt_lens": [len(s.prompt_ids) for s in samples],
                "max_model_len": max_model_len, "full": vocab <= FULL_VOCAB_MAX or judges_kl}
         if processed_asked(self.settings):
@@ -88,11 +99,13 @@ class UserEngine:
         self.hook = E.hookable(self.settings, E.op_states(self.out.get("custom_ops") or {}))
         self.changed = E.differs(self.settings, self.hook)
 
-    def result(self) -> ForwardResult:
+    def result(self, prefix: str = "") -> ForwardResult:
+        """The child's log-probs: the judged run's, or with prefix "prefill_" (decode mode) the
+        prefill run's beside it."""
         import torch
 
-        full = self.out.get("full")
-        return ForwardResult(token_logprobs=[torch.tensor(x, dtype=torch.float32) for x in self.out["logprobs"]],
+        full = self.out.get(prefix + "full")
+        return ForwardResult(token_logprobs=[torch.tensor(x, dtype=torch.float32) for x in self.out[prefix + "logprobs"]],
                              full_logprobs=[torch.tensor(x, dtype=torch.float32) for x in full] if full else None)
 
     def fit_contract(self, ref, samples) -> None:
@@ -138,10 +151,19 @@ class UserEngine:
             "changed": self.changed,
             "child": self.child,
             "parts": {"tokens": "user" if self.child else "hookable", "units": "hookable", "search": "hookable"},
+            "mode": self.mode,
         }
+        if self.replay:
+            section["parts"]["replay"] = "hookable"
         if not self.child:
             body["engine_config"] = section
             return body
+        if body.get("routing_replay"):
+            # Forcing expert ids needs hooks in the router: the user's engine (compiled, batched)
+            # cannot run it. The what-if splits the hookable configuration's own metric into
+            # routing flips and drift (its `baseline` is that one's, not the report's); how far
+            # that is from the user's numbers is `hookable_vs_user`.
+            body["routing_replay"]["configuration"] = "hookable"
         section["custom_ops"] = self.out.get("custom_ops")
         section["seconds"] = self.out.get("seconds")
         user = self.result()
@@ -162,6 +184,11 @@ class UserEngine:
             vs = C.token_report(samples, user, ForwardResult(token_logprobs=eng.token_logprobs), settings, groups, detail=False)
             section["hookable_vs_user"] = {"bitwise": same, "max_abs_diff": diff,
                                            "k3_mean": ((vs["groups"].get("completion") or {}).get("k3") or {}).get("mean")}
+        if self.mode == "decode":  # the user's decode run against its own prefill run, as engine_modes does for the hookable one
+            from numbisect import decode as D
+
+            section["engine_modes"] = D.with_baseline(D.mode_pair(samples, settings, groups, ref_tok, user, self.result("prefill_")),
+                                                      tokens)
         body["baseline"] = tokens
         body["verdict"] = "aligned" if tokens["value"] <= settings.threshold else "diverged"
         body["engine_config"] = section

@@ -64,12 +64,12 @@ def _bisect(*args):
 @pytest.mark.parametrize("command, text, extra, line", [
     ("compare", '{"batch": 3}', [], 'bisect: error: --engine-config {p}: batch must be 1 or "all" (got 3)'),
     ("run", "{not json", [], "bisect: error: --engine-config {p}: not JSON"),
-    ("compare", '{"batch": "all"}', ["--engine-mode", "decode"],
-     "bisect: error: --engine-mode decode with --engine-config needs settings numbisect's engine runs with hooks as they are"),
-    ("run", '{"enforce_eager": false}', ["--replay-routing", "ref"],
-     "bisect: error: --replay-routing with --engine-config needs settings numbisect's engine runs with hooks as they are"),
+    ("compare", '{"batch": "all", "logprobs_mode": "processed_logprobs"}', ["--engine-mode", "decode"],
+     'bisect: error: --engine-mode decode with --engine-config needs logprobs_mode "raw_logprobs" (yours: '
+     "'processed_logprobs'): decode mode forces the trace's tokens with a logits processor, and vLLM computes processed "
+     "log-probs after logits processors (every forced token would read 0); run the log-prob contract with --engine-mode prefill"),
     ("compare", '{"batch": "all"}', ["--engine", "hf:" + model_dir(FIX)], "bisect: error: --engine-config needs --engine vllm:DIR"),
-], ids=["bad-value", "not-json", "decode", "replay-routing", "hf-engine"])
+], ids=["bad-value", "not-json", "decode-processed", "hf-engine"])
 def test_bad_engine_config_is_one_line_exit_2(tmp_path, command, text, extra, line):
     p = tmp_path / "mine.json"
     p.write_text(text)
@@ -196,3 +196,87 @@ def test_decode_mode_and_routing_replay_run_in_settings_hooks_run_in():
         assert set(ec["parts"].values()) == {"hookable"}
         assert body.get(key), (more, sorted(body))
     assert body["routing_replay"]["direction"] == "ref"
+
+
+@pytest.mark.vllm
+def test_decode_mode_in_the_users_settings_runs_in_the_child():
+    """Decode mode with settings hooks cannot run in (every sample in one call: the
+    completions decode side by side): the child decodes the trace's forced completions in
+    the user's settings and runs its prefill beside it; the report's baseline is the user's
+    decode run, `engine_config.engine_modes` its decode against its own prefill, and the
+    captures and decode-vs-prefill units stay the hookable engine's (`engine_modes`)."""
+    from numbisect.compare import Settings
+    from numbisect.session import Session, Spec
+
+    user = {"enforce_eager": True, "enable_prefix_caching": False, "batch": "all"}
+    spec = Spec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=short_trace(FIX, 3),
+                engine_config=user, engine_config_path="mine.json", engine_mode="decode")
+    s = Session(spec, Settings(), backends={"ref": hf(FIX), "engine": vllm(FIX)})
+    body = s.compare()
+    ec = body["engine_config"]
+    assert ec["child"] and ec["changed"] == ["batch"] and ec["mode"] == "decode"
+    assert ec["parts"] == {"tokens": "user", "units": "hookable", "search": "hookable"}
+    mine, hooked = ec["engine_modes"], body["engine_modes"]
+    # the verdict judges the user's decode run
+    completion = body["baseline"]["groups"]["completion"]
+    assert mine["decode_vs_reference"]["value"] == body["baseline"]["value"]
+    assert mine["decode_vs_reference"]["groups"]["completion"]["k3_mean"] == completion["k3"]["mean"]
+    # measured here: decoding the samples side by side changes no bit, so the user's decode run is
+    # the hookable engine's (one sample per call), and its prefill run the prefill mode's
+    assert ec["hookable_vs_user"]["bitwise"] is True
+    assert mine["prefill_vs_reference"] == hooked["prefill_vs_reference"]
+    # a decode run, not a second prefill: it differs from the prefill run exactly as the hookable engine's does
+    assert hooked["decode_vs_prefill"]["logprob_diff"]["frac_equal"] < 1
+    assert mine["decode_vs_prefill"]["logprob_diff"] == hooked["decode_vs_prefill"]["logprob_diff"]
+    assert mine["decode_vs_prefill"]["logprob_diff"]["tokens"] == completion["tokens"] > 0
+
+
+def _compare_report(user, more, samples=3):
+    """A compare in the user's settings on the shared engines: (body, validated report, summary lines)."""
+    from numbisect.compare import Settings
+    from numbisect.provenance import new_report
+    from numbisect.render import render
+    from numbisect.report import validate
+    from numbisect.session import Session, Spec
+
+    spec = Spec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=short_trace(FIX, samples),
+                engine_config=user, engine_config_path="mine.json", **more)
+    s = Session(spec, Settings(), backends={"ref": hf(FIX), "engine": vllm(FIX)})
+    body = s.compare()
+    report = new_report("compare", ["bisect", "compare"], s.inputs(), s.settings.to_dict(), body)
+    assert validate(report) == []
+    return body, report, render(report).splitlines()
+
+
+@pytest.mark.vllm
+def test_decode_mode_in_a_compiled_engine():
+    """A compiled engine (torch.compile and CPU graphs) in decode mode: its decode run is
+    not the eager engine's, and the summary gives the user's decode against prefill and
+    the reference in one line; the report validates."""
+    body, _, lines = _compare_report({"enforce_eager": False, "enable_prefix_caching": False}, {"engine_mode": "decode"})
+    ec = body["engine_config"]
+    assert ec["child"] and ec["changed"] == ["enforce_eager"] and ec["mode"] == "decode"
+    mine = ec["engine_modes"]
+    assert ec["hookable_vs_user"]["bitwise"] is False  # measured here: max |diff| 4.3e-2 on 5 samples
+    assert mine["decode_vs_reference"]["value"] == body["baseline"]["value"]
+    assert mine["decode_vs_prefill"]["logprob_diff"] != body["engine_modes"]["decode_vs_prefill"]["logprob_diff"]
+    k3 = {k: mine[k]["groups"]["completion"]["k3_mean"] for k in ("decode_vs_reference", "prefill_vs_reference", "decode_vs_prefill")}
+    assert any(x.startswith(f"  in your settings, completion k3 mean: decode vs reference {fmt(k3['decode_vs_reference'])}, "
+                            f"prefill vs reference {fmt(k3['prefill_vs_reference'])}, decode vs prefill "
+                            f"{fmt(k3['decode_vs_prefill'])}") for x in lines), lines
+
+
+@pytest.mark.vllm
+def test_routing_replay_with_a_child_runs_in_the_hookable_configuration():
+    """--replay-routing with settings that need a child: the token comparison is the
+    user's, the replay (forcing expert ids needs hooks in the router) the hookable
+    configuration's, with that configuration's own metric as its baseline; the report
+    says so in `parts`, in the section and in the summary line."""
+    body, _, lines = _compare_report({"enforce_eager": True, "enable_prefix_caching": False, "batch": "all"},
+                                     {"replay_routing": "ref"})
+    ec, rr = body["engine_config"], body["routing_replay"]
+    assert ec["child"] and ec["parts"] == {"tokens": "user", "units": "hookable", "search": "hookable", "replay": "hookable"}
+    assert rr["configuration"] == "hookable" and rr["baseline"] == ec["hookable_baseline"]["value"]
+    assert rr["from_flips"] + rr["from_drift"] == pytest.approx(rr["baseline"])
+    assert any(x.startswith("routing replay (ref):") and x.endswith("; in the hookable configuration (its metric, not your settings')")
+               for x in lines), lines

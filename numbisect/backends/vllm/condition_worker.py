@@ -16,6 +16,14 @@ Jobs (IN.json: {"job", "model", "dtype", "settings", "samples": [[ids], ...], ..
   vocabularies). With "sample": N also "sampled": per sample the N tokens the engine
   sampled after the prompt with the settings' sampling and logprobs_mode, and the
   log-probs it returned for them ({"ids", "logprobs"}): what a rollout records.
+- "decode": the same engine with numbisect's forcing logits processor, and after the
+  prefill run the decode run of `--engine-mode decode` (`runner.forced_decode_params`:
+  each prompt prefilled, its completion decoded one token per step, forced to the
+  trace's; all samples side by side when batch is "all"; greedy whatever the settings'
+  sampling: raw log-probs come before the sampler, and the forced token is the only one
+  left). OUT as "logprobs", with
+  "logprobs" / "full" the decode run's and "prefill_logprobs" / "prefill_full" the
+  prefill run's.
 - "capture": numbisect's own eager engine (`VLLMBackend`, the settings' compilation_config
   passed on) captures every unit's output and input, or, with "feed" (a torch file of unit
   -> per-sample inputs), every unit's output when fed those inputs (local outputs). OUT is
@@ -45,15 +53,47 @@ def _llm_kwargs(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if k not in EXTRA}
 
 
+def _samples(job: dict) -> list:
+    """The job's samples as `trace.Sample`s (ids split at each prompt length)."""
+    from numbisect.trace import Sample
+
+    return [Sample(line=i + 1, prompt_ids=list(ids[:p]), completion_ids=list(ids[p:]))
+            for i, (ids, p) in enumerate(zip(job["samples"], job["prompt_lens"]))]
+
+
+def _full_rows(rows: list, vocab: int) -> list:
+    """Per position, vLLM's {token: Logprob} of the whole vocabulary as one list (-inf where absent)."""
+    out = []
+    for lps in rows:
+        row = [float("-inf")] * vocab
+        for tok, lp in lps.items():
+            if 0 <= tok < vocab:
+                row[tok] = lp.logprob
+        out.append(row)
+    return out
+
+
+def _generate(llm, prompts: list, params: list, batch) -> list:
+    """One generate per prompt, or every prompt in one when batch is "all" (the settings' batch)."""
+    if batch == "all":
+        return llm.generate(prompts, params, use_tqdm=False)
+    return [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+
+
 def logprobs_job(job: dict) -> dict:
     from numbisect.backends.vllm.runner import import_vllm, quiet_stderr
 
     vllm = import_vllm()
     settings = dict(job["settings"])
+    decode = job["job"] == "decode"
     kw = _llm_kwargs(settings)
     kw.setdefault("max_model_len", int(job.get("max_model_len", 1024)))
     kw.setdefault("seed", 0)
     kw["logprobs_mode"] = settings.get("logprobs_mode", "raw_logprobs")
+    if decode:  # the forcing logits processor; requests that do not ask for it are untouched
+        from numbisect.backends.vllm.force import ForceTokens
+
+        kw["logits_processors"] = [*(kw.get("logits_processors") or []), ForceTokens]
     full = bool(job.get("full"))
     if full:
         kw.setdefault("max_logprobs", -1)  # -1: the whole vocabulary
@@ -69,10 +109,8 @@ def logprobs_job(job: dict) -> dict:
         llm.generate([prompt(prompt_token_ids=list(range(16)))],
                      vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)
     samples = job["samples"]
-    if settings.get("batch", 1) == "all":
-        outs = llm.generate([prompt(prompt_token_ids=list(ids)) for ids in samples], sp, use_tqdm=False)
-    else:
-        outs = [llm.generate([prompt(prompt_token_ids=list(ids))], sp, use_tqdm=False)[0] for ids in samples]
+    batch = settings.get("batch", 1)
+    outs = _generate(llm, [prompt(prompt_token_ids=list(ids)) for ids in samples], [sp] * len(samples), batch)
     lps, fulls = [], []
     vocab = llm.llm_engine.model_config.get_vocab_size()
     for ids, out in zip(samples, outs):
@@ -81,19 +119,17 @@ def logprobs_job(job: dict) -> dict:
             raise RuntimeError("vLLM returned no prompt log-probs")
         lps.append([plp[t][ids[t]].logprob for t in range(1, len(ids))])
         if full:
-            rows = []
-            for t in range(1, len(ids)):
-                row = [float("-inf")] * vocab
-                for tok, lp in plp[t].items():
-                    if 0 <= tok < vocab:
-                        row[tok] = lp.logprob
-                rows.append(row)
-            fulls.append(rows)
+            fulls.append(_full_rows(plp[1:], vocab))
     cc = llm.llm_engine.vllm_config.compilation_config
     ops = {"enabled": sorted(cc.enabled_custom_ops), "disabled": sorted(cc.disabled_custom_ops)}
     answer = {"logprobs": lps, "custom_ops": ops}
     if full:
         answer["full"] = fulls
+    if decode:  # the judged log-probs are the decode run's; the prefill run's are kept beside them
+        answer.update(_forced_decode(llm, vllm, _samples(job), batch, full, vocab))
+        answer["prefill_logprobs"] = lps
+        if full:
+            answer["prefill_full"] = fulls
     n = int(job.get("sample") or 0)
     if n > 0:  # free sampling with the user's sampling and logprobs_mode: what a rollout records
         ssp = vllm.SamplingParams(max_tokens=n, logprobs=0, detokenize=False, ignore_eos=True, seed=0,
@@ -107,19 +143,32 @@ def logprobs_job(job: dict) -> dict:
     return answer
 
 
+def _forced_decode(llm, vllm, samples: list, batch, full: bool, vocab: int) -> dict:
+    """The decode run of numbisect's decode mode (`runner.forced_decode_params`) in the user's
+    engine: each prompt prefilled, its completion decoded one token per step and forced to the
+    trace's, every sample's request in one generate when batch is "all" (they decode side by
+    side). {"logprobs": per sample [T-1], "full": per sample [T-1][V] with `full`}."""
+    from numbisect.backends.vllm.runner import decoded_logprobs, forced_decode_params
+
+    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(s.prompt_ids)) for s in samples]
+    outs = _generate(llm, prompts, [forced_decode_params(vllm.SamplingParams, s, full) for s in samples], batch)
+    answer = {"logprobs": [decoded_logprobs(o, s, i).tolist() for i, (o, s) in enumerate(zip(outs, samples))]}
+    if full:
+        answer["full"] = [_full_rows(list(o.prompt_logprobs)[1:] + list(o.outputs[0].logprobs)[:len(s.completion_ids)], vocab)
+                          for o, s in zip(outs, samples)]
+    return answer
+
+
 def capture_job(job: dict, out_path: str) -> None:
     import torch
 
     from numbisect.backends.vllm.runner import VLLMBackend
-    from numbisect.trace import Sample
-
     from numbisect.engine_config import LOCALISABLE
 
     keep = ("compilation_config", "max_model_len", "seed", *LOCALISABLE)
     opts = {k: v for k, v in _llm_kwargs(job["settings"]).items() if k in keep}
     eng = VLLMBackend(job["model"], job["dtype"], **opts)
-    samples = [Sample(line=i + 1, prompt_ids=list(ids[:p]), completion_ids=list(ids[p:]))
-               for i, (ids, p) in enumerate(zip(job["samples"], job["prompt_lens"]))]
+    samples = _samples(job)
     names = [u.name for u in eng.units]
     if job.get("compile"):
         from numbisect.backends.vllm.unitcompile import eager_and_compiled

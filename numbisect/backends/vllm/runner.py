@@ -266,15 +266,7 @@ class VLLMBackend(VLLMModel):
                 else:
                     hooks.hooks(mod, pre=pre, post=post)
             if decode:
-                from numbisect.backends.vllm.force import FORCE_KEY  # vLLM is imported by now
-
-                C = len(sample.completion_ids)
-                # One extra forced step feeds the last completion token (see steps.py).
-                force = list(sample.completion_ids) + [sample.ids[-1]]
-                sp = self._params(
-                    max_tokens=C + 1, logprobs=0, prompt_logprobs=0, detokenize=False, temperature=0.0,
-                    ignore_eos=True, extra_args={FORCE_KEY: force},
-                )
+                sp = forced_decode_params(self._params, sample)
                 outs = self.llm.generate([self._prompt(prompt_token_ids=list(sample.prompt_ids))], sp, use_tqdm=False)
             else:
                 outs = self.llm.generate([self._prompt(prompt_token_ids=list(sample.ids))], self._sp, use_tqdm=False)
@@ -289,7 +281,7 @@ class VLLMBackend(VLLMModel):
         finally:
             hooks.undo()
         if decode:
-            res.token_logprobs.append(_decoded_logprobs(outs[0], sample, index))
+            res.token_logprobs.append(decoded_logprobs(outs[0], sample, index))
             for name in want:
                 res.captures[name].append(steps.stitch(name, seen[name], index))
             for name in want_in:
@@ -317,7 +309,21 @@ class VLLMBackend(VLLMModel):
                 res.inputs[name].append(calls[-1])
 
 
-def _decoded_logprobs(out, sample, index: int) -> torch.Tensor:
+def forced_decode_params(params, sample, full: bool = False):
+    """The SamplingParams (class `params`, vLLM imported) of one sample's forced decode: the
+    prompt prefilled, then every completion token decoded and forced to the trace's
+    (`force.ForceTokens`), raw log-probs of each; one extra forced step feeds the last
+    completion token (see steps.py). `full`: every position's log-probs over the whole
+    vocabulary (the engine needs max_logprobs=-1). Also the user's engine's decode run
+    (`condition_worker`, job "decode")."""
+    from numbisect.backends.vllm.force import FORCE_KEY  # vLLM is imported by now
+
+    force = list(sample.completion_ids) + [sample.ids[-1]]
+    return params(max_tokens=len(sample.completion_ids) + 1, logprobs=-1 if full else 0, prompt_logprobs=-1 if full else 0,
+                  detokenize=False, temperature=0.0, ignore_eos=True, extra_args={FORCE_KEY: force})
+
+
+def decoded_logprobs(out, sample, index: int) -> torch.Tensor:
     """Prompt positions from the prefill's prompt log-probs, completion positions from the
     decode steps; the tokens decoded must be the trace's (they were forced)."""
     T, P, C = len(sample.ids), len(sample.prompt_ids), len(sample.completion_ids)
