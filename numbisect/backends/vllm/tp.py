@@ -50,8 +50,10 @@ from numbisect.swap import SwapSpec
 # its all-reduce to the MoE block (glm4_moe), are row-parallel partial sums: "sum".
 # A Gated DeltaNet's gated norm (`out_gate`) runs on each rank's own value heads, a
 # contiguous block of them in rank order: "cat" (the ranks' [tokens, heads/N * head dim]
-# side by side).
-GATHER = {"experts": "sum", "shared_expert": "sum", "lm_head": "rank0", "out_gate": "cat"}
+# side by side). MLA's rotary part (`rope`, packed [tokens, (heads + 1) * rope]:
+# numbisect.backends.mla_rope) holds each rank's query heads and the one shared key:
+# "mla" (the ranks' query heads side by side, then the key, equal on every rank).
+GATHER = {"experts": "sum", "shared_expert": "sum", "lm_head": "rank0", "out_gate": "cat", "rope": "mla"}
 
 # Swapped units whose vLLM module takes a rank's shard of the input: the linear
 # attention's output projection (RowParallelLinear, all-reduced inside) is handed its
@@ -414,6 +416,12 @@ class VLLMTPBackend(Backend):
             picked.append(calls[-1])
         if how == "cat":
             return torch.cat(picked, dim=-1)
+        if how == "mla":
+            R = self.config.get_text_config().qk_rope_head_dim
+            for r, t in enumerate(picked[1:], start=1):
+                if not torch.equal(t[..., -R:], picked[0][..., -R:]):
+                    raise BackendError(f"capture of {unit}: rank {r}'s rotary key differs from rank 0's")
+            return torch.cat([t[..., :-R] for t in picked] + [picked[0][..., -R:]], dim=-1)
         if how == "sum":
             out = picked[0].clone()
             for t in picked[1:]:
