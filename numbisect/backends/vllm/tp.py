@@ -14,13 +14,19 @@ the module-level functions below, bound with `functools.partial`).
    the full tensor on every rank, as vLLM's own modules do after their all-reduce. The
    routed experts' weighted sum (and glm4_moe's shared expert) are the exception: vLLM
    all-reduces them after the module, so once swapped they return the full sum on
-   rank 0 and zeros on the other ranks. Planted faults are planted in every worker.
+   rank 0 and zeros on the other ranks. A Gated DeltaNet's output projection, swapped,
+   gathers its input (each rank's heads) first. Planted faults are planted in every
+   worker (an output noise on a unit held in shards, such as `attn.out_gate`, is drawn
+   per rank's shard: a fault at the same unit, not the same numbers as with one rank).
 4. Captures: forward hooks in every worker, read back after each sample, put in
    canonical form: units whose output is replicated (every rank holds the full tensor:
    everything vLLM all-reduces or gathers inside the unit) are taken from rank 0 and
    checked to be equal on every rank; the routed experts' sum (and a shared expert
    reduced by its block) is a row-parallel partial sum per rank, so the ranks' tensors
-   are added; the logits are gathered on rank 0 by vLLM's logits processor already.
+   are added; the logits are gathered on rank 0 by vLLM's logits processor already;
+   per-head units (a Gated DeltaNet's `out_gate`, MLA's `rope`) put the ranks' heads
+   side by side (`GATHER`). The recurrent-state probe reads each rank's heads from its
+   mamba cache and puts them together the same way.
 5. Prefix reuse: the driver plans as for an in-process engine (`numbisect.prefix`);
    every worker records and replays its own layers' outputs (replicated on every rank).
 6. Not yet under tensor parallelism: teacher forcing (local error; `compare` leaves it
