@@ -1,8 +1,10 @@
 """vLLM with tensor_parallel_size=2 on this machine: faults, swaps and captures go into
 both workers (`numbisect.backends.vllm.tp`).
 
-Starting two workers takes 20-50 s here and the module about 70 s in all, so it runs
-with the other vLLM tests; `NUMBISECT_TP_TESTS=0` leaves it out (it binds both cores).
+Starting two workers takes 20-50 s here and the module about 160 s in all (five TP
+engine starts: qwen3_moe twice, an even-headed Qwen3.5-MoE twice, deepseek_v3 once; the
+class-scoped ones closed after their class, so at most two run at once), so it runs with the other vLLM tests;
+`NUMBISECT_TP_TESTS=0` leaves it out (it binds both cores).
 """
 
 from __future__ import annotations
@@ -220,6 +222,7 @@ class TestQwen3_5Sessions:
 
         s = self._session(q35, faults=["output_noise=3@layers.1.attn.out_gate"])
         body, code = search(s)
+        print(f"k3 {body['baseline']['value']:.3g}; {body['search']['trials_used']} trials")
         assert body["baseline"]["value"] > 1e-2  # measured 2.3e-2 on the whole trace
         assert code == ExitCode.DIVERGED, body["search"]["stop_reason"]
         assert [c["unit"] for c in body["culprits"]] == ["layers.1.attn.out_gate"]
