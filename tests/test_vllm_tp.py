@@ -1,7 +1,7 @@
 """vLLM with tensor_parallel_size=2 on this machine: faults, swaps and captures go into
 both workers (`numbisect.backends.vllm.tp`).
 
-Starting two workers takes 20-50 s here and the module about 160 s in all (five TP
+Starting two workers takes 20-50 s here and the module 115-160 s in all (five TP
 engine starts: qwen3_moe twice, an even-headed Qwen3.5-MoE twice, deepseek_v3 once; the
 class-scoped ones closed after their class, so at most two run at once), so it runs with the other vLLM tests;
 `NUMBISECT_TP_TESTS=0` leaves it out (it binds both cores).
