@@ -201,15 +201,16 @@ def state_light(sides, local: bool) -> dict | None:
     engine (with its planted faults) on its own inputs (propagated) and, with `local`, the
     engine with its linear units fed the reference's inputs, each with the probe; every
     point's states folded into `StateStats` and dropped. A `dump:` engine: the states it
-    wrote (`dump_states`). None for a model without linear attention, the rollout, or an
-    engine under tensor parallelism (their states are out of reach)."""
+    wrote (`dump_states`). A tensor-parallel engine reads each rank's heads and puts them
+    together (`VLLMTPBackend.install_state_probe`). None for a model without linear
+    attention or the rollout (no states to read)."""
     from numbisect.engine_state import arranged
 
     ref, eng = sides.ref, sides.engine
     units = linear_units(ref)
     if units and eng is not None and getattr(eng, "kind", "") == "dump":
         return dump_states(sides, units, local)
-    if not units or eng is None or eng.recorded or getattr(eng, "remote", False):
+    if not units or eng is None or eng.recorded:
         return None
     samples = sides.samples
     pts = points(samples)

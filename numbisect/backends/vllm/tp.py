@@ -14,13 +14,19 @@ the module-level functions below, bound with `functools.partial`).
    the full tensor on every rank, as vLLM's own modules do after their all-reduce. The
    routed experts' weighted sum (and glm4_moe's shared expert) are the exception: vLLM
    all-reduces them after the module, so once swapped they return the full sum on
-   rank 0 and zeros on the other ranks. Planted faults are planted in every worker.
+   rank 0 and zeros on the other ranks. A Gated DeltaNet's output projection, swapped,
+   gathers its input (each rank's heads) first. Planted faults are planted in every
+   worker (an output noise on a unit held in shards, such as `attn.out_gate`, is drawn
+   per rank's shard: a fault at the same unit, not the same numbers as with one rank).
 4. Captures: forward hooks in every worker, read back after each sample, put in
    canonical form: units whose output is replicated (every rank holds the full tensor:
    everything vLLM all-reduces or gathers inside the unit) are taken from rank 0 and
    checked to be equal on every rank; the routed experts' sum (and a shared expert
    reduced by its block) is a row-parallel partial sum per rank, so the ranks' tensors
-   are added; the logits are gathered on rank 0 by vLLM's logits processor already.
+   are added; the logits are gathered on rank 0 by vLLM's logits processor already;
+   per-head units (a Gated DeltaNet's `out_gate`, MLA's `rope`) put the ranks' heads
+   side by side (`GATHER`). The recurrent-state probe reads each rank's heads from its
+   mamba cache and puts them together the same way.
 5. Prefix reuse: the driver plans as for an in-process engine (`numbisect.prefix`);
    every worker records and replays its own layers' outputs (replicated on every rank).
 6. Not yet under tensor parallelism: teacher forcing (local error; `compare` leaves it
@@ -48,7 +54,19 @@ from numbisect.swap import SwapSpec
 # others may hold none). Every other kind: "replicated" (rank 0, equal on every rank).
 # The routed experts' weighted sum, and a shared expert whose down projection leaves
 # its all-reduce to the MoE block (glm4_moe), are row-parallel partial sums: "sum".
-GATHER = {"experts": "sum", "shared_expert": "sum", "lm_head": "rank0"}
+# A Gated DeltaNet's gated norm (`out_gate`) runs on each rank's own value heads, a
+# contiguous block of them in rank order: "cat" (the ranks' [tokens, heads/N * head dim]
+# side by side). MLA's rotary part (`rope`, packed [tokens, (heads + 1) * rope]:
+# numbisect.backends.mla_rope) holds each rank's query heads and the one shared key:
+# "mla" (the ranks' query heads side by side, then the key, equal on every rank).
+GATHER = {"experts": "sum", "shared_expert": "sum", "lm_head": "rank0", "out_gate": "cat", "rope": "mla"}
+
+# Swapped units whose vLLM module takes a rank's shard of the input: the linear
+# attention's output projection (RowParallelLinear, all-reduced inside) is handed its
+# heads' part of the gated norm's output, the donor's nn.Linear wants all of it: the
+# input is gathered from the ranks first, and the donor's full output (what the
+# all-reduce gave) returned on every rank.
+GATHER_INPUT = ("out_proj",)
 
 
 def _tp():
@@ -63,7 +81,8 @@ def worker_rank(model) -> tuple[int, int]:
 
 
 def worker_swap(model, spec: SwapSpec, engine_dtype: str) -> list[str]:
-    """`apply_swap_spec`, then the experts' sum kept on rank 0 only (step 3)."""
+    """`apply_swap_spec`, then the experts' sum kept on rank 0 only and a sharded input
+    gathered (step 3)."""
     names = apply_swap_spec(model, spec, engine_dtype)
     rank, world = _tp()
     if world > 1:
@@ -71,6 +90,9 @@ def worker_swap(model, spec: SwapSpec, engine_dtype: str) -> list[str]:
         ledger = swap_ledger(model)  # undone with the swaps
         for name in names:
             kind = engine.unit(name).kind
+            if kind in GATHER_INPUT:
+                ledger.setattr(engine.module(name), "forward", _gathering(engine.module(name).forward))
+                continue
             if GATHER.get(kind) != "sum":
                 continue
             # The swapped module computes the whole sum; the block's all-reduce adds the ranks.
@@ -83,6 +105,16 @@ def worker_swap(model, spec: SwapSpec, engine_dtype: str) -> list[str]:
 
             ledger.setattr(obj, attr, only_rank0)
     return names
+
+
+def _gathering(forward):
+    """`forward` on the input gathered from every rank along its last dimension."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    def gathered(x, *args, **kwargs):
+        return forward(tensor_model_parallel_all_gather(x.contiguous(), dim=-1), *args, **kwargs)
+
+    return gathered
 
 
 def worker_unswap(model) -> None:
@@ -142,6 +174,32 @@ def worker_unhook(model) -> None:
     hooks, _ = model.__dict__.pop("_numbisect_hooks", (None, {}))
     if hooks is not None:
         hooks.undo()
+
+
+def worker_state_probe(model, engine_dtype: str) -> str:
+    """The recurrent-state probe (`recurrent.install_probe`) on this worker's linear units,
+    recording into a probe of its own until `worker_state_unprobe`; returns where it reads."""
+    from numbisect.backends.vllm.recurrent import install_probe
+    from numbisect.recurrent import StateProbe
+
+    worker_state_unprobe(model)
+    engine = view(model, engine_dtype)
+    probe, ledger = StateProbe(engine), Ledger()
+    install_probe(engine, probe, ledger)
+    model.__dict__["_numbisect_state"] = (probe, ledger)
+    return probe.source
+
+
+def worker_state_take(model) -> dict[str, torch.Tensor]:
+    """This rank's states of its heads since the last call, [heads / N, k_dim, v_dim] per unit."""
+    probe, _ = model.__dict__.get("_numbisect_state", (None, None))
+    return probe.take() if probe is not None else {}
+
+
+def worker_state_unprobe(model) -> None:
+    _, ledger = model.__dict__.pop("_numbisect_state", (None, None))
+    if ledger is not None:
+        ledger.undo()
 
 
 def worker_prefix_begin(model, swapped: list[str], source: list[str] | None, upto: int, clear: bool,
@@ -253,6 +311,7 @@ class VLLMTPBackend(Backend):
         self._sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
         self._prompt = vllm.inputs.TokensPrompt
         self.swapped: list[str] = []
+        self.state_probe = None  # a numbisect.recurrent.StateProbe while one is installed
 
     def describe(self) -> dict:
         return {**super().describe(), "options": self.options}
@@ -296,7 +355,28 @@ class VLLMTPBackend(Backend):
             self.unswap()
         self.llm.apply_model(worker_unfault)
 
-    def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None) -> ForwardResult:
+    def install_state_probe(self, probe, ledger) -> None:
+        """The recurrent-state probe in every worker: each rank reads its own value heads'
+        states (vLLM splits them in contiguous blocks, rank by rank), put side by side after
+        each sample into the [heads, k_dim, v_dim] state of the whole layer."""
+        sources = self.llm.apply_model(functools.partial(worker_state_probe, engine_dtype=self.dtype_name))
+        ledger.defer(lambda: self.llm.apply_model(worker_state_unprobe))
+        self.state_probe = probe
+        ledger.defer(lambda: setattr(self, "state_probe", None))
+        probe.source = f"{sources[0]}, each of the {self.tp} ranks' heads"
+
+    def _take_states(self) -> None:
+        answers = self.llm.apply_model(worker_state_take)
+        per_rank = [answers[self.ranks.index(r)] for r in range(self.tp)]
+        for unit in self.state_probe.units:
+            parts = [r.get(unit) for r in per_rank]
+            if any(t is None for t in parts):
+                continue  # not read on some rank: the point stays unread, as in-process
+            self.state_probe.record(unit, torch.cat(parts, dim=0))
+
+    def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None, mode=None) -> ForwardResult:
+        if mode not in (None, "prefill"):
+            raise BackendError(f"{mode} mode is not available with tensor parallelism")
         if capture_inputs or feed:
             raise BackendError("input captures and teacher forcing are not available with tensor parallelism yet")
         want = list(dict.fromkeys(list(capture) + (["lm_head"] if full_logits else [])))
@@ -313,6 +393,8 @@ class VLLMTPBackend(Backend):
                 if plp is None or len(plp) != T:
                     raise BackendError(f"vLLM returned no prompt log-probs for sample {i}")
                 res.token_logprobs.append(torch.tensor([plp[t][s.ids[t]].logprob for t in range(1, T)], dtype=torch.float32))
+                if self.state_probe is not None:
+                    self._take_states()
                 if want:
                     answers = self.llm.apply_model(worker_take)
                     per_rank = [answers[self.ranks.index(r)] for r in range(self.tp)]
@@ -338,6 +420,14 @@ class VLLMTPBackend(Backend):
             if not calls:
                 raise BackendError(f"capture of {unit} did not fire for sample {index}")
             picked.append(calls[-1])
+        if how == "cat":
+            return torch.cat(picked, dim=-1)
+        if how == "mla":
+            R = self.config.get_text_config().qk_rope_head_dim
+            for r, t in enumerate(picked[1:], start=1):
+                if not torch.equal(t[..., -R:], picked[0][..., -R:]):
+                    raise BackendError(f"capture of {unit}: rank {r}'s rotary key differs from rank 0's")
+            return torch.cat([t[..., :-R] for t in picked] + [picked[0][..., -R:]], dim=-1)
         if how == "sum":
             out = picked[0].clone()
             for t in picked[1:]:
