@@ -301,6 +301,8 @@ def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress, cu
     user's state)."""
     if atom == E.COMPILED:
         return localise_compiled(sess, culprits or [atom], eng, run_child, progress, path_k3)
+    if atom == MODEL_IMPL:
+        return localise_model_impl(sess, eng, run_child, progress)
     if atom in E.LOCALISABLE:  # a setting hooks run in: each side's value, every custom op as the good engine ran it
         ops = [("+" if o else "-") + name for name, o in sorted(eng.good_ops.items())]
         jobs = {side: {**({atom: conf[atom]} if atom in conf else {}), "compilation_config": {"custom_ops": ops}}
@@ -315,7 +317,7 @@ def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress, cu
         what = "the op"
     else:
         return {"atom": atom, "done": False, "why": f"module localisation under {atom} is not supported "
-                f"(custom ops, the compiled path and {', '.join(E.LOCALISABLE)} only)"}
+                f"(custom ops, the compiled path, {MODEL_IMPL} and {', '.join(E.LOCALISABLE)} only)"}
     progress(f"localise {atom}: every unit's input, {state['good']} (eager)")
     first = run_child(sess.job(jobs["good"], job="capture"), "localisation capture (good state)")
     # Both states fed the same inputs: a fed fused norm (x + residual given as one tensor)
@@ -329,6 +331,74 @@ def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress, cu
             fed[side] = run_child(sess.job(jobs[side], job="capture", feed=feed), f"localisation capture ({side} state)")["captures"]
     return {"atom": atom, "done": True, **_differing(fed["good"], fed["user"], sess.eng_path),
             "method": f"eager engine, every unit fed the good state's unit inputs, {what} in the good state vs the user's"}
+
+
+MODEL_IMPL = "model_impl"
+
+
+def residual_parts(outs: dict, ins: dict) -> tuple[dict, list[str]]:
+    """The feed of vLLM's own implementation from a transformers tree's captures: each
+    unit's input, except that a norm or decoder layer that vLLM fuses with the residual add
+    before it gets the add's two parts, `(x, residual)`, so that its own add runs on them
+    (transformers adds in the model dtype, then normalises; vLLM's fused norm adds in
+    float32). The parts of a pre-norm decoder: `post_attn_norm` of layer i adds the
+    attention's output to the layer's input (the stream); `input_norm` and the layer itself (i > 0), and
+    `final_norm`, add the previous layer's MoE / MLP output to its post-attention stream.
+    Used only where the parts' sum in the model dtype is bitwise the input transformers
+    normalised (else the input as it is); returns the feed and the units fed in parts."""
+    layers = sorted({int(m.group(1)) for u in outs for m in [re.match(r"^layers\.(\d+)$", u)] if m})
+
+    def ffn(i):
+        return outs.get(f"layers.{i}.moe") or outs.get(f"layers.{i}.mlp")
+
+    pairs = {}
+    for i in layers:
+        pairs[f"layers.{i}.post_attn_norm"] = (outs.get(f"layers.{i}.attn"), ins.get(f"layers.{i}") or ins.get(f"layers.{i}.input_norm"))
+        if i - 1 in layers:
+            prev = (ffn(i - 1), ins.get(f"layers.{i - 1}.post_attn_norm"))
+            pairs[f"layers.{i}.input_norm"] = prev
+            pairs[f"layers.{i}"] = prev
+    if layers:
+        pairs["final_norm"] = (ffn(layers[-1]), ins.get(f"layers.{layers[-1]}.post_attn_norm"))
+    feed, split = dict(ins), []
+    for unit, (x, r) in pairs.items():
+        if unit not in ins or x is None or r is None:
+            continue
+        if all(torch.equal(a + b, s) for a, b, s in zip(x, r, ins[unit])):
+            feed[unit] = [(a, b) for a, b in zip(x, r)]
+            split.append(unit)
+    return feed, sorted(split)
+
+
+def localise_model_impl(sess: CondSession, eng: Engines, run_child, progress) -> dict:
+    """Units whose code differs between vLLM's transformers backend (`model_impl=
+    "transformers"`) and its own implementation: the coarse units (`treecapture.COARSE`)
+    read on the transformers backend by their transformers names, inputs and outputs
+    (one child), then numbisect's eager engine on vLLM's own implementation fed those
+    inputs (another); every custom op as the good engine ran it in both."""
+    impl = {side: conf.get(MODEL_IMPL, "auto") for side, conf in (("good", sess.good), ("user", sess.user))}
+    if sorted(impl.values()).count("transformers") != 1 or any(v not in ("auto", "vllm", "transformers") for v in impl.values()):
+        return {"atom": MODEL_IMPL, "done": False,
+                "why": f"localisation compares vLLM's transformers backend with its own implementation "
+                       f"(here: known-good {impl['good']}, yours {impl['user']})"}
+    ops = [("+" if o else "-") + name for name, o in sorted(eng.good_ops.items())]
+    job = {"compilation_config": {"custom_ops": ops}}
+    progress(f"localise {MODEL_IMPL}: every unit's input and output on vLLM's transformers backend")
+    tree = run_child(sess.job(job, job="capture", tree=True), "localisation capture (model_impl=transformers)")
+    fed, split = residual_parts(tree["captures"], tree["inputs"])
+    with tempfile.TemporaryDirectory(prefix="numbisect-feed-") as d:
+        feed = os.path.join(d, "inputs.pt")
+        torch.save(fed, feed)
+        progress(f"localise {MODEL_IMPL}: vLLM's own implementation, every unit fed those inputs")
+        own = run_child(sess.job(job, job="capture", feed=feed), "localisation capture (vLLM's own implementation)")["captures"]
+    got = {u: own[u] for u in tree["captures"] if u in own}
+    return {"atom": MODEL_IMPL, "done": True, **_differing(tree["captures"], got, sess.eng_path),
+            "custom_ops": ops, "not_compared": sorted(set(tree["missing"]) | (set(tree["captures"]) - set(got))),
+            "fed_parts": split,
+            "method": "vLLM's transformers backend, every coarse unit's input and output read by its transformers name "
+                      "(embedding, norms, attention, MoE / MLP block, decoder layer); vLLM's own implementation (eager, "
+                      "numbisect's engine) fed those inputs; every custom op as the good engine ran it. A MoE block's "
+                      "router and experts are vLLM's fused module in both, not compared apart"}
 
 
 def localisation_target(culprits: list[str]) -> str | None:

@@ -63,9 +63,14 @@ def chained_line(ch) -> str | None:
 
 def localised_what(loc: dict) -> str:
     """What the named units of a localisation are: under the compiled path, units whose code
-    compiled alone differs from its eager code; under a custom op, units whose local output
-    differs when fed the good state's inputs."""
-    return "whose code compiled alone differs" if loc.get("compiled_units") is not None else "whose local output differs"
+    compiled alone differs from its eager code; under model_impl, units whose code differs
+    between vLLM's transformers backend and its own implementation; under a custom op, units
+    whose local output differs when fed the good state's inputs."""
+    if loc.get("compiled_units") is not None:
+        return "whose code compiled alone differs"
+    if loc.get("atom") == "model_impl":
+        return "whose code differs between vLLM's transformers backend and its own (fed the same inputs)"
+    return "whose local output differs"
 
 
 def _d(x) -> dict:

@@ -54,7 +54,8 @@ COMPILED = "compiled"
 # hooked eager engine runs in, so a guilty one is localised as a custom op is (units
 # captured in each state, fed the same inputs). Not the others: batching, scheduling and
 # chunking change no unit's arithmetic here (bitwise invariant on CPU), model_impl swaps the
-# module tree the units are read from, tensor_parallel_size runs in worker processes.
+# module tree the units are read from (localised on its own: condbisect.localise_model_impl),
+# tensor_parallel_size runs in worker processes.
 LOCALISABLE = ("kv_cache_dtype",)
 OP_PREFIX = "custom_op:"
 

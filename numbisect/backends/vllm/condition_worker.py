@@ -30,6 +30,9 @@ Jobs (IN.json: {"job", "model", "dtype", "settings", "samples": [[ids], ...], ..
   a torch file {"captures", "inputs"}. With "compile": true, every unit's input is captured,
   then every unit fed those inputs eager and with each leaf unit compiled by inductor
   (`unitcompile`): OUT is {"eager", "compiled", "compiled_units", "compile_seconds"}.
+  With "tree": true, vLLM's transformers backend (`model_impl="transformers"`) instead, its
+  coarse units read by their transformers names (`treecapture`): OUT is {"captures",
+  "inputs", "paths", "missing", "seconds"}.
 
 A failure writes {"error": one line} to OUT and exits 1.
 """
@@ -167,6 +170,11 @@ def capture_job(job: dict, out_path: str) -> None:
 
     keep = ("compilation_config", "max_model_len", "seed", *LOCALISABLE)
     opts = {k: v for k, v in _llm_kwargs(job["settings"]).items() if k in keep}
+    if job.get("tree"):  # model_impl="transformers": the units read by their transformers names
+        from numbisect.backends.vllm.treecapture import capture_tree
+
+        torch.save(capture_tree(job), out_path)
+        return
     eng = VLLMBackend(job["model"], job["dtype"], **opts)
     samples = _samples(job)
     names = [u.name for u in eng.units]

@@ -237,7 +237,7 @@ class VLLMBackend(VLLMModel):
                     if fed is not None:
                         if span is None:
                             _feed(kind, args, kwargs, fed)
-                        elif span[1] <= fed.shape[0]:
+                        elif not isinstance(fed, tuple) and span[1] <= fed.shape[0]:
                             _feed(kind, args, kwargs, fed[span[0] : span[1]])
                     if name in want_in:
                         x = _canonical_input(kind, args, kwargs)
@@ -367,12 +367,17 @@ def _canonical_input(kind: str, args: list, kwargs: dict) -> torch.Tensor | None
     return hidden_arg(tuple(args), kwargs)
 
 
-def _feed(kind: str, args: list, kwargs: dict, fed: torch.Tensor) -> None:
+def _feed(kind: str, args: list, kwargs: dict, fed) -> None:
     """Replace a unit's canonical input in place by the reference's (teacher forcing).
 
     Calls whose row count differs from the fed tensor (the logits of the sampled token)
-    are left alone.
+    are left alone. `fed` may be a pair `(x, residual)` for a fused norm or a layer: its
+    two parts, so that the unit's own residual add runs on them (the default feeds their
+    sum as the stream and a zero residual, which leaves that add out).
     """
+    parts = fed if isinstance(fed, tuple) else None
+    if parts is not None:
+        fed = parts[0] + parts[1]
     x = _canonical_input(kind, args, kwargs)
     if x is None or x.shape[0] != fed.shape[0]:
         return
@@ -381,8 +386,12 @@ def _feed(kind: str, args: list, kwargs: dict, fed: torch.Tensor) -> None:
     stream = {"norm": (0, "x", 1), "layer": (_layer_hidden(args), "hidden_states", 2)}.get(kind)
     if stream is not None:
         i, key, j = stream
-        _put(args, kwargs, i, key, fed.to(x.dtype))
         r = args[j] if len(args) > j else kwargs.get("residual")
+        if parts is not None and r is not None:
+            _put(args, kwargs, i, key, parts[0].to(x.dtype))
+            _put(args, kwargs, j, "residual", parts[1].to(r.dtype))
+            return
+        _put(args, kwargs, i, key, fed.to(x.dtype))
         if r is not None:
             _put(args, kwargs, j, "residual", torch.zeros_like(r))
         return
