@@ -401,12 +401,25 @@ def localise_model_impl(sess: CondSession, eng: Engines, run_child, progress) ->
                       "router and experts are vLLM's fused module in both, not compared apart"}
 
 
+def localisation_targets(culprits: list[str]) -> list[str]:
+    """The atoms the localisation runs under, one localisation each: `compiled` (the
+    culprit custom ops put in the user's state for it), then every other culprit that can
+    be localised on its own (`model_impl`, `engine_config.LOCALISABLE`, a custom op when
+    `compiled` is not among them). A culprit set the search needs together (the divergence
+    needs all of them) is localised atom by atom: each localisation says what its atom
+    changes, not how they combine. Batch, scheduling and parallel settings are not
+    localised (none of them is here)."""
+    out = [E.COMPILED] if E.COMPILED in culprits else []
+    for c in culprits:
+        if c == MODEL_IMPL or c in E.LOCALISABLE or (c.startswith(E.OP_PREFIX) and E.COMPILED not in culprits):
+            out.append(c)
+    return out
+
+
 def localisation_target(culprits: list[str]) -> str | None:
-    """The atom the localisation runs under: a single culprit, or `compiled` when the
-    others are custom ops (they are put in the user's state for it); otherwise none."""
-    if E.COMPILED in culprits and all(c == E.COMPILED or c.startswith(E.OP_PREFIX) for c in culprits):
-        return E.COMPILED
-    return culprits[0] if len(culprits) == 1 else None
+    """The first of `localisation_targets` (none when there is none)."""
+    t = localisation_targets(culprits)
+    return t[0] if t else None
 
 
 def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, resume=None, localise_culprit=True,
@@ -485,12 +498,16 @@ def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, r
     cond["culprits"] = names
     cond["search"] = {k: v for k, v in found.to_dict().items() if k != "culprits"}
     cond["trials"] = [t.to_dict() for t in runner.trials]
-    target = localisation_target(names)
-    if localise_culprit and target:
+    done = []
+    for target in localisation_targets(names) if localise_culprit else []:
         try:
             alone_k3 = alone[E.COMPILED].value if E.COMPILED in alone else None
-            cond["localisation"] = localise(sess, target, eng, run_child, progress, culprits=names, path_k3=alone_k3)
+            done.append(localise(sess, target, eng, run_child, progress, culprits=names, path_k3=alone_k3))
         except Exception as e:  # the search's answer stands
-            cond["localisation"] = {"atom": target, "done": False, "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+            done.append({"atom": target, "done": False, "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+    if done:
+        cond["localisation"] = done[0]  # the first (or only) one, where readers of one localisation look
+    if len(done) > 1:
+        cond["localisations"] = done
     code = {"aligned": ExitCode.ALIGNED, "culprits": ExitCode.DIVERGED}.get(found.verdict, ExitCode.NO_CULPRIT)
     return body, code

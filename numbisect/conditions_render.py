@@ -35,8 +35,7 @@ def conditions_lines(cond) -> list[str]:
         ref = (a.get("vs_reference") or {}).get("rl_cost") or {}
         out.append(f"  {str(a.get('atom')):<28} alone: k3 {fmt(a.get('alone'))}, {tag}; {a.get('description')}"
                    + (f"; vs reference: sequences rejected {_pct(ref.get('seq_frac_rejected'))}" if ref else ""))
-    loc = cond.get("localisation")
-    if isinstance(loc, dict):
+    for loc in localisations_of(cond):
         if loc.get("done"):
             out.append(f"  under {loc.get('atom')}: units {localised_what(loc)}: {', '.join(map(str, loc.get('named') or [])) or 'none'}")
             chain = chained_line(loc.get("units_chained"))
@@ -45,6 +44,18 @@ def conditions_lines(cond) -> list[str]:
         else:
             out.append(f"  under {loc.get('atom')}: not localised ({loc.get('why')})")
     return out
+
+
+def localisations_of(cond) -> list[dict]:
+    """Every localisation of a conditions section: `localisations` when several culprits
+    were localised, else the one `localisation`; [] when none (or not objects)."""
+    if not isinstance(cond, dict):
+        return []
+    many = cond.get("localisations")
+    if isinstance(many, list) and any(isinstance(x, dict) for x in many):
+        return [x for x in many if isinstance(x, dict)]
+    one = cond.get("localisation")
+    return [one] if isinstance(one, dict) and one else []
 
 
 def chained_line(ch) -> str | None:

@@ -52,17 +52,40 @@ def test_answer_ops_are_the_ops_of_the_answers_trial():
     assert "+quant_fp8" in answer_ops(["custom_op:quant_fp8"], eng)
 
 
-@pytest.mark.parametrize("culprits, target", [
-    (["compiled"], "compiled"),
-    (["compiled", "custom_op:rotary_embedding"], "compiled"),  # the op in the user's state, then compiled
-    (["custom_op:rotary_embedding"], "custom_op:rotary_embedding"),
-    (["compiled", "enable_prefix_caching"], None),
-    (["custom_op:rms_norm", "custom_op:rotary_embedding"], None),
+@pytest.mark.parametrize("culprits, targets", [
+    (["compiled"], ["compiled"]),
+    (["compiled", "custom_op:rotary_embedding"], ["compiled"]),  # the op in the user's state, then compiled
+    (["custom_op:rotary_embedding"], ["custom_op:rotary_embedding"]),
+    (["compiled", "enable_prefix_caching"], ["compiled"]),  # prefix caching is not localised
+    (["custom_op:rms_norm", "custom_op:rotary_embedding"], ["custom_op:rms_norm", "custom_op:rotary_embedding"]),
+    (["compiled", "model_impl"], ["compiled", "model_impl"]),  # each on its own
+    (["kv_cache_dtype", "batch"], ["kv_cache_dtype"]),
+    (["batch"], []),
 ])
-def test_localisation_target(culprits, target):
-    from numbisect.condbisect import localisation_target
+def test_localisation_targets(culprits, targets):
+    from numbisect.condbisect import localisation_target, localisation_targets
 
-    assert localisation_target(culprits) == target
+    assert localisation_targets(culprits) == targets
+    assert localisation_target(culprits) == (targets[0] if targets else None)
+
+
+def test_several_localisations_are_all_rendered_and_typed():
+    from numbisect.conditions_render import conditions_lines, localisations_of
+    from numbisect.report import validate
+
+    rep = json.load(open(os.path.join(ROOT, "fixtures", "reports", "qwen3_moe_conditions.json")))
+    cond = rep["conditions"]
+    one = dict(cond["localisation"])
+    other = {"atom": "model_impl", "done": True, "named": ["layers.*.post_attn_norm"], "differ": [], "units": [],
+             "fed_parts": ["layers.0.post_attn_norm"], "not_compared": []}
+    cond["localisations"] = [one, other]
+    assert validate(rep) == []
+    assert localisations_of(cond) == [one, other]
+    text = "\n".join(conditions_lines(cond))
+    assert f"under {one['atom']}:" in text and "under model_impl: units whose code differs between vLLM's transformers" in text
+    cond["localisations"] = [{"atom": 3, "done": "yes"}, "x"]  # strange but valid JSON: one line, no crash
+    assert validate(rep) != []
+    assert "under 3:" in "\n".join(conditions_lines(cond))
 
 
 @pytest.mark.vllm

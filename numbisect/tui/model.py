@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from numbisect.conditions_render import engine_config_finding as engine_config_finding_of
+from numbisect.conditions_render import localisations_of
 from numbisect.formatting import fmt, num, pct
 from numbisect.reportview import ReportView, view
 from numbisect.units import Unit, children, unit_graph
@@ -503,10 +504,11 @@ def trial_reference(t: dict) -> dict:
     return _d(_d(t.get("metrics")).get("vs_reference"))
 
 
-def localisation_rows(cond: dict) -> list[dict]:
+def localisation_rows(cond: dict, loc: dict | None = None) -> list[dict]:
     """The localisation's units as the report lists them: unit, local output equal or not,
-    rel-L2 and max abs of the user's state against the good one (fed the same inputs)."""
-    loc = _d(cond.get("localisation"))
+    rel-L2 and max abs of the user's state against the good one (fed the same inputs).
+    `loc`: one of several localisations (default: the section's `localisation`)."""
+    loc = _d(loc if loc is not None else cond.get("localisation"))
     units = loc.get("units")
     out = []
     for u in units if isinstance(units, list) else []:
@@ -535,12 +537,14 @@ def conditions_culprit_lines(r: dict | ReportView) -> list[tuple[str, str]]:
                                         f"{fmt(a.get('alone'))} (all of yours: {fmt(s.get('baseline'))})"))
         ev = [f"{CULPRIT_MARK} guilty setting" + ("s" if len(names) > 1 else ""), f"threshold {fmt(rv.threshold)}",
               f"{s.get('trials_used')} trials"]
-        loc = _d(cond.get("localisation"))
-        if loc.get("done") is True:
-            named = loc.get("named") if isinstance(loc.get("named"), list) else []
-            ev.append("units it changes: " + (", ".join(map(str, named)) or "none"))
-        elif loc:
-            ev.append("not localised")
+        locs = localisations_of(cond)
+        for loc in locs:
+            it = "it" if len(locs) == 1 else str(loc.get("atom"))  # several: say whose units
+            if loc.get("done") is True:
+                named = loc.get("named") if isinstance(loc.get("named"), list) else []
+                ev.append(f"units {it} changes: " + (", ".join(map(str, named)) or "none"))
+            else:
+                ev.append("not localised" if len(locs) == 1 else f"{it} not localised")
         out.append(("", " · ".join(ev)))
         return out
     if verdict == "aligned":

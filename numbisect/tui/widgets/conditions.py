@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from numbisect.conditions_render import localised_what
+from numbisect.conditions_render import localisations_of, localised_what
 from numbisect.formatting import fmt
 from numbisect.reportview import ReportView, view
 from numbisect.tui import model as M
@@ -62,8 +62,7 @@ def conditions_text(r: dict | ReportView) -> Text:
         for label, cells in ref:
             t.append(f"  {cell(label, 11)}" + "".join(f"{c:>10}" for c in cells) + "\n")
 
-    loc = M.section(cond, "localisation")
-    if loc:
+    for loc in localisations_of(cond):
         t.append(f"\nLocalisation under {loc.get('atom')}\n", style="bold")
         if loc.get("done") is not True:
             t.append(f"  not localised: {loc.get('why')}\n", style="yellow")
@@ -73,7 +72,7 @@ def conditions_text(r: dict | ReportView) -> Text:
             t.append((", ".join(map(str, named)) or "none") + "\n", style="bold magenta" if named else "green")
             if loc.get("method"):
                 t.append(f"  {loc.get('method')}\n", style="dim")
-            rows = M.localisation_rows(cond)
+            rows = M.localisation_rows(cond, loc)
             if rows:
                 t.append(f"  {cell('unit', 28)} {cell('local output', 13)} {'rel-L2':>9} {'max abs':>9}\n", style="dim")
                 for u in rows:
