@@ -148,9 +148,9 @@ def test_live_mode_takes_the_engine_config_into_the_session_and_the_run_command(
     ('{"trust_remote_code": true}', "vllm", [], "trust_remote_code is refused"),
     (None, "vllm", [], "--engine-config not found: {p}"),
     ('{"enforce_eager": true}', "hf", [], "--engine-config needs --engine vllm:DIR"),
-    ('{"batch": "all"}', "vllm", ["--engine-mode", "decode"],
-     "--engine-mode decode with --engine-config needs settings numbisect's engine runs with hooks as they are"),
-], ids=["not-json", "bad-value", "remote-code", "missing-file", "hf-engine", "decode-child"])
+    ('{"batch": "all", "logprobs_mode": "processed_logprobs"}', "vllm", ["--engine-mode", "decode"],
+     "--engine-mode decode with --engine-config needs logprobs_mode \"raw_logprobs\" (yours: 'processed_logprobs')"),
+], ids=["not-json", "bad-value", "remote-code", "missing-file", "hf-engine", "decode-processed"])
 def test_bad_engine_config_is_one_line_before_the_live_app_starts(capsys, started, tmp_path, text, engine, extra, needle):
     """The refusals of `bisect run --engine-config`, before the app starts (the last two
     are the session's own checks, run before the app, not in its worker)."""
