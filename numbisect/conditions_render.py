@@ -138,8 +138,8 @@ def user_modes_lines(em: dict) -> list[str]:
     def k3(sec):
         return fmt(_d(_d(_d(sec).get("groups")).get("completion")).get("k3_mean"))
 
-    frac = lp.get("frac_equal")
-    same = f"{100 * frac:.1f}%" if isinstance(frac, (int, float)) else "?"
+    frac = num(lp.get("frac_equal"))  # a report's number: an integer too large for a float is an infinity here
+    same = f"{100 * frac:.1f}%" if frac is not None and 0 <= frac <= 1 else "?"
     return [f"  in your settings, completion k3 mean: decode vs reference {k3(em.get('decode_vs_reference'))}, prefill vs "
             f"reference {k3(em.get('prefill_vs_reference'))}, decode vs prefill {k3(dvp)} (max |diff| "
             f"{fmt(lp.get('max_abs'))}, identical on {same} of {lp.get('tokens', 0)} completion tokens)"]

@@ -44,6 +44,16 @@ def check_mode(engine_kind: str, mode: str) -> None:
     check_engine_mode(engine_kind, mode, BACKENDS[engine_kind].modes if engine_kind in BACKENDS else ("prefill",))
 
 
+def check_tp(mode: str, engine_opts: dict) -> None:
+    """Decode mode under tensor parallelism is refused before any worker starts: the
+    workers' engine runs prefill forwards only (`VLLMTPBackend.forward`), and a decode run
+    read as prefill would report decode and prefill identical."""
+    tp = int((engine_opts or {}).get("tensor_parallel_size", 1) or 1)
+    if mode == "decode" and tp > 1:
+        raise InputError(f"--engine-mode decode does not run under tensor parallelism yet (tensor_parallel_size={tp}): "
+                         "run it on tensor_parallel_size=1, or use --engine-mode prefill")
+
+
 def check_trace(trace, mode: str) -> None:
     """Decode mode replays token ids only: a trace with images is refused (prefill takes them)."""
     if mode == "decode" and any(getattr(s, "images", None) is not None for s in trace.samples):

@@ -87,8 +87,8 @@ class Sides:
         if not remote:
             D.check_swappable(eng, list(swapped), mode)
         with arranged(eng, self.ref, self.faults, swapped, probe), _prefix_reuse(eng, cache, swapped, prefix):
-            extra = {} if remote else {"mode": mode}
-            return eng.forward(self.samples, full_logits=full_logits, capture=list(capture), feed=feed, **extra)
+            # a tensor-parallel engine takes the mode too: it refuses decode rather than run a prefill in its place
+            return eng.forward(self.samples, full_logits=full_logits, capture=list(capture), feed=feed, mode=mode)
 
 
 @contextlib.contextmanager

@@ -94,6 +94,7 @@ class Session:
         C.check_opts(eng_kind, spec.engine_opts, "--engine-opt")
         self.faults = [parse_fault(f) for f in spec.faults]
         D.check_mode(eng_kind, spec.engine_mode)
+        D.check_tp(spec.engine_mode, spec.engine_opts)
         D.check_trace(self.trace, spec.engine_mode)
         self.mode = spec.engine_mode
         if self.mode != "prefill":  # recordings are per engine call; decode calls once per token

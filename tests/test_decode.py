@@ -220,6 +220,17 @@ def test_decode_mode_on_a_trace_with_images_is_one_line(capsys, tmp_path):
     assert code == ExitCode.USAGE and "text-only traces" in line
 
 
+def test_decode_mode_under_tensor_parallelism_is_one_line_before_any_worker_starts(capsys, tmp_path):
+    # The workers run prefill forwards only: before this refusal the decode run was a
+    # prefill (measured on qwen3_moe.first5 at TP=2: "decode vs prefill max |diff| 0,
+    # identical on 100.0%" where the in-process engine gives 1.79e-07 and 99.2%).
+    d = model_dir("qwen3_moe")
+    for cmd in ("compare", "run"):
+        code, line = _cli_error([cmd, "--ref", f"hf:{d}", "--engine", f"vllm:{d}", "--trace", trace_path("qwen3_moe"),
+                                 "--engine-opt", "tensor_parallel_size=2", "--engine-mode", "decode"], capsys, tmp_path)
+        assert code == ExitCode.USAGE and "--engine-mode decode does not run under tensor parallelism" in line, line
+
+
 def test_a_backend_without_decode_refuses_it_in_one_line():
     from numbisect.backends.base import check_engine_mode
 

@@ -86,6 +86,20 @@ def _every_section() -> dict:
                              "fitted": {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "kept_mass": 0.972, "inconsistent": 0},
                              "advice": "the rollout's log-probs are processed (temperature 0.7, top-p 0.9)", "source": "engine_config"}
     r["engine_config"] = copy.deepcopy(BASE["engine_config_run"]["engine_config"])
+    # decode mode with a child: the user's engine's decode run against its own prefill run
+    r["engine_config"]["mode"] = "decode"
+    r["engine_config"]["engine_modes"] = {k: copy.deepcopy(r["engine_modes"][k]) for k in ("mode", "prefill_vs_reference", "decode_vs_reference")}
+    r["engine_config"]["engine_modes"]["decode_vs_prefill"] = {k: copy.deepcopy(r["engine_modes"]["decode_vs_prefill"][k])
+                                                               for k in ("value", "groups", "logprob_diff")}
+    r["routing_replay"]["configuration"] = "hookable"
+    # linear attention's recurrent state, decode mode (shapes of a real qwen3_5_moe run)
+    err = copy.deepcopy(next(u["propagated"] for u in r["units"] if u["propagated"] and not u["propagated"]["ulps"]["bitwise_equal"]))
+    brief = {k: err[k] for k in ("rel_l2", "max_abs", "cosine")}
+    state = {"final": err, "per_sample": [{"sample": 0, "tokens": 70, **brief}], "boundaries": [{"tokens": 64, "samples": 1, **brief}]}
+    r["recurrent_state"] = {"chunk_size": 64, "max_boundaries": 8, "source": {"ref": "transformers", "engine": "vLLM mamba cache"},
+                            "first_above_tol": None, "engine_mode": "decode", "decode_unread": ["layers.0.attn@66 (sample 0)"],
+                            "layers": [{"unit": "layers.0.attn", "layer": 0, "state_shape": [4, 32, 32], "propagated": state,
+                                        "local": copy.deepcopy(state), "decode": copy.deepcopy(state)}]}
     return r
 
 

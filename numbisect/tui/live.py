@@ -117,6 +117,7 @@ def check_live(cfg: LiveConfig) -> None:
     from numbisect import decode as D
 
     D.check_mode(kind, cfg.spec.engine_mode)
+    D.check_tp(cfg.spec.engine_mode, {**(cfg.spec.engine_opts or {}), **(cfg.spec.engine_config or {})})  # the settings' degree too
     if cfg.spec.engine_config is not None:  # the file was read and checked where parsed; here what it asks of the engine
         from numbisect.userengine import UserEngine
 

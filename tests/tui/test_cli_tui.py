@@ -69,6 +69,8 @@ def test_missing_report_file(capsys, started):
         ([*LIVE, "--engine-fault", "nonsense"], "bad fault spec"),
         ([*LIVE, "--max-trials", "0"], "--max-trials must be at least 1"),
         ([*LIVE, "--group", "nope"], "unknown group 'nope'"),
+        (["--ref", "hf:fixtures/models/qwen3_moe", "--engine", "vllm:fixtures/models/qwen3_moe", "--trace", "fixtures/traces/qwen3_moe.jsonl",
+          "--engine-mode", "decode", "--engine-opt", "tensor_parallel_size=2"], "does not run under tensor parallelism"),
         (["--ref", "hf:fixtures/models/qwen3_moe", "--engine", "dump:/nowhere", "--trace", "fixtures/traces/qwen3_moe.jsonl",
           "--engine-mode", "decode"], "decode"),
         (["--ref", "hf:fixtures/models/qwen3_moe", "--engine", "hf:fixtures/models/qwen3_moe", "--trace", "no/trace.jsonl"], "no/trace.jsonl"),
@@ -148,9 +150,11 @@ def test_live_mode_takes_the_engine_config_into_the_session_and_the_run_command(
     ('{"trust_remote_code": true}', "vllm", [], "trust_remote_code is refused"),
     (None, "vllm", [], "--engine-config not found: {p}"),
     ('{"enforce_eager": true}', "hf", [], "--engine-config needs --engine vllm:DIR"),
-    ('{"logprobs_mode": "processed_logprobs"}', "vllm", ["--engine-mode", "decode"],
-     '--engine-mode decode with --engine-config needs logprobs_mode "raw_logprobs"'),
-], ids=["not-json", "bad-value", "remote-code", "missing-file", "hf-engine", "decode-processed"])
+    ('{"batch": "all", "logprobs_mode": "processed_logprobs"}', "vllm", ["--engine-mode", "decode"],
+     "--engine-mode decode with --engine-config needs logprobs_mode \"raw_logprobs\" (yours: 'processed_logprobs')"),
+    ('{"tensor_parallel_size": 2}', "vllm", ["--engine-mode", "decode"],
+     "--engine-mode decode does not run under tensor parallelism yet (tensor_parallel_size=2)"),
+], ids=["not-json", "bad-value", "remote-code", "missing-file", "hf-engine", "decode-processed", "decode-tp"])
 def test_bad_engine_config_is_one_line_before_the_live_app_starts(capsys, started, tmp_path, text, engine, extra, needle):
     """The refusals of `bisect run --engine-config`, before the app starts (the last two
     are the session's own checks, run before the app, not in its worker)."""
