@@ -338,4 +338,6 @@ def _section(units: list[str], stats: dict, shape: dict, source: dict, unit_tol:
     report = {"chunk_size": CHUNK, "max_boundaries": MAX_BOUNDARIES, "source": source, "first_above_tol": None,
               "layers": layers, **extra}
     report["first_above_tol"] = first_above(report, unit_tol)
+    if any(row.get("decode") for row in layers):
+        report["first_above_tol_decode"] = first_above(report, unit_tol, "decode")
     return report

@@ -59,4 +59,6 @@ def state_lines(r: dict | ReportView, max_boundaries: int = 8) -> list[str]:
     if missing:
         out.append(f"no state in the dump (not measured): {', '.join(missing)}")
     out.append(f"first state above rel-L2 {fmt(v.unit_tol)}: {rs.get('first_above_tol') or 'none'}")
+    if "first_above_tol_decode" in rs:
+        out.append(f"first state above rel-L2 {fmt(v.unit_tol)} after decode steps: {rs.get('first_above_tol_decode') or 'none'}")
     return out

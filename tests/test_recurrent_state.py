@@ -167,7 +167,10 @@ def test_decode_mode_measures_the_state_after_the_prompt_and_decode_steps_agains
     # the damaged decay gate: the decode state carries the same damage as the prefill state
     d1, p1 = rows["layers.1.attn"]["decode"]["final"]["rel_l2"], rows["layers.1.attn"]["propagated"]["final"]["rel_l2"]
     assert d1 > 1e-3 and abs(d1 - p1) < 1e-3 * p1
+    assert rs["first_above_tol_decode"] is None  # 7e-3 is under the unit tolerance, 1e-2
+    assert RS.first_above(rs, 1e-3, "decode") == "layers.1.attn"
     assert "Decode mode: the engine's state after the prompt and after decode steps" in text
+    assert "first state above rel-L2 0.01 after decode steps: none" in text
 
 
 def test_decode_points_are_the_prompt_then_spread_steps_then_the_end():

@@ -56,4 +56,4 @@ def install_probe(engine, probe, ledger: Ledger) -> None:
                 return out, (state if want else None)
 
             ledger.setattr(pymod, name, wrapped)
-    probe.source = f"transformers {CHUNK_FN} final state (float32)"
+    probe.source = f"transformers {CHUNK_FN} final state (float32; a decode step's: {STEP_FN})"
