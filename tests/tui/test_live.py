@@ -164,6 +164,6 @@ async def test_live_run_with_engine_settings_hooks_run_in_shows_the_engine_confi
           f"{r['search']['trials_used']} trials, exit {app.last_code}")
     assert r["command"] == ["bisect", "run", *argv[1:]]
     assert r["engine_config"] == {"user": user, "file": str(mine), "hookable": E.hookable(user), "changed": [], "child": False,
-                                  "parts": {"tokens": "hookable", "units": "hookable", "search": "hookable"}}
+                                  "mode": "prefill", "parts": {"tokens": "hookable", "units": "hookable", "search": "hookable"}}
     assert f"Your engine configuration ({mine})" in overview
     assert "your settings run with hooks as they are" in overview

@@ -59,12 +59,12 @@ def capture_tree(job: dict) -> dict:
     "inputs"} (unit -> per-sample [T, ...] tensors), "paths", "missing", "seconds"."""
     from numbisect.backends.common import first
     from numbisect.backends.ledger import Ledger
-    from numbisect.backends.vllm.condition_worker import _llm_kwargs
     from numbisect.backends.vllm.runner import import_vllm, quiet_stderr
+    from numbisect.engine_config import EXTRA
     from numbisect.errors import BackendError
 
     vllm = import_vllm()
-    kw = _llm_kwargs(dict(job["settings"]))
+    kw = {k: v for k, v in job["settings"].items() if k not in EXTRA}  # vLLM's arguments, not numbisect's
     kw.update(model_impl="transformers", enforce_eager=True, enable_prefix_caching=False, logprobs_mode="raw_logprobs")
     kw.setdefault("max_model_len", int(job.get("max_model_len", 1024)))
     kw.setdefault("seed", 0)
