@@ -244,6 +244,11 @@ def answer_ops(culprits: list[str], eng: Engines) -> list[str]:
     return E.ops_written(E.op_names(culprits), eng.user_ops, eng.good_ops, E.op_names(eng.atoms))
 
 
+def good_ops_written(eng: Engines) -> list[str]:
+    """Every custom op the good engine reported, written out (`+NAME` / `-NAME`) in its state."""
+    return [("+" if o else "-") + name for name, o in sorted(eng.good_ops.items())]
+
+
 def compiled_differing(out: dict, model_path: str) -> dict:
     """`_differing` for the compiled localisation: the units named are the compiled ones
     that differ. A sub-unit of an attention compiled whole (MLA's rope) differs with it but
@@ -304,7 +309,7 @@ def localise(sess: CondSession, atom: str, eng: Engines, run_child, progress, cu
     if atom == MODEL_IMPL:
         return localise_model_impl(sess, eng, run_child, progress)
     if atom in E.LOCALISABLE:  # a setting hooks run in: each side's value, every custom op as the good engine ran it
-        ops = [("+" if o else "-") + name for name, o in sorted(eng.good_ops.items())]
+        ops = good_ops_written(eng)
         jobs = {side: {**({atom: conf[atom]} if atom in conf else {}), "compilation_config": {"custom_ops": ops}}
                 for side, conf in (("good", sess.good), ("user", sess.user))}
         state = {side: f"{atom}={conf.get(atom, '(vLLM default)')}" for side, conf in (("good", sess.good), ("user", sess.user))}
@@ -381,7 +386,7 @@ def localise_model_impl(sess: CondSession, eng: Engines, run_child, progress) ->
         return {"atom": MODEL_IMPL, "done": False,
                 "why": f"localisation compares vLLM's transformers backend with its own implementation "
                        f"(here: known-good {impl['good']}, yours {impl['user']})"}
-    ops = [("+" if o else "-") + name for name, o in sorted(eng.good_ops.items())]
+    ops = good_ops_written(eng)
     job = {"compilation_config": {"custom_ops": ops}}
     progress(f"localise {MODEL_IMPL}: every unit's input and output on vLLM's transformers backend")
     tree = run_child(sess.job(job, job="capture", tree=True), "localisation capture (model_impl=transformers)")

@@ -123,6 +123,11 @@ def check_settings(s: dict, what: str) -> None:
             raise _bad(what, f"compilation_config.custom_ops must be a list of names such as \"none\" or \"-rms_norm\" (got {ops!r})")
 
 
+def llm_kwargs(settings: dict) -> dict:
+    """The settings that are `LLM()` arguments (not numbisect's own: `EXTRA`)."""
+    return {k: v for k, v in settings.items() if k not in EXTRA}
+
+
 def merge(file_settings: dict, opts: dict) -> dict:
     """The file's settings with --engine-opt KEY=VALUE on top (they win)."""
     return {**file_settings, **opts}

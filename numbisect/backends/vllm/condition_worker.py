@@ -47,13 +47,8 @@ import sys
 import tempfile
 import time
 
+from numbisect.engine_config import llm_kwargs
 from numbisect.errors import BackendError
-
-
-def _llm_kwargs(settings: dict) -> dict:
-    from numbisect.engine_config import EXTRA
-
-    return {k: v for k, v in settings.items() if k not in EXTRA}
 
 
 def _samples(job: dict) -> list:
@@ -89,7 +84,7 @@ def logprobs_job(job: dict) -> dict:
     vllm = import_vllm()
     settings = dict(job["settings"])
     decode = job["job"] == "decode"
-    kw = _llm_kwargs(settings)
+    kw = llm_kwargs(settings)
     kw.setdefault("max_model_len", int(job.get("max_model_len", 1024)))
     kw.setdefault("seed", 0)
     kw["logprobs_mode"] = settings.get("logprobs_mode", "raw_logprobs")
@@ -169,7 +164,7 @@ def capture_job(job: dict, out_path: str) -> None:
     from numbisect.engine_config import LOCALISABLE
 
     keep = ("compilation_config", "max_model_len", "seed", *LOCALISABLE)
-    opts = {k: v for k, v in _llm_kwargs(job["settings"]).items() if k in keep}
+    opts = {k: v for k, v in llm_kwargs(job["settings"]).items() if k in keep}
     if job.get("tree"):  # model_impl="transformers": the units read by their transformers names
         from numbisect.backends.vllm.treecapture import capture_tree
 

@@ -93,6 +93,14 @@ def import_vllm():
     return vllm
 
 
+def in_process_model(llm) -> torch.nn.Module:
+    """The model of an `LLM()` that runs it in this process (numbisect's hooks need it here)."""
+    models = llm.apply_model(lambda m: m)
+    if not models or not isinstance(models[0], torch.nn.Module):
+        raise BackendError("vLLM runs its model in another process; numbisect needs the in-process engine")
+    return models[0]
+
+
 def shutdown(backend) -> bool:
     """Shut down `backend.llm`'s engine core (in-process or tensor-parallel) and drop it;
     False when there was none (never started, or closed already)."""
@@ -142,10 +150,7 @@ class VLLMBackend(VLLMModel):
         except Exception as e:
             bad_input(e)
             raise fail(e, f"vLLM could not start on {path}") from None
-        models = self.llm.apply_model(lambda m: m)
-        if not models or not isinstance(models[0], torch.nn.Module):
-            raise BackendError("vLLM runs its model in another process; numbisect needs the in-process engine")
-        self.model = models[0]
+        self.model = in_process_model(self.llm)
         rope.install(self.model, self.arch, self.units)  # MLA's rotary part as a module per layer
         hookpoints.check_version()
         self._broken: str | None = None

@@ -34,13 +34,17 @@ def tree_units(model_path: str, model) -> tuple[dict[str, str], list[str]]:
     from numbisect.backends.base import load_config
 
     cfg = load_config(model_path)
+    arch = arch_for(cfg)
     have = dict(model.named_modules())
     found, missing = {}, []
-    for u in arch_for(cfg).units(cfg):
+    for u in arch.units(cfg):
         if u.kind not in COARSE:
             continue
-        p = arch_for(cfg).path("hf", u)
-        (found.__setitem__(u.name, p) if p in have else missing.append(u.name))
+        p = arch.path("hf", u)
+        if p in have:
+            found[u.name] = p
+        else:
+            missing.append(u.name)
     return found, missing
 
 
@@ -59,21 +63,18 @@ def capture_tree(job: dict) -> dict:
     "inputs"} (unit -> per-sample [T, ...] tensors), "paths", "missing", "seconds"."""
     from numbisect.backends.common import first
     from numbisect.backends.ledger import Ledger
-    from numbisect.backends.vllm.runner import import_vllm, quiet_stderr
-    from numbisect.engine_config import EXTRA
+    from numbisect.backends.vllm.runner import import_vllm, in_process_model, quiet_stderr
+    from numbisect.engine_config import llm_kwargs
     from numbisect.errors import BackendError
 
     vllm = import_vllm()
-    kw = {k: v for k, v in job["settings"].items() if k not in EXTRA}  # vLLM's arguments, not numbisect's
+    kw = llm_kwargs(job["settings"])
     kw.update(model_impl="transformers", enforce_eager=True, enable_prefix_caching=False, logprobs_mode="raw_logprobs")
     kw.setdefault("max_model_len", int(job.get("max_model_len", 1024)))
     kw.setdefault("seed", 0)
     with quiet_stderr():
         llm = vllm.LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, **kw)
-    models = llm.apply_model(lambda m: m)
-    if not models or not isinstance(models[0], torch.nn.Module):
-        raise BackendError("vLLM runs its model in another process; numbisect needs the in-process engine")
-    model = models[0]
+    model = in_process_model(llm)
     paths, missing = tree_units(job["model"], model)
     sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
     caps: dict = {u: [] for u in paths}
