@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from numbisect import metrics as M
-from numbisect.backends.common import gate_width
+from numbisect.backends.common import conv_width, gate_width, gates_width
 from numbisect.backends.mla_rope import width as rope_width
 from numbisect.errors import InputError
 
@@ -258,6 +258,10 @@ def unit_bytes(unit, tokens: int, config, dtype: torch.dtype) -> int:
         width = rope_width(cfg)
     elif unit.kind == "out_gate":  # Gated DeltaNet's gated norm: [tokens, value heads * head dim]
         width = gate_width(config)
+    elif unit.kind == "conv":  # Gated DeltaNet's causal conv: [tokens, q + k + v channels]
+        width = conv_width(config)
+    elif unit.kind == "gates":  # Gated DeltaNet's (g, beta), float32
+        width, dtype = gates_width(config), torch.float32
     size = torch.tensor([], dtype=dtype).element_size() if unit.kind != "lm_head" else 4
     return max(tokens, 0) * width * size
 

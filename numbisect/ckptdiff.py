@@ -111,12 +111,13 @@ def unit_of(name: str, prefixes: list[tuple[str, str]]) -> str | None:
 
 def unit_prefixes(arch, config) -> list[tuple[str, str]]:
     """(transformers module path, unit name) for every unit of family `arch` with a
-    module, longest path first: what `unit_of` matches tensor names against."""
+    module (and the tensors a unit reads outside it: `ArchMap.hf_tensors`), longest path first: what `unit_of` matches tensor names against."""
     out = []
     for u in arch.units(config):
         p = arch.path("hf", u)
         if p:
             out.append((p, u.name))
+        out += [(t.format(i=u.layer), u.name) for t in arch.hf_tensors.get(u.pattern, ())]
     return sorted(out, key=lambda pu: len(pu[0]), reverse=True)
 
 

@@ -25,10 +25,12 @@ from numbisect import compare as C
 from numbisect.backends import BACKENDS
 from numbisect.backends.base import ENGINE_MODES, check_engine_mode
 from numbisect.errors import InputError
+from numbisect.units import PREFILL_ONLY_KINDS
 
 # Kinds whose swap needs the engine's KV cache (the reference module would see one token
-# and no past): not swappable in decode mode.
-NEEDS_KV_CACHE = ("attn", "layer")
+# and no past), or that run on the prefill path only (a Gated DeltaNet's conv and gates,
+# whose state is the engine's conv cache): not swappable in decode mode.
+NEEDS_KV_CACHE = ("attn", "layer") + PREFILL_ONLY_KINDS
 
 
 def check_mode(engine_kind: str, mode: str) -> None:
@@ -74,7 +76,7 @@ def check_swappable(engine, names, mode: str) -> None:
     if hit:
         kinds = sorted({engine.unit(n).kind for n in hit})
         raise InputError(
-            f"{', '.join(kinds)} units cannot be swapped in decode mode (the swap would need the engine's KV cache): "
+            f"{', '.join(kinds)} units cannot be swapped in decode mode (the swap would need the engine's KV or conv-state cache): "
             f"{', '.join(hit[:4])}{' ...' if len(hit) > 4 else ''}; use --engine-mode prefill to swap them"
         )
 
@@ -105,7 +107,8 @@ def engine_modes(samples, settings, groups, engine_dtype, ref, decode, prefill, 
         "not_swappable": {
             "units": not_swappable(units, "decode"),
             "kinds": list(NEEDS_KV_CACHE),
-            "reason": "attention (and whole layers) would need the engine's KV cache; swap them with --engine-mode prefill",
+            "reason": "attention (and whole layers) would need the engine's KV cache, a linear attention's conv and gates "
+                      "its conv-state cache (they run on the prefill path only); swap them with --engine-mode prefill",
         },
     }
 

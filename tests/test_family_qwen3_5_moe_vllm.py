@@ -12,6 +12,7 @@ are in test_family_qwen3_5_moe.py.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import bound, check_gdn_sub_units, search, session
 from numbisect import selftest as ST
@@ -49,8 +50,32 @@ def test_every_layer_swapped_whole_reproduces_the_reference():
     assert value == 0.0
 
 
-def test_the_output_gate_and_projection_are_captured_and_swapped_as_sub_units():
+def test_the_gated_deltanet_sub_units_are_captured_and_swapped():
     check_gdn_sub_units(NAME)
+
+
+def test_the_conv_and_gates_modules_leave_the_engines_results_as_they_were():
+    # The conv and gates units are modules numbisect routes vLLM's own kernel calls through
+    # (backends/vllm/gdn.py): with the routing off (no module to route to) the engine's
+    # log-probs must be the same bits.
+    from numbisect.backends.ledger import Ledger
+
+    s = session(NAME, "vllm", samples=3)
+    eng = s.engine
+    routed = eng.forward(s.samples, full_logits=True).full_logprobs
+    with Ledger() as ledger:
+        for u in eng.units:
+            if u.kind == "attn" and u.variant == "linear":
+                ledger.setattr(eng.module(u.name), "conv", None)
+                ledger.setattr(eng.module(u.name), "gates", None)
+        plain = eng.forward(s.samples, full_logits=True).full_logprobs
+    assert all(torch.equal(a, b) for a, b in zip(routed, plain))
+    # and the engine computes through them: a fault on one of them reaches the log-probs
+    from numbisect.faults import apply_faults, parse_fault
+
+    with apply_faults(eng, [parse_fault("output_noise=1e-2@layers.0.attn.gates")]):
+        faulty = eng.forward(s.samples, full_logits=True).full_logprobs
+    assert not any(torch.equal(a, b) for a, b in zip(routed, faulty))
 
 
 def test_the_shared_expert_and_its_gate_swapped_apart_each_leave_the_engine_as_it_was():
@@ -81,6 +106,8 @@ def test_a_swapped_shared_expert_gate_is_the_one_the_shared_expert_calls():
 VLLM_CASES = [
     ("output_noise=3.0@layers.1.attn", "layers.1.attn"),  # Gated DeltaNet (1.0: 1.3e-3, near the threshold)
     ("output_noise=3.0@layers.3.attn", "layers.3.attn"),  # gated full attention (1.0: 5.9e-4, under it)
+    ("output_noise=3.0@layers.0.attn.conv", "layers.0.attn.conv"),  # the causal conv (measured k3 9.4; at layers.1: 5.2e-4)
+    ("output_noise=0.3@layers.1.attn.gates", "layers.1.attn.gates"),  # g and beta (measured 2.7e3)
     ("output_noise=3.0@layers.1.attn.out_gate", "layers.1.attn.out_gate"),  # the gated RMSNorm (1.0: under the threshold)
     ("output_noise=3.0@layers.2.attn.out_proj", "layers.2.attn.out_proj"),
     ("output_noise=1.0@layers.2.moe.experts", "layers.2.moe.experts"),

@@ -105,13 +105,15 @@ def test_decode_mode_runs_through_the_cache_and_differs_from_prefill_first_at_an
     # 4.8e-11 against 6.5e-5 for prefill against the reference)
     assert d["first_unit"]["bitwise"].startswith("layers.0.attn")
     assert 0 < m["decode_vs_prefill"]["value"] < m["prefill_vs_reference"]["value"] / 100
-    assert sorted(m["not_swappable"]["kinds"]) == ["attn", "layer"]
+    assert sorted(m["not_swappable"]["kinds"]) == ["attn", "conv", "gates", "layer"]
 
 
 HF_CASES = [
     ("output_noise=1e-2@layers.1.attn", "layers.1.attn"),  # linear attention (Gated DeltaNet)
     ("weight_noise=1e-2@layers.0.attn", "layers.0.attn"),  # in_proj_qkvz/_ba, conv, gates, norm all perturbed
     ("output_noise=1e-2@layers.3.attn", "layers.3.attn"),  # gated full attention
+    ("weight_noise=1e-2@layers.2.attn.conv", "layers.2.attn.conv"),  # the causal conv's weight
+    ("output_noise=1e-2@layers.1.attn.gates", "layers.1.attn.gates"),  # the decay g and beta
     ("output_noise=1e-2@layers.2.attn.out_gate", "layers.2.attn.out_gate"),  # the gated RMSNorm
     ("weight_noise=1e-2@layers.1.attn.out_proj", "layers.1.attn.out_proj"),
     ("output_noise=1e-2@layers.2.moe.experts", "layers.2.moe.experts"),

@@ -53,13 +53,15 @@ def test_every_layer_swapped_whole_reproduces_the_reference():
     assert value == 0.0
 
 
-def test_the_output_gate_and_projection_are_captured_and_swapped_as_sub_units():
+def test_the_gated_deltanet_sub_units_are_captured_and_swapped():
     check_gdn_sub_units(NAME)
 
 
 VLLM_CASES = [
     ("output_noise=3.0@layers.1.attn", "layers.1.attn"),  # Gated DeltaNet
     ("output_noise=3.0@layers.3.attn", "layers.3.attn"),  # gated full attention
+    ("output_noise=3.0@layers.0.attn.conv", "layers.0.attn.conv"),  # the causal conv (measured k3 1.4e3)
+    ("output_noise=0.3@layers.1.attn.gates", "layers.1.attn.gates"),  # g and beta (measured 287)
     ("output_noise=3.0@layers.1.attn.out_gate", "layers.1.attn.out_gate"),  # the gated RMSNorm (1.0: under the threshold)
     ("output_noise=3.0@layers.1.attn.out_proj", "layers.1.attn.out_proj"),  # (at layers.2: under the threshold)
     ("output_noise=1.0@layers.2.moe.experts", "layers.2.moe.experts"),

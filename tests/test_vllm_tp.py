@@ -197,8 +197,9 @@ class TestQwen3_5Sessions:
         return Session(spec, Settings(threshold=1e-3), backends={"ref": ref, "engine": eng})
 
     def test_gated_deltanet_sub_units_are_gathered_from_both_ranks_and_swapped(self, q35):
-        """out_gate: each rank's value heads side by side; out_proj: the all-reduced output.
-        Swapped, the output projection takes the gathered gated-norm output."""
+        """out_gate: each rank's value heads side by side; out_proj: the all-reduced output;
+        conv and gates part by part. Swapped, the output projection takes the gathered
+        gated-norm output, the conv and gates donors every rank's input."""
         s = self._session(q35)
         rows = {r["name"]: r for r in s.compare()["units"]}
         width = 4 * 128  # value heads x head dim
@@ -208,8 +209,20 @@ class TestQwen3_5Sessions:
             assert proj["propagated"] == attn["propagated"]  # the same tensor
         got = s.engine.forward(s.samples[:1], capture=["layers.0.attn.out_gate"]).captures["layers.0.attn.out_gate"][0]
         assert list(got.shape) == [len(s.samples[0].ids), width]
+        # conv (q, k, v channels) and gates ((g, beta) per value head): each rank holds its
+        # heads of every part; put together part by part (rank blocks in the wrong order are
+        # off by far more than bf16 rounding)
+        for i in range(3):
+            for sub in ("conv", "gates"):
+                row = rows[f"layers.{i}.attn.{sub}"]
+                print(f"layers.{i}.attn.{sub}: propagated {row['propagated']['rel_l2']:.3g}")
+                assert row["propagated"]["rel_l2"] < 3e-2, row
+        caps = s.engine.forward(s.samples[:1], capture=["layers.0.attn.conv", "layers.0.attn.gates"]).captures
+        n = len(s.samples[0].ids)
+        assert list(caps["layers.0.attn.conv"][0].shape) == [n, 2 * 2 * 128 + width]
+        assert list(caps["layers.0.attn.gates"][0].shape) == [n, 2 * 4]
         floor, _ = s.trial([])
-        for kinds in (("out_gate",), ("out_proj",), ("out_gate", "out_proj")):
+        for kinds in (("conv",), ("gates",), ("out_gate",), ("out_proj",), ("conv", "gates", "out_gate", "out_proj")):
             value, _ = s.trial([u.name for u in s.engine.units if u.kind in kinds])
             print(f"{kinds} swapped: {value:.3g} (floor {floor:.3g})")
             assert value < 2 * floor, kinds

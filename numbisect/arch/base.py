@@ -61,6 +61,11 @@ class ArchMap:
     # Sub-units of attention in the layers of one variant only (Qwen3.5's linear attention:
     # "out_gate", "out_proj"), after `attn_sub_units`, in execution order.
     variant_attn_sub_units: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Checkpoint tensors (transformers paths, unit pattern -> paths) a unit reads that its own
+    # module path does not prefix: a module numbisect puts in (Gated DeltaNet's `conv` and
+    # `gates` read the attention's `conv1d`, `A_log` and `dt_bias`). numbisect.ckptdiff names
+    # a damaged tensor's unit by them.
+    hf_tensors: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def units(self, config) -> list[Unit]:
         text = config.get_text_config()

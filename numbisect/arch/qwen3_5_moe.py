@@ -8,16 +8,19 @@ full attention, every layer a sparse MoE block with a gated shared expert.
   delta-rule recurrence over a per-head [k, v] state, the gated RMSNorm `norm` with
   `in_proj_z` as its output gate, `out_proj`. The unit is `layers.{i}.attn` with variant
   "linear": a swap carries the whole module (conv, gates, state handling); it takes no
-  rotary cos/sin. Two sub-units, modules on both sides: `layers.{i}.attn.out_gate` (kind
-  `out_gate`, the gated RMSNorm `norm(core, z)` = rmsnorm(core) * silu(z), per value head;
-  canonical output [tokens, value heads * head dim] in head order, as transformers
+  rotary cos/sin. Four sub-units, in execution order:
+  `layers.{i}.attn.conv` (kind `conv`: the causal depthwise conv and its activation,
+  [tokens, q + k + v channels], in and out) and `layers.{i}.attn.gates` (kind `gates`:
+  [tokens, 2 * value heads] (a, b) in, (g, beta) out, float32): modules numbisect puts in on
+  both sides, as transformers computes both without a module call of its own and vLLM-CPU
+  inside its custom op `cpu_gdn_attention_core` (backends/hf/gdn.py, backends/vllm/gdn.py;
+  prefill only: a decode step's conv and gates are not routed); then `layers.{i}.attn.out_gate`
+  (kind `out_gate`, the gated RMSNorm `norm(core, z)` = rmsnorm(core) * silu(z), per value
+  head; canonical output [tokens, value heads * head dim] in head order, as transformers
   flattens [tokens * heads, head dim] and vLLM [tokens, heads, head dim]) and
   `layers.{i}.attn.out_proj` (kind `out_proj`, the projection back to the hidden size).
-  The conv, the gates (beta, g) and the delta-rule recurrence are no units: transformers
-  calls the conv as a function on `conv1d.weight` and computes the gates inline, and
-  vLLM-CPU runs conv and recurrence (gates included) inside one custom op
-  (`torch.ops.vllm.cpu_gdn_attention_core`): nothing to hook without patching that op.
-  A fault there is named as the attention unit, with neither sub-unit fixing it.
+  The delta-rule recurrence is no unit (its state is: numbisect.recurrent); a fault there
+  is named as the attention unit, with no sub-unit fixing it.
 - "full_attention": transformers `self_attn` (Qwen3_5MoeAttention): Qwen3's attention
   with q/k norms and an output gate (`q_proj` gives the queries and a per-head gate,
   sigmoid(gate) scales the attention output before `o_proj`), partial rotary.
@@ -43,6 +46,8 @@ from numbisect.arch.qwen3_moe import _HF as _QWEN_HF
 _HF = {
     **_QWEN_HF,
     "layers.{i}.attn@linear": "model.layers.{i}.linear_attn",
+    "layers.{i}.attn.conv": "model.layers.{i}.linear_attn.conv",
+    "layers.{i}.attn.gates": "model.layers.{i}.linear_attn.gates",
     "layers.{i}.attn.out_gate": "model.layers.{i}.linear_attn.norm",
     "layers.{i}.attn.out_proj": "model.layers.{i}.linear_attn.out_proj",
     "layers.{i}.moe.shared_expert": "model.layers.{i}.mlp.shared_expert",
@@ -54,7 +59,12 @@ def _attn_variant(config, i: int) -> str:
     return "linear" if config.layer_types[i] == "linear_attention" else ""
 
 
-LINEAR_SUB_UNITS = {"linear": ("out_gate", "out_proj")}  # Gated DeltaNet's sub-units, in execution order
+LINEAR_SUB_UNITS = {"linear": ("conv", "gates", "out_gate", "out_proj")}  # Gated DeltaNet's sub-units, in execution order
+# The attention's tensors the conv and gates modules read (backends/hf/gdn.py)
+LINEAR_TENSORS = {
+    "layers.{i}.attn.conv": ("model.layers.{i}.linear_attn.conv1d",),
+    "layers.{i}.attn.gates": ("model.layers.{i}.linear_attn.A_log", "model.layers.{i}.linear_attn.dt_bias"),
+}
 
 
 ARCH = ArchMap(
@@ -68,4 +78,5 @@ ARCH = ArchMap(
     router_spec=lambda c: RouterSpec(c.num_experts_per_tok, c.num_experts, "softmax", True),
     attn_variant=_attn_variant,
     variant_attn_sub_units=LINEAR_SUB_UNITS,
+    hf_tensors=LINEAR_TENSORS,
 )

@@ -14,8 +14,9 @@ is full attention, `full_attention_interval` 4):
   with variant "linear": a swap carries the whole transformers module (both projections
   in transformers' layout, conv, gates, norm, out_proj: everything it reads), called by
   vLLM as `(hidden_states=...)` and run on the one unpadded sequence from a zero state.
-  Its sub-units `layers.{i}.attn.out_gate` (the gated RMSNorm) and `.out_proj` are
-  Qwen3.5-MoE's (both sides order the value heads alike: transformers' per-key-head
+  Its sub-units `layers.{i}.attn.conv`, `.gates`, `.out_gate` (the gated RMSNorm) and
+  `.out_proj` are Qwen3.5-MoE's (conv channels q, k, v and gates a, b after transformers'
+  regrouping, as vLLM's kernel sees them; both sides order the value heads alike: transformers' per-key-head
   grouping and vLLM's `fix_query_key_value_ordering` give z and the core output in the
   same head order).
 - "full_attention": transformers `self_attn` (Qwen3NextAttention): q/k norms, an output
@@ -32,7 +33,7 @@ processor.
 """
 
 from numbisect.arch.base import ArchMap
-from numbisect.arch.qwen3_5_moe import _HF, LINEAR_SUB_UNITS, _attn_variant  # the same module tree and layer pattern
+from numbisect.arch.qwen3_5_moe import _HF, LINEAR_SUB_UNITS, LINEAR_TENSORS, _attn_variant  # the same module tree and layer pattern
 from numbisect.arch.qwen3_moe import _ffn_kind, _router
 
 ARCH = ArchMap(
@@ -45,4 +46,5 @@ ARCH = ArchMap(
     router_spec=_router,
     attn_variant=_attn_variant,
     variant_attn_sub_units=LINEAR_SUB_UNITS,
+    hf_tensors=LINEAR_TENSORS,
 )

@@ -28,6 +28,17 @@ def gate_width(config) -> int:
     return text.linear_num_value_heads * text.linear_value_head_dim
 
 
+def conv_width(config) -> int:
+    """Channels of a Gated DeltaNet's causal conv (the `conv` unit, in and out): q, k, v."""
+    text = config.get_text_config()
+    return 2 * text.linear_num_key_heads * text.linear_key_head_dim + gate_width(config)
+
+
+def gates_width(config) -> int:
+    """Width of a Gated DeltaNet's `gates` unit, in ((a, b)) and out ((g, beta)): 2 * value heads."""
+    return 2 * config.get_text_config().linear_num_value_heads
+
+
 def head_rows(kind: str, t: torch.Tensor, config) -> torch.Tensor:
     """An `out_gate` activation as [tokens, value heads * head dim]: the gated norm runs per
     value head, on [tokens * heads, head dim] in transformers and [tokens, heads, head dim]

@@ -76,3 +76,12 @@ class Steps:
         if pos != limit:
             raise BackendError(f"decode mode: captures of {name} for sample {index} cover {pos} of {limit} positions")
         return torch.cat(parts)
+
+
+def decode_captures(engine, names) -> list[str]:
+    """The units of `names` a decode-mode forward captures: all but those on the prefill path
+    only (`units.PREFILL_ONLY_KINDS`: they would cover the prompt's positions alone), which
+    the report then shows without a decode-mode value."""
+    from numbisect.units import PREFILL_ONLY_KINDS
+
+    return [n for n in names if engine.unit(n).kind not in PREFILL_ONLY_KINDS]

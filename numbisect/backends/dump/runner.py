@@ -20,7 +20,7 @@ import torch
 
 from numbisect.arch import arch_for
 from numbisect.backends.base import Backend, parse_dtype
-from numbisect.backends.common import gate_width
+from numbisect.backends.common import conv_width, gate_width, gates_width
 from numbisect.backends.mla_rope import width as rope_width
 from numbisect.dump import LAYOUT_VERSION, SHARDS, STATE_SHARDS
 from numbisect.errors import InputError
@@ -295,6 +295,10 @@ class DumpBackend(Backend):
             if kind in ("out_gate", "out_proj"):  # Gated DeltaNet: value heads * head dim (the gate's input: core and z)
                 vd = gate_width(self.config)
                 width, width_in = (vd, 2 * vd) if kind == "out_gate" else (cfg.hidden_size, vd)
+            if kind == "conv":  # Gated DeltaNet's causal conv: q, k, v channels, in and out
+                width = width_in = conv_width(self.config)
+            if kind == "gates":  # Gated DeltaNet's (a, b) in, (g, beta) out
+                width = width_in = gates_width(self.config)
             for i in range(n):
                 rows = toks[i] - (1 if kind == "lm_head" else 0)
                 if kind == "indexer":  # the [T, T] mask of keys picked (numbisect.selection.selection_mask)

@@ -19,9 +19,9 @@ import torch
 
 from numbisect.backends.base import Backend, ForwardResult, fail, hidden_arg, with_hidden
 from numbisect.backends.common import first, gate_input, head_rows
-from numbisect.backends.hf import faults, indexer, recurrent, rope, routing, swap, whatif
+from numbisect.backends.hf import faults, gdn, indexer, recurrent, rope, routing, swap, whatif
 from numbisect.backends.ledger import Ledger
-from numbisect.backends.steps import Steps
+from numbisect.backends.steps import Steps, decode_captures
 from numbisect.errors import InputError
 from numbisect.selection import selection_mask
 from numbisect.units import VISION_KINDS
@@ -85,6 +85,7 @@ class HFBackend(Backend):
             raise InputError(f"{path}: weights do not match config.json: {len(bad)} tensors differ, e.g. {key} ({why})")
         self.model.eval()
         rope.install(self)  # MLA's rotary part as a module per attention (`rope` units)
+        gdn.install(self)  # Gated DeltaNet's conv and gates as modules (`conv`, `gates` units)
         self.options = {
             "attn_implementation": attn_implementation,
             "experts_implementation": experts_implementation,
@@ -247,6 +248,7 @@ class HFBackend(Backend):
         """One sample: prefill the prompt, then one token per forward with the KV cache."""
         T, P = len(sample.ids), len(sample.prompt_ids)
         steps = Steps(T)
+        capture, capture_inputs = decode_captures(self, capture), decode_captures(self, capture_inputs)
         seen: dict[str, list] = {u: [] for u in capture}
         seen_in: dict[str, list] = {u: [] for u in capture_inputs}
 

@@ -85,7 +85,8 @@ class IndexerAdapter(CastAdapter):
 def swap_unit(engine, unit, donor, ledger: Ledger) -> None:
     """Put the donor's module for `unit` in the engine, behind a `CastAdapter`."""
     ref = donor.module(unit.name)
-    out_dtype = None if unit.kind == "lm_head" else engine.dtype
+    # Logits, and a Gated DeltaNet's gates (float32 g and beta), keep the donor's dtype.
+    out_dtype = None if unit.kind in ("lm_head", "gates") else engine.dtype
     rotary = text_rotary(donor.arch, donor.arch.layer_rotary(donor.model)) if unit.kind in ("attn", "layer", "indexer", "rope") else None
     positions = None
     if unit.kind in ("attn", "layer") and donor.arch.mrope:

@@ -6,7 +6,7 @@ layers, fuses RMSNorm with the residual add, calls attention as `(positions, hid
 in practice; gpt-oss's as `(hidden, positions)`, layers `(hidden, positions, residual)`:
 `hidden_first` tells them apart) and takes logits from a logits processor. Each unit kind has
 an adapter here (`ADAPTERS`; `KIND@VARIANT` for a variant of a kind: Qwen3.5's linear
-attention, whose sub-units `out_gate` and `out_proj` have theirs); the donor module keeps
+attention, whose sub-units `conv`, `gates`, `out_gate` and `out_proj` have theirs); the donor module keeps
 its own weights and dtype, and the adapter casts at the boundary. The MoE sub-units (router, experts) are swapped inside vLLM's fused-MoE runner
 instead (`moe.py`).
 """
@@ -129,6 +129,25 @@ class VllmGatedNorm(VllmHF):
         return self.inner(x.to(self.rdt), z.to(self.rdt)).to(self.edt)
 
 
+class VllmConv(VllmHF):
+    """Gated DeltaNet's causal conv (numbisect.backends.vllm.gdn): `(x [tokens, channels], call)`,
+    computed by the donor's `GdnConv` in the donor's dtype. The engine's own call still runs
+    first, its output dropped: it writes the conv-state cache a later decode step reads."""
+
+    def forward(self, x, call):
+        fn, kwargs = call
+        fn(x=x.transpose(0, 1), **kwargs)
+        return self.inner(x.to(self.rdt)[None])[0].to(self.edt)
+
+
+class VllmGates(VllmHF):
+    """Gated DeltaNet's gates: `(ab [tokens, 2 * heads], call) -> (g, beta)` in float32, computed
+    by the donor's `GdnGates` on its own `A_log` and `dt_bias`."""
+
+    def forward(self, ab, call):
+        return self.inner(ab.to(self.rdt)).float()
+
+
 class VllmGatedShared(VllmHF):
     """A shared expert vLLM gates itself (Qwen3.5-MoE's Qwen2MoeMLP with `expert_gate`): the
     donor (transformers' ungated MLP), times the sigmoid of the block's `shared_expert_gate`
@@ -204,6 +223,8 @@ ADAPTERS = {
     "mlp": VllmBlock,
     "shared_expert": VllmBlock,
     "shared_expert_gate": VllmLinearOut,
+    "conv": VllmConv,
+    "gates": VllmGates,
     "out_gate": VllmGatedNorm,
     "out_proj": VllmLinearOut,
     "layer": VllmLayer,

@@ -104,14 +104,16 @@ def missing(model, arch, units) -> None:
 
 def worker_absent(model) -> list[str]:
     """`absent` inside a tensor-parallel worker (`llm.apply_model`), for every unit; the
-    first call into a worker, so it puts in MLA's per-layer rope modules first (as the
-    in-process engine does at start-up: numbisect.backends.vllm.rope)."""
+    first call into a worker, so it puts in MLA's per-layer rope modules and Gated DeltaNet's
+    conv and gates modules first (as the in-process engine does at start-up:
+    numbisect.backends.vllm.rope, numbisect.backends.vllm.gdn)."""
     from numbisect.arch import arch_for
-    from numbisect.backends.vllm import rope
+    from numbisect.backends.vllm import gdn, rope
 
     arch = arch_for(model.config)
     units = arch.units(model.config)
     rope.install(model, arch, units)
+    gdn.install(model, arch, units)
     return absent(model, arch, units)
 
 

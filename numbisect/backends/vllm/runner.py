@@ -28,8 +28,8 @@ from numbisect.backends.base import ForwardResult, fail, hidden_arg
 from numbisect.backends.common import first
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.options import check_vllm_opts
-from numbisect.backends.steps import Steps, vllm_logit_spans
-from numbisect.backends.vllm import hookpoints, moe, rope
+from numbisect.backends.steps import Steps, decode_captures, vllm_logit_spans
+from numbisect.backends.vllm import gdn, hookpoints, moe, rope
 from numbisect.backends.vllm.model import VLLMModel
 from numbisect.errors import BackendError, InputError
 
@@ -152,6 +152,7 @@ class VLLMBackend(VLLMModel):
             raise fail(e, f"vLLM could not start on {path}") from None
         self.model = in_process_model(self.llm)
         rope.install(self.model, self.arch, self.units)  # MLA's rotary part as a module per layer
+        gdn.install(self.model, self.arch, self.units)  # Gated DeltaNet's conv and gates as modules
         hookpoints.check_version()
         self._broken: str | None = None
         self._sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
@@ -223,6 +224,8 @@ class VLLMBackend(VLLMModel):
                 f"but max_model_len is {self.max_model_len}; raise it with --engine-opt max_model_len=N"
             )
         steps = Steps(T, vllm_logit_spans(P, T)) if decode else None
+        if decode:
+            want, want_in = set(decode_captures(self, want)), set(decode_captures(self, want_in))
         # prefill: unit -> tensors of each call; decode: unit -> (start, stop, tensor) of each call
         seen: dict[str, list] = {u: [] for u in want}
         seen_in: dict[str, list] = {u: [] for u in want_in}

@@ -25,7 +25,8 @@ the module-level functions below, bound with `functools.partial`).
    reduced by its block) is a row-parallel partial sum per rank, so the ranks' tensors
    are added; the logits are gathered on rank 0 by vLLM's logits processor already;
    per-head units (a Gated DeltaNet's `out_gate`, MLA's `rope`) put the ranks' heads
-   side by side (`GATHER`). The recurrent-state probe reads each rank's heads from its
+   side by side, a Gated DeltaNet's `conv` and `gates` part by part (`GATHER`; swapped,
+   their donor takes every rank's input and hands each rank its shard back). The recurrent-state probe reads each rank's heads from its
    mamba cache and puts them together the same way.
 5. Prefix reuse: the driver plans as for an in-process engine (`numbisect.prefix`);
    every worker records and replays its own layers' outputs (replicated on every rank).
@@ -59,7 +60,11 @@ from numbisect.swap import SwapSpec
 # side by side). MLA's rotary part (`rope`, packed [tokens, (heads + 1) * rope]:
 # numbisect.backends.mla_rope) holds each rank's query heads and the one shared key:
 # "mla" (the ranks' query heads side by side, then the key, equal on every rank).
-GATHER = {"experts": "sum", "shared_expert": "sum", "lm_head": "rank0", "out_gate": "cat", "rope": "mla"}
+# A Gated DeltaNet's conv (channels q, k, v) and gates ((a, b) in, (g, beta) out) hold
+# each rank's heads of every part, part by part: "parts" (`part_sizes`: each part's
+# blocks put side by side, then the next part).
+GATHER = {"experts": "sum", "shared_expert": "sum", "lm_head": "rank0", "out_gate": "cat", "rope": "mla",
+          "conv": "parts", "gates": "parts"}
 
 # Swapped units whose vLLM module takes a rank's shard of the input: the linear
 # attention's output projection (RowParallelLinear, all-reduced inside) is handed its
@@ -67,6 +72,29 @@ GATHER = {"experts": "sum", "shared_expert": "sum", "lm_head": "rank0", "out_gat
 # input is gathered from the ranks first, and the donor's full output (what the
 # all-reduce gave) returned on every rank.
 GATHER_INPUT = ("out_proj",)
+
+
+def part_sizes(kind: str, config) -> list[int]:
+    """The whole widths of the parts a "parts" unit's tensor is made of (conv: q, k, v;
+    gates: the two per-head halves), each split evenly over the ranks."""
+    text = config.get_text_config()
+    if kind == "conv":
+        key = text.linear_num_key_heads * text.linear_key_head_dim
+        return [key, key, text.linear_num_value_heads * text.linear_value_head_dim]
+    return [text.linear_num_value_heads] * 2
+
+
+def regroup(per_rank: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """The ranks' shards of a "parts" tensor (each rank's blocks of every part, along the
+    last dimension) as one canonical tensor: every rank's block of part 0, then of part 1..."""
+    world = len(per_rank)
+    split = [t.split([n // world for n in sizes], dim=-1) for t in per_rank]
+    return torch.cat([blocks[j] for j in range(len(sizes)) for blocks in split], dim=-1)
+
+
+def shard(t: torch.Tensor, sizes: list[int], rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s shard of a canonical "parts" tensor (`regroup` undone)."""
+    return torch.cat([part.chunk(world, dim=-1)[rank] for part in t.split(sizes, dim=-1)], dim=-1)
 
 
 def _tp():
@@ -93,6 +121,10 @@ def worker_swap(model, spec: SwapSpec, engine_dtype: str) -> list[str]:
             if kind in GATHER_INPUT:
                 ledger.setattr(engine.module(name), "forward", _gathering(engine.module(name).forward))
                 continue
+            if GATHER.get(kind) == "parts":  # the donor computes every head from every rank's input
+                inner = engine.module(name).inner
+                ledger.setattr(inner, "forward", _by_parts(inner.forward, part_sizes(kind, engine.config), rank, world))
+                continue
             if GATHER.get(kind) != "sum":
                 continue
             # The swapped module computes the whole sum; the block's all-reduce adds the ranks.
@@ -115,6 +147,19 @@ def _gathering(forward):
         return forward(tensor_model_parallel_all_gather(x.contiguous(), dim=-1), *args, **kwargs)
 
     return gathered
+
+
+def _by_parts(forward, sizes: list[int], rank: int, world: int):
+    """`forward` on the "parts" input gathered from every rank (`regroup`), its output cut
+    back to this rank's shard (`shard`)."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    def whole(x, *args, **kwargs):
+        full = tensor_model_parallel_all_gather(x.contiguous(), dim=-1)
+        out = forward(regroup(list(full.chunk(world, dim=-1)), sizes), *args, **kwargs)
+        return shard(out, sizes, rank, world)
+
+    return whole
 
 
 def worker_unswap(model) -> None:
@@ -422,6 +467,8 @@ class VLLMTPBackend(Backend):
             picked.append(calls[-1])
         if how == "cat":
             return torch.cat(picked, dim=-1)
+        if how == "parts":
+            return regroup(picked, part_sizes(self.unit(unit).kind, self.config))
         if how == "mla":
             R = self.config.get_text_config().qk_rope_head_dim
             for r, t in enumerate(picked[1:], start=1):
