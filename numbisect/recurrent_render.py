@@ -2,10 +2,10 @@
 numbisect.recurrent), from the report alone through `numbisect.reportview`. Torch-free.
 
 1. Readers of the section (`layers`, `final`, `points`, `worst`, `trend`, `first_lines`,
-   `unread`, `missing`): each reads one thing with the range checks of `formatting.num` (an entry that is not
-   an object is left out, a value that is not a number is None), so `bisect report show`
-   (`state_lines`), `report md` (`markdown_lines`) and the TUI's unit detail
-   (`tui/widgets/unit_detail.py`) show the same figures and survive the same reports.
+   `unread`, `missing`): each reads one thing with the range checks of `formatting.num`
+   (an entry that is not an object is left out, a value that is not a number is None), so
+   `bisect report show` (`state_lines`), `report md` (`markdown_lines`) and the TUI's unit
+   detail (`tui/widgets/unit_detail.py`) show the same figures and survive the same reports.
 2. `state_lines`: the summary's table, per layer and per pass.
 3. `markdown_lines`: a short Markdown section for `bisect report md`.
 """
