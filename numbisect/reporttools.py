@@ -9,7 +9,8 @@ torch, no vLLM, so it runs on the machine of whoever reads the ticket.
    the two runs as a "not comparable: ..." line. `d["aligned"]` is B's verdict.
 2. `render_diff(d)`: the same as text for a terminal.
 3. `markdown(r)`: a Markdown summary to paste into a GitHub issue: verdict, culprit with
-   its evidence, a small per-layer table, token groups, RL cost, environment and the
+   its evidence, a small per-layer table, linear attention's recurrent state per layer
+   (`recurrent_render.markdown_lines`), token groups, RL cost, environment and the
    command that reproduces the run.
 
 Both read reports through `numbisect.reportview` (a report dict or its view). Non-finite
@@ -466,6 +467,7 @@ def markdown(r: dict | ReportView) -> str:
     """A Markdown summary of one report, to paste into a GitHub issue; a report's strings
     show as escaped text or code spans (no markup, no control characters of their own)."""
     from numbisect.decode_render import markdown_lines as decode_md
+    from numbisect.recurrent_render import markdown_lines as state_md
 
     v = view(r)
     verdict = (
@@ -498,6 +500,7 @@ def markdown(r: dict | ReportView) -> str:
         if fd:
             parts += ["", f"First unit not bitwise equal: {_code(fd.get('bitwise')) if fd.get('bitwise') else 'none'}; "
                           f"first above rel-L2 {fmt(num(v.unit_tol))}: {_code(fd.get('above_tol')) if fd.get('above_tol') else 'none'}."]
+    parts += state_md(v)  # linear attention's recurrent state, per layer
     gt = _groups_table(v)
     if gt:
         parts += [""] + gt

@@ -1,9 +1,9 @@
 """The report as its readers see it: one view over a report dict that every renderer reads.
 
 `bisect report show` (numbisect.render), `report md` and `report diff`
-(numbisect.reporttools), the routing and decode-mode lines (routing_render,
-decode_render) and the TUI (numbisect.tui.model and its widgets) read a report through
-`ReportView` instead of each walking the dict itself:
+(numbisect.reporttools), the routing, decode-mode and recurrent-state lines
+(routing_render, decode_render, recurrent_render) and the TUI (numbisect.tui.model and
+its widgets) read a report through `ReportView` instead of each walking the dict itself:
 
 1. The report is made printable once (`textsafe.printable_tree`): every string a reader
    gets from the view is escaped (no terminal escapes, no line breaks).
@@ -287,6 +287,12 @@ class ReportView:
     @property
     def capture(self) -> dict | None:
         return self.r.get("capture") or None
+
+    @property
+    def recurrent_state(self) -> dict:
+        """Linear attention's recurrent-state section (numbisect.recurrent); {} when absent
+        or not an object (numbisect.recurrent_render reads its layers and points)."""
+        return _dict(self.r.get("recurrent_state"))
 
 
 def rel(u: dict | None, side: str) -> float | None:

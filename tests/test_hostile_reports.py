@@ -638,6 +638,79 @@ def test_a_trace_the_tui_cannot_read_groups_from_is_a_note(tmp_path):
     assert td.trace_groups == {} and "not a JSONL trace with readable groups" in td.note
 
 
+def _state(edit) -> dict:
+    """The report with every section, its `recurrent_state` changed by `edit(rs)`."""
+    r = copy.deepcopy(BASE["every_section"])
+    edit(r["recurrent_state"])
+    return r
+
+
+def _set_state_numbers(value):
+    def edit(rs):
+        row = rs["layers"][0]
+        for key in ("propagated", "local", "decode"):
+            row[key]["final"]["rel_l2"] = value
+            row[key]["boundaries"][0]["rel_l2"] = value
+    return edit
+
+
+def _two_layers(rs):
+    second = copy.deepcopy(rs["layers"][0])
+    second.update(unit="layers.1.attn", layer=1, propagated=None, local=None, decode=None)
+    rs["layers"].append(second)
+    rs["first_above_tol"] = "layers.1.attn"
+
+
+STATE_CASES = {  # name: (edit, what the Markdown row or lines show)
+    "nan-string": (_set_state_numbers("nan"), "| `layers.0.attn` | nan | nan | nan at 64 tokens | nan | nan at 64 tokens |"),
+    "nan-literal": (_set_state_numbers(float("nan")), "| `layers.0.attn` | nan | nan | nan at 64 tokens | nan | nan at 64 tokens |"),
+    "huge-int": (_set_state_numbers(10**400), "| `layers.0.attn` | inf | inf | inf at 64 tokens | inf | inf at 64 tokens |"),
+    "negative": (_set_state_numbers(-1e308), "| `layers.0.attn` | -1.00e+308 | -1.00e+308 | -1.00e+308 at 64 tokens |"),
+    "passes-null": (_two_layers, "| `layers.1.attn` | - | - | - | - | - |"),
+    "no-points": (lambda rs: [rs["layers"][0][k].update(boundaries=[]) for k in ("propagated", "local", "decode")],
+                  "| `layers.0.attn` | 1.70e-03 | 1.70e-03 | - | 1.70e-03 | - |"),
+    "no-layers": (lambda rs: rs.update(layers=[], missing=["layers.0.attn", "a|b"]),
+                  "No state in the dump (not measured): `layers.0.attn`, `a|b`."),
+    "many-unread": (lambda rs: rs.update(decode_unread=[f"layers.0.attn@{i} (sample 0)" for i in range(20)]), "and 14 more."),
+    "hostile-names": (lambda rs: rs.update(first_above_tol=ESC + "|`x`", first_above_tol_decode="[/]|",
+                                           decode_unread=["</details>|`"]),
+                      "First layer whose state is above rel-L2 0.01: `` \\x1b[31mEVIL\\x1b]0;pwned\\x07|`x` ``; after decode "
+                      "steps: `[/]|`."),
+    "unknown-fields": (lambda rs: rs.update(extra={"x": [1]}) or rs["layers"][0].update(more="y"), "| `layers.0.attn` | 1.70e-03 |"),
+}
+
+
+@pytest.mark.parametrize("case", list(STATE_CASES))
+def test_strange_recurrent_state_values_are_shown_by_report_show_md_and_the_tui(case, tmp_path):
+    """recurrent_state (linear attention) with NaN, non-finite and huge numbers, passes
+    not measured, no points, no layers, many unread points, hostile names: `report show`,
+    `report md` (its tables keep their columns) and the TUI's drawing show it."""
+    from numbisect.report import load_report
+    from numbisect.tui.app import preflight
+    from numbisect.tui.widgets.unit_detail import detail_text
+
+    edit, want = STATE_CASES[case]
+    path = write(tmp_path, _state(edit))
+    assert cli(["report", "validate", str(path)])[0] == 0  # a report the tool may be handed, not one it refuses
+    assert "Recurrent state (linear attention)" in shown(["report", "show", str(path)])
+    md = shown(["report", "md", str(path)], codes=(0,))
+    markdown_tables_keep_their_columns(md)
+    assert want in md, md[md.index("**Recurrent state"):]
+    r = load_report(path)
+    preflight(r, str(path))
+    for row in r["recurrent_state"]["layers"]:
+        assert "recurrent state (rel-L2" in detail_text(r, row["unit"], "propagated", [], []).plain
+
+
+@pytest.mark.parametrize("field, value", [("layers", "x"), ("first_above_tol", 5), ("decode_unread", "abc"),
+                                          ("layers/0/propagated/final/rel_l2", [1]), ("layers/0/decode/boundaries/0/tokens", "64")])
+def test_recurrent_state_of_the_wrong_type_is_refused_in_one_line(field, value, tmp_path):
+    r = copy.deepcopy(BASE["every_section"])
+    *parents, last = ["recurrent_state", *field.split("/")]
+    _at(r, [int(k) if k.isdigit() else k for k in parents])[last] = value
+    assert check_report(write(tmp_path, r)) is False
+
+
 # -- every field, one at a time ----------------------------------------------------------------
 def _small(r: dict) -> dict:
     """A smaller copy (two samples of four tokens, nine units, the culprit among them):

@@ -133,16 +133,44 @@ async def test_trials_tab_lists_the_condition_trials_with_their_rl_cost():
         assert "k3 vs the known-good" in text(app.main.query_one("#trials-caption", Static))
 
 
+def compiled_localisation() -> dict:
+    """The fixture report with its localisation made one under `compiled` (its units
+    named as compiled alone, as condbisect.localise_compiled writes them)."""
+    r = copy.deepcopy(read(COND))
+    loc = r["conditions"]["localisation"]
+    loc.update(atom="compiled", compiled_units=[u["unit"] for u in loc["units"]], custom_ops=["none"],
+               compile_seconds=4.6, method="eager engine, each leaf unit eager vs compiled alone")
+    return r
+
+
+def units_chained(r: dict) -> dict:
+    """`units_chained` as `condbisect.chained` computes it, on the fixture's own session (its
+    trace and settings; no engine starts): the eager run's completion log-probs are the
+    trace's rollout log-probs, the chained run's the same rounded to bf16 (a real rounding,
+    so k3 is not 0), against the culprit's own k3 alone from the report."""
+    import torch
+
+    from numbisect import compare as C
+    from numbisect.condbisect import CondSession, CondSpec, chained
+
+    c = r["conditions"]
+    path = r["command"][r["command"].index("--engine") + 1]
+    sess = CondSession(CondSpec(ref=r["command"][r["command"].index("--ref") + 1], engine=path,
+                                trace=r["inputs"]["trace"]["path"]), C.Settings(), c["user"], c["good"])
+    eager = [[0.0] * (len(s.prompt_ids) - 1) + list(s.rollout_logprobs) for s in sess.samples]  # one per position
+    rounded = [torch.tensor(x).to(torch.bfloat16).float().tolist() for x in eager]
+    alone = next(a["alone"] for a in c["atoms"] if a["atom"] == c["culprits"][0])
+    return chained(sess, {"eager_logprobs": eager, "chained_logprobs": rounded}, alone)
+
+
 @pytest.mark.asyncio
 async def test_a_localisation_of_the_compiled_path_says_its_units_differ_compiled_alone():
     """Under a guilty `compiled` atom the named units are the ones whose code compiled alone
     gives other numbers than eager (condbisect.localise_compiled), not units fed another
     state's inputs: the Overview and the text summary say which of the two was measured."""
     from numbisect.conditions_render import conditions_lines
-    r = copy.deepcopy(read(COND))
+    r = compiled_localisation()
     loc = r["conditions"]["localisation"]
-    loc.update(atom="compiled", compiled_units=[u["unit"] for u in loc["units"]], custom_ops=["none"],
-               compile_seconds=4.6, method="eager engine, each leaf unit eager vs compiled alone")
     assert validate(r) == []
     app = app_for(r)
     async with app.run_test(size=SIZE) as pilot:
@@ -153,6 +181,28 @@ async def test_a_localisation_of_the_compiled_path_says_its_units_differ_compile
         assert "whose local output differs" not in ov
     summary = "\n".join(conditions_lines(r["conditions"]))
     assert "under compiled: units whose code compiled alone differs: " + ", ".join(loc["named"]) in summary
+
+
+@pytest.mark.asyncio
+async def test_a_compiled_localisation_shows_how_much_of_the_compiled_path_its_units_reproduce():
+    """`units_chained` (the named units compiled alone, chained on the engine's own inputs,
+    against the compiled path's k3): the Overview shows the text summary's own line under
+    the named units, not only inside the method's words."""
+    from numbisect.conditions_render import chained_line, conditions_lines
+
+    r = compiled_localisation()
+    loc = r["conditions"]["localisation"]
+    loc["units_chained"] = units_chained(r)
+    assert validate(r) == [] and loc["units_chained"]["k3"] > 0
+    line = chained_line(loc["units_chained"])
+    assert line and "the compiled path alone: k3 " + fmt(loc["units_chained"]["compiled_path_k3"]) in line
+    assert f"  {line}" in conditions_lines(r["conditions"])
+    app = app_for(r)
+    async with app.run_test(size=(400, 60)) as pilot:  # wide: the line is not wrapped
+        await pilot.pause()
+        lines = text(app.main.query_one(OverviewPanel)).splitlines()
+        named = next(i for i, x in enumerate(lines) if x.startswith("  units whose code compiled alone differs: "))
+        assert lines[named + 1].rstrip() == f"  {line}"
 
 
 @pytest.mark.asyncio

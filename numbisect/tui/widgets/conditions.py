@@ -1,13 +1,15 @@
 """The Overview of a `bisect conditions` report: your settings against the known-good
 ones, the custom ops as the engines reported them, every atom's result alone, both
 configurations against the reference (RL cost), the search, and the units a guilty
-custom op changes (localisation). Reads the report through `numbisect.tui.model`."""
+custom op changes (localisation; under the compiled path also how much of it those units
+compiled alone reproduce, the text summary's line). Reads the report through
+`numbisect.tui.model`."""
 
 from __future__ import annotations
 
 from rich.text import Text
 
-from numbisect.conditions_render import localisations_of, localised_what
+from numbisect.conditions_render import chained_line, localisations_of, localised_what
 from numbisect.formatting import fmt
 from numbisect.reportview import ReportView, view
 from numbisect.tui import model as M
@@ -70,6 +72,9 @@ def conditions_text(r: dict | ReportView) -> Text:
             named = loc.get("named") if isinstance(loc.get("named"), list) else []
             t.append(f"  units {localised_what(loc)}: ")
             t.append((", ".join(map(str, named)) or "none") + "\n", style="bold magenta" if named else "green")
+            chain = chained_line(loc.get("units_chained"))  # the summary's line: how much of the compiled path they carry
+            if chain:
+                t.append(f"  {chain}\n")
             if loc.get("method"):
                 t.append(f"  {loc.get('method')}\n", style="dim")
             rows = M.localisation_rows(cond, loc)

@@ -1,5 +1,6 @@
 """Overview: inputs, the verdict (k3 mean / p99 / max against the threshold), the RL
-cost and the token groups; for a conditions report, its settings, atoms, cost against the
+cost, the token groups and the first divergence (of a linear-attention layer's recurrent
+state too); for a conditions report, its settings, atoms, cost against the
 reference and localisation (`widgets/conditions.py`) in place of the RL cost; for a report
 of `compare` / `run --engine-config`, where each part ran and whether the module search saw
 your numbers (`widgets/engine_config.py`), before the RL cost."""
@@ -10,6 +11,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from numbisect.formatting import fmt, num, pct
+from numbisect.recurrent_render import first_lines
 from numbisect.render import header, search_lines, token_table
 from numbisect.reportview import ReportView, view
 from numbisect.tui import model as M
@@ -76,6 +78,8 @@ def overview_text(r: dict | ReportView) -> Text:
             f"first divergence: {fd.get('bitwise') or 'none'} (not bitwise equal); "
             f"{fd.get('above_tol') or 'none'} (over rel-L2 {fmt(rv.unit_tol)})\n"
         )
+    if rv.recurrent_state:  # linear attention: where the state first drifts; per layer in the unit detail
+        t.append("recurrent state: " + "; ".join(first_lines(rv.recurrent_state, rv.unit_tol)) + " (each layer's: Units tab)\n")
     sl = search_lines(rv)
     if sl:
         t.append("\n" + "\n".join(sl) + "\n")

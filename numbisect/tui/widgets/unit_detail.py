@@ -1,5 +1,6 @@
-"""What one unit did: its propagated and local error, bitwise / ulps, worst token, the
-trials that swapped it, and manual swap trials run on it in live mode."""
+"""What one unit did: its propagated and local error, bitwise / ulps, worst token, its
+routing (a router) or recurrent state (a linear-attention layer), the trials that swapped
+it, and manual swap trials run on it in live mode."""
 
 from __future__ import annotations
 
@@ -60,6 +61,40 @@ def _routing_block(t: Text, report: dict, name: str, flips: int = 8) -> None:
         )
 
 
+# A linear-attention layer's state passes (recurrent_state rows): what each is, where its
+# final state is taken, and what its points (by tokens) are.
+STATE_PASSES = (
+    ("propagated", "on its own inputs", "after the sample", "every chunk"),
+    ("local", "fed the reference's input", "after the sample", "every chunk"),
+    ("decode", "run as a rollout, one token per step", "after the last step", "after the prompt and steps"),
+)
+
+
+def _state_block(t: Text, report: dict, name: str, cap: int = 8) -> None:
+    """The recurrent state of a linear-attention layer (numbisect.recurrent): its rel-L2
+    after the sample on each pass and along the sequence, whether it is the first layer
+    above the unit tolerance, and its decode points not read. Read as `report show` reads
+    them (numbisect.recurrent_render)."""
+    from numbisect import recurrent_render as RR
+
+    rs = report_view(report).recurrent_state
+    row = next((x for x in RR.layers(rs) if x.get("unit") == name), None)
+    if row is None:
+        return
+    t.append("\nrecurrent state (rel-L2 against the reference's state after the same tokens)\n", style="bold")
+    for key, what, end, along in STATE_PASSES:
+        if isinstance(row.get(key), dict):
+            t.append(f"  {key} ({what}): {end} {fmt(RR.final(row, key))}\n")
+            t.append(f"    {along}, by tokens: {RR.trend(RR.points(row, key), cap)}\n", style="dim")
+    tol = M.unit_tol(report)
+    for field, when in (("first_above_tol", ""), ("first_above_tol_decode", " after decode steps")):
+        if rs.get(field) == name:
+            t.append(f"  the first linear-attention layer whose state is above rel-L2 {fmt(tol)}{when}\n", style="bold yellow")
+    mine = [u for u in RR.unread(rs) if u.startswith(name + "@")]
+    if mine:
+        t.append(f"  decode states not read (not measured): {RR.few(mine)}\n", style="yellow")
+
+
 def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: list[dict]) -> Text:
     t = Text()
     if name == "model" or not name:
@@ -98,6 +133,7 @@ def detail_text(report: dict, name: str, view: str, trials: list[dict], manual: 
     _metrics_block(t, "propagated", u.get("propagated"), view == "propagated")
     _metrics_block(t, "local (teacher-forced)", u.get("local"), view == "local")
     _routing_block(t, report, name)
+    _state_block(t, report, name)
     hits = M.trials_with(trials, report, name)
     th = rv.threshold
     t.append(f"\ntrials that swapped it: {len(hits)}\n", style="bold")
