@@ -132,7 +132,7 @@ def test_conditions_localise_a_guilty_compiled_path(tmp_path):
 
 
 def test_an_attention_with_sub_units_is_compiled_whole():
-    """MLA's rope, GLM-5's indexer and the Gated DeltaNet's output gate and projection sit
+    """MLA's rope, GLM-5's indexer and the Gated DeltaNet's conv, gates, output gate and projection sit
     inside an attention whose own code is more than theirs: the attention is compiled (its
     sub-units traced into it), not its sub-units alone; a MoE block is not (its sub-units
     are all of its code but the sum)."""
@@ -141,7 +141,7 @@ def test_an_attention_with_sub_units_is_compiled_whole():
     from numbisect.backends.vllm.unitcompile import leaf_units
 
     for fam, subs in (("deepseek_v3", ("rope",)), ("glm_moe_dsa", ("rope", "indexer")),
-                      ("qwen3_5_moe", ("out_gate", "out_proj"))):
+                      ("qwen3_5_moe", ("conv", "gates", "out_gate", "out_proj"))):
         cfg = load_config(model_dir(fam))
         units = arch_for(cfg).units(cfg)
         compiled = leaf_units(units)
@@ -195,4 +195,4 @@ def test_compiled_localisation_runs_on_families_with_attention_sub_units(fam, tm
     from numbisect.condbisect import compiled_differing
 
     named = compiled_differing(out, model_dir(fam))["named"]
-    assert named and not [n for n in named if n.endswith((".rope", ".out_gate", ".out_proj"))], named
+    assert named and not [n for n in named if n.endswith((".rope", ".conv", ".gates", ".out_gate", ".out_proj"))], named

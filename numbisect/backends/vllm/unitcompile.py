@@ -36,7 +36,7 @@ INDUCTOR_OPTIONS = {"dce": True, "size_asserts": False, "nan_asserts": False, "e
 def leaf_units(units) -> list[str]:
     """The units compiled: those with no other unit inside them (`layers.0.attn`, not
     `layers.0`), except that an attention with sub-units (MLA's rope, GLM-5's indexer, the
-    Gated DeltaNet's output gate and projection) is compiled whole, its sub-units traced
+    Gated DeltaNet's conv, gates, output gate and projection) is compiled whole, its sub-units traced
     into it: its own code (projections, the attention or recurrence core) is more than its
     sub-units, as a MoE block's is not (router, experts, shared expert and their sum)."""
     by_name = {u.name: u for u in units}
