@@ -57,6 +57,13 @@ _HF: dict = {}
 _VLLM: dict = {}
 
 
+# A swapped Gated DeltaNet conv leaves k3 a little above the floor: transformers' conv (the
+# donor) rounds to bf16 twice, after the conv and after its activation. Measured 0.85x to 1.7x
+# at TP=1 and TP=2 on qwen3_5_moe, 1.6x on qwen3_next, 3.0x on the even-headed Qwen3-Next at
+# TP=2; a rank's heads in the wrong place, or q/k/v out of order, is orders of magnitude off.
+CONV_SWAP_SLACK = 4
+
+
 def check_gdn_sub_units(name: str) -> None:
     """A Gated DeltaNet family on vLLM: the conv, the gates, the output gate and the
     projection are captured as sub-units and swapped (test_family_qwen3_5_moe_vllm,
@@ -79,7 +86,7 @@ def check_gdn_sub_units(name: str) -> None:
     for kinds in (("conv",), ("gates",), ("conv", "gates", "out_gate", "out_proj")):
         value, _ = s.trial([u.name for u in s.engine.units if u.kind in kinds])
         print(f"floor {floor:.3g}; every {'/'.join(kinds)} swapped {value:.3g}")
-        assert value < 2 * floor, kinds
+        assert value < (CONV_SWAP_SLACK if "conv" in kinds else 2) * floor, kinds
 
 
 def fp8_kv_cache_runs() -> bool:

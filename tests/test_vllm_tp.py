@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from conftest import hf, model_dir, trace_path
+from conftest import CONV_SWAP_SLACK, hf, model_dir, trace_path
 from numbisect.cli import main
 from numbisect.report import load_report
 
@@ -225,7 +225,7 @@ class TestQwen3_5Sessions:
         for kinds in (("conv",), ("gates",), ("out_gate",), ("out_proj",), ("conv", "gates", "out_gate", "out_proj")):
             value, _ = s.trial([u.name for u in s.engine.units if u.kind in kinds])
             print(f"{kinds} swapped: {value:.3g} (floor {floor:.3g})")
-            assert value < 2 * floor, kinds
+            assert value < (CONV_SWAP_SLACK if "conv" in kinds else 2) * floor, kinds
         value, _ = s.trial([u.name for u in s.engine.units if u.kind == "layer"])
         assert value == 0.0
 
@@ -240,6 +240,99 @@ class TestQwen3_5Sessions:
         assert code == ExitCode.DIVERGED, body["search"]["stop_reason"]
         assert [c["unit"] for c in body["culprits"]] == ["layers.1.attn.out_gate"]
         assert body["search"]["trials_used"] <= _bound(q35[0])
+        assert body["self_check"]["passed"] and body["self_check"]["k3_mean"] == 0.0
+
+
+# -- Qwen3-Next (Gated DeltaNet with fused, per-key-head grouped projections) under TP=2 -----------
+def even_heads_qwen3_next(dest) -> str:
+    """fixtures/models/qwen3_next's config with 2 linear key heads, 4 linear value heads and
+    2 KV heads: vLLM splits its grouped `in_proj_qkvz`/`in_proj_ba` by key-head group across
+    2 ranks. Random init (seed 0), bf16, the lm_head drawn wider (std 0.1), as
+    `even_heads_qwen3_5`."""
+    import json
+
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = json.loads((open(f"{model_dir('qwen3_next')}/config.json")).read())
+    for key in ("architectures", "model_type", "transformers_version"):
+        cfg.pop(key, None)
+    cfg.update(linear_num_key_heads=2, linear_num_value_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**cfg)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.1)
+    model.to(torch.bfloat16).save_pretrained(dest)
+    return str(dest)
+
+
+class TestQwen3NextSessions:
+    """One TP=2 engine on an even-headed Qwen3-Next for these tests (closed after them)."""
+
+    @pytest.fixture(scope="class")
+    def q3n(self, tmp_path_factory):
+        from numbisect.backends.hf import HFBackend
+        from numbisect.backends.vllm.tp import VLLMTPBackend
+
+        m = even_heads_qwen3_next(tmp_path_factory.mktemp("qwen3_next_tp") / "model")
+        eng = VLLMTPBackend(m, "bfloat16", tensor_parallel_size=2)
+        yield m, HFBackend(m, "bfloat16"), eng
+        eng.close()
+
+    def test_the_gated_deltanet_sub_units_are_gathered_and_swapped_and_a_fault_is_named(self, q3n):
+        """Each rank holds its key-head groups: the gated norm's value heads side by side,
+        the conv's q, k, v and the gates' (g, beta) part by part, within bf16 rounding of
+        transformers' (a rank's heads in the wrong place would be off by ~100%); each kind
+        swapped stays near the floor and gives the reference's outputs, every layer swapped
+        gives the reference; a fault on a sub-unit is named under TP=2."""
+        from conftest import search, short_trace
+        from numbisect.compare import Settings
+        from numbisect.errors import ExitCode
+        from numbisect.session import Session, Spec
+
+        m, ref, eng = q3n
+
+        def session(faults=()):
+            spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=short_trace("qwen3_next", 8), faults=list(faults))
+            return Session(spec, Settings(threshold=1e-3), backends={"ref": ref, "engine": eng})
+
+        s = session()
+        rows = {r["name"]: r for r in s.compare()["units"]}
+        for i in range(3):
+            for sub in ("conv", "gates", "out_gate"):
+                row = rows[f"layers.{i}.attn.{sub}"]
+                print(f"layers.{i}.attn.{sub}: propagated {row['propagated']['rel_l2']:.3g}")
+                assert row["propagated"]["rel_l2"] < 3e-2, row
+        floor, _ = s.trial([])
+        for kinds in (("conv",), ("gates",), ("out_gate",), ("out_proj",)):
+            value, _ = s.trial([u.name for u in s.engine.units if u.kind in kinds])
+            print(f"{kinds} swapped: {value:.3g} (floor {floor:.3g})")
+            # random weights, a floor of 7.4e-5: a kind swapped moves k3 by up to 7.8x
+            # (out_proj) here; heads or parts out of place would be orders of magnitude off
+            assert value < 10 * floor, kinds
+        value, _ = s.trial([u.name for u in s.engine.units if u.kind == "layer"])
+        assert value == 0.0
+        # swapped, the first layer's sub-units give the reference's own outputs (measured: conv
+        # and gates exactly, out_gate and out_proj 6e-3, after the engine's recurrence) on every
+        # rank's input, each rank handed its shard back and gathered again (heads or parts out
+        # of place: ~100% off)
+        subs = [f"layers.0.attn.{k}" for k in ("conv", "gates", "out_gate", "out_proj")]  # the first layer: same inputs
+        want = ref.forward(s.samples[:2], capture=subs).captures
+        eng.swap(subs, m, "bfloat16")
+        try:
+            got = eng.forward(s.samples[:2], capture=subs).captures
+        finally:
+            eng.unswap()
+        for u in subs:
+            for a, b in zip(want[u], got[u]):
+                print(f"{u} swapped against the reference's: {((b.float() - a.float()).norm() / a.float().norm()):.3g}")
+                assert b.shape == a.shape and ((b.float() - a.float()).norm() / a.float().norm()) < 2e-2, u
+        s = session(["output_noise=3@layers.0.attn.conv"])
+        body, code = search(s)
+        print(f"conv fault: k3 {body['baseline']['value']:.3g}; {body['search']['trials_used']} trials")
+        assert code == ExitCode.DIVERGED, body["search"]["stop_reason"]
+        assert [c["unit"] for c in body["culprits"]] == ["layers.0.attn.conv"]
+        assert body["search"]["trials_used"] <= _bound(m)
         assert body["self_check"]["passed"] and body["self_check"]["k3_mean"] == 0.0
 
 
