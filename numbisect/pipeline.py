@@ -246,7 +246,7 @@ def streamed(sides: Sides, local: bool = True, capture: Capture | None = None) -
     `full` mode every tensor also goes to a `capture.SpillStore`. For a dump engine the
     local pass feeds the *reference* the dumped inputs and compares its outputs with the
     dumped outputs. Under tensor parallelism each sample's captures are gathered from
-    the workers, and there is no local pass. Then, on a MoE model, the routing of both
+    the workers, and its inputs fed into them. Then, on a MoE model, the routing of both
     sides (`_routing_light`)."""
     capture = capture or Capture()
     ref, eng = sides.ref, sides.engine
@@ -255,7 +255,8 @@ def streamed(sides: Sides, local: bool = True, capture: Capture | None = None) -
         raise InputError(f"unknown capture mode {mode!r}; choose stats or full")
     units = eng.units if eng is not None else []
     names = [u.name for u in units]
-    streamed_local = local and not (eng is not None and getattr(eng, "remote", False))  # no feed into the workers yet
+    streamed_local = local  # under TP too: the inputs go into the workers (backends/vllm/tp.py)
+    remote = eng is not None and getattr(eng, "remote", False)  # no local pass of the state or selection there yet
     feed_names = C.local_feed_names(ref) if eng is not None and streamed_local else []
     store = None
     if mode == "full":
@@ -338,8 +339,8 @@ def streamed(sides: Sides, local: bool = True, capture: Capture | None = None) -
         info = CaptureInfo(mode, dir=str(capture.dir), max_mb=capture.max_mb, peak_buffered_mb=round(store.peak_held / 2**20, 3))
     routing, ref_ids = _routing_light(sides, local)
     return _comparison(sides, tokens, rows, ref_res, ranked=streamed_local and eng is not None, capture=info,
-                       routing=routing, ref_routing=ref_ids, indexer_selection=SEL.selection_light(sides, streamed_local),
-                       recurrent_state=RS.state_light(sides, streamed_local),
+                       routing=routing, ref_routing=ref_ids, indexer_selection=SEL.selection_light(sides, streamed_local and not remote),
+                       recurrent_state=RS.state_light(sides, streamed_local and not remote),
                        logprob_contract=contract.result() if contract is not None else None,
                        engine_tokens=eng_res if eng is not None else None)
 
@@ -391,10 +392,10 @@ def whole_run(sides: Sides, local: bool = True, replay: str | None = None) -> Co
     prop = sides.engine_forward(capture=names, probe=probes["propagated"])
     tokens = C.token_report(sides.samples, ref, prop, sides.settings, sides.groups)
     loc = None
-    if local and eng is not None and not remote:  # no feed under TP yet
+    if local and eng is not None:  # under TP the inputs go into the workers (backends/vllm/tp.py)
         sides.say("teacher-forced pass (local error)")
         feed = {n: ref.inputs[n] for n in C.local_feed_names(eng) if ref.inputs.get(n)}
-        probes["local"] = sides.routing_probe(eng) if sides.mode == "prefill" else None
+        probes["local"] = sides.routing_probe(eng) if sides.mode == "prefill" and not remote else None
         loc = sides.engine_forward(capture=names, feed=feed, probe=probes["local"])
     rows = C.unit_report(units, ref, prop if eng else None, loc, eng.dtype if eng else None, sides.settings)
     modes = None

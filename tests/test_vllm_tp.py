@@ -88,23 +88,40 @@ def test_prefix_reuse_in_the_workers_equals_full_recomputation(tp_engine):
 
 def test_stats_capture_under_tensor_parallel_equals_whole_run_captures(tp_engine):
     """Streamed per-sample statistics gathered from both workers: the numbers of the
-    whole-run (memory) compare, with the planted faults in the workers and removed after."""
+    whole-run (memory) compare, propagated and teacher-forced, with the planted faults in
+    the workers and removed after."""
     stats = _tp_session(tp_engine, "stats").compare()
     memory = _tp_session(tp_engine, "memory").compare()
     assert stats["capture"]["mode"] == "stats"
     assert stats["baseline"]["value"] == memory["baseline"]["value"] > 3e-4
     rows = {r["name"]: r for r in memory["units"]}
     for r in stats["units"]:
-        want = rows[r["name"]]["propagated"]
-        assert r["local"] is None and rows[r["name"]]["local"] is None  # no teacher forcing under TP yet
-        for key in ("rel_l2", "max_abs", "mean_abs"):
-            assert r["propagated"][key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), (r["name"], key)
-        assert r["propagated"]["ulps"]["frac_differ"] == want["ulps"]["frac_differ"]
+        for pass_ in ("propagated", "local"):  # teacher forcing too: the inputs fed into the workers
+            want = rows[r["name"]][pass_]
+            for key in ("rel_l2", "max_abs", "mean_abs"):
+                assert r[pass_][key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), (r["name"], pass_, key)
+            assert r[pass_]["ulps"]["frac_differ"] == want["ulps"]["frac_differ"]
     assert stats["first_divergence"] == memory["first_divergence"]
     # the faults were taken out of the workers: a plain forward is back to the engine's own
     clean = _tp_session(tp_engine, "stats")
     clean.faults = []
     assert clean.compare()["baseline"]["value"] < 3e-4
+
+
+def test_teacher_forcing_under_tensor_parallel_isolates_each_planted_fault(tp_engine):
+    """The local (teacher-forced) error under TP=2: each unit fed the reference's input in
+    both workers, so a planted fault shows at its own unit and not downstream of it, where
+    the propagated error carries it on; units before the first fault stay at bf16 rounding."""
+    body = _tp_session(tp_engine, "memory").compare()
+    rows = {r["name"]: r for r in body["units"]}
+    for faulty in ("layers.1.attn", "layers.3.moe.experts"):
+        assert rows[faulty]["local"]["rel_l2"] > 1.0, rows[faulty]["local"]  # noise 10x the output's rms
+    for clean in ("layers.0.attn", "layers.0.moe.experts", "layers.2.attn", "layers.2.moe.experts", "layers.3.attn"):
+        loc, prop = rows[clean]["local"]["rel_l2"], rows[clean]["propagated"]["rel_l2"]
+        print(f"{clean}: local {loc:.3g}, propagated {prop:.3g}")
+        assert loc < 3e-2, clean  # bf16 rounding of the unit alone
+    # downstream of the attention fault the propagated error is large, the local one is not
+    assert rows["layers.2.attn"]["propagated"]["rel_l2"] > 10 * rows["layers.2.attn"]["local"]["rel_l2"]
 
 
 # -- Qwen3.5-MoE (Gated DeltaNet, gated full attention, MoE) under TP=2 ---------------------------
@@ -366,13 +383,19 @@ class TestMlaRope:
         assert floor > 0.1 and value < 1e-3
         # the swapped units' outputs, gathered (both ranks' query heads, then the key), are the
         # reference's within bf16 rounding: heads out of place would be off by ~100%
-        ref = s.ref.forward(s.samples, capture=rope).captures
+        want = s.ref.forward(s.samples, capture=rope, capture_inputs=rope)
+        ref = want.captures
         ds.swap(rope, m, "bfloat16")
         try:
             got = ds.forward(s.samples, capture=rope).captures
+            # teacher-forced: each rank is fed its own query heads of the reference's input (and
+            # the key): the swapped units then give the reference's outputs (a rank fed another
+            # rank's heads would be off by ~100%)
+            fed = ds.forward(s.samples, capture=rope, feed={u: want.inputs[u] for u in rope}).captures
         finally:
             ds.unswap()
         for u in rope:
-            for a, b in zip(ref[u], got[u]):
-                assert b.shape == a.shape == (a.shape[0], (H + 1) * R)
+            for a, b, c in zip(ref[u], got[u], fed[u]):
+                assert b.shape == a.shape == c.shape == (a.shape[0], (H + 1) * R)
                 assert ((b.float() - a.float()).norm() / a.float().norm()) < 2e-2, u
+                assert ((c.float() - a.float()).norm() / a.float().norm()) < 1e-2, u

@@ -26,12 +26,15 @@ the module-level functions below, bound with `functools.partial`).
    are added; the logits are gathered on rank 0 by vLLM's logits processor already;
    per-head units (a Gated DeltaNet's `out_gate`, MLA's `rope`) put the ranks' heads
    side by side, a Gated DeltaNet's `conv` and `gates` part by part (`GATHER`; swapped,
-   their donor takes every rank's input and hands each rank its shard back). The recurrent-state probe reads each rank's heads from its
-   mamba cache and puts them together the same way.
+   their donor takes every rank's input and hands each rank its shard back). The
+   recurrent-state probe reads each rank's heads from its mamba cache and puts them
+   together the same way.
 5. Prefix reuse: the driver plans as for an in-process engine (`numbisect.prefix`);
    every worker records and replays its own layers' outputs (replicated on every rank).
-6. Not yet under tensor parallelism: teacher forcing (local error; `compare` leaves it
-   out) and the precision what-ifs (`run` skips them).
+6. Teacher forcing (local error): each sample's reference inputs go to every worker, whose
+   pre-hooks hand them to the units (`worker_feed`; MLA's rope gets its rank's heads).
+7. Not yet under tensor parallelism: input captures, the local pass of the recurrent state
+   and of the indexer's selection, and the precision what-ifs (`run` skips them).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from numbisect.backends.ledger import Ledger
 from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.vllm import hookpoints, moe
 from numbisect.backends.vllm.model import apply_swap_spec, swap_ledger, undo_swap_spec, view
-from numbisect.backends.vllm.runner import _canonical_output, bad_input, import_vllm, quiet_stderr, shutdown
+from numbisect.backends.vllm.runner import _canonical_output, _feed, bad_input, import_vllm, quiet_stderr, shutdown
 from numbisect.errors import BackendError, InputError
 from numbisect.swap import SwapSpec
 
@@ -204,6 +207,46 @@ def worker_hooks(model, units: list[str], engine_dtype: str) -> int:
         hooks.hooks(moe.shared_capture_point(mod) if kind == "shared_expert" else mod, post=post)
     model.__dict__["_numbisect_hooks"] = (hooks, seen)
     return len(hooks)
+
+
+def mla_shard(t: torch.Tensor, rope: int, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s part of a canonical MLA `rope` tensor ([.., (heads + 1) * rope]: every query
+    head, then the shared key; `_gather`'s "mla" undone): its block of query heads and the key."""
+    queries = t[..., :-rope]
+    return torch.cat([queries.chunk(world, dim=-1)[rank], t[..., -rope:]], dim=-1)
+
+
+def worker_feed(model, feed: dict, engine_dtype: str) -> int:
+    """Teacher forcing in this worker, for one sample: a pre-hook on each unit of `feed` (unit ->
+    the reference's input, or the two parts of a residual add) hands the unit that input, as
+    the in-process engine does (`runner._feed`). Every fed input is replicated on the ranks
+    (hidden states, the residual stream) but MLA's `rope`, whose query heads are sharded: each
+    rank is handed its own heads and the key. `worker_unfeed` removes the hooks."""
+    worker_unfeed(model)
+    engine = view(model, engine_dtype)
+    rank, world = _tp()
+    hooks = Ledger()
+    for name, fed in feed.items():
+        kind = engine.unit(name).kind
+        if GATHER.get(kind) == "mla" and world > 1:
+            fed = mla_shard(fed, engine.config.get_text_config().qk_rope_head_dim, rank, world)
+        elif GATHER.get(kind, "replicated") not in ("replicated", "sum", "rank0"):
+            raise BackendError(f"{name}: its input is held in shards across the ranks; it cannot be fed")
+
+        def pre(m, args, kwargs, kind=kind, fed=fed):
+            args, kwargs = list(args), dict(kwargs)
+            _feed(kind, args, kwargs, fed)
+            return tuple(args), kwargs
+
+        hooks.hooks(engine.module(name), pre=pre)
+    model.__dict__["_numbisect_feed"] = hooks
+    return len(feed)
+
+
+def worker_unfeed(model) -> None:
+    hooks = model.__dict__.pop("_numbisect_feed", None)
+    if hooks is not None:
+        hooks.undo()
 
 
 def worker_take(model) -> dict[str, list[torch.Tensor]]:
@@ -422,8 +465,9 @@ class VLLMTPBackend(Backend):
     def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None, mode=None) -> ForwardResult:
         if mode not in (None, "prefill"):
             raise BackendError(f"{mode} mode is not available with tensor parallelism")
-        if capture_inputs or feed:
-            raise BackendError("input captures and teacher forcing are not available with tensor parallelism yet")
+        if capture_inputs:
+            raise BackendError("input captures are not available with tensor parallelism yet")
+        feed = feed or {}
         want = list(dict.fromkeys(list(capture) + (["lm_head"] if full_logits else [])))
         res = ForwardResult(token_logprobs=[], full_logprobs=[] if full_logits else None)
         for u in want:
@@ -432,6 +476,9 @@ class VLLMTPBackend(Backend):
             self.llm.apply_model(functools.partial(worker_hooks, units=want, engine_dtype=self.dtype_name))
         try:
             for i, s in enumerate(samples):
+                if feed:  # teacher forcing: this sample's reference inputs, into every worker
+                    self.llm.apply_model(functools.partial(worker_feed, feed={u: xs[i] for u, xs in feed.items()},
+                                                           engine_dtype=self.dtype_name))
                 outs = self.llm.generate([self._prompt(prompt_token_ids=list(s.ids))], self._sp, use_tqdm=False)
                 plp = outs[0].prompt_logprobs
                 T = len(s.ids)
@@ -448,6 +495,8 @@ class VLLMTPBackend(Backend):
         finally:
             if want:
                 self.llm.apply_model(worker_unhook)
+            if feed:
+                self.llm.apply_model(worker_unfeed)
         if full_logits:
             res.full_logprobs = [torch.log_softmax(x.float(), dim=-1) for x in res.captures["lm_head"]]
             if "lm_head" not in capture:
