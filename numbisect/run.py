@@ -337,7 +337,7 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
     failed = result.post_search_errors
     after_search(failed, "prefix_reuse", None, progress,
                  lambda: result.search.__setitem__("prefix_reuse", prefix_summary(session, runner.trials)))
-    if whatif and result.culprits and not getattr(session.engine, "remote", False):  # not under TP yet
+    if whatif and result.culprits:
         from numbisect import whatif as W
 
         names = [c["unit"] for c in result.culprits]

@@ -124,6 +124,35 @@ def test_teacher_forcing_under_tensor_parallel_isolates_each_planted_fault(tp_en
     assert rows["layers.2.attn"]["propagated"]["rel_l2"] > 10 * rows["layers.2.attn"]["local"]["rel_l2"]
 
 
+def test_precision_whatifs_run_in_the_workers(tp_engine):
+    """A low-precision expert sum planted in both workers (each rank's partial sum in fp8):
+    the fp32 weighted sum what-if, put in every worker, removes it; so does the reference's
+    experts in float32 (its whole sum on rank 0 only, as a swap's); both undone after."""
+    from numbisect.compare import Settings
+    from numbisect.session import Session, Spec
+    from numbisect.whatif import run_whatifs
+
+    m = model_dir("qwen3_moe")
+
+    def session(faults):
+        spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=trace_path("qwen3_moe"), faults=faults)
+        s = Session(spec, Settings(threshold=3e-4), backends={"ref": hf("qwen3_moe", "bfloat16"), "engine": tp_engine})
+        s.samples = s.samples[:8]
+        return s
+
+    clean = session([]).trial([])[0]
+    s = session(["moe_combine_fp8@layers.0.moe"])
+    culprits = [{"unit": "layers.0.moe.experts", "kind": "experts"}]
+    run_whatifs(s, culprits, None)
+    w = {t["whatif"]: t for t in culprits[0]["precision"]["whatifs"]}
+    ws, unit = w["fp32 weighted sum"], w["fp32 unit"]
+    print(f"clean {clean:.3g}; fault {ws['before']:.3g}; fp32 sum {ws['value']:.3g}; fp32 unit {unit['value']:.3g}")
+    assert ws["replaced_faults"] == ["moe_combine_fp8@layers.0.moe"]
+    assert ws["before"] > 1.5 * clean
+    assert ws["value"] < 1.5 * clean and unit["value"] < 1.5 * clean
+    assert session([]).trial([])[0] == clean  # nothing left in the workers
+
+
 # -- Qwen3.5-MoE (Gated DeltaNet, gated full attention, MoE) under TP=2 ---------------------------
 # The committed fixture has one linear key head (numbisect refuses TP=2 for it:
 # test_vllm_compat); this checkpoint has the fixture's shape with every head count even.

@@ -213,18 +213,26 @@ def apply_swap_spec(model: nn.Module, spec, engine_dtype: str) -> list[str]:
     undone). Pass it to `llm.apply_model` as `functools.partial(apply_swap_spec, spec=spec,
     engine_dtype=...)`: it pickles, so it reaches workers of a multi-process engine too.
     Returns the units swapped."""
-    from numbisect.backends.hf import HFBackend
     from numbisect.swap import apply_swaps, expand
 
-    key = (spec.donor_path, spec.donor_dtype)
-    if key not in _DONORS:
-        _DONORS[key] = HFBackend(spec.donor_path, spec.donor_dtype)
+    donor = donor_of(spec.donor_path, spec.donor_dtype)
     undo_swap_spec(model)
     engine = view(model, engine_dtype)
     ledger = Ledger()
     model.__dict__[_SWAPS] = ledger
-    apply_swaps(engine, _DONORS[key], list(spec.units), ledger)
+    apply_swaps(engine, donor, list(spec.units), ledger)
     return expand(engine, list(spec.units))
+
+
+def donor_of(path: str, dtype: str):
+    """The reference as a donor in this process (an engine worker): loaded from its checkpoint
+    once per (path, dtype)."""
+    from numbisect.backends.hf import HFBackend
+
+    key = (path, dtype)
+    if key not in _DONORS:
+        _DONORS[key] = HFBackend(path, dtype)
+    return _DONORS[key]
 
 
 def swap_ledger(model: nn.Module) -> Ledger | None:

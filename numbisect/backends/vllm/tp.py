@@ -33,8 +33,10 @@ the module-level functions below, bound with `functools.partial`).
    every worker records and replays its own layers' outputs (replicated on every rank).
 6. Teacher forcing (local error): each sample's reference inputs go to every worker, whose
    pre-hooks hand them to the units (`worker_feed`; MLA's rope gets its rank's heads).
-7. Not yet under tensor parallelism: input captures, the local pass of the recurrent state
-   and of the indexer's selection, and the precision what-ifs (`run` skips them).
+7. Precision what-ifs: put in every worker (`worker_whatif`), a float32 module fitted to its
+   shard as a swap is.
+8. Not yet under tensor parallelism: input captures, the local pass of the recurrent state
+   and of the indexer's selection.
 """
 
 from __future__ import annotations
@@ -44,11 +46,11 @@ import os
 
 import torch
 
-from numbisect.backends.base import Backend, ForwardResult, fail
+from numbisect.backends.base import WHATIF_UNIT, Backend, ForwardResult, fail
 from numbisect.backends.ledger import Ledger
 from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.vllm import hookpoints, moe
-from numbisect.backends.vllm.model import apply_swap_spec, swap_ledger, undo_swap_spec, view
+from numbisect.backends.vllm.model import VLLMModel, apply_swap_spec, donor_of, swap_ledger, undo_swap_spec, view
 from numbisect.backends.vllm.runner import _canonical_output, _feed, bad_input, import_vllm, quiet_stderr, shutdown
 from numbisect.errors import BackendError, InputError
 from numbisect.swap import SwapSpec
@@ -112,34 +114,68 @@ def worker_rank(model) -> tuple[int, int]:
 
 
 def worker_swap(model, spec: SwapSpec, engine_dtype: str) -> list[str]:
-    """`apply_swap_spec`, then the experts' sum kept on rank 0 only and a sharded input
-    gathered (step 3)."""
+    """`apply_swap_spec`, then each swapped module fitted to its shard (`_fit_swapped`)."""
     names = apply_swap_spec(model, spec, engine_dtype)
-    rank, world = _tp()
-    if world > 1:
-        engine = view(model, engine_dtype)
-        ledger = swap_ledger(model)  # undone with the swaps
-        for name in names:
-            kind = engine.unit(name).kind
-            if kind in GATHER_INPUT:
-                ledger.setattr(engine.module(name), "forward", _gathering(engine.module(name).forward))
-                continue
-            if GATHER.get(kind) == "parts":  # the donor computes every head from every rank's input
-                inner = engine.module(name).inner
-                ledger.setattr(inner, "forward", _by_parts(inner.forward, part_sizes(kind, engine.config), rank, world))
-                continue
-            if GATHER.get(kind) != "sum":
-                continue
-            # The swapped module computes the whole sum; the block's all-reduce adds the ranks.
-            obj, attr = (engine.module(name).routed_experts, "forward_modular") if kind == "experts" else (engine.module(name), "forward")
-            full = getattr(obj, attr)
-
-            def only_rank0(*args, _full=full, **kwargs):
-                out = _full(*args, **kwargs)
-                return out if rank == 0 else torch.zeros_like(out)
-
-            ledger.setattr(obj, attr, only_rank0)
+    _fit_swapped(view(model, engine_dtype), names, swap_ledger(model))  # undone with the swaps
     return names
+
+
+def _fit_swapped(engine, names: list[str], ledger: Ledger) -> None:
+    """Step 3 for the swapped units `names` of this worker (nothing at one rank): a routed
+    experts' sum kept on rank 0 only, a sharded input gathered, a "parts" donor run on every
+    rank's input; each change in `ledger`."""
+    rank, world = _tp()
+    if world == 1:
+        return
+    for name in names:
+        kind = engine.unit(name).kind
+        if kind in GATHER_INPUT:
+            ledger.setattr(engine.module(name), "forward", _gathering(engine.module(name).forward))
+            continue
+        if GATHER.get(kind) == "parts":  # the donor computes every head from every rank's input
+            inner = engine.module(name).inner
+            ledger.setattr(inner, "forward", _by_parts(inner.forward, part_sizes(kind, engine.config), rank, world))
+            continue
+        if GATHER.get(kind) != "sum":
+            continue
+        # The swapped module computes the whole sum; the block's all-reduce adds the ranks.
+        obj, attr = (engine.module(name).routed_experts, "forward_modular") if kind == "experts" else (engine.module(name), "forward")
+        full = getattr(obj, attr)
+
+        def only_rank0(*args, _full=full, **kwargs):
+            out = _full(*args, **kwargs)
+            return out if rank == 0 else torch.zeros_like(out)
+
+        ledger.setattr(obj, attr, only_rank0)
+
+
+_WHATIF = "_numbisect_whatif"  # model.__dict__ key: the ledger of the what-if in force
+
+
+def worker_whatif(model, whatif: str, unit: str, donor_path: str, donor_dtype: str, faults: list[str],
+                  engine_dtype: str) -> int:
+    """A precision what-if in this worker, over the faults and swaps already in place: the
+    engine's own `install_whatif` (the reference's module in float32, fitted to the shard as a
+    swap is; or the experts' sum in float32 in the fused-MoE runner), then the faults it
+    plants again on top (`faults`: all the session's, as specs). `worker_unwhatif` undoes it."""
+    from numbisect.faults import apply_faults, parse_fault
+
+    worker_unwhatif(model)
+    engine = view(model, engine_dtype)
+    ledger = Ledger()
+    model.__dict__[_WHATIF] = ledger
+    u = engine.unit(unit)
+    replant = engine.install_whatif(whatif, u, donor_of(donor_path, donor_dtype), [parse_fault(f) for f in faults], ledger)
+    if whatif == WHATIF_UNIT:
+        _fit_swapped(engine, [unit], ledger)
+    apply_faults(engine, replant, ledger)
+    return len(replant)
+
+
+def worker_unwhatif(model) -> None:
+    ledger = model.__dict__.pop(_WHATIF, None)
+    if ledger is not None:
+        ledger.undo()
 
 
 def _gathering(forward):
@@ -399,6 +435,7 @@ class VLLMTPBackend(Backend):
         self._sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
         self._prompt = vllm.inputs.TokensPrompt
         self.swapped: list[str] = []
+        self.whatif: str | None = None  # the precision what-if in the workers
         self.state_probe = None  # a numbisect.recurrent.StateProbe while one is installed
 
     def describe(self) -> dict:
@@ -438,7 +475,22 @@ class VLLMTPBackend(Backend):
     def prefix_end(self, failed: bool) -> None:
         self.llm.apply_model(functools.partial(worker_prefix_end, failed=failed))
 
+    def install_whatif(self, whatif: str, unit, donor, faults, ledger) -> list:
+        """The what-if in every worker (`worker_whatif`, which plants again there the faults it
+        replaces); undone by `undo`. Nothing is left for the caller to plant."""
+        specs = [f.spec or f"{f.kind}@{f.unit}" for f in faults]
+        self.llm.apply_model(functools.partial(worker_whatif, whatif=whatif, unit=unit.name, donor_path=donor.path,
+                                               donor_dtype=donor.dtype_name, faults=specs, engine_dtype=self.dtype_name))
+        self.whatif = whatif
+        return []
+
+    def whatif_not_carried(self, whatif: str, unit, faults) -> list[str]:
+        return VLLMModel.whatif_not_carried(self, whatif, unit, faults)
+
     def undo(self) -> None:
+        if self.whatif:
+            self.llm.apply_model(worker_unwhatif)
+            self.whatif = None
         if self.swapped:
             self.unswap()
         self.llm.apply_model(worker_unfault)
