@@ -81,6 +81,20 @@ def check_swappable(engine, names, mode: str) -> None:
         )
 
 
+def check_faults(engine, faults, mode: str) -> None:
+    """InputError for an output noise at a unit on the prefill path only (a Gated DeltaNet's
+    conv or gates) in decode mode: it would fire on the prompt's forward alone, a decode step
+    making no such call, and the report would read the gap as decode differing from prefill.
+    A weight noise there reaches every step (the conv weight, A_log and dt_bias are the
+    attention's own, which the decode kernels read too)."""
+    if mode != "decode":
+        return
+    hit = [f.spec for f in faults if f.kind == "output_noise" and engine.unit(f.unit).kind in PREFILL_ONLY_KINDS]
+    if hit:
+        raise InputError(f"--engine-fault {hit[0]}: an output noise on a conv or gates unit fires in the prompt's prefill only "
+                         "(a decode step makes no such call); plant it with --engine-mode prefill, or on the attention")
+
+
 def decode_candidates(cands: list[str], engine, mode: str) -> list[str]:
     bad = set(not_swappable(engine.units, mode))
     return [c for c in cands if c not in bad]

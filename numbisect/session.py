@@ -155,6 +155,7 @@ class Session:
             C.check_pair(self.ref, self.engine)
             for f in self.faults:
                 check_fault(self.engine, f)
+            D.check_faults(self.engine, self.faults, self.mode)
         if spec.threads:  # after the engine started: vLLM's CPU worker sets its own count
             from numbisect.conditions import set_threads
 

@@ -340,3 +340,19 @@ def test_a_fresh_engine_survives_a_short_first_prefill():
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "logprobs 3" in p.stdout
+
+
+def test_decode_mode_refuses_an_output_noise_on_a_prefill_only_unit_in_one_line(capsys, tmp_path):
+    # A Gated DeltaNet's conv and gates are called in the prompt's prefill only: such a noise
+    # skipped every decode step and the report blamed "the decode kernels" (measured on
+    # qwen3_next, hf engine, output_noise=0.3@layers.1.attn.conv: decode vs reference 8.5e-6,
+    # prefill vs reference 5.9e-5). A weight noise there reaches every step: accepted.
+    d = model_dir("qwen3_next")
+    base = ["compare", "--ref", f"hf:{d}", "--engine", f"hf:{d}", "--trace", trace_path("qwen3_next"), "--engine-mode", "decode"]
+    for unit in ("layers.1.attn.conv", "layers.0.attn.gates"):
+        code, line = _cli_error([*base, "--engine-fault", f"output_noise=0.3@{unit}"], capsys, tmp_path)
+        assert code == ExitCode.USAGE and f"output_noise=0.3@{unit}" in line and "prefill only" in line, line
+    out = tmp_path / "w.json"
+    assert main([*base, "--engine-fault", "weight_noise=1e-2@layers.1.attn.conv", "--out", str(out), "-q"]) == ExitCode.ALIGNED
+    capsys.readouterr()
+    assert out.exists()

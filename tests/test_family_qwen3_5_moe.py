@@ -84,6 +84,24 @@ def test_the_conv_and_gates_modules_leave_transformers_results_as_they_were():
         assert torch.equal(want, got)
 
 
+def test_the_fp32_unit_whatif_on_the_gates_hands_them_back_in_float32():
+    # A bf16 engine computes g in float32 already (transformers upcasts a and A_log): "upcast
+    # the gates to fp32" must leave g as it was, not round it to bf16 on the way out (measured
+    # before the fix: a rounded g moved k3-mean 7.4e-5 -> 4.9e-5 on 6 samples, a spurious effect).
+    from numbisect.backends.base import WHATIF_UNIT
+    from numbisect.backends.ledger import Ledger
+
+    s = session(NAME, "hf", ref_dtype="float32", engine_dtype="bfloat16", samples=2)
+    eng, name = s.engine, "layers.0.attn.gates"
+    plain = eng.forward(s.samples, capture=[name]).captures[name]
+    with Ledger() as ledger:
+        eng.install_whatif(WHATIF_UNIT, eng.unit(name), s.ref, [], ledger)
+        upcast = eng.forward(s.samples, capture=[name]).captures[name]
+    for want, got in zip(plain, upcast):
+        assert got.dtype == torch.float32
+        assert torch.equal(want.chunk(2, dim=-1)[0], got.chunk(2, dim=-1)[0])  # g, bit for bit
+
+
 def test_select_and_weights_reproduce_the_transformers_router():
     b = hf(NAME, "float32")
     spec = R.router_spec(b.config)

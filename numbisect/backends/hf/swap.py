@@ -20,6 +20,10 @@ from numbisect.backends.base import hidden_arg
 from numbisect.backends.common import text_rotary
 from numbisect.backends.ledger import Ledger
 
+# Unit kinds whose output a donor (or an fp32 copy) hands back in its own dtype, not the
+# engine's: the logits, and a Gated DeltaNet's gates (g and beta, float32 in the engine too).
+KEEP_OUT_DTYPE = ("lm_head", "gates")
+
 
 def _cast(x: Any, dtype: torch.dtype, only: torch.dtype | None = None) -> Any:
     """`x` with its float tensors cast to `dtype`; with `only`, just the tensors of that
@@ -85,8 +89,7 @@ class IndexerAdapter(CastAdapter):
 def swap_unit(engine, unit, donor, ledger: Ledger) -> None:
     """Put the donor's module for `unit` in the engine, behind a `CastAdapter`."""
     ref = donor.module(unit.name)
-    # Logits, and a Gated DeltaNet's gates (float32 g and beta), keep the donor's dtype.
-    out_dtype = None if unit.kind in ("lm_head", "gates") else engine.dtype
+    out_dtype = None if unit.kind in KEEP_OUT_DTYPE else engine.dtype
     rotary = text_rotary(donor.arch, donor.arch.layer_rotary(donor.model)) if unit.kind in ("attn", "layer", "indexer", "rope") else None
     positions = None
     if unit.kind in ("attn", "layer") and donor.arch.mrope:

@@ -17,7 +17,7 @@ from torch import nn
 
 from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM
 from numbisect.backends.common import slot_sum, text_rotary
-from numbisect.backends.hf.swap import CastAdapter
+from numbisect.backends.hf.swap import KEEP_OUT_DTYPE, CastAdapter
 from numbisect.backends.ledger import Ledger
 
 
@@ -57,6 +57,6 @@ def install(engine, whatif: str, unit, ledger: Ledger) -> list:
     rotary = text_rotary(engine.arch, engine.arch.layer_rotary(engine.root)) if unit.kind in ("attn", "layer", "rope") else None
     if rotary is not None:  # cos/sin recomputed in fp32 (M-RoPE: the engine's, cast)
         rotary = copy.deepcopy(rotary).float()
-    out_dtype = None if unit.kind == "lm_head" else engine.dtype
+    out_dtype = None if unit.kind in KEEP_OUT_DTYPE else engine.dtype  # gates: float32, as the engine's own
     ledger.replace(engine.root, engine.module_path(unit.name), CastAdapter(copy.deepcopy(mod).float(), torch.float32, out_dtype, rotary))
     return []
