@@ -155,7 +155,7 @@ class Comparison:
 
     tokens: dict  # token metrics, RL cost, worst tokens (compare.token_report): the report's `baseline`
     units: list[dict]  # per unit: propagated and local error
-    first_divergence: dict  # the first unit not bitwise equal, the first above --unit-tol
+    first_divergence: dict  # the first unit not bitwise equal, the first above the unit tolerance (1e-2)
     verdict: str  # aligned or diverged
     ref_tokens: ForwardResult  # the reference's log-probs, which the trials and what-ifs reuse
     local_ranking: dict | None = None  # unit -> rank by own (teacher-forced) error; None without a local pass
