@@ -26,7 +26,8 @@ The hierarchical strategy (the default):
 4. Sub-units: a parent all of whose (two or more) children were found is named
    instead of them; a parent found whole is replaced by a proper subset of its
    children that fixes in its place, if one does (usually settled by trials already
-   run, at no cost).
+   run, at no cost). Then a culprit the others fix without is dropped (`_prune`: the
+   set is 1-minimal even where the metric saturated during the bisection).
 5. Evidence per culprit: the value with only it swapped ("alone") and with every other
    candidate swapped ("complement": what it contributes on its own).
 6. A minimal set that needs a unit from every layer (or every candidate) is "diffuse":
@@ -81,7 +82,7 @@ class Trial:
     value: float  # the judged metric (lower is better)
     metrics: dict  # everything the trial measured
     duration_s: float
-    role: str  # baseline, all-swapped, probe, evidence-alone, evidence-complement, contribution
+    role: str  # baseline, all-swapped, probe, prune, evidence-alone, evidence-complement, contribution
     resumed: bool = False  # came from a resume log, not re-run
 
     def to_dict(self) -> dict:
@@ -467,6 +468,7 @@ class _Search:
             return self._diffuse(found, reason)
         self.found = found
         found = self._refine(found)
+        found = self._prune(found)
         self.found = found
         culprits = [self._culprit(u) for u in found]
         if len(found) == 1:
@@ -609,6 +611,23 @@ class _Search:
                 continue
             out = sorted([u for u in out if u != c] + sub, key=self._order)
             todo += [u for u in sub if children(self.g, u)]
+        return out
+
+    def _prune(self, found) -> list[str]:
+        """Step 4b: drop a culprit the others fix without. Under a monotone metric the set is
+        1-minimal already; a metric that saturates is not monotone (with a second fault
+        unswapped, every probe near the first reads the same huge value, so the bisection
+        cannot tell its units apart), and a unit that happened to be in the same half is
+        kept. Each culprit is left out once, in a trial of exactly the others (free where
+        that set was tried already: a failing larger set proves nothing here)."""
+        out = list(found)
+        if len(out) < 2:
+            return out
+        for u in list(out):
+            rest = [v for v in out if v != u]
+            seen = self.runner.peek(self._swap_set(rest))
+            if (seen.value <= self.thr) if seen is not None else self._fixes(rest, "prune"):
+                out = rest
         return out
 
     def _known_to_fail(self, units) -> bool:
