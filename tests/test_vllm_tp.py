@@ -157,22 +157,25 @@ def test_precision_whatifs_run_in_the_workers(tp_engine):
 # The committed fixture has one linear key head (numbisect refuses TP=2 for it:
 # test_vllm_compat); this checkpoint has the fixture's shape with every head count even.
 
-def even_heads_qwen3_5(dest) -> str:
-    """fixtures/models/qwen3_5_moe's config with 2 linear key heads, 4 linear value heads and
-    2 KV heads (2 attention heads already): vLLM can split each across 2 ranks. Random
-    init (seed 0; no test here needs trained weights), bf16, the lm_head drawn wider
-    (std 0.1) so the next-token distributions are not flat. 3.7 MB, built in under a second."""
+def even_heads(family: str, dest) -> str:
+    """fixtures/models/FAMILY's config (qwen3_5_moe or qwen3_next) with 2 linear key heads, 4
+    linear value heads and 2 KV heads (2 attention heads already): vLLM can split each across
+    2 ranks (Qwen3-Next's grouped `in_proj_qkvz`/`in_proj_ba` by key-head group). Random init
+    (seed 0; no test here needs trained weights), bf16, the lm_head drawn wider (std 0.1) so
+    the next-token distributions are not flat. A few MB, built in under a second."""
     import json
 
     import torch
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    import transformers
 
-    cfg = json.loads((open(f"{model_dir('qwen3_5_moe')}/config.json")).read())
+    model_cls, config_cls = {"qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig"),
+                             "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig")}[family]
+    cfg = json.loads((open(f"{model_dir(family)}/config.json")).read())
     for key in ("architectures", "model_type", "transformers_version"):
-        cfg.pop(key)
+        cfg.pop(key, None)
     cfg.update(linear_num_key_heads=2, linear_num_value_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
-    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**cfg)).eval()
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**cfg)).eval()
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 0.1)
     model.to(torch.bfloat16).save_pretrained(dest)
@@ -181,7 +184,7 @@ def even_heads_qwen3_5(dest) -> str:
 
 @pytest.fixture(scope="module")
 def qwen3_5_tp(tmp_path_factory):
-    return even_heads_qwen3_5(tmp_path_factory.mktemp("qwen3_5_tp") / "model")
+    return even_heads("qwen3_5_moe", tmp_path_factory.mktemp("qwen3_5_tp") / "model")
 
 
 def _bound(path: str) -> int:
@@ -290,27 +293,7 @@ class TestQwen3_5Sessions:
 
 
 # -- Qwen3-Next (Gated DeltaNet with fused, per-key-head grouped projections) under TP=2 -----------
-def even_heads_qwen3_next(dest) -> str:
-    """fixtures/models/qwen3_next's config with 2 linear key heads, 4 linear value heads and
-    2 KV heads: vLLM splits its grouped `in_proj_qkvz`/`in_proj_ba` by key-head group across
-    2 ranks. Random init (seed 0), bf16, the lm_head drawn wider (std 0.1), as
-    `even_heads_qwen3_5`."""
-    import json
-
-    import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    cfg = json.loads((open(f"{model_dir('qwen3_next')}/config.json")).read())
-    for key in ("architectures", "model_type", "transformers_version"):
-        cfg.pop(key, None)
-    cfg.update(linear_num_key_heads=2, linear_num_value_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(**cfg)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.1)
-    model.to(torch.bfloat16).save_pretrained(dest)
-    return str(dest)
-
+# Its fixture has one linear key head too: `even_heads("qwen3_next", ...)`.
 
 class TestQwen3NextSessions:
     """One TP=2 engine on an even-headed Qwen3-Next for these tests (closed after them)."""
@@ -320,7 +303,7 @@ class TestQwen3NextSessions:
         from numbisect.backends.hf import HFBackend
         from numbisect.backends.vllm.tp import VLLMTPBackend
 
-        m = even_heads_qwen3_next(tmp_path_factory.mktemp("qwen3_next_tp") / "model")
+        m = even_heads("qwen3_next", tmp_path_factory.mktemp("qwen3_next_tp") / "model")
         eng = VLLMTPBackend(m, "bfloat16", tensor_parallel_size=2)
         yield m, HFBackend(m, "bfloat16"), eng
         eng.close()

@@ -22,6 +22,29 @@ from torch import nn
 LOWP = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
 
 
+ROUTED = "_numbisect_original"  # on a routed function: the function it stands in for
+
+
+def route_names(mod, routers: dict[str, Callable]) -> dict:
+    """Replace each name of module `mod` that `routers` lists by `routers[name](function)`, once
+    for the process (a name routed before stays as it is); returns the functions as they were
+    (the originals) by name, for the names the module has. Used where numbisect sends a
+    modeling file's or a kernel file's own calls to modules of its own (MLA's rope, Gated
+    DeltaNet's conv and gates)."""
+    out = {}
+    for name, router in routers.items():
+        fn = getattr(mod, name, None)
+        if fn is None:
+            continue
+        original = fn.__dict__.get(ROUTED, fn)
+        if original is fn:
+            routed = router(fn)
+            routed.__dict__[ROUTED] = fn
+            setattr(mod, name, routed)
+        out[name] = original
+    return out
+
+
 def gate_width(config) -> int:
     """Width of an `out_gate`'s output and of `out_proj`'s input: value heads * head dim."""
     text = config.get_text_config()

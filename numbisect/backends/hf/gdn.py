@@ -37,10 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from numbisect.backends.common import ROUTED, route_names
+
 CONV_FN = "causal_conv1d_fn"
 RULE_FN = "torch_chunk_gated_delta_rule"
 _ACTIVE: list[nn.Module] = []  # Gated DeltaNet modules in their forward, innermost last
-_ORIGINAL = "_numbisect_original"
 _AB = "_numbisect_ab"  # (a, b) of the attention's current forward, as it computed them
 _OUT = "_numbisect_out"  # an `in_proj_a` / `in_proj_b` output, kept on that module
 
@@ -88,7 +89,6 @@ def _conv_router(original):
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         return unit(hidden_states.transpose(1, 2), **kwargs).transpose(1, 2)
 
-    conv.__dict__[_ORIGINAL] = original
     return conv
 
 
@@ -104,7 +104,6 @@ def _rule_router(original):
             g, beta = out[..., :heads], out[..., heads:].to(beta.dtype)
         return original(query, key, value, g, beta, *args, **kwargs)
 
-    rule.__dict__[_ORIGINAL] = original
     return rule
 
 
@@ -113,17 +112,7 @@ ROUTERS = {CONV_FN: _conv_router, RULE_FN: _rule_router}
 
 def _route(module_name: str) -> dict:
     """The modeling file's conv and delta-rule functions (their originals), the names routed."""
-    mod = sys.modules[module_name]
-    out = {}
-    for name, router in ROUTERS.items():
-        fn = getattr(mod, name, None)
-        if fn is None:
-            continue
-        original = fn.__dict__.get(_ORIGINAL, fn)
-        if original is fn:
-            setattr(mod, name, router(fn))
-        out[name] = original
-    return out
+    return route_names(sys.modules[module_name], ROUTERS)
 
 
 def _forget(m: nn.Module) -> None:
@@ -163,7 +152,7 @@ def _split_ab(cls) -> None:
     """Qwen3-Next: `fix_query_key_value_ordering` returns (q, k, v, z, b, a); keep (a, b) on the
     module (the class's method wrapped once, for the process)."""
     fn = cls.__dict__.get("fix_query_key_value_ordering")
-    if fn is None or _ORIGINAL in fn.__dict__:
+    if fn is None or ROUTED in fn.__dict__:
         return
 
     def fix(self, *args, **kwargs):
@@ -171,7 +160,7 @@ def _split_ab(cls) -> None:
         self.__dict__[_AB] = (out[5], out[4])
         return out
 
-    fix.__dict__[_ORIGINAL] = fn
+    fix.__dict__[ROUTED] = fn
     cls.fix_query_key_value_ordering = fix
 
 

@@ -25,11 +25,11 @@ import sys
 
 from torch import nn
 
+from numbisect.backends.common import route_names
 from numbisect.backends.mla_rope import pack, unpack
 
 FUNCTIONS = ("apply_rotary_pos_emb_interleave", "apply_rotary_pos_emb")
 _ACTIVE: list[tuple[nn.Module, object]] = []  # (attention, its position ids), innermost last
-_ORIGINAL = "_numbisect_original"
 
 
 class MlaRope(nn.Module):
@@ -59,23 +59,12 @@ def _router(original):
         qo, ko = unpack(y, q.shape[-1])
         return qo.transpose(1, 2), ko.transpose(1, 2)
 
-    apply.__dict__[_ORIGINAL] = original
     return apply
 
 
 def _routed(module_name: str) -> dict:
     """The modeling file's rotary functions (their originals), its names routed."""
-    mod = sys.modules[module_name]
-    out = {}
-    for name in FUNCTIONS:
-        fn = getattr(mod, name, None)
-        if fn is None:
-            continue
-        original = fn.__dict__.get(_ORIGINAL, fn)
-        if original is fn:
-            setattr(mod, name, _router(fn))
-        out[name] = original
-    return out
+    return route_names(sys.modules[module_name], {name: _router for name in FUNCTIONS})
 
 
 def _enter(m, args, kwargs):

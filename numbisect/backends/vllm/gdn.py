@@ -22,16 +22,17 @@ as it was. Results are the engine's, bit for bit: the same kernels on the same t
 
 from __future__ import annotations
 
-import sys
+import importlib
 
 import torch
 from torch import nn
+
+from numbisect.backends.common import route_names
 
 FILE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 CONV_FNS = ("_causal_conv1d_fwd_cpu", "causal_conv1d_torch")  # the bf16 kernel's path, the torch one
 GATING = "fused_gdn_gating_cpu"
 _ACTIVE: list[nn.Module] = []  # routed attentions in their forward, innermost last
-_ORIGINAL = "_numbisect_original"
 
 
 class ConvUnit(nn.Module):
@@ -76,7 +77,6 @@ def _conv_router(original):
             return original(x=x, **kwargs)
         return unit(x.transpose(0, 1), (original, kwargs)).transpose(0, 1)
 
-    conv.__dict__[_ORIGINAL] = original
     return conv
 
 
@@ -100,14 +100,8 @@ class _Ops:
 
 
 def _route() -> None:
-    mod = sys.modules.get(FILE)
-    if mod is None:
-        __import__(FILE)
-        mod = sys.modules[FILE]
-    for name in CONV_FNS:
-        fn = getattr(mod, name, None)
-        if fn is not None and _ORIGINAL not in fn.__dict__:
-            setattr(mod, name, _conv_router(fn))
+    mod = importlib.import_module(FILE)
+    route_names(mod, {name: _conv_router for name in CONV_FNS})
     if not isinstance(mod.ops, _Ops):
         mod.ops = _Ops(mod.ops)
 
