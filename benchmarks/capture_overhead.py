@@ -4,7 +4,7 @@ Modes (`bisect compare --capture ...`):
 - `memory`: `backend.forward(samples, capture=<every unit>)` keeps every unit's output
   for every sample in RAM (the only capture before issue 6);
 - `stats`: sample by sample, the engine's forward with every unit captured is folded
-  into per-unit streaming statistics (`numbisect.capture.UnitStats`) against the
+  into per-unit streaming statistics (`numbisect.pipeline.capture.UnitStats`) against the
   reference's tensors of that sample, then dropped; as in `compare`, the fold runs on a
   worker thread during the next sample's forward;
 - `full`: as stats, and every tensor also goes through `SpillStore` to safetensors in a
@@ -54,7 +54,7 @@ FIXTURES = ("qwen3_moe", "qwen3", "glm4_moe", "mixtral")
 
 def open_engine(kind: str, name: str, dtype: str, scale: int = 1):
     from numbisect.backends import open_backend
-    from numbisect.trace import load_trace
+    from numbisect.model.trace import load_trace
 
     path = name if os.path.isdir(name) else str(ROOT / "fixtures" / "models" / name)
     tname = "qwen3" if os.path.isdir(name) else name
@@ -75,7 +75,7 @@ def perturbed(caps: dict) -> dict:
 def stats_pass(engine, samples, names, refs=None, store=None) -> int:
     """Per sample: the reference's tensors (given, or a forward), the engine's, folded into
     UnitStats as `compare` does it (on a worker thread, during the next sample's forward)."""
-    from numbisect.capture import UnitStats, _Behind, fold
+    from numbisect.pipeline.capture import UnitStats, _Behind, fold
 
     stats = {n: UnitStats(engine.dtype) for n in names}
     behind = _Behind()
@@ -131,7 +131,7 @@ def child(kind: str, name: str, dtype: str, mode: str, repeats: int, scale: int)
     """Memory of one mode, measured alone in this (fresh) process."""
     import tempfile
 
-    from numbisect.capture import SpillStore
+    from numbisect.pipeline.capture import SpillStore
 
     engine, samples = open_engine(kind, name, dtype, scale)
     names = [u.name for u in engine.units] if mode != "plain" else []

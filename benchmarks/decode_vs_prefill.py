@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,9 +30,9 @@ FIXTURES = ("qwen3_moe", "qwen3", "glm4_moe", "mixtral")
 def measure(kind: str, name: str, dtype: str, repeats: int) -> dict:
     import torch
 
-    from numbisect import metrics as M
     from numbisect.backends import open_backend
-    from numbisect.trace import load_trace
+    from numbisect.model.trace import load_trace
+    from numbisect.pipeline import metrics as M
 
     engine = open_backend(kind, str(ROOT / "fixtures" / "models" / name), dtype, {})
     samples = load_trace(str(ROOT / "fixtures" / "traces" / f"{name}.jsonl")).samples

@@ -3,7 +3,7 @@
 For each fixture and each fault spec, plant it at every unit of a kind it applies to
 and run two trials on one session: nothing swapped (the fault's strength: mean k3 of
 completion tokens) and the faulty unit swapped back (should fall to the noise floor).
-This is what `numbisect.selftest`'s fault profiles were chosen from.
+This is what `numbisect.commands.selftest`'s fault profiles were chosen from.
 
     .venv/bin/python benchmarks/fault_strength.py                    # hf fp32 engine, all fixtures
     .venv/bin/python benchmarks/fault_strength.py --engine vllm qwen3_moe
@@ -17,7 +17,6 @@ under the threshold, `NOT REMOVED` when swapping the unit does not bring k3 back
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from numbisect import selftest as ST
+    from numbisect.commands import selftest as ST
 
     profile = ST.PROFILES[args.engine]
     thr = args.threshold if args.threshold is not None else profile.threshold

@@ -58,9 +58,9 @@ CHILD = r"""
 import json, os, sys, torch
 torch.set_num_threads(1)
 sys.path.insert(0, {root!r})
-from numbisect.trace import load_trace
+from numbisect.model.trace import load_trace
 from numbisect.backends.hf import HFBackend
-from numbisect.layerstream import LayerStreamRef
+from numbisect.pipeline.layerstream import LayerStreamRef
 import transformers
 samples = load_trace({trace!r}).samples[:{n}]
 import transformers.models.qwen3.modeling_qwen3  # imported code is not the model's memory

@@ -5,7 +5,7 @@
    layers, layer i holding the trained weights of fixture layer i mod 4 (of the same
    MLP/MoE kind), saved to a temporary directory; the fixture's trace runs through it.
 2. Pick a few units (seeded) and a fault for each from the selftest profile of the
-   engine kind (`numbisect.selftest.PROFILES`), so every fault stands well above the
+   engine kind (`numbisect.commands.selftest.PROFILES`), so every fault stands well above the
    pair's noise floor.
 3. For each planted fault, run the search (`--strategy`, default hierarchical) with
    prefix reuse on and off on the same session, each with a fresh trial runner,
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import statistics
@@ -56,8 +55,8 @@ def deep_copy_of(fixture: Path, layers: int, out: Path) -> Path:
     of a fixture layer of the same MLP/MoE kind (cycling through them)."""
     from safetensors.torch import load_file, save_file
 
-    from numbisect.arch import arch_for
     from numbisect.backends.base import load_config
+    from numbisect.model.arch import arch_for
 
     cfg = json.loads((fixture / "config.json").read_text())
     base = load_config(str(fixture))
@@ -117,9 +116,10 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from numbisect import selftest as ST
-    from numbisect.prefix import PrefixCache
     from search_vs_linear import planted_faults
+
+    from numbisect.commands import selftest as ST
+    from numbisect.patching.prefix import PrefixCache
 
     profile = ST.PROFILES[args.engine]
     rng = random.Random(args.seed)

@@ -2,7 +2,7 @@
 
 1. For each fixture, open one session (the reference runs once; its result is cached).
 2. Pick a few units (seeded) and a fault for each from the selftest profile of the
-   engine kind (`numbisect.selftest.PROFILES`), so every fault stands well above the
+   engine kind (`numbisect.commands.selftest.PROFILES`), so every fault stands well above the
    pair's noise floor.
 3. For each planted fault, run both strategies on the same session, each with a fresh
    trial runner (no trial shared), alternating H, L, H, L ... `--repeats` times. Trials
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -38,7 +37,7 @@ FIXTURES = ("qwen3_moe", "qwen3", "glm4_moe", "mixtral")
 
 def planted_faults(engine, profile, n: int, rng: random.Random) -> list[str]:
     """n fault specs at distinct units, cycling through the profile's fault kinds."""
-    from numbisect import selftest as ST
+    from numbisect.commands import selftest as ST
 
     out, used = [], set()
     kinds = [p for p in profile.faults if ST.units_for(engine, ST.fault_kind(p.template), p.unit_kinds)]
@@ -74,7 +73,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from numbisect import selftest as ST
+    from numbisect.commands import selftest as ST
 
     profile = ST.PROFILES[args.engine]
     rng = random.Random(args.seed)

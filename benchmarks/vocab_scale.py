@@ -43,9 +43,9 @@ FAULT = "output_noise=1e-2@layers.{last}.mlp"
 
 
 def open_session(model: str, dtype: str, scale: int, metric: str, layers: int, trace_dir: str):
-    from numbisect.compare import Settings
-    from numbisect.session import Session, Spec
-    from numbisect.trace import load_trace
+    from numbisect.model.trace import load_trace
+    from numbisect.pipeline.measure import Settings
+    from numbisect.session.session import Session, Spec
 
     src = ROOT / "fixtures" / "traces" / "qwen3.jsonl"
     trace = Path(trace_dir) / f"trace_x{scale}.jsonl"

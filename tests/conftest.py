@@ -35,12 +35,12 @@ def one_thread():
     processes on a few cores, OpenMP threads that spin-wait made a tiny forward ~50x
     slower (measured 1.4 s vs 0.02 s per trial under load).
 
-    `numbisect.conditions.set_threads`, not `torch.set_num_threads`: once a vLLM engine
+    `numbisect.session.environment.set_threads`, not `torch.set_num_threads`: once a vLLM engine
     has started in this process the latter is a no-op (vLLM's CPU worker replaces it), and
     fp32 values depend on the thread count."""
     import torch
 
-    from numbisect.conditions import set_threads
+    from numbisect.session.environment import set_threads
 
     before = torch.get_num_threads()
     set_threads(1)
@@ -139,8 +139,8 @@ def short_trace(name: str, n: int) -> str:
 def session(name: str, engine: str = "vllm", ref_dtype="bfloat16", engine_dtype="bfloat16", faults=(), samples=None,
             engine_mode="prefill", **settings):
     """A Session on a fixture whose backends are the shared ones (`samples`: the first n)."""
-    from numbisect.compare import Settings
-    from numbisect.session import Session, Spec
+    from numbisect.pipeline.measure import Settings
+    from numbisect.session.session import Session, Spec
 
     spec = Spec(
         ref=f"hf:{model_dir(name)}",
@@ -164,8 +164,8 @@ def bound(s) -> int:
     search can name (the default candidates and their children)."""
     import math
 
-    from numbisect.search import default_candidates
-    from numbisect.units import children, unit_graph
+    from numbisect.model.units import children, unit_graph
+    from numbisect.search.search import default_candidates
 
     g = unit_graph(s.engine.units)
     cands = default_candidates(g)
@@ -175,7 +175,7 @@ def bound(s) -> int:
 
 def search(s, **kw):
     """`bisect run` as a search (no --swap) on session `s`: (report body, exit code)."""
-    from numbisect.run import run
+    from numbisect.commands.run import run
 
     return run(s, swap=None, strategy=kw.pop("strategy", "hierarchical"), max_trials=kw.pop("max_trials", None),
                log=kw.pop("log", None), resume=kw.pop("resume", None))

@@ -12,16 +12,16 @@ registered is refused in one line (exit 2).
 from __future__ import annotations
 
 import pytest
-
 from conftest import model_dir, short_trace
+
 from numbisect.backends import BACKENDS, Registered
 from numbisect.backends.base import Backend
 from numbisect.backends.hf import HFBackend
 from numbisect.backends.options import check_hf_opts
 from numbisect.cli import main
-from numbisect.errors import ExitCode, InputError
-from numbisect.report import load_report
-from numbisect.trace import load_trace
+from numbisect.common.errors import ExitCode, InputError
+from numbisect.model.trace import load_trace
+from numbisect.report.document import load_report
 
 MODEL = model_dir("qwen3_moe")
 

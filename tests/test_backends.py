@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import MODELS, hf, model_dir, trace_path, vllm
-from numbisect.trace import load_trace
+
+from numbisect.model.trace import load_trace
 
 
 def samples(name, n=6):
@@ -105,7 +105,7 @@ def test_every_fixture_architecture_has_a_map(name):
 
 def test_an_unknown_backend_name_is_refused_naming_the_known_ones():
     from numbisect.backends import BACKENDS, open_backend
-    from numbisect.errors import InputError
+    from numbisect.common.errors import InputError
 
     with pytest.raises(InputError) as e:
         open_backend("sglang", model_dir("qwen3_moe"), "bfloat16", {})

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import model_dir, short_trace, trace_path
-from numbisect.calibrate import METRICS
+
 from numbisect.cli import main
-from numbisect.errors import ExitCode
-from numbisect.report import load_report
+from numbisect.commands.calibrate import METRICS
+from numbisect.common.errors import ExitCode
+from numbisect.report.document import load_report
 
 D = model_dir("qwen3_moe")
 T = trace_path("qwen3_moe")

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import ROOT, child_env, model_dir, session, short_trace
 
-from numbisect import compare as C
-from numbisect import metrics as M
-from numbisect.capture import SpillStore, UnitStats
+from numbisect.pipeline import measure as C
+from numbisect.pipeline import metrics as M
+from numbisect.pipeline.capture import SpillStore, UnitStats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,8 +130,8 @@ def test_stacked_units_with_equal_nan_inf_and_zero_tensors_match_the_joined_metr
     whether its bits all agree (the ULP pass is skipped), hold a NaN, an inf on both
     sides (inf - inf), or are all zero. With a stack of 20 elements every unit is folded
     alone, 2 of its 6 rows at a time (a long sample of a wide unit: the logits)."""
-    from numbisect import capture
-    from numbisect.capture import fold
+    from numbisect.pipeline import capture
+    from numbisect.pipeline.capture import fold
 
     if stack:
         monkeypatch.setattr(capture, "STACK_ELEMENTS", stack)
@@ -172,7 +172,7 @@ def test_folds_behind_the_forwards_run_in_order_and_their_errors_surface():
     """`compare` folds a sample on a worker thread while the next one runs: the folds
     keep their order (the statistics equal folding in line) and an error in one is raised
     at the next submit, not lost."""
-    from numbisect.capture import _Behind, fold
+    from numbisect.pipeline.capture import _Behind, fold
 
     g = torch.Generator().manual_seed(2)
     pairs = [(torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)) for _ in range(6)]

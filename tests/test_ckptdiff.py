@@ -8,12 +8,20 @@ import json
 
 import pytest
 import torch
+from conftest import (
+    damaged_copy,
+    model_dir,
+    permute_heads,
+    scale_norm,
+    swap_experts,
+    swap_gate_up,
+    trace_path,
+)
 
-from conftest import damaged_copy, model_dir, permute_heads, scale_norm, swap_experts, swap_gate_up, trace_path
 from numbisect.backends.base import check_checkpoint, load_config
-from numbisect.ckptdiff import diff_checkpoints
 from numbisect.cli import main
-from numbisect.report import load_report
+from numbisect.model.ckptdiff import diff_checkpoints
+from numbisect.report.document import load_report
 
 
 def diff(name: str, copy: str) -> dict:
@@ -97,7 +105,9 @@ def test_compare_reports_the_diff_and_show_prints_it(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "layers.2.moe.experts: experts.3 <-> experts.5 swapped (3 tensor pairs)" in text
     assert "config: rms_norm_eps is 1e-05 in the engine, 1e-06 in the reference (read by norm, attn)" in text
-    from numbisect.tui.widgets.overview import overview_text  # the TUI's overview shows it too
+    from numbisect.tui.widgets.overview import (
+        overview_text,  # the TUI's overview shows it too
+    )
 
     assert "layers.2.moe.experts: experts.3 <-> experts.5 swapped (3 tensor pairs)" in overview_text(r).plain
 

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, model_dir, trace_path
+
 from numbisect.cli import main
 
 

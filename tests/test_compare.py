@@ -7,15 +7,15 @@ import math
 
 import pytest
 import torch
-
 from conftest import child_env, model_dir, session, short_trace, trace_path
-from numbisect import compare as C
-from numbisect import metrics as M
+
 from numbisect.backends.base import ForwardResult
 from numbisect.cli import main
-from numbisect.errors import InputError
-from numbisect.report import load_report, validate
-from numbisect.trace import Sample
+from numbisect.common.errors import InputError
+from numbisect.model.trace import Sample
+from numbisect.pipeline import measure as C
+from numbisect.pipeline import metrics as M
+from numbisect.report.document import load_report, validate
 
 
 def run_cli(args, capsys):
@@ -66,8 +66,8 @@ def test_real_vllm_against_hf_bf16_shows_bf16_noise_of_the_recorded_size():
 
 @pytest.mark.vllm
 def test_compare_report_from_vllm_validates_against_the_schema(tmp_path):
-    from numbisect.provenance import new_report
-    from numbisect.report import write_json_atomic
+    from numbisect.commands.provenance import new_report
+    from numbisect.report.document import write_json_atomic
 
     s = session("qwen3", "vllm")
     body = s.compare(local=False)
@@ -109,7 +109,7 @@ def test_fp32_engine_against_bf16_reference_diverges_per_token_and_per_unit():
 
 def test_a_unit_whose_error_is_nan_counts_as_above_the_tolerance():
     """A dump with NaN in one unit's tensor (same-size corruption) must not read as 'no unit above'."""
-    from numbisect.compare import Settings, first_divergence, local_ranking
+    from numbisect.pipeline.measure import Settings, first_divergence, local_ranking
 
     def row(name, rel):
         err = {"rel_l2": rel, "ulps": {"bitwise_equal": rel == 0.0}}

@@ -16,8 +16,8 @@ import sys
 import pytest
 from conftest import ROOT, fp8_kv_cache_runs, model_dir, trace_path
 
-from numbisect import engine_config as E
-from numbisect.errors import InputError
+from numbisect.common.errors import InputError
+from numbisect.model import engine_config as E
 
 FIX = "qwen3_moe"
 # vLLM's eager defaults (custom ops on), the base each condition class below is measured against
@@ -117,7 +117,7 @@ class Oracle:
     the user's state (a key the good configuration leaves out is reverted by dropping it)."""
 
     def __init__(self, trace, guilty):
-        from numbisect.trace import load_trace
+        from numbisect.model.trace import load_trace
 
         self.samples = load_trace(trace).samples
         self.guilty = set(guilty)
@@ -131,8 +131,8 @@ class Oracle:
 
 
 def _conditions(n, guilty, tmp_path, log=None, resume=None, max_trials=None):
-    from numbisect.compare import Settings
-    from numbisect.condbisect import CondSession, CondSpec, run_conditions
+    from numbisect.commands.conditions import CondSession, CondSpec, run_conditions
+    from numbisect.pipeline.measure import Settings
 
     user = {**E.GOOD, **{f"x{i:02d}": 1 for i in range(n)}}
     spec = CondSpec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=trace_path(FIX),
@@ -178,9 +178,9 @@ def test_resume_repeats_no_trial(tmp_path):
 
 
 def test_report_validates_and_renders(tmp_path):
-    from numbisect.provenance import new_report
-    from numbisect.render import render
-    from numbisect.report import validate
+    from numbisect.commands.provenance import new_report
+    from numbisect.report.document import validate
+    from numbisect.report.summary import render
 
     body, _, _ = _conditions(4, ["x02"], tmp_path)
     body.pop("_ref_describe")
@@ -197,8 +197,8 @@ def test_report_validates_and_renders(tmp_path):
 def real(tmp_path_factory):
     """The qwen3_moe session on 5 samples and the log-probs of vLLM's eager defaults (`EAGER`)."""
     from numbisect.backends.vllm.condition_worker import run_child
-    from numbisect.compare import Settings
-    from numbisect.condbisect import CondSession, CondSpec, _result
+    from numbisect.commands.conditions import CondSession, CondSpec, _result
+    from numbisect.pipeline.measure import Settings
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     trace = tmp_path_factory.mktemp("cond") / "t5.jsonl"
@@ -223,7 +223,7 @@ def real(tmp_path_factory):
 ], ids=["custom-op-rope", "custom-ops-norm-act", "batch-all", "chunked-prefill-16", "prefix-caching", "model-impl-transformers",
         "compiled"])
 def test_condition_on_real_engine(real, change, bitwise):
-    from numbisect.condbisect import _result, compare_lp
+    from numbisect.commands.conditions import _result, compare_lp
 
     sess, good, good_ops, run_child, _ = real
     out = run_child(sess.job({**EAGER, **change}), "condition")
@@ -333,7 +333,7 @@ def test_a_child_leaves_no_temporary_files_however_it_ends(tmp_path, monkeypatch
     import tempfile
 
     from numbisect.backends.vllm.condition_worker import run_child
-    from numbisect.errors import BackendError
+    from numbisect.common.errors import BackendError
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("NUMBISECT_DEBUG", raising=False)

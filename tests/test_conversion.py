@@ -9,15 +9,22 @@ name the damaged unit, on every fixture family, with a bf16 transformers engine.
 from __future__ import annotations
 
 import pytest
+from conftest import (
+    damaged_copy,
+    hf,
+    model_dir,
+    scale_norm,
+    session,
+    short_trace,
+    swap_gate_up,
+)
 
-from conftest import damaged_copy, hf, model_dir, scale_norm, session, short_trace, swap_gate_up
 from numbisect.cli import main
-from numbisect.compare import Settings
-from numbisect.errors import ExitCode
-from numbisect.report import load_report
-from numbisect.run import run
-from numbisect.session import Session, Spec
-
+from numbisect.commands.run import run
+from numbisect.common.errors import ExitCode
+from numbisect.pipeline.measure import Settings
+from numbisect.report.document import load_report
+from numbisect.session.session import Session, Spec
 
 CASES = [
     ("qwen3", scale_norm(1), ["layers.1.post_attn_norm"]),

@@ -8,15 +8,15 @@ import random
 
 import pytest
 import torch
-
 from conftest import FIXTURES, ROOT, child_env, hf, model_dir, session, trace_path, vllm
+
 from numbisect.cli import main
-from numbisect.errors import ExitCode, InputError
-from numbisect.provenance import new_report
-from numbisect.report import validate
-from numbisect.render import render
-from numbisect.run import run
-from numbisect.trace import Sample, load_trace
+from numbisect.commands.provenance import new_report
+from numbisect.commands.run import run
+from numbisect.common.errors import ExitCode, InputError
+from numbisect.model.trace import Sample, load_trace
+from numbisect.report.document import validate
+from numbisect.report.summary import render
 
 
 def samples(name, n=6):
@@ -111,7 +111,7 @@ def test_decode_teacher_forcing_feeds_each_step_its_own_rows():
     """Local error in decode mode: each step's unit is fed the reference's input rows for its
     positions; a unit whose output depends only on its input (a norm) then matches the
     reference bit for bit, as in prefill."""
-    from numbisect.compare import local_feed_names
+    from numbisect.pipeline.measure import local_feed_names
 
     eng, ref = vllm("qwen3_moe"), hf("qwen3_moe")
     ss = samples("qwen3_moe", 3)
@@ -147,7 +147,7 @@ def test_compare_in_decode_mode_reports_decode_and_prefill_against_the_reference
     assert report["inputs"]["engine"]["mode"] == "decode"
     text = render(report)
     assert "engine mode: decode" in text and "decode vs prefill" in text and "not swappable in decode mode: 8 units" in text
-    from numbisect.reporttools import diff, markdown
+    from numbisect.report.tools import diff, markdown
 
     assert "Engine in decode mode" in markdown(report)
     pre_report = new_report("compare", ["bisect"], p.inputs(), p.settings.to_dict(), pre_body)
@@ -288,7 +288,7 @@ def test_a_v1_report_without_a_mode_still_renders():
 
 
 def test_a_trial_log_from_prefill_mode_does_not_resume_a_decode_run(tmp_path):
-    from numbisect.run import log_header, read_log
+    from numbisect.commands.run import log_header, read_log
 
     pre = session("qwen3_moe", "hf", ref_dtype="float32", engine_dtype="float32", samples=2)
     dec = session("qwen3_moe", "hf", ref_dtype="float32", engine_dtype="float32", samples=2, engine_mode="decode")
@@ -330,7 +330,7 @@ def test_a_fresh_engine_survives_a_short_first_prefill():
 
     code = (
         "from numbisect.backends.vllm import VLLMBackend\n"
-        "from numbisect.trace import Sample\n"
+        "from numbisect.model.trace import Sample\n"
         f"e = VLLMBackend({model_dir('qwen3')!r}, 'bfloat16')\n"
         "r = e.forward([Sample([5, 6], [7, 8])], mode='decode')\n"
         "print('logprobs', len(r.token_logprobs[0]))\n"

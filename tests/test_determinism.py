@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import child_env
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,14 +11,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, child_env, hf, model_dir, session, short_trace, trace_path, vllm
+from conftest import (
+    ROOT,
+    child_env,
+    hf,
+    model_dir,
+    session,
+    short_trace,
+    trace_path,
+    vllm,
+)
 
 from numbisect.backends.dump import write_dump
-from numbisect.compare import Settings
-from numbisect.errors import InputError
-from numbisect.faults import apply_faults, parse_fault
-from numbisect.session import Session, Spec
-from numbisect.trace import load_trace
+from numbisect.common.errors import InputError
+from numbisect.model.trace import load_trace
+from numbisect.patching.faults import apply_faults, parse_fault
+from numbisect.pipeline.measure import Settings
+from numbisect.session.session import Session, Spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 N = 4
@@ -208,10 +217,10 @@ def test_broken_dumps_are_refused_naming_the_problem(tmp_path_factory, tmp_path)
 
 @pytest.mark.vllm
 def test_dump_writer_hooks_on_the_vllm_model(tmp_path_factory, tmp_path):
-    """What an engine process does: numbisect.dump hooks on its own modules, one forward per sample."""
+    """What an engine process does: numbisect.backends.dump.writer hooks on its own modules, one forward per sample."""
     from safetensors.torch import load_file
 
-    from numbisect.dump import DumpWriter
+    from numbisect.backends.dump.writer import DumpWriter
 
     eng = vllm("qwen3_moe")
     trace = load_trace(short_trace("qwen3_moe", N))
@@ -241,9 +250,9 @@ def test_dump_writer_hooks_on_the_vllm_model(tmp_path_factory, tmp_path):
 
 
 def test_dump_helper_imports_only_torch_and_safetensors():
-    code = ("import sys, numbisect.dump; "
+    code = ("import sys, numbisect.backends.dump.writer; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'networkx', 'vllm', 'click', 'numpy_financial') "
-            "or m in ('numbisect.arch', 'numbisect.units', 'numbisect.errors', 'numbisect.compare')); print(bad)")
+            "or m in ('numbisect.model.arch', 'numbisect.model.units', 'numbisect.common.errors', 'numbisect.pipeline.measure')); print(bad)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
@@ -271,7 +280,7 @@ def test_a_stale_rank_from_an_earlier_run_is_refused(tmp_path):
 
 def test_ranks_writing_one_dump_at_once_do_not_trip_over_the_shared_manifest(tmp_path):
     """Every rank writes manifest.json; each through a temporary file of its own."""
-    from numbisect.dump import DumpWriter
+    from numbisect.backends.dump.writer import DumpWriter
 
     cfg = f"{model_dir('qwen3_moe')}/config.json"
     errors = []

@@ -1,4 +1,4 @@
-"""Recurrent states in offline dumps (numbisect.dump `state.{i}`, `bisect compare --engine dump:DIR`),
+"""Recurrent states in offline dumps (numbisect.backends.dump.writer `state.{i}`, `bisect compare --engine dump:DIR`),
 on Qwen3.5-MoE (fixtures/models/qwen3_5_moe: Gated DeltaNet in layers 0-2).
 
 What a user relies on: the states a dump holds get the `recurrent_state` section, with the
@@ -15,15 +15,15 @@ import random
 import shutil
 
 import pytest
-
 from conftest import hf, model_dir, trace_path, vllm
+
 from numbisect.backends.dump import write_dump
 from numbisect.cli import main
-from numbisect.compare import Settings
-from numbisect.errors import InputError
-from numbisect.report import validate
-from numbisect.session import Session, Spec
-from numbisect.trace import load_trace
+from numbisect.common.errors import InputError
+from numbisect.model.trace import load_trace
+from numbisect.pipeline.measure import Settings
+from numbisect.report.document import validate
+from numbisect.session.session import Session, Spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

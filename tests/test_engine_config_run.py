@@ -14,11 +14,20 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, fp8_kv_cache_runs, hf, model_dir, session, short_trace, trace_path, vllm
+from conftest import (
+    ROOT,
+    fp8_kv_cache_runs,
+    hf,
+    model_dir,
+    session,
+    short_trace,
+    trace_path,
+    vllm,
+)
 
-from numbisect import engine_config as E
-from numbisect.formatting import fmt
-from numbisect.userengine import UserEngine, processed_asked
+from numbisect.common.formatting import fmt
+from numbisect.model import engine_config as E
+from numbisect.session.userengine import UserEngine, processed_asked
 
 FIX = "qwen3_moe"
 
@@ -88,11 +97,11 @@ def test_compare_in_the_users_settings_with_processed_logprobs(tmp_path):
     eager engine; the report records both, the child's prompt log-probs are bitwise the
     eager engine's, and the first finding is that the log-probs are processed (fitted on
     the tokens the user's engine sampled), with what to change."""
-    from numbisect.compare import Settings
-    from numbisect.provenance import new_report
-    from numbisect.render import render
-    from numbisect.report import validate
-    from numbisect.session import Session, Spec
+    from numbisect.commands.provenance import new_report
+    from numbisect.pipeline.measure import Settings
+    from numbisect.report.document import validate
+    from numbisect.report.summary import render
+    from numbisect.session.session import Session, Spec
 
     user = {"enforce_eager": True, "enable_prefix_caching": False, "batch": "all",
             "logprobs_mode": "processed_logprobs", "sampling": {"temperature": 0.7}}
@@ -183,8 +192,8 @@ def test_decode_mode_and_routing_replay_run_in_settings_hooks_run_in():
     the shared engine's) need no child: decode mode and the routing replay run in them, and
     the report's engine_config section says every part ran in the hookable configuration,
     which is yours."""
-    from numbisect.compare import Settings
-    from numbisect.session import Session, Spec
+    from numbisect.pipeline.measure import Settings
+    from numbisect.session.session import Session, Spec
 
     user = {"enforce_eager": True, "enable_prefix_caching": False}
     for more, key in (({"engine_mode": "decode"}, "engine_modes"), ({"replay_routing": "ref"}, "routing_replay")):
@@ -205,8 +214,8 @@ def test_decode_mode_in_the_users_settings_runs_in_the_child():
     the user's settings and runs its prefill beside it; the report's baseline is the user's
     decode run, `engine_config.engine_modes` its decode against its own prefill, and the
     captures and decode-vs-prefill units stay the hookable engine's (`engine_modes`)."""
-    from numbisect.compare import Settings
-    from numbisect.session import Session, Spec
+    from numbisect.pipeline.measure import Settings
+    from numbisect.session.session import Session, Spec
 
     user = {"enforce_eager": True, "enable_prefix_caching": False, "batch": "all"}
     spec = Spec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=short_trace(FIX, 3),
@@ -233,11 +242,11 @@ def test_decode_mode_in_the_users_settings_runs_in_the_child():
 
 def _compare_report(user, more, samples=3):
     """A compare in the user's settings on the shared engines: (body, validated report, summary lines)."""
-    from numbisect.compare import Settings
-    from numbisect.provenance import new_report
-    from numbisect.render import render
-    from numbisect.report import validate
-    from numbisect.session import Session, Spec
+    from numbisect.commands.provenance import new_report
+    from numbisect.pipeline.measure import Settings
+    from numbisect.report.document import validate
+    from numbisect.report.summary import render
+    from numbisect.session.session import Session, Spec
 
     spec = Spec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=short_trace(FIX, samples),
                 engine_config=user, engine_config_path="mine.json", **more)

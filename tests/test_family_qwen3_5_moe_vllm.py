@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import bound, check_gdn_sub_units, search, session
-from numbisect import selftest as ST
-from numbisect.errors import ExitCode, InputError
-from numbisect.run import run
+
+from numbisect.commands import selftest as ST
+from numbisect.commands.run import run
+from numbisect.common.errors import ExitCode, InputError
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.vllm]
 
@@ -58,7 +58,7 @@ def test_the_conv_and_gates_modules_leave_the_engines_results_as_they_were():
     # The conv and gates units are modules numbisect routes vLLM's own kernel calls through
     # (backends/vllm/gdn.py): with the routing off (no module to route to) the engine's
     # log-probs must be the same bits.
-    from numbisect.backends.ledger import Ledger
+    from numbisect.patching.ledger import Ledger
 
     s = session(NAME, "vllm", samples=3)
     eng = s.engine
@@ -71,7 +71,7 @@ def test_the_conv_and_gates_modules_leave_the_engines_results_as_they_were():
         plain = eng.forward(s.samples, full_logits=True).full_logprobs
     assert all(torch.equal(a, b) for a, b in zip(routed, plain))
     # and the engine computes through them: a fault on one of them reaches the log-probs
-    from numbisect.faults import apply_faults, parse_fault
+    from numbisect.patching.faults import apply_faults, parse_fault
 
     with apply_faults(eng, [parse_fault("output_noise=1e-2@layers.0.attn.gates")]):
         faulty = eng.forward(s.samples, full_logits=True).full_logprobs

@@ -1,7 +1,7 @@
 """Qwen3-Next (Qwen3NextForCausalLM, fixtures/models/qwen3_next): compare, run and planted
 faults on hf engines.
 
-The family's facts that matter (numbisect/arch/qwen3_next.py): layers 0-2 have Gated
+The family's facts that matter (numbisect/model/arch/qwen3_next.py): layers 0-2 have Gated
 DeltaNet linear attention (`linear_attn` with the fused per-key-head projections
 `in_proj_qkvz` and `in_proj_ba`, conv, gates, recurrent state, gated output norm), layer 3
 gated full attention (`self_attn` with an output gate); each is the unit `layers.{i}.attn`.
@@ -17,12 +17,12 @@ import json
 
 import pytest
 import torch
-
 from conftest import bound, damaged_copy, hf, model_dir, search, session, trace_path
-from numbisect import routing as R
-from numbisect.arch import arch_for
+
 from numbisect.cli import main
-from numbisect.errors import ExitCode
+from numbisect.common.errors import ExitCode
+from numbisect.model.arch import arch_for
+from numbisect.pipeline import routing as R
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,9 +14,9 @@ The hf-engine tests of the family are in test_family_qwen3_next.py.
 from __future__ import annotations
 
 import pytest
-
 from conftest import bound, check_gdn_sub_units, search, session
-from numbisect.errors import ExitCode
+
+from numbisect.common.errors import ExitCode
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.vllm]
 

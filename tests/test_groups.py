@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import FIXTURES, model_dir, trace_path
+
 from numbisect.cli import main
-from numbisect.compare import Settings
-from numbisect.run import run
-from numbisect.session import Session, Spec
+from numbisect.commands.run import run
+from numbisect.pipeline.measure import Settings
+from numbisect.session.session import Session, Spec
 
 VL = "qwen3_vl_moe"
 IMAGE_TOKEN = 253
@@ -160,7 +160,7 @@ def test_images_need_an_hf_engine(tmp_path, capsys):
 
 
 def test_cli_run_on_image_group_writes_a_valid_report(tmp_path, capsys):
-    from numbisect.report import load_report
+    from numbisect.report.document import load_report
 
     out = tmp_path / "r.json"
     code = main(["run", *_vl_args()[1:], "--engine-fault", "output_noise=1.0@vision.projector",
@@ -175,8 +175,8 @@ def test_cli_run_on_image_group_writes_a_valid_report(tmp_path, capsys):
 def test_pixels_from_npy_and_bad_images(tmp_path):
     import numpy as np
 
-    from numbisect.errors import InputError
-    from numbisect.trace import load_trace
+    from numbisect.common.errors import InputError
+    from numbisect.model.trace import load_trace
 
     np.save(tmp_path / "p.npy", np.ones((16, 96), dtype=np.float32))
     rec = {"prompt_ids": [1, 254, 253, 253, 253, 253, 255], "completion_ids": [5],

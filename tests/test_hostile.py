@@ -163,7 +163,7 @@ def test_trace_that_is_a_directory_or_missing(tmp_path):
 
 def test_bom_and_crlf_trace_is_read_like_the_original(tmp_path):
     """Not hostile after all: a Windows-saved trace gives the same report as the original."""
-    from numbisect.trace import load_trace
+    from numbisect.model.trace import load_trace
 
     lines = TRACE.read_text().splitlines()[:3]
     plain, win = tmp_path / "plain.jsonl", tmp_path / "win.jsonl"

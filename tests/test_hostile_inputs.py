@@ -368,7 +368,7 @@ def test_integer_tensors_load_where_config_declares_quantization(tmp_path):
     shutil.copytree(QWEN3, m)
     _int8_copy(m / "model.safetensors", "model.norm.weight")
     cfg = json.loads((m / "config.json").read_text())
-    from numbisect.errors import InputError
+    from numbisect.common.errors import InputError
 
     with pytest.raises(InputError, match="model.norm.weight is I8"):
         check_weights(str(m), cfg)
@@ -402,7 +402,7 @@ def test_the_vllm_backends_tell_vllm_never_to_trust_remote_code(tp, monkeypatch)
     stops the start-up: nothing loads."""
     from numbisect.backends.vllm import VLLMBackend, import_vllm
     from numbisect.backends.vllm.tp import VLLMTPBackend
-    from numbisect.errors import BackendError, InputError
+    from numbisect.common.errors import BackendError, InputError
 
     vllm = import_vllm()
     seen = {}

@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import model_dir, trace_path
+
 from numbisect.cli import main
 
 MODEL = model_dir("qwen3_moe")

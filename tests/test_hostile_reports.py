@@ -18,7 +18,6 @@ print how many cases ran (`pytest -s`) and assert a floor on that number.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import copy
 import io
@@ -214,7 +213,7 @@ def _paths(obj, prefix=()):
 
 
 def test_the_bases_are_valid_reports():
-    from numbisect.report import validate
+    from numbisect.report.document import validate
 
     for name, r in BASE.items():
         assert validate(r) == [], name
@@ -350,7 +349,7 @@ def check_report(path: Path) -> bool:
     shown(["report", "diff", str(OTHER), str(path)])
     shown(["report", "diff", str(path), str(OTHER)])
     json.loads(shown(["report", "diff", "--json", str(path), str(OTHER)]))
-    from numbisect.report import load_report
+    from numbisect.report.document import load_report
     from numbisect.tui.app import preflight
 
     preflight(load_report(path), str(path))  # every text the TUI draws: raises InputError if it cannot
@@ -497,7 +496,7 @@ def test_deeply_nested_json_is_one_line_exit_2(tmp_path, depth, words):
 def test_schema_validation_that_recurses_is_caught(tmp_path, monkeypatch):
     """Under the depth limit jsonschema cannot recurse too deep; with the limit lifted its
     RecursionError (repr of a deep value in a message) is still one line."""
-    import numbisect.report as R
+    import numbisect.report.document as R
 
     monkeypatch.setattr(R, "MAX_DEPTH", 10**6)
     r = copy.deepcopy(BASE["compare_hf"])
@@ -526,12 +525,12 @@ def test_a_report_path_with_control_characters_is_named_escaped(tmp_path):
 def test_rich_markup_in_unit_names_is_shown_as_text(tmp_path):
     """Found by hand: `[/]` in a unit name crashed the TUI (MarkupError, a Rich traceback
     and exit 0). The name is drawn as it is, in the answer bar, the tree and the trials."""
-    from numbisect.tui.widgets.culprit import CulpritPanel
-    from numbisect.tui.widgets.unit_tree import UnitTree
     from textual.widgets import DataTable
 
-    from numbisect.report import load_report
+    from numbisect.report.document import load_report
     from numbisect.tui.app import BisectApp
+    from numbisect.tui.widgets.culprit import CulpritPanel
+    from numbisect.tui.widgets.unit_tree import UnitTree
 
     name = "layers.2.moe.[/][bold]x"
     path = write(tmp_path, with_culprit_named(name))
@@ -558,7 +557,7 @@ def test_rich_markup_in_unit_names_is_shown_as_text(tmp_path):
 
 
 def test_the_tui_shows_escapes_but_exports_the_report_as_read(tmp_path):
-    from numbisect.report import load_report
+    from numbisect.report.document import load_report
     from numbisect.tui.app import BisectApp
 
     r = with_culprit_named(ESC)
@@ -685,7 +684,7 @@ def test_strange_recurrent_state_values_are_shown_by_report_show_md_and_the_tui(
     """recurrent_state (linear attention) with NaN, non-finite and huge numbers, passes
     not measured, no points, no layers, many unread points, hostile names: `report show`,
     `report md` (its tables keep their columns) and the TUI's drawing show it."""
-    from numbisect.report import load_report
+    from numbisect.report.document import load_report
     from numbisect.tui.app import preflight
     from numbisect.tui.widgets.unit_detail import detail_text
 
@@ -739,8 +738,8 @@ def _leaves(o, pre=()):
 
 def _show_in_process(r: dict) -> None:
     """What `report show|md|diff` and the TUI draw, in-process (the CLI runs are above)."""
-    from numbisect.render import render
-    from numbisect.reporttools import diff, markdown, render_diff
+    from numbisect.report.summary import render
+    from numbisect.report.tools import diff, markdown, render_diff
     from numbisect.tui.app import preflight
 
     other = SMALL_RUN
@@ -759,7 +758,7 @@ def test_every_leaf_of_every_section_with_an_odd_value(value):
     multiplied a "nan" string.)"""
     import jsonschema
 
-    from numbisect.report import schema
+    from numbisect.report.document import schema
 
     validator = jsonschema.Draft202012Validator(schema())
     base = _small(BASE["every_section"])
@@ -787,6 +786,6 @@ ANY_TEXT = st.text(alphabet=st.characters(codec=None, min_codepoint=0, max_codep
 def test_printable_tree_fast_path_misses_nothing(obj):
     """printable_tree returns the object itself only when no string in it needs escaping
     (compared by repr: a NaN leaf is not equal to itself)."""
-    from numbisect.textsafe import _printable_walk, printable_tree
+    from numbisect.common.textsafe import _printable_walk, printable_tree
 
     assert repr(printable_tree(obj)) == repr(_printable_walk(obj))

@@ -1,13 +1,16 @@
 """The package's layering, checked on its source (AST, function-local imports counted).
 
+The layers, top to bottom (`LAYERS`; ARCHITECTURE.md draws the same list). A module imports
+only modules of its own layer or of the layers below it; inside a layer, only its own package
+(two packages of one layer never import each other). Imports under `if TYPE_CHECKING:` are
+annotations, not imports, and are not counted.
+
 1. No import cycles among numbisect modules.
-2. The core (all but numbisect.cli, numbisect.__main__ and numbisect.tui.*) never imports
-   the CLI, the TUI, textual or click.
-3. Report tooling (`REPORT_TOOLS` and every numbisect module they import, transitively)
-   never imports torch, transformers or vllm; and `bisect report show|validate|md|diff`
-   run in a fresh interpreter leave no torch in sys.modules.
-4. Backends (numbisect.backends.*) never import the search (search, run, session,
-   selftest), directly or transitively.
+2. The layer order above.
+3. The core (every layer below the UI) never imports textual or click.
+4. Report tooling (`numbisect.report`, `numbisect.common`) never imports torch,
+   transformers or vllm; and `bisect report show|validate|md|diff` run in a fresh
+   interpreter leave no torch in sys.modules.
 
 An import of a package counts as an import of its `__init__` only (not of its parents).
 """
@@ -25,36 +28,68 @@ import pytest
 from conftest import ROOT
 
 PKG = ROOT / "numbisect"
-UI = ("numbisect.cli", "numbisect.__main__", "numbisect.tui")
-REPORT_TOOLS = ("numbisect.report", "numbisect.reporttools", "numbisect.render", "numbisect.routing_render",
-                "numbisect.decode_render", "numbisect.formatting", "numbisect.reportview", "numbisect.jsonsafe", "numbisect.textsafe",
-                "numbisect.safeio", "numbisect.errors")
+# Top to bottom. Each entry is a layer: the packages (or modules) under numbisect in it.
+LAYERS = (
+    ("__main__", "cli", "tui"),  # the UI: the `bisect` command and the Textual app
+    ("commands",),  # one module per verb's orchestration
+    ("session",),  # one trace, one reference, one engine, the trials run on them
+    ("search",),  # the culprit search: pure, torch-free
+    ("pipeline",),  # one comparison and the analysis done at comparison time
+    ("backends",),  # one folder per engine, the registry, the interface
+    ("patching",),  # engine-neutral changes a backend carries out, and its probes
+    ("model",),  # arch maps, units, traces, engine configs, checkpoint diff
+    ("report",),  # the report document and its readers: torch-free
+    ("common",),  # errors, safe IO, text and number formatting: torch-free
+)
+UI_ORDER = ("__main__", "cli", "tui")  # inside the UI layer, each imports only those after it
+TORCH_FREE = ("report", "common")
 HEAVY = ("torch", "transformers", "vllm")
-SEARCH = ("numbisect.search", "numbisect.run", "numbisect.session", "numbisect.selftest")
 
 
-def _under(mod: str, prefixes) -> bool:
-    return any(mod == p or mod.startswith(p + ".") for p in prefixes)
+def layer_of(mod: str) -> tuple[int, str]:
+    """(layer index, package) of a numbisect module; the root package is below every layer."""
+    parts = mod.split(".")
+    if len(parts) == 1:
+        return len(LAYERS), ""
+    for i, packages in enumerate(LAYERS):
+        if parts[1] in packages:
+            return i, parts[1]
+    raise AssertionError(f"{mod} is in no layer: add its package to LAYERS and ARCHITECTURE.md")
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _import_nodes(tree: ast.AST):
+    """Every import statement, function-local ones included, but not under `if TYPE_CHECKING:`."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if _type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
 
 
 def imports(pkg: Path) -> tuple[nx.DiGraph, dict[str, set[str]]]:
     """numbisect module -> numbisect modules it imports (a graph), and -> the outside
-    top-level packages it imports; every import statement, function-local ones included."""
+    top-level packages it imports."""
     files = {".".join(p.relative_to(pkg.parent).with_suffix("").parts).removesuffix(".__init__"): p for p in pkg.rglob("*.py")}
     g, outside = nx.DiGraph(), {m: set() for m in files}
     g.add_nodes_from(files)
     for mod, path in files.items():
         here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
+            else:
                 base = node.module or ""
                 if node.level:
                     base = ".".join([*here.split(".")[: len(here.split(".")) - node.level + 1], *filter(None, [base])])
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
-            else:
-                continue
             for t in targets:
                 if t.split(".")[0] != pkg.name:
                     outside[mod].add(t.split(".")[0])
@@ -72,21 +107,19 @@ def check(pkg: Path = PKG) -> list[str]:
             loop = [a for a, _ in nx.find_cycle(g.subgraph(c), source=c[0])]
             out.append(f"import cycle: {' -> '.join(loop + loop[:1])} (among {', '.join(c)})")
     for mod in sorted(g):
-        if _under(mod, UI):
-            continue
-        for bad in sorted(outside[mod] & {"textual", "click"}) + sorted(t for t in g.successors(mod) if _under(t, UI)):
-            out.append(f"core imports the UI: {mod} imports {bad}")
-    reached = {}  # module -> the report tool it is reached from
-    for tool in REPORT_TOOLS:
-        for mod in [tool, *nx.descendants(g, tool)]:
-            reached.setdefault(mod, tool)
-    for mod, tool in sorted(reached.items()):
-        for bad in sorted(outside[mod] & set(HEAVY)):
-            via = " -> ".join(nx.shortest_path(g, tool, mod))
-            out.append(f"report tooling imports {bad}: {mod}" + (f" (via {via})" if mod != tool else ""))
-    for mod in sorted(m for m in g if _under(m, ("numbisect.backends",))):
-        for bad in sorted(t for t in nx.descendants(g, mod) if t in SEARCH):
-            out.append(f"backend imports the search: {mod} reaches {bad}")
+        (i, p) = layer_of(mod)
+        for t in sorted(g.successors(mod)):
+            (j, q) = layer_of(t)
+            if j < i:
+                out.append(f"imports a layer above: {mod} (layer {p}) imports {t} (layer {q})")
+            elif j == i and p != q and not (i == 0 and UI_ORDER.index(q) > UI_ORDER.index(p)):
+                out.append(f"imports a sibling package: {mod} imports {t} (both in layer {i})")
+        if i > 0:
+            for bad in sorted(outside[mod] & {"textual", "click"}):
+                out.append(f"core imports the UI: {mod} imports {bad}")
+        if p in TORCH_FREE:
+            for bad in sorted(outside[mod] & set(HEAVY)):
+                out.append(f"report tooling imports {bad}: {mod}")
     return out
 
 
@@ -94,19 +127,27 @@ def test_the_package_keeps_its_layers():
     assert check() == []
 
 
+def test_every_package_is_in_a_layer():
+    named = {p for layer in LAYERS for p in layer}
+    present = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()} | {
+        p.stem for p in PKG.glob("*.py") if p.stem != "__init__"}
+    assert present == named
+
+
 @pytest.mark.parametrize(
     ("module", "line", "expected"),
     [
-        ("backends/hf/__init__.py", "import numbisect.search", "backend imports the search: numbisect.backends.hf reaches numbisect.search"),
-        ("backends/options.py", "from numbisect import session", "backend imports the search: numbisect.backends.options reaches numbisect.session"),
-        ("report.py", "import torch", "report tooling imports torch: numbisect.report"),
-        ("formatting.py", "from numbisect.compare import sanitize", "report tooling imports torch: numbisect.compare (via numbisect.re"),
-        ("textsafe.py", "def f():\n    from transformers import AutoConfig", "report tooling imports transformers: numbisect.textsafe"),
-        ("units.py", "import numbisect.arch", "import cycle: numbisect.arch -> "),
+        ("backends/hf/__init__.py", "import numbisect.search.search", "imports a layer above: numbisect.backends.hf (layer backends) imports numbisect.search.search"),
+        ("backends/options.py", "from numbisect.session import session", "imports a layer above: numbisect.backends.options"),
+        ("report/document.py", "import torch", "report tooling imports torch: numbisect.report.document"),
+        ("common/textsafe.py", "def f():\n    from transformers import AutoConfig", "report tooling imports transformers: numbisect.common.textsafe"),
+        ("report/summary.py", "from numbisect.pipeline import measure", "imports a layer above: numbisect.report.summary"),
+        ("model/units.py", "import numbisect.model.arch", "import cycle: numbisect.model.arch -> "),
         ("backends/options.py", "from numbisect.backends import open_backend", "import cycle: numbisect.backends -> "),
-        ("metrics.py", "from numbisect.tui import model", "core imports the UI: numbisect.metrics imports numbisect.tui.model"),
-        ("search.py", "def f():\n    import click", "core imports the UI: numbisect.search imports click"),
-        ("swap.py", "from numbisect.cli import main", "core imports the UI: numbisect.swap imports numbisect.cli"),
+        ("pipeline/metrics.py", "from numbisect.tui import model", "imports a layer above: numbisect.pipeline.metrics (layer pipeline) imports numbisect.tui.model"),
+        ("search/search.py", "def f():\n    import click", "core imports the UI: numbisect.search.search imports click"),
+        ("patching/swap.py", "from numbisect.backends.base import Backend", "imports a layer above: numbisect.patching.swap"),
+        ("tui/model.py", "from numbisect.cli import main", "imports a sibling package: numbisect.tui.model imports numbisect.cli"),
     ],
 )
 def test_the_checker_finds_a_forbidden_import(tmp_path, module, line, expected):
@@ -116,6 +157,13 @@ def test_the_checker_finds_a_forbidden_import(tmp_path, module, line, expected):
         f.write(f"\n{line}\n")
     found = check(pkg)
     assert any(v.startswith(expected) for v in found), found
+
+
+def test_type_checking_imports_are_not_imports(tmp_path):
+    pkg = shutil.copytree(PKG, tmp_path / "numbisect", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(pkg / "model" / "trace.py", "a") as f:
+        f.write("\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from numbisect.session.session import Session\n")
+    assert check(pkg) == []
 
 
 REPORTS = ROOT / "fixtures" / "reports"

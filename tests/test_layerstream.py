@@ -9,11 +9,11 @@ import torch
 from conftest import ROOT, hf, model_dir, short_trace
 from test_dump import dump_dir, dump_session
 
-from numbisect.compare import Settings
-from numbisect.errors import InputError
-from numbisect.layerstream import LayerStreamRef
-from numbisect.session import Session, Spec
-from numbisect.trace import load_trace
+from numbisect.common.errors import InputError
+from numbisect.model.trace import load_trace
+from numbisect.pipeline.layerstream import LayerStreamRef
+from numbisect.pipeline.measure import Settings
+from numbisect.session.session import Session, Spec
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from numbisect.metrics import (
+from numbisect.pipeline.metrics import (
     RLThresholds,
     activation_error,
     activation_error_multi,

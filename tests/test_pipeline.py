@@ -1,4 +1,4 @@
-"""The comparison pipeline (`numbisect.pipeline`) on its own inputs, without a Session;
+"""The comparison pipeline (`numbisect.pipeline.comparison`) on its own inputs, without a Session;
 the one local ranking every mode uses; and the hook that hands out a run's comparison
 before its trials (the TUI shows it while the search runs)."""
 
@@ -8,9 +8,9 @@ import math
 
 from conftest import session
 
-from numbisect import pipeline as P
-from numbisect.compare import local_ranking
-from numbisect.run import run
+from numbisect.commands.run import run
+from numbisect.pipeline import comparison as P
+from numbisect.pipeline.measure import local_ranking
 
 
 def _row(name, kind, rel):

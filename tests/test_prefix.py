@@ -7,17 +7,17 @@ import json
 
 import pytest
 import torch
-
 from conftest import hf, model_dir, session, trace_path
+
 from numbisect.backends.hf import HFBackend
 from numbisect.cli import main
-from numbisect.compare import Settings
-from numbisect.errors import BackendError
-from numbisect.prefix import Replay, first_layer
-from numbisect.report import load_report
-from numbisect.run import run
-from numbisect.session import Session, Spec
-from numbisect.selftest import plant
+from numbisect.commands.run import run
+from numbisect.commands.selftest import plant
+from numbisect.common.errors import BackendError
+from numbisect.patching.prefix import Replay, first_layer
+from numbisect.pipeline.measure import Settings
+from numbisect.report.document import load_report
+from numbisect.session.session import Session, Spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -242,7 +242,7 @@ def test_a_prefix_cache_budget_that_is_not_a_positive_number_is_a_one_line_error
 def test_without_a_baseline_a_trial_over_the_budget_turns_recording_off():
     """A resumed run has no recorded baseline: a trial that computed every layer and does
     not fit stops the recording instead of being made and dropped on every trial."""
-    from numbisect.prefix import PrefixCache, Recording
+    from numbisect.patching.prefix import PrefixCache, Recording
 
     cache = PrefixCache(max_bytes=100)
     cache._add(Recording(frozenset({"layers.1.attn"}), [[torch.zeros(10)], [torch.zeros(10)]]), None)  # 80 bytes: kept

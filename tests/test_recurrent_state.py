@@ -1,4 +1,4 @@
-"""The recurrent state of linear-attention layers (numbisect.recurrent) as a captured quantity,
+"""The recurrent state of linear-attention layers (numbisect.pipeline.recurrent) as a captured quantity,
 on Qwen3.5-MoE (fixtures/models/qwen3_5_moe: Gated DeltaNet in layers 0-2, gated full
 attention in layer 3).
 
@@ -16,13 +16,13 @@ import json
 import random
 
 import pytest
-
 from conftest import damaged_copy, hf, model_dir, trace_path, vllm
-from numbisect import recurrent as RS
+
 from numbisect.cli import main
-from numbisect.compare import Settings
-from numbisect.report import validate
-from numbisect.session import Session, Spec
+from numbisect.pipeline import recurrent as RS
+from numbisect.pipeline.measure import Settings
+from numbisect.report.document import validate
+from numbisect.session.session import Session, Spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

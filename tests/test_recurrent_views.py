@@ -16,11 +16,11 @@ import json
 import random
 
 import pytest
-
 from conftest import model_dir, trace_path
+
 from numbisect.cli import main
-from numbisect.formatting import fmt
-from numbisect.report import load_report, validate
+from numbisect.common.formatting import fmt
+from numbisect.report.document import load_report, validate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

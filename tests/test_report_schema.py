@@ -13,9 +13,16 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from numbisect.compare import sanitize
-from numbisect.errors import InputError
-from numbisect.report import SCHEMA_PATH, SCHEMA_VERSION, load_report, schema, validate, write_json_atomic
+from numbisect.common.errors import InputError
+from numbisect.pipeline.measure import sanitize
+from numbisect.report.document import (
+    SCHEMA_PATH,
+    SCHEMA_VERSION,
+    load_report,
+    schema,
+    validate,
+    write_json_atomic,
+)
 
 DATA = Path(__file__).resolve().parent / "data"
 EXAMPLE = DATA / "report_compare_hf.json"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from numbisect.cli import main
-from numbisect.formatting import fmt, num, pct
-from numbisect.reporttools import MAX_DIFF_UNITS, diff, markdown, render_diff
+from numbisect.common.formatting import fmt, num, pct
+from numbisect.report.tools import MAX_DIFF_UNITS, diff, markdown, render_diff
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANTED = ROOT / "fixtures" / "reports" / "qwen3_moe_planted_fault.json"
@@ -301,8 +301,8 @@ def future(planted: dict) -> dict:
 
 
 def test_open_set_values_from_a_later_version_load_and_render(planted, tmp_path, capsys):
-    from numbisect.render import render
-    from numbisect.report import load_report, validate
+    from numbisect.report.document import load_report, validate
+    from numbisect.report.summary import render
 
     r = future(planted)
     assert validate(r) == []

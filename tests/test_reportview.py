@@ -8,14 +8,14 @@ import json
 import math
 
 import pytest
-
 from conftest import ROOT, model_dir, trace_path
+
 from numbisect.cli import main
-from numbisect.formatting import num
-from numbisect.render import render
-from numbisect.reporttools import diff, markdown, render_diff
-from numbisect.reportview import ReportView, view
-from numbisect.routing_render import routing_lines
+from numbisect.common.formatting import num
+from numbisect.report.sections.routing import routing_lines
+from numbisect.report.summary import render
+from numbisect.report.tools import diff, markdown, render_diff
+from numbisect.report.view import ReportView, view
 
 PLANTED = ROOT / "fixtures" / "reports" / "qwen3_moe_planted_fault.json"
 
@@ -88,7 +88,7 @@ def test_threshold_is_parsed_where_declared_with_one_type_for_every_command(caps
 def test_threshold_floor_loads_nothing_while_parsing(capsys, monkeypatch):
     """`--threshold floor` is a marker until the command body resolves it: a later usage
     error is reported without calibrating."""
-    import numbisect.calibrate as C
+    import numbisect.commands.calibrate as C
 
     monkeypatch.setattr(C, "resolve_threshold", lambda *a, **k: pytest.fail("calibrated during argument checks"))
     d = model_dir("qwen3")

@@ -12,13 +12,13 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import FIXTURES, hf, model_dir, trace_path
+
 from numbisect.cli import main
-from numbisect.compare import Settings
-from numbisect.rlformats import load_any
-from numbisect.session import Session, Spec
-from numbisect.trace import load_trace
+from numbisect.model.rlformats import load_any
+from numbisect.model.trace import load_trace
+from numbisect.pipeline.measure import Settings
+from numbisect.session.session import Session, Spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TRACES = FIXTURES / "traces"

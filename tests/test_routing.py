@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf, model_dir, session, trace_path
-from numbisect import routing as R
+
 from numbisect.cli import main
-from numbisect.provenance import new_report
-from numbisect.report import validate
+from numbisect.commands.provenance import new_report
+from numbisect.pipeline import routing as R
+from numbisect.report.document import validate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAULT = "output_noise=0.3@layers.1.moe.router"
@@ -92,7 +92,7 @@ def test_router_fault_on_an_fp32_hf_engine_flips_routing_at_that_layer_and_repla
     _check_replay(body["routing_replay"])
     r = new_report("compare", "bisect compare", s.inputs(), s.settings.to_dict(), body)
     assert validate(r) == []
-    from numbisect.render import render
+    from numbisect.report.summary import render
 
     text = render(r)
     assert "MoE routing (top-2 of 8, softmax)" in text and "layers.1.moe.router" in text
@@ -150,7 +150,7 @@ def test_run_with_replay_routing_writes_the_split_in_its_report(tmp_path, capsys
                  "--trace", trace_path("qwen3_moe"), "--engine-fault", FAULT, "--swap", "router",
                  "--replay-routing", "engine", "--out", str(out), "-q"])
     text = capsys.readouterr().out
-    from numbisect.report import load_report
+    from numbisect.report.document import load_report
 
     r = load_report(out)
     assert code == 0  # the fault stays under the 1e-3 threshold; the swap and the replay still run
@@ -195,8 +195,8 @@ def test_replay_routing_on_a_dump_or_under_tensor_parallel_is_a_one_line_error(t
 def test_batched_hf_engine_records_and_replays_per_sample():
     """hf with batch_size 4 (right padding): ids are cut back per sample and replayed per sample."""
     from numbisect.backends.hf import HFBackend
-    from numbisect.compare import Settings
-    from numbisect.session import Session, Spec
+    from numbisect.pipeline.measure import Settings
+    from numbisect.session.session import Session, Spec
 
     d = model_dir("qwen3_moe")
     spec = Spec(ref=f"hf:{d}", engine=f"hf:{d}", trace=trace_path("qwen3_moe"), ref_dtype="float32",
@@ -213,15 +213,15 @@ def test_batched_hf_engine_records_and_replays_per_sample():
 def test_hostile_routing_sections_are_summarised_or_refused_never_a_crash(tmp_path):
     """Each routing field replaced (None, "nan", a list, an object) or deleted: `report show`
     and `report md` summarise it or refuse it in one line (exit 2), never exit 3."""
+    import contextlib
     import copy
     import io
     import json
-    import contextlib
 
     s = session("qwen3_moe", "hf", ref_dtype="float32", engine_dtype="float32", faults=[FAULT], samples=4)
     s.spec.replay_routing = "ref"
     base = new_report("compare", "bisect compare", s.inputs(), s.settings.to_dict(), s.compare(local=False))
-    from numbisect.compare import sanitize
+    from numbisect.pipeline.measure import sanitize
 
     base = json.loads(json.dumps(sanitize(base)))
     lay = base["routing"]["layers"][1]

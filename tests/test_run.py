@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import bound, model_dir, search, session, trace_path
-from numbisect.cli import main
-from numbisect.errors import ExitCode
-from numbisect.run import run
 
+from numbisect.cli import main
+from numbisect.commands.run import run
+from numbisect.common.errors import ExitCode
 
 # Faults an fp32 hf engine shows against an fp32 reference (whose noise floor is exactly 0).
 HF_CASES = [

@@ -14,14 +14,14 @@ import sys
 
 import pytest
 
-from numbisect.search import (
+from numbisect.model.units import build_units, children, unit_graph
+from numbisect.search.search import (
     BudgetExhausted,
     Trial,
     TrialRunner,
     default_candidates,
     search,
 )
-from numbisect.units import build_units, children, unit_graph
 
 THR = 1e-3
 FLOOR = 1e-5
@@ -559,7 +559,7 @@ def test_bad_inputs_are_refused():
 
 
 def test_search_imports_no_torch():
-    code = "import sys, numbisect.search; print('torch' in sys.modules)"
+    code = "import sys, numbisect.search.search; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -7,9 +7,9 @@ import json
 import pytest
 from conftest import ROOT, child_env, model_dir, session
 
-from numbisect import ckptfaults as CF
-from numbisect import selftest as ST
 from numbisect.cli import main
+from numbisect.commands import selftest as ST
+from numbisect.model import ckptfaults as CF
 
 
 @pytest.fixture(scope="module", autouse=True)

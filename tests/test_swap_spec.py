@@ -7,12 +7,12 @@ import pickle
 
 import pytest
 import torch
-
 from conftest import hf, model_dir, trace_path, vllm
-from numbisect.backends.ledger import Ledger
+
 from numbisect.backends.vllm.model import apply_swap_spec, undo_swap_spec
-from numbisect.swap import SwapSpec, apply_swaps
-from numbisect.trace import load_trace
+from numbisect.model.trace import load_trace
+from numbisect.patching.ledger import Ledger
+from numbisect.patching.swap import SwapSpec, apply_swaps
 
 
 @pytest.mark.vllm

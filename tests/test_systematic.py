@@ -12,10 +12,11 @@ import json
 import math
 
 from conftest import session
-from numbisect.errors import ExitCode
-from numbisect.run import run
-from numbisect.search import default_candidates
-from numbisect.units import children, unit_graph
+
+from numbisect.commands.run import run
+from numbisect.common.errors import ExitCode
+from numbisect.model.units import children, unit_graph
+from numbisect.search.search import default_candidates
 
 EVERY_LAYER = [f"moe_combine_bf16@layers.{i}.moe" for i in range(4)]
 KIND_ROLES = {"kind", "kinds", "kinds screen", "kind share"}

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from numbisect.errors import ExitCode, InputError
-from numbisect.trace import Sample, check_vocab, load_trace
+from numbisect.common.errors import ExitCode, InputError
+from numbisect.model.trace import Sample, check_vocab, load_trace
 
 GOOD = {"prompt_ids": [1, 2, 3], "completion_ids": [4, 5], "rollout_logprobs": [-0.5, -1.0]}
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "traces"

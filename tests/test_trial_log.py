@@ -19,8 +19,8 @@ import stat
 from pathlib import Path
 
 import pytest
-
 from conftest import model_dir, short_trace, vllm
+
 from numbisect.cli import main
 
 MODEL = model_dir("qwen3_moe")
@@ -327,7 +327,7 @@ def test_threads_stay_pinned_after_a_vllm_engine_started():
     values of every later hf forward then depend on whatever count was left."""
     import torch
 
-    from numbisect.conditions import set_threads
+    from numbisect.session.environment import set_threads
 
     vllm("qwen3_moe")
     before = torch.get_num_threads()

@@ -5,12 +5,11 @@ import os
 import sys
 
 import pytest
-
 from conftest import model_dir, trace_path
-from numbisect.cli import main
-from numbisect.errors import InputError
 
 from numbisect.backends.vllm.runner import import_vllm
+from numbisect.cli import main
+from numbisect.common.errors import InputError
 
 
 def test_qwen3_5_module_imports_and_inspects_without_torchvision():
@@ -19,8 +18,10 @@ def test_qwen3_5_module_imports_and_inspects_without_torchvision():
     (it does so in a child process unless numbisect keeps it in this one)."""
     import_vllm()
     from vllm.model_executor.models.qwen3_5 import Qwen3_5MoeForCausalLM
-
-    from vllm.model_executor.models.registry import ModelRegistry, _try_inspect_model_cls
+    from vllm.model_executor.models.registry import (
+        ModelRegistry,
+        _try_inspect_model_cls,
+    )
 
     model = ModelRegistry.models["Qwen3_5MoeForCausalLM"]
     assert _try_inspect_model_cls("Qwen3_5MoeForCausalLM", model) is not None

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from conftest import CONV_SWAP_SLACK, hf, model_dir, trace_path
+
 from numbisect.cli import main
-from numbisect.report import load_report
+from numbisect.report.document import load_report
 
 pytestmark = [
     pytest.mark.vllm,
@@ -58,8 +58,8 @@ def tp_engine():
 
 
 def _tp_session(eng, capture="stats", samples=6):
-    from numbisect.compare import Settings
-    from numbisect.session import Session, Spec
+    from numbisect.pipeline.measure import Settings
+    from numbisect.session.session import Session, Spec
 
     m = model_dir("qwen3_moe")
     spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=trace_path("qwen3_moe"), capture=capture,
@@ -128,9 +128,9 @@ def test_precision_whatifs_run_in_the_workers(tp_engine):
     """A low-precision expert sum planted in both workers (each rank's partial sum in fp8):
     the fp32 weighted sum what-if, put in every worker, removes it; so does the reference's
     experts in float32 (its whole sum on rank 0 only, as a swap's); both undone after."""
-    from numbisect.compare import Settings
-    from numbisect.session import Session, Spec
-    from numbisect.whatif import run_whatifs
+    from numbisect.pipeline.measure import Settings
+    from numbisect.pipeline.whatif import run_whatifs
+    from numbisect.session.session import Session, Spec
 
     m = model_dir("qwen3_moe")
 
@@ -192,8 +192,9 @@ def _bound(path: str) -> int:
     from types import SimpleNamespace
 
     from conftest import bound
-    from numbisect.arch import arch_for
+
     from numbisect.backends.base import load_config
+    from numbisect.model.arch import arch_for
 
     config = load_config(path)
     return bound(SimpleNamespace(engine=SimpleNamespace(units=arch_for(config).units(config))))
@@ -238,8 +239,9 @@ class TestQwen3_5Sessions:
     @staticmethod
     def _session(q35, faults=(), samples=8):
         from conftest import short_trace
-        from numbisect.compare import Settings
-        from numbisect.session import Session, Spec
+
+        from numbisect.pipeline.measure import Settings
+        from numbisect.session.session import Session, Spec
 
         m, ref, eng = q35
         spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=short_trace("qwen3_5_moe", samples), faults=list(faults))
@@ -280,7 +282,8 @@ class TestQwen3_5Sessions:
 
     def test_a_fault_on_the_output_gate_is_named_under_tensor_parallel(self, q35):
         from conftest import search
-        from numbisect.errors import ExitCode
+
+        from numbisect.common.errors import ExitCode
 
         s = self._session(q35, faults=["output_noise=3@layers.1.attn.out_gate"])
         body, code = search(s)
@@ -315,9 +318,10 @@ class TestQwen3NextSessions:
         swapped stays near the floor and gives the reference's outputs, every layer swapped
         gives the reference; a fault on a sub-unit is named under TP=2."""
         from conftest import search, short_trace
-        from numbisect.compare import Settings
-        from numbisect.errors import ExitCode
-        from numbisect.session import Session, Spec
+
+        from numbisect.common.errors import ExitCode
+        from numbisect.pipeline.measure import Settings
+        from numbisect.session.session import Session, Spec
 
         m, ref, eng = q3n
 
@@ -379,8 +383,9 @@ class TestMlaRope:
 
     def test_the_rope_units_are_gathered_from_both_ranks_and_swapped(self, ds):
         from conftest import short_trace
-        from numbisect.compare import Settings
-        from numbisect.session import Session, Spec
+
+        from numbisect.pipeline.measure import Settings
+        from numbisect.session.session import Session, Spec
 
         m = model_dir("deepseek_v3")
         spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=short_trace("deepseek_v3", 6))

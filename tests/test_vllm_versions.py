@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from conftest import bound, search, session, vllm
+
 from numbisect.backends.vllm import hookpoints
-from numbisect.errors import BackendError, ExitCode
+from numbisect.common.errors import BackendError, ExitCode
 
 pytestmark = pytest.mark.vllm
 

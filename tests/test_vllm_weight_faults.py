@@ -19,12 +19,12 @@ import contextlib
 
 import pytest
 import torch
+from conftest import search, session
 from torch import nn
 
-from conftest import search, session
-from numbisect.backends.ledger import Ledger
-from numbisect.errors import ExitCode
-from numbisect.faults import apply_faults, parse_fault
+from numbisect.common.errors import ExitCode
+from numbisect.patching.faults import apply_faults, parse_fault
+from numbisect.patching.ledger import Ledger
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.vllm]
 

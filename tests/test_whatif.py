@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import math
 import json
+import math
 
 import pytest
-
 from conftest import model_dir, session, trace_path
+
 from numbisect.cli import main
-from numbisect.errors import ExitCode
-from numbisect.report import load_report
-from numbisect.run import run
+from numbisect.commands.run import run
+from numbisect.common.errors import ExitCode
+from numbisect.report.document import load_report
 
 
 def search(s):
@@ -124,7 +124,7 @@ def test_precision_whatifs_run_on_real_vllm():
 def test_fp32_weighted_sum_on_real_vllm_removes_a_planted_low_precision_sum():
     # fp8 contributions summed in fp8 in layer 0 (k3 ~1e-4 against the ~5e-5 bf16 floor):
     # the fp32 sum of vLLM's own per-slot expert outputs replaces exactly that arithmetic.
-    from numbisect.whatif import run_whatifs
+    from numbisect.pipeline.whatif import run_whatifs
 
     s = session("qwen3_moe", "vllm", faults=["moe_combine_fp8@layers.0.moe"])
     natural = session("qwen3_moe", "vllm")
@@ -143,7 +143,7 @@ def test_fp32_weighted_sum_on_real_vllm_removes_a_planted_low_precision_sum():
 def test_on_vllm_a_noise_fault_the_fp32_unit_cannot_keep_is_named():
     # vLLM's fp32 unit is the reference's module: weight noise planted on vLLM's own expert
     # weights cannot follow it, and the what-if says so instead of claiming a fix silently.
-    from numbisect.whatif import run_whatifs
+    from numbisect.pipeline.whatif import run_whatifs
 
     spec = "weight_noise=0.3@layers.2.moe.experts"
     s = session("qwen3_moe", "vllm", faults=[spec])
@@ -157,7 +157,7 @@ def test_on_vllm_a_noise_fault_the_fp32_unit_cannot_keep_is_named():
 
 def test_a_whatif_that_leaves_an_infinite_metric_infinite_does_not_help():
     """A NaN fault makes the metric inf; inf -> inf must not read as "helps" (inf <= inf/2)."""
-    from numbisect.whatif import verdict
+    from numbisect.pipeline.whatif import verdict
 
     assert verdict(math.inf, math.inf, 1e-3) == "no_help"
     assert verdict(math.inf, math.nan, 1e-3) == "no_help"

@@ -10,12 +10,12 @@ import json
 import math
 
 import pytest
-
 from conftest import hf, model_dir, session, short_trace, trace_path
+
 from numbisect.cli import main
-from numbisect.errors import ExitCode
-from numbisect.report import load_report
-from numbisect.whatif import UNIT, WSUM, run_whatifs
+from numbisect.common.errors import ExitCode
+from numbisect.pipeline.whatif import UNIT, WSUM, run_whatifs
+from numbisect.report.document import load_report
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,7 +70,7 @@ def run_cli(*extra: str) -> list[str]:
 
 
 def test_a_failing_whatif_keeps_the_search_its_report_and_its_exit_code(tmp_path, monkeypatch, capsys):
-    import numbisect.whatif as W
+    import numbisect.pipeline.whatif as W
 
     def broken(*args, **kwargs):
         raise AttributeError("'Planted' object has no attribute 'rotary_emb'\nsecond line")
@@ -98,7 +98,7 @@ def test_a_failing_whatif_keeps_the_search_its_report_and_its_exit_code(tmp_path
 
 
 def test_a_summary_that_cannot_be_rendered_keeps_the_report_and_the_exit_code(tmp_path, monkeypatch, capsys):
-    import numbisect.render as R
+    import numbisect.report.summary as R
 
     def broken(report):
         raise KeyError("culprits")
@@ -143,9 +143,9 @@ def test_layer_stream_takes_qwen3_vl_moe_paths_from_its_arch_map():
     # log-probs as the whole model on the trace's text samples; image samples refused.
     import torch
 
-    from numbisect.errors import InputError
-    from numbisect.layerstream import LayerStreamRef
-    from numbisect.trace import load_trace
+    from numbisect.common.errors import InputError
+    from numbisect.model.trace import load_trace
+    from numbisect.pipeline.layerstream import LayerStreamRef
 
     samples = load_trace(trace_path("qwen3_vl_moe")).samples
     text = [s for s in samples if s.images is None][:3]

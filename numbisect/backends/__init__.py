@@ -15,7 +15,7 @@
   and the registry imports no backend (the core modules that read it, compare, decode
   and routing, form no import cycle with the backends they open).
 
-Backends sit under the search: nothing here imports numbisect.search, run, session or
+Backends sit under the search: nothing here imports numbisect.search.search, run, session or
 selftest (tests/test_layering.py checks it).
 """
 
@@ -25,8 +25,13 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from numbisect.backends.options import check_hf_opts, check_vllm_opts, no_remote_code, vllm_remote
-from numbisect.errors import InputError
+from numbisect.backends.options import (
+    check_hf_opts,
+    check_vllm_opts,
+    no_remote_code,
+    vllm_remote,
+)
+from numbisect.common.errors import InputError
 
 
 @dataclass(frozen=True)

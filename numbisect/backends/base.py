@@ -17,12 +17,26 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from numbisect.arch import ArchMap, arch_for
-from numbisect.backends.common import LOWP, LowpNorm, noise_hook, round_input_hook, round_logits_hook, seeded
-from numbisect.backends.ledger import Ledger
-from numbisect.errors import BackendError, InputError
-from numbisect.safeio import check_input, loads_json, read_text
-from numbisect.units import Unit, nearby_names
+from numbisect.common.errors import BackendError, InputError
+from numbisect.common.safeio import check_input, loads_json, read_text
+from numbisect.model.arch import ArchMap, arch_for
+from numbisect.model.units import Unit, nearby_names
+from numbisect.patching.ledger import Ledger
+from numbisect.patching.modules import (  # noqa: F401 (the backends' names for them)
+    LAYER_FLAGS,
+    carry_layer_flags,
+    get_module,
+    hidden_arg,
+    plant_weight_noise,
+    with_hidden,
+)
+from numbisect.patching.torchops import (
+    LOWP,
+    LowpNorm,
+    noise_hook,
+    round_input_hook,
+    round_logits_hook,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -147,54 +161,9 @@ def load_config(path: str):
         raise InputError(f"{path}/config.json: {' '.join(lines[:2]) or type(e).__name__}") from None
 
 
-def get_module(root: nn.Module, path: str) -> nn.Module:
-    return root.get_submodule(path)
-
-
-def hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The hidden-states input of a module call: first positional tensor or `hidden_states`."""
-    if "hidden_states" in kwargs:
-        return kwargs["hidden_states"]
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            return a
-    return None
-
-
-def plant_weight_noise(mod: nn.Module, fault, ledger: Ledger) -> None:
-    """`weight_noise`: every float parameter of `mod` times (1 + value * N(0, 1)), seeded by the unit."""
-    g = seeded(fault.unit)
-    for p in mod.parameters():
-        if p.is_floating_point() and p.numel():
-            ledger.save(p)
-            p.data.mul_(1 + fault.value * torch.randn(p.shape, generator=g))
-
-
-# Attributes a model reads from its decoder layers on every forward (vLLM's Qwen3-Next and
-# Qwen3.5 model: `layers[0].use_attn_reduce_scatter_for_moe`): a stand-in for a layer (a
-# swap adapter, a prefix-reuse replay) carries the replaced layer's.
-LAYER_FLAGS = ("use_attn_reduce_scatter_for_moe",)
-
-
-def carry_layer_flags(new: nn.Module, old: nn.Module) -> None:
-    """Give `new` the `LAYER_FLAGS` that `old`, the layer it stands in for, has."""
-    for flag in LAYER_FLAGS:
-        if hasattr(old, flag):
-            setattr(new, flag, getattr(old, flag))
-
-
-def with_hidden(args: tuple, kwargs: dict, x: torch.Tensor, new: torch.Tensor) -> tuple[tuple, dict]:
-    """(args, kwargs) of a module call with its hidden-states input `x` (as `hidden_arg`
-    found it) replaced by `new`."""
-    if "hidden_states" in kwargs:
-        return args, {**kwargs, "hidden_states": new}
-    i = next(i for i, a in enumerate(args) if a is x)
-    return args[:i] + (new,) + args[i + 1 :], kwargs
-
-
 ENGINE_MODES = ("prefill", "decode")
 
-# The precision what-ifs (numbisect.whatif) a backend installs.
+# The precision what-ifs (numbisect.pipeline.whatif) a backend installs.
 WHATIF_UNIT = "fp32 unit"  # the whole unit computed in float32
 WHATIF_WSUM = "fp32 weighted sum"  # an MoE block's expert weighted sum accumulated in float32
 
@@ -210,20 +179,20 @@ class Backend:
     - `module_names`: the table of the architecture map (`ArchMap.hf` / `ArchMap.vllm`)
       that names the modules of its model.
     - `remote`: the model lives in worker processes: the core arranges its state with
-      `prepare(faults, swapped, donor)` / `undo()` (numbisect.engine_state), not with
+      `prepare(faults, swapped, donor)` / `undo()` (numbisect.patching.arrangement), not with
       the methods below, and runs no precision what-if on it.
     - `batch_size`: samples per call of the model (a routing probe counts calls by it).
 
     State changes: each records its undo in the `Ledger` it is given
-    (numbisect.backends.ledger), so the caller puts the model back by undoing the ledger.
+    (numbisect.patching.ledger), so the caller puts the model back by undoing the ledger.
     A backend that cannot make one raises an InputError naming itself (`lacks`), never
     another engine's way. `plant_fault` here plants the faults that act on any module's
     call; the others are the engine's own:
-    - `plant_fault(fault, ledger)`: a numbisect.faults.Fault, already checked.
+    - `plant_fault(fault, ledger)`: a numbisect.patching.faults.Fault, already checked.
     - `swap_unit(unit, donor, ledger)`: put the donor's (the reference's) module for `unit`
       in place, adapted to this engine's calling convention.
     - `install_routing_probe(probe, ledger)`: route each MoE layer's expert choice
-      through `probe.route(unit, call, logits, weights, ids)` (numbisect.routing).
+      through `probe.route(unit, call, logits, weights, ids)` (numbisect.pipeline.routing).
     - `install_whatif(whatif, unit, donor, faults, ledger)`: put the what-if
       (`WHATIF_UNIT`, `WHATIF_WSUM`) in place over the planted `faults`; returns those
       to plant again on top of it. `whatif_not_carried(whatif, unit, faults)`: the
@@ -300,11 +269,11 @@ class Backend:
         raise self.lacks(f"run the precision what-if {whatif!r} (on {unit.name})")
 
     def install_selection_probe(self, probe, ledger: Ledger) -> None:
-        """Record each sparse-attention indexer's picked keys and scores (numbisect.selection)."""
+        """Record each sparse-attention indexer's picked keys and scores (numbisect.pipeline.selection)."""
         raise self.lacks("record sparse attention's token selection (indexer)")
 
     def install_state_probe(self, probe, ledger: Ledger) -> None:
-        """Record each linear-attention unit's recurrent state after a forward (numbisect.recurrent)."""
+        """Record each linear-attention unit's recurrent state after a forward (numbisect.pipeline.recurrent)."""
         raise self.lacks("read the recurrent state of linear attention")
 
     def whatif_not_carried(self, whatif: str, unit: Unit, faults) -> list[str]:

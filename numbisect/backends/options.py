@@ -12,7 +12,7 @@ anything loads. Torch-free.
 
 from __future__ import annotations
 
-from numbisect.errors import InputError
+from numbisect.common.errors import InputError
 
 
 def parse_opts(pairs: list[str] | tuple[str, ...], what: str) -> dict:

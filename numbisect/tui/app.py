@@ -2,7 +2,7 @@
 
 1. Explorer: `BisectApp(report=load_report(path), report_path=path)`; read-only.
 2. Live: `BisectApp(live=LiveConfig(...))`. A thread worker opens the session and runs
-   `numbisect.run.run` as `bisect run` does, posting typed messages (`messages.py`):
+   `numbisect.commands.run.run` as `bisect run` does, posting typed messages (`messages.py`):
    progress lines, the baseline as soon as the comparison ends, each trial, the final
    report. The UI never waits on a model.
 3. The app keeps the state (the report shown, its trials, the error view, the selected
@@ -40,21 +40,40 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Static, TabbedContent, Tree
 from textual.worker import get_current_worker
 
-from numbisect.errors import InputError, NumbisectError
-from numbisect.formatting import fmt
-from numbisect.report import load_report, write_json_atomic
-from numbisect.reportview import view as report_view
-from numbisect.textsafe import clip, printable, printable_tree
+from numbisect.common.errors import InputError, NumbisectError
+from numbisect.common.formatting import fmt
+from numbisect.common.textsafe import clip, printable, printable_tree
+from numbisect.report.document import load_report, write_json_atomic
+from numbisect.report.view import view as report_view
 from numbisect.tui import model as M
-from numbisect.tui.live import Cancelled, LiveConfig, open_session, run_search, swap_trial
-from numbisect.tui.messages import BaselineReady, Progress, RunDone, SwapDone, TrialDone, WorkFailed
+from numbisect.tui.live import (
+    Cancelled,
+    LiveConfig,
+    open_session,
+    run_search,
+    swap_trial,
+)
+from numbisect.tui.messages import (
+    BaselineReady,
+    Progress,
+    RunDone,
+    SwapDone,
+    TrialDone,
+    WorkFailed,
+)
 from numbisect.tui.screens.dialogs import ErrorScreen, PathScreen
 from numbisect.tui.screens.help import HelpScreen
 from numbisect.tui.screens.main import TABS, MainScreen
 from numbisect.tui.widgets.culprit import CulpritPanel
 from numbisect.tui.widgets.overview import OverviewPanel, overview_text
 from numbisect.tui.widgets.token_view import TokenView, strips_text, worst_text
-from numbisect.tui.widgets.trials import TrialsPanel, _log, condition_trial_text, role, trial_text
+from numbisect.tui.widgets.trials import (
+    TrialsPanel,
+    _log,
+    condition_trial_text,
+    role,
+    trial_text,
+)
 from numbisect.tui.widgets.unit_detail import UnitDetail, detail_text
 from numbisect.tui.widgets.unit_tree import UnitTree, row_label
 
@@ -414,7 +433,7 @@ class BisectApp(App[int]):
             return None
         if not whole_kind:
             return [name], name
-        from numbisect.swap import units_of_kinds
+        from numbisect.patching.swap import units_of_kinds
 
         names = units_of_kinds(self.session.engine, [u["kind"]])
         return names, f"all {len(names)} {u['kind']} units"

@@ -5,7 +5,7 @@
    `--engine-config FILE` is the spec's `engine_config`: the session runs the user's
    settings and the hookable ones exactly as `bisect run --engine-config` does.
 2. `open_session`: load both backends (slow: this runs in a worker thread).
-3. `run_search`: `numbisect.run.run` exactly as `bisect run` calls it, and the report
+3. `run_search`: `numbisect.commands.run.run` exactly as `bisect run` calls it, and the report
    built exactly as `bisect run` builds it, so an exported report equals the CLI's
    apart from `created` and the durations. The comparison's body is handed out as soon
    as it exists (`run.run`'s `on_baseline` hook), before the trials.
@@ -21,7 +21,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
-from numbisect.errors import InputError
+from numbisect.common.errors import InputError
 
 
 class Cancelled(Exception):
@@ -30,8 +30,8 @@ class Cancelled(Exception):
 
 @dataclass
 class LiveConfig:
-    spec: object  # numbisect.session.Spec
-    settings: object  # numbisect.compare.Settings
+    spec: object  # numbisect.session.session.Spec
+    settings: object  # numbisect.pipeline.measure.Settings
     strategy: str = "hierarchical"  # hierarchical, linear or ddmin
     max_trials: int | None = None  # stop the search after this many trials
     argv: list[str] = field(default_factory=list)  # the equivalent `bisect run ...` command
@@ -50,21 +50,21 @@ def run_argv(argv: list[str]) -> list[str]:
 
 
 def open_session(cfg: LiveConfig, progress: Callable[[str], None]):
-    from numbisect.session import Session
+    from numbisect.session.session import Session
 
     return Session(cfg.spec, cfg.settings, progress=progress, backends=dict(cfg.backends or {}))
 
 
 def report_of(session, cfg: LiveConfig, body: dict) -> dict:
     """The report `bisect run` writes for this body."""
-    from numbisect.provenance import new_report
+    from numbisect.commands.provenance import new_report
 
     return new_report("run", cfg.argv, session.inputs(), cfg.settings.to_dict(), body)
 
 
 def run_search(session, cfg: LiveConfig, progress, on_trial, on_baseline=None) -> tuple[dict, int]:
     """Compare, self-check and search; returns (report, exit code) as `bisect run` would."""
-    from numbisect.run import run
+    from numbisect.commands.run import run
 
     def tell(body: dict) -> None:
         on_baseline(report_of(session, cfg, copy.deepcopy(body)))
@@ -105,21 +105,21 @@ def swap_trial(session, names: list[str], label: str, before: float | None) -> d
 
 def check_live(cfg: LiveConfig) -> None:
     """Cheap checks before the app starts, so bad input is a one-line CLI error."""
-    from numbisect.compare import group_names, parse_spec
-    from numbisect.faults import parse_fault
-    from numbisect.search import STRATEGIES
-    from numbisect.rlformats import load_any
+    from numbisect.model.rlformats import load_any
+    from numbisect.patching.faults import parse_fault
+    from numbisect.pipeline.measure import group_names, parse_spec
+    from numbisect.search.search import STRATEGIES
 
     parse_spec(cfg.spec.ref, "--ref")
     kind, _ = parse_spec(cfg.spec.engine, "--engine")
     if kind == "rollout":
         raise InputError("bisect tui runs trials: --engine must be hf:DIR or vllm:DIR (not rollout)")
-    from numbisect import decode as D
+    from numbisect.pipeline import decode as D
 
     D.check_mode(kind, cfg.spec.engine_mode)
     D.check_tp(cfg.spec.engine_mode, {**(cfg.spec.engine_opts or {}), **(cfg.spec.engine_config or {})})  # the settings' degree too
     if cfg.spec.engine_config is not None:  # the file was read and checked where parsed; here what it asks of the engine
-        from numbisect.userengine import UserEngine
+        from numbisect.session.userengine import UserEngine
 
         UserEngine.check(cfg.spec, kind)
     if cfg.strategy not in STRATEGIES:
@@ -129,7 +129,7 @@ def check_live(cfg: LiveConfig) -> None:
     trace = load_any(cfg.spec.trace, cfg.spec.trace_format, cfg.spec.trace_fields)
     D.check_trace(trace, cfg.spec.engine_mode)
     from numbisect.backends.base import load_config
-    from numbisect.groups import add_groups, parse_group_defs
+    from numbisect.model.groups import add_groups, parse_group_defs
 
     add_groups(trace, load_config(parse_spec(cfg.spec.ref, "--ref")[1]), parse_group_defs(cfg.spec.group_defs))
     if cfg.settings.group not in group_names(trace) + ["all"]:

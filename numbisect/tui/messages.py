@@ -2,7 +2,7 @@
 
 1. `Progress`: a status line (model loading, reference pass, each trial).
 2. `BaselineReady`: the comparison finished; a report without trials yet.
-3. `TrialDone`: one search trial (a `numbisect.search.Trial` as a dict).
+3. `TrialDone`: one search trial (a `numbisect.search.search.Trial` as a dict).
 4. `RunDone`: the final report, built as `bisect run` builds it, and its exit code.
 5. `SwapDone`: a manual swap trial (selected unit or its kind) with before and after.
 6. `WorkFailed`: a one-line error (an InputError, a backend error, ...).

@@ -18,7 +18,7 @@
 
 Every verdict carries a word or a symbol, never only a colour.
 
-Each function takes a report dict (or its `numbisect.reportview` view) and reads it
+Each function takes a report dict (or its `numbisect.report.view` view) and reads it
 through the view, as `bisect report show` and `md` do: its strings printable, its
 sections of the shapes the view gives. They accept any schema-valid report: numbers
 stored as "inf"/"nan" strings, optional fields absent or of an odd shape, unit parents
@@ -33,11 +33,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from numbisect.conditions_render import engine_config_finding as engine_config_finding_of
-from numbisect.conditions_render import localisations_of
-from numbisect.formatting import fmt, num, pct
-from numbisect.reportview import ReportView, view
-from numbisect.units import Unit, children, unit_graph
+from numbisect.common.formatting import fmt, num, pct
+from numbisect.model.units import Unit, children, unit_graph
+from numbisect.report.sections.conditions import (
+    engine_config_finding as engine_config_finding_of,
+)
+from numbisect.report.sections.conditions import localisations_of
+from numbisect.report.view import ReportView, view
 
 METRIC_WORDS = {"k3-mean": "mean k3", "k3-p99": "p99 k3", "kl-mean": "mean KL"}
 
@@ -739,9 +741,9 @@ def _trace_rows(data: bytes) -> list[dict] | None:
 def token_data(r: dict | ReportView, report_path: str | None = None) -> TokenData:
     """The report's per-token k3; trace groups when the trace file (same sha256) is found
     and is a JSONL trace whose groups cover every token (otherwise a note says why not)."""
-    from numbisect.errors import InputError
-    from numbisect.safeio import read_bytes
-    from numbisect.textsafe import printable
+    from numbisect.common.errors import InputError
+    from numbisect.common.safeio import read_bytes
+    from numbisect.common.textsafe import printable
 
     rv = view(r)
     td = TokenData(per_sample=rv.per_sample, threshold=num(rv.threshold) or 0.0)

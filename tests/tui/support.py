@@ -13,7 +13,7 @@ COMPARE_REPORT = "tests/data/report_compare_hf.json"
 
 
 def report_app(path: str = REPORT):
-    from numbisect.report import load_report
+    from numbisect.report.document import load_report
     from numbisect.tui.app import BisectApp
 
     return BisectApp(report=load_report(path), report_path=path)
@@ -26,13 +26,13 @@ def read(path) -> dict:
 def expected_sentence(r: dict) -> str:
     """The culprit sentence the report's own numbers give (the fixture is regenerated
     from a real vLLM run, so its digits are read, not hard-coded)."""
-    from numbisect.formatting import fmt
+    from numbisect.common.formatting import fmt
 
     c = r["culprits"][0]
     return f"{c['unit']}: swapping it alone takes mean k3 from {fmt(r['search']['baseline'])} to {fmt(c['alone'])}"
 
 
 def unit_value(r: dict, name: str, view: str) -> str:
-    from numbisect.formatting import fmt
+    from numbisect.common.formatting import fmt
 
     return fmt(next(u for u in r["units"] if u["name"] == name)[view]["rel_l2"])

@@ -6,11 +6,10 @@ import io
 import json
 
 import pytest
-
 from rich.console import Console
+from textual.widgets import DataTable, Input, Sparkline, Static, TabbedContent
 
-from tui.support import COMPARE_REPORT, REPORT, expected_sentence, read, report_app, unit_value
-from numbisect.formatting import fmt
+from numbisect.common.formatting import fmt
 from numbisect.tui.screens.dialogs import ErrorScreen, PathScreen
 from numbisect.tui.screens.help import HelpScreen
 from numbisect.tui.widgets.culprit import CulpritPanel
@@ -18,7 +17,14 @@ from numbisect.tui.widgets.token_view import TokenView
 from numbisect.tui.widgets.trials import TrialsPanel
 from numbisect.tui.widgets.unit_detail import UnitDetail
 from numbisect.tui.widgets.unit_tree import UnitTree
-from textual.widgets import DataTable, Input, Sparkline, Static, TabbedContent
+from tui.support import (
+    COMPARE_REPORT,
+    REPORT,
+    expected_sentence,
+    read,
+    report_app,
+    unit_value,
+)
 
 pytestmark = pytest.mark.asyncio
 SIZE = (100, 32)

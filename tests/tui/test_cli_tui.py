@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from tui.support import REPORT, read
 from numbisect.cli import main
-from numbisect.errors import ExitCode
+from numbisect.common.errors import ExitCode
+from tui.support import REPORT, read
 
 LIVE = ["--ref", "hf:fixtures/models/qwen3_moe", "--engine", "hf:fixtures/models/qwen3_moe",
         "--trace", "fixtures/traces/qwen3_moe.jsonl"]
@@ -129,7 +129,7 @@ VLLM_LIVE = ["--ref", "hf:fixtures/models/qwen3_moe", "--engine", "vllm:fixtures
 def test_live_mode_takes_the_engine_config_into_the_session_and_the_run_command(started, monkeypatch, tmp_path, settings):
     """The settings file reaches the session as `bisect run --engine-config` gives it (the
     session derives both configurations from it), and the recorded command is that run's."""
-    from numbisect import engine_config as E
+    from numbisect.model import engine_config as E
 
     mine = tmp_path / ("mine.json" if settings.startswith("{") else "mine.toml")
     mine.write_text(settings)

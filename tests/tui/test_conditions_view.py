@@ -12,16 +12,16 @@ import copy
 import json
 
 import pytest
+from textual.widgets import DataTable, Static
 
-from tui.support import read
-from numbisect.formatting import fmt, pct
-from numbisect.report import validate
+from numbisect.common.formatting import fmt, pct
+from numbisect.report.document import validate
 from numbisect.tui import model as M
 from numbisect.tui.widgets.culprit import CulpritPanel
 from numbisect.tui.widgets.overview import OverviewPanel
 from numbisect.tui.widgets.trials import TrialsPanel
 from numbisect.tui.widgets.unit_tree import UnitTree
-from textual.widgets import DataTable, Static
+from tui.support import read
 
 COND = "fixtures/reports/qwen3_moe_conditions.json"
 SIZE = (130, 50)
@@ -150,8 +150,8 @@ def units_chained(r: dict) -> dict:
     so k3 is not 0), against the culprit's own k3 alone from the report."""
     import torch
 
-    from numbisect import compare as C
-    from numbisect.condbisect import CondSession, CondSpec, chained
+    from numbisect.commands.conditions import CondSession, CondSpec, chained
+    from numbisect.pipeline import measure as C
 
     c = r["conditions"]
     path = r["command"][r["command"].index("--engine") + 1]
@@ -168,7 +168,7 @@ async def test_a_localisation_of_the_compiled_path_says_its_units_differ_compile
     """Under a guilty `compiled` atom the named units are the ones whose code compiled alone
     gives other numbers than eager (condbisect.localise_compiled), not units fed another
     state's inputs: the Overview and the text summary say which of the two was measured."""
-    from numbisect.conditions_render import conditions_lines
+    from numbisect.report.sections.conditions import conditions_lines
     r = compiled_localisation()
     loc = r["conditions"]["localisation"]
     assert validate(r) == []
@@ -188,7 +188,7 @@ async def test_a_compiled_localisation_shows_how_much_of_the_compiled_path_its_u
     """`units_chained` (the named units compiled alone, chained on the engine's own inputs,
     against the compiled path's k3): the Overview shows the text summary's own line under
     the named units, not only inside the method's words."""
-    from numbisect.conditions_render import chained_line, conditions_lines
+    from numbisect.report.sections.conditions import chained_line, conditions_lines
 
     r = compiled_localisation()
     loc = r["conditions"]["localisation"]
@@ -211,8 +211,8 @@ async def test_units_tab_says_where_the_localisation_is_and_a_run_report_after_i
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("2")
         assert "localisation's units are in the Overview" in app.main.query_one(UnitTree).root.label.plain
+        from numbisect.report.document import load_report
         from tui.support import REPORT
-        from numbisect.report import load_report
 
         app.open_report(load_report(REPORT), REPORT)  # as the `o` dialog does
         await pilot.pause()

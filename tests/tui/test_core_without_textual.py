@@ -9,8 +9,8 @@ from tui.support import ROOT
 
 CODE = """
 import sys
-import numbisect, numbisect.cli, numbisect.session, numbisect.run, numbisect.search, numbisect.report
-import numbisect.render, numbisect.compare, numbisect.units, numbisect.swap
+import numbisect, numbisect.cli, numbisect.session.session, numbisect.commands.run, numbisect.search.search, numbisect.report.document
+import numbisect.report.summary, numbisect.pipeline.measure, numbisect.model.units, numbisect.patching.swap
 core = sorted(m for m in sys.modules if m == "textual" or m.startswith("textual."))
 import numbisect.tui.model, numbisect.tui.live  # the TUI's own computations are textual-free too
 tui = sorted(m for m in sys.modules if m == "textual" or m.startswith("textual."))

@@ -18,14 +18,14 @@ import copy
 import json
 
 import pytest
+from textual.widgets import DataTable, Static
 
-from tui.support import read
-from numbisect.formatting import fmt, pct
-from numbisect.report import validate
+from numbisect.common.formatting import fmt, pct
+from numbisect.report.document import validate
 from numbisect.tui import model as M
 from numbisect.tui.widgets.culprit import CulpritPanel
 from numbisect.tui.widgets.overview import OverviewPanel, overview_text
-from textual.widgets import DataTable, Static
+from tui.support import read
 
 EAGER = "fixtures/reports/qwen3_moe_engine_config.json"
 COMPILED = "fixtures/reports/qwen3_moe_engine_config_compiled.json"
@@ -166,9 +166,9 @@ ODD = [None, 3, "x", [], {}, [1, {"a": None}], {"nested": [1, 2]}, float("nan"),
 def test_any_value_of_any_key_draws_or_goes_missing_without_a_crash(key):
     """The readers take a section of any shape (the schema is checked before the app, not by
     them): every odd value of every key, and the key missing, draw the answer and the Overview."""
-    from numbisect.render import render
-    from numbisect.reporttools import markdown
-    from numbisect.textsafe import printable_tree
+    from numbisect.common.textsafe import printable_tree
+    from numbisect.report.summary import render
+    from numbisect.report.tools import markdown
 
     for path in (EAGER, COMPILED):
         base = read(path)

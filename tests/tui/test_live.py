@@ -10,16 +10,16 @@ import json
 import time
 
 import pytest
+from textual.widgets import DataTable, Input
 
-from tui.support import read
-from numbisect.compare import Settings
-from numbisect.session import Spec
+from numbisect.pipeline.measure import Settings
+from numbisect.session.session import Spec
 from numbisect.tui.app import BisectApp
 from numbisect.tui.live import LiveConfig
 from numbisect.tui.screens.dialogs import ErrorScreen, PathScreen
 from numbisect.tui.widgets.culprit import CulpritPanel
 from numbisect.tui.widgets.unit_detail import UnitDetail
-from textual.widgets import DataTable, Input
+from tui.support import read
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
@@ -138,8 +138,8 @@ async def test_live_run_with_engine_settings_hooks_run_in_shows_the_engine_confi
     part ran in your settings, and the Overview shows it. Two samples, at most 3 trials."""
     from conftest import hf, short_trace, vllm
 
-    from numbisect import engine_config as E
     from numbisect.cli import main
+    from numbisect.model import engine_config as E
     from numbisect.tui.widgets.overview import OverviewPanel
 
     fix = "qwen3_moe"

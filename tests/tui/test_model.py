@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import copy
 
-from tui.support import COMPARE_REPORT, REPORT, expected_sentence, read, unit_value
-from numbisect.formatting import fmt
+from numbisect.common.formatting import fmt
 from numbisect.tui import model as M
+from tui.support import COMPARE_REPORT, REPORT, expected_sentence, read, unit_value
 
 
 def test_culprit_sentence_carries_its_evidence():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from numbisect.cli import main
-from numbisect.report import load_report
+from numbisect.report.document import load_report
 from numbisect.tui.widgets.unit_detail import UnitDetail
 from numbisect.tui.widgets.unit_tree import UnitTree
 

@@ -1,4 +1,4 @@
-"""The `dump` engine: activations an engine wrote with `numbisect.dump` (layout in its docstring).
+"""The `dump` engine: activations an engine wrote with `numbisect.backends.dump.writer` (layout in its docstring).
 
 Nothing runs: `sample(i)` reads sample i's dumped log-probs and unit tensors, merging
 tensor-parallel shards (column: concatenated along the last dim in rank order; row:
@@ -18,15 +18,14 @@ from pathlib import Path
 
 import torch
 
-from numbisect.arch import arch_for
 from numbisect.backends.base import Backend, parse_dtype
-from numbisect.backends.common import conv_width, gate_width, gates_width
+from numbisect.backends.dump.writer import LAYOUT_VERSION, SHARDS, STATE_SHARDS
 from numbisect.backends.mla_rope import width as rope_width
-from numbisect.dump import LAYOUT_VERSION, SHARDS, STATE_SHARDS
-from numbisect.errors import InputError
-from numbisect.trace import show
-from numbisect.units import VISION_KINDS, nearby_names
-
+from numbisect.common.errors import InputError
+from numbisect.model.arch import arch_for
+from numbisect.model.trace import show
+from numbisect.model.units import VISION_KINDS, nearby_names
+from numbisect.patching.torchops import conv_width, gate_width, gates_width
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -301,7 +300,7 @@ class DumpBackend(Backend):
                 width = width_in = gates_width(self.config)
             for i in range(n):
                 rows = toks[i] - (1 if kind == "lm_head" else 0)
-                if kind == "indexer":  # the [T, T] mask of keys picked (numbisect.selection.selection_mask)
+                if kind == "indexer":  # the [T, T] mask of keys picked (numbisect.patching.probes.selection.selection_mask)
                     width = toks[i]
                 for which in ("out", "in"):
                     shape = self._merged_shape(unit, f"{which}.{i}", shard if which == "out" else "replicated")
@@ -409,17 +408,17 @@ def write_dump(backend: Backend, trace, root: str, units=None, world_size: int =
     parallel engine holds them ("column": slices of the last dim; "row": partial sums
     that add up to the output), one rank directory each. With `states` (and a model
     with linear attention), each linear unit's recurrent state after every sample and at
-    its chunk boundaries (numbisect.recurrent's points: one more forward each), rank 0;
+    its chunk boundaries (numbisect.pipeline.recurrent's points: one more forward each), rank 0;
     a unit that `state_shards` marks "heads" has its heads split over the ranks in order
     (as a tensor-parallel engine holds them).
     """
-    from numbisect import recurrent as RS
-    from numbisect.dump import DumpWriter
+    from numbisect.backends.dump.writer import DumpWriter
+    from numbisect.patching.probes import state as RS
 
     shards = shards or {}
     names = list(units) if units is not None else [u.name for u in backend.units]
     # the units that can be teacher-forced: their inputs are what a dump engine feeds the reference
-    from numbisect.compare import local_feed_names
+    from numbisect.model.units import local_feed_names
 
     feed = [n for n in local_feed_names(backend) if n in names]
     toks = [len(s.ids) for s in trace.samples]

@@ -1,5 +1,5 @@
 """Planted faults on a transformers engine, where they differ from any module's
-(`Backend.plant_fault`; the fault kinds are documented in numbisect.faults).
+(`Backend.plant_fault`; the fault kinds are documented in numbisect.patching.faults).
 
 - `moe_combine_*`: the block's experts module replaced by `LowpExperts`, which computes
   the expert MLPs from their weights and accumulates the weighted sum in low precision.
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from numbisect.backends.base import Backend
-from numbisect.backends.common import LOWP, lowp_experts, slot_sum
-from numbisect.backends.ledger import Ledger
+from numbisect.patching.ledger import Ledger
+from numbisect.patching.torchops import LOWP, lowp_experts, slot_sum
 
 
 class LowpExperts(nn.Module):
@@ -48,7 +48,7 @@ def plant_fault(engine, fault, ledger: Ledger) -> None:
 
 def _reroute(engine):
     """A transformers router's (logits, weights, ids) chosen again from its (perturbed) logits."""
-    from numbisect.routing import router_spec, select, weights_for
+    from numbisect.model.router import router_spec, select, weights_for
 
     spec = router_spec(engine.config)
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from numbisect.backends.common import ROUTED, route_names
+from numbisect.patching.torchops import ROUTED, route_names
 
 CONV_FN = "causal_conv1d_fn"
 RULE_FN = "torch_chunk_gated_delta_rule"
@@ -178,7 +178,7 @@ def install(engine) -> None:
             continue
         fns = _route(type(attn).__module__)
         if CONV_FN not in fns or RULE_FN not in fns:
-            from numbisect.errors import BackendError
+            from numbisect.common.errors import BackendError
 
             raise BackendError(f"{type(attn).__name__} ({type(attn).__module__}) has no {CONV_FN} or {RULE_FN} to route")
         attn.conv = GdnConv(fns[CONV_FN], attn.conv1d, attn.activation)

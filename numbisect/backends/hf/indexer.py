@@ -1,5 +1,5 @@
 """The DSA indexer on a transformers engine (GLM-5's `GlmMoeDsaIndexer`): its scores, and
-the selection probe (numbisect.selection.SelectionProbe) as a forward hook on each indexer.
+the selection probe (numbisect.patching.probes.selection.SelectionProbe) as a forward hook on each indexer.
 
 The module returns only the top-k key ids; `index_scores` recomputes the scores it ranked
 them by, from the same inputs with the same operations as transformers 5.19's
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from numbisect.backends.ledger import Ledger
+from numbisect.patching.ledger import Ledger
 
 
 def _rope_interleave(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The recurrent-state probe (numbisect.recurrent.StateProbe) on a transformers model.
+"""The recurrent-state probe (numbisect.patching.probes.state.StateProbe) on a transformers model.
 
 transformers' Gated DeltaNet modules (Qwen3.5-MoE's `Qwen3_5MoeGatedDeltaNet`, Qwen3-Next's
 `Qwen3NextGatedDeltaNet`) run a prefill through their modeling file's module-level
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import sys
 
-from numbisect.backends.ledger import Ledger
-from numbisect.errors import BackendError
+from numbisect.common.errors import BackendError
+from numbisect.patching.ledger import Ledger
 
 CHUNK_FN = "torch_chunk_gated_delta_rule"
 STEP_FN = "torch_recurrent_gated_delta_rule"  # a decode step with a cache (one token)

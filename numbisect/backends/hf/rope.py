@@ -25,8 +25,8 @@ import sys
 
 from torch import nn
 
-from numbisect.backends.common import route_names
 from numbisect.backends.mla_rope import pack, unpack
+from numbisect.patching.torchops import route_names
 
 FUNCTIONS = ("apply_rotary_pos_emb_interleave", "apply_rotary_pos_emb")
 _ACTIVE: list[tuple[nn.Module, object]] = []  # (attention, its position ids), innermost last

@@ -1,10 +1,10 @@
 """The routing probe on a transformers engine: a forward hook on each router (`mlp.gate`
 returns logits, weights and expert ids); the probe records the ids and may replace them
-(numbisect.routing.RoutingProbe.route)."""
+(numbisect.patching.probes.routing.RoutingProbe.route)."""
 
 from __future__ import annotations
 
-from numbisect.backends.ledger import Ledger
+from numbisect.patching.ledger import Ledger
 
 
 def install_probe(engine, probe, ledger: Ledger) -> None:

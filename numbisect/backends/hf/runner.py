@@ -17,14 +17,29 @@ import os
 
 import torch
 
-from numbisect.backends.base import Backend, ForwardResult, fail, hidden_arg, with_hidden
-from numbisect.backends.common import first, gate_input, head_rows
-from numbisect.backends.hf import faults, gdn, indexer, recurrent, rope, routing, swap, whatif
-from numbisect.backends.ledger import Ledger
+from numbisect.backends.base import (
+    Backend,
+    ForwardResult,
+    fail,
+    hidden_arg,
+    with_hidden,
+)
+from numbisect.backends.hf import (
+    faults,
+    gdn,
+    indexer,
+    recurrent,
+    rope,
+    routing,
+    swap,
+    whatif,
+)
 from numbisect.backends.steps import Steps, decode_captures
-from numbisect.errors import InputError
-from numbisect.selection import selection_mask
-from numbisect.units import VISION_KINDS
+from numbisect.common.errors import InputError
+from numbisect.model.units import VISION_KINDS
+from numbisect.patching.ledger import Ledger
+from numbisect.patching.probes.selection import selection_mask
+from numbisect.patching.torchops import first, gate_input, head_rows
 
 
 def open_hf(path: str, dtype: str, opts: dict) -> HFBackend:

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from numbisect.backends.base import hidden_arg
-from numbisect.backends.common import text_rotary
-from numbisect.backends.ledger import Ledger
+from numbisect.patching.ledger import Ledger
+from numbisect.patching.torchops import text_rotary
 
 # Unit kinds whose output a donor (or an fp32 copy) hands back in its own dtype, not the
 # engine's: the logits, and a Gated DeltaNet's gates (g and beta, float32 in the engine too).

@@ -1,4 +1,4 @@
-"""Precision what-ifs on a transformers engine (numbisect.whatif).
+"""Precision what-ifs on a transformers engine (numbisect.pipeline.whatif).
 
 - `fp32 unit`: the engine's own module (with its planted faults) copied and run in
   float32 behind a `CastAdapter`; attention, layers and MLA rope units get a float32 copy of the
@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM
-from numbisect.backends.common import slot_sum, text_rotary
 from numbisect.backends.hf.swap import KEEP_OUT_DTYPE, CastAdapter
-from numbisect.backends.ledger import Ledger
+from numbisect.patching.ledger import Ledger
+from numbisect.patching.torchops import slot_sum, text_rotary
 
 
 class SlotSum(nn.Module):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from numbisect.backends.common import text_rotary
+from numbisect.patching.torchops import text_rotary
 
 
 class VllmHF(nn.Module):
@@ -38,7 +38,10 @@ class VllmHF(nn.Module):
 
     def hf_context(self, x: torch.Tensor, positions: torch.Tensor):
         """What the transformers model hands a layer for one unpadded sequence."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
 
         model = self._donor_model[0]
         pos = positions.view(1, -1).long()
@@ -72,7 +75,7 @@ def _no_extra(unit: str, extra: tuple) -> None:
     """vLLM's DeepSeek layers pass attention and layers one more argument, `llama_4_scaling`
     (None unless the config asks for it): the donor transformers module has no such input."""
     if any(v is not None for v in extra):
-        from numbisect.errors import BackendError
+        from numbisect.common.errors import BackendError
 
         raise BackendError(f"vLLM calls this {unit} with an argument the transformers module has no counterpart "
                            "for (llama_4_scaling in config.json): cannot swap it")
@@ -114,7 +117,7 @@ class VllmRope(VllmHF):
 class VllmLinearAttn(VllmHF):
     """Linear attention (Qwen3.5's Gated DeltaNet): `(hidden_states) -> hidden`. The donor runs
     on the one unpadded sequence from a zero conv and recurrent state: right for a prefill of
-    the whole sequence (decode mode refuses attention swaps: numbisect.decode)."""
+    the whole sequence (decode mode refuses attention swaps: numbisect.pipeline.decode)."""
 
     def forward(self, hidden_states):
         return self.inner(hidden_states=hidden_states.to(self.rdt)[None])[0].to(self.edt)
@@ -188,7 +191,7 @@ class VllmLayer(VllmHF):
         from numbisect.backends.base import carry_layer_flags
 
         if getattr(old, "use_attn_reduce_scatter_for_moe", False):
-            from numbisect.errors import BackendError
+            from numbisect.common.errors import BackendError
 
             raise BackendError("cannot swap a whole layer under vLLM's sequence-parallel MoE")
         carry_layer_flags(self, old)

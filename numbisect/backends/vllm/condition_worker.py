@@ -8,7 +8,7 @@ is a no-op once vLLM started). `run_child` (in the parent) starts it and reads t
 Jobs (IN.json: {"job", "model", "dtype", "settings", "samples": [[ids], ...], ...}):
 
 - "logprobs": an `LLM()` with the settings (vLLM arguments plus numbisect's `batch`,
-  `logprobs_mode`, `sampling`: numbisect.engine_config), each sample's prompt log-probs
+  `logprobs_mode`, `sampling`: numbisect.model.engine_config), each sample's prompt log-probs
   (one generate per sample, or every sample in one when batch is "all"). OUT (JSON):
   {"logprobs": [[lp of ids[1..T-1]], ...], "custom_ops": {"enabled", "disabled"}, "seconds"}.
   With "full": true also "full": per sample [T-1][V] log-probs of the whole vocabulary
@@ -47,13 +47,13 @@ import sys
 import tempfile
 import time
 
-from numbisect.engine_config import llm_kwargs
-from numbisect.errors import BackendError
+from numbisect.common.errors import BackendError
+from numbisect.model.engine_config import llm_kwargs
 
 
 def _samples(job: dict) -> list:
     """The job's samples as `trace.Sample`s (ids split at each prompt length)."""
-    from numbisect.trace import Sample
+    from numbisect.model.trace import Sample
 
     return [Sample(line=i + 1, prompt_ids=list(ids[:p]), completion_ids=list(ids[p:]))
             for i, (ids, p) in enumerate(zip(job["samples"], job["prompt_lens"]))]
@@ -161,7 +161,7 @@ def capture_job(job: dict, out_path: str) -> None:
     import torch
 
     from numbisect.backends.vllm.runner import VLLMBackend
-    from numbisect.engine_config import LOCALISABLE
+    from numbisect.model.engine_config import LOCALISABLE
 
     keep = ("compilation_config", "max_model_len", "seed", *LOCALISABLE)
     opts = {k: v for k, v in llm_kwargs(job["settings"]).items() if k in keep}
@@ -182,7 +182,7 @@ def capture_job(job: dict, out_path: str) -> None:
         res = eng.forward(samples, capture=names, feed=feed)
         torch.save({"captures": res.captures}, out_path)
     else:
-        from numbisect.compare import local_feed_names
+        from numbisect.model.units import local_feed_names
 
         res = eng.forward(samples, capture=names, capture_inputs=local_feed_names(eng))
         torch.save({"captures": res.captures, "inputs": res.inputs}, out_path)

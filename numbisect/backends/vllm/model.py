@@ -28,12 +28,12 @@ import copy
 import torch
 from torch import nn
 
-from numbisect.arch import arch_for
 from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM, Backend, parse_dtype
-from numbisect.backends.common import seeded
-from numbisect.backends.ledger import Ledger
 from numbisect.backends.vllm import moe
 from numbisect.backends.vllm.adapters import ADAPTERS, VllmGatedShared
+from numbisect.model.arch import arch_for
+from numbisect.patching.ledger import Ledger
+from numbisect.patching.torchops import seeded
 
 PRECISION_FAULTS = ("moe_combine", "router_logits", "rmsnorm_no_upcast")
 
@@ -208,12 +208,12 @@ def view(model: nn.Module, dtype: str) -> VLLMModel:
 
 
 def apply_swap_spec(model: nn.Module, spec, engine_dtype: str) -> list[str]:
-    """Rebuild `spec` (a numbisect.swap.SwapSpec) on a vLLM model in this process (an engine
+    """Rebuild `spec` (a numbisect.patching.swap.SwapSpec) on a vLLM model in this process (an engine
     worker): load the donor from its checkpoint once per process, then swap (earlier swaps
     undone). Pass it to `llm.apply_model` as `functools.partial(apply_swap_spec, spec=spec,
     engine_dtype=...)`: it pickles, so it reaches workers of a multi-process engine too.
     Returns the units swapped."""
-    from numbisect.swap import apply_swaps, expand
+    from numbisect.patching.swap import apply_swaps, expand
 
     donor = donor_of(spec.donor_path, spec.donor_dtype)
     undo_swap_spec(model)

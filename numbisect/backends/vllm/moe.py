@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from numbisect.backends.common import LOWP, noise_hook, slot_sum
-from numbisect.backends.ledger import Ledger
+from numbisect.patching.ledger import Ledger
+from numbisect.patching.torchops import LOWP, noise_hook, slot_sum
 
 _ROUTED = "_numbisect_routed"  # the runner's float32 weights and the donor router's own, between its two calls
 
@@ -44,7 +44,9 @@ def run_shared_experts(shared_experts, shared_input) -> None:
     they were planned for (the runner already ran the NO_OVERLAP ones)."""
     if shared_experts is None or shared_input is None:
         return
-    from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
+    from vllm.model_executor.layers.fused_moe.runner.shared_experts import (
+        SharedExpertsOrder,
+    )
 
     for order in (SharedExpertsOrder.MK_INTERNAL_OVERLAPPED, SharedExpertsOrder.MULTI_STREAM_OVERLAPPED):
         shared_experts(shared_input, order)

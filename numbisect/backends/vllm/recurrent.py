@@ -1,4 +1,4 @@
-"""The recurrent-state probe (numbisect.recurrent.StateProbe) on a vLLM engine.
+"""The recurrent-state probe (numbisect.patching.probes.state.StateProbe) on a vLLM engine.
 
 vLLM keeps a Gated DeltaNet layer's recurrent state in its mamba cache: the layer's
 `kv_cache[1]` (`ssm_state`, [slots, heads, ., .]), one slot per running request, given by
@@ -13,8 +13,8 @@ with several requests is not read (the point is then missing from the report).
 
 from __future__ import annotations
 
-from numbisect.backends.ledger import Ledger
-from numbisect.errors import BackendError
+from numbisect.common.errors import BackendError
+from numbisect.patching.ledger import Ledger
 
 
 def install_probe(engine, probe, ledger: Ledger) -> None:

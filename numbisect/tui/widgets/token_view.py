@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Select, Static
 
-from numbisect.formatting import fmt
+from numbisect.common.formatting import fmt
 from numbisect.tui import model as M
 
 LEVEL_STYLES = ["green", "green", "green", "green", "yellow", "red", "bold red", "bold red"]

@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Sparkline, Static
 
-from numbisect.formatting import fmt, num
+from numbisect.common.formatting import fmt, num
 from numbisect.tui import model as M
 
 COLUMNS = ("#", "role", "n", "value", "", "swapped")

@@ -7,8 +7,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from numbisect.formatting import fmt, num
-from numbisect.reportview import view as report_view
+from numbisect.common.formatting import fmt, num
+from numbisect.report.view import view as report_view
 from numbisect.tui import model as M
 
 
@@ -31,7 +31,7 @@ def _metrics_block(t: Text, title: str, m: dict | None, active: bool) -> None:
 
 def _routing_block(t: Text, report: dict, name: str, flips: int = 8) -> None:
     """Expert-set agreement and flips of the MoE layer a router (or MoE block) belongs to."""
-    from numbisect.routing_render import flip_line
+    from numbisect.report.sections.routing import flip_line
 
     router = name if name.endswith(".moe.router") else (name + ".router" if name.endswith(".moe") else None)
     row = next((r for r in (report_view(report).routing or {}).get("layers") or [] if r["unit"] == router), None)
@@ -71,11 +71,11 @@ STATE_PASSES = (
 
 
 def _state_block(t: Text, report: dict, name: str, cap: int = 8) -> None:
-    """The recurrent state of a linear-attention layer (numbisect.recurrent): its rel-L2
+    """The recurrent state of a linear-attention layer (numbisect.pipeline.recurrent): its rel-L2
     after the sample on each pass and along the sequence, whether it is the first layer
     above the unit tolerance, and its decode points not read. Read as `report show` reads
-    them (numbisect.recurrent_render)."""
-    from numbisect import recurrent_render as RR
+    them (numbisect.report.sections.recurrent)."""
+    from numbisect.report.sections import recurrent as RR
 
     rs = report_view(report).recurrent_state
     row = next((x for x in RR.layers(rs) if x.get("unit") == name), None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Tree
 
-from numbisect.reportview import view as report_view
+from numbisect.report.view import view as report_view
 from numbisect.tui import model as M
 
 

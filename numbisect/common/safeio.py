@@ -1,0 +1,217 @@
+"""Reading and writing the user's files safely: no hangs, no unbounded reads, no clobbering.
+
+Every file numbisect reads or writes on the user's behalf goes through here:
+
+1. `check_input(path, what)` refuses what is not a regular file (a directory, a FIFO
+   that would hang, a device such as /dev/zero that never ends, a socket) with one line.
+2. `read_bytes` / `read_text` read at most `limit` bytes; a larger file is refused.
+3. `loads_json` parses JSON and turns nesting too deep for Python (RecursionError) into
+   an InputError.
+4. `check_output(path, what, inputs)` is called before any model loads: the directory
+   exists and is writable, the disk is not full, the path is no input of the run.
+5. `write_text_atomic` replaces a regular file (or creates one) through a temporary file
+   and a rename; a non-regular target (/dev/null, /dev/stdout, a FIFO) is written in
+   place, and a symbolic link keeps pointing where it did.
+No torch here: `bisect report ...` imports this.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from numbisect.common.errors import InputError
+
+MB = 2**20
+JSON_LIMIT = 512 * MB  # a report, a trace line, a config: far above any real one
+MIN_FREE = 4 * MB  # an output directory with less free space than this is "full"
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def check_input(path: str | os.PathLike, what: str) -> Path:
+    """The path as a Path if it is an existing regular file (links followed); else InputError."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise InputError(f"{what} not found: {path}") from None
+    except OSError as e:
+        raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{what} {path} is {_kind(st.st_mode)}, not a regular file")
+    return p
+
+
+def read_bytes(path: str | os.PathLike, what: str, limit: int = JSON_LIMIT) -> bytes:
+    """At most `limit` bytes of a regular file; a larger one is refused."""
+    p = check_input(path, what)
+    try:
+        with open(p, "rb") as fh:
+            data = fh.read(limit + 1)
+    except OSError as e:
+        raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise InputError(f"{what} {path} is larger than {limit // MB} MB; not read")
+    return data
+
+
+def read_text(path: str | os.PathLike, what: str, limit: int = JSON_LIMIT, encoding: str = "utf-8-sig") -> str:
+    data = read_bytes(path, what, limit)
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise InputError(f"cannot read {what} {path}: not {encoding.split('-sig')[0].upper()} text (byte {e.start})") from None
+
+
+def loads_json(text: str | bytes, where: str):
+    """json.loads with every failure (syntax, nesting too deep) as one InputError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply") from None
+    except ValueError as e:
+        raise InputError(f"{where}: not valid JSON ({e})") from None
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_output(path: str | os.PathLike, what: str, inputs: dict[str, str | None] | None = None) -> None:
+    """Refuse, before any work, an output that cannot be written or would overwrite an input.
+
+    `inputs` maps an option name (e.g. "--trace") to the path it names.
+    """
+    p = Path(path)
+    for opt, src in (inputs or {}).items():
+        if src and os.path.exists(src) and os.path.exists(p) and same_file(src, p):
+            raise InputError(f"{what} {path} is the {opt} input; it would be overwritten (choose another path)")
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise InputError(f"cannot write {what} {path}: {e.strerror or e}") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise InputError(f"cannot write {what} {path}: it is a directory")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        if not os.access(p, os.W_OK):
+            raise InputError(f"cannot write {what} {path}: permission denied")
+        return  # a device, FIFO or terminal: written in place, nothing to replace
+    real = Path(os.path.realpath(p))
+    d = real.parent
+    if not d.is_dir():
+        raise InputError(f"cannot write {what} {path}: directory {d} does not exist")
+    try:  # a real probe: access() says yes to root on a read-only filesystem such as /sys
+        fd, probe = tempfile.mkstemp(prefix=".numbisect-probe.", dir=d)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise InputError(f"cannot write {what} {path}: directory {d} is not writable ({e.strerror or e})") from None
+    if st is not None and not os.access(real, os.W_OK):
+        raise InputError(f"cannot write {what} {path}: the file is read-only")
+    try:
+        vfs = os.statvfs(d)
+    except OSError:
+        return
+    if vfs.f_bavail * vfs.f_frsize < MIN_FREE:
+        raise InputError(f"cannot write {what} {path}: the disk holding {d} is full")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Never a half-written regular file: a temporary file beside the target, then a rename.
+
+    A target that exists and is not a regular file (a device, a FIFO, /dev/stdout) is
+    written in place; a symbolic link to a regular file keeps being a link (its target is
+    replaced).
+    """
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        if stat.S_ISDIR(st.st_mode):
+            raise InputError(f"cannot write {path}: it is a directory")
+        try:  # non-blocking open: a FIFO nobody reads fails here instead of hanging
+            fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                raise InputError(f"cannot write {path}: it is a FIFO that no process is reading") from None
+            raise
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return
+    real = Path(os.path.realpath(p)) if p.is_symlink() else p
+    parent = real.parent
+    if not parent.is_dir():
+        raise InputError(f"cannot write {path}: directory {parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, (st.st_mode & 0o777) if st is not None else (0o666 & ~umask))
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, real)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def check_output_dir(path: str | os.PathLike, what: str) -> None:
+    """A directory to write into: an existing directory, or one that can be made."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise InputError(f"cannot write {what} {path}: it exists and is not a directory")
+    d = p if p.exists() else next((q for q in p.absolute().parents if q.exists()), None)
+    if d is None or not d.is_dir():
+        raise InputError(f"cannot write {what} {path}: no existing directory above it")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".numbisect-probe.", dir=d)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise InputError(f"cannot write {what} {path}: {d} is not writable ({e.strerror or e})") from None
+
+
+def check_trial_log(path: str | os.PathLike, what: str = "resume log") -> None:
+    """Before any model loads: `path` is a regular file whose first line is a trial log header."""
+    p = check_input(path, what)
+    try:
+        with open(p, "rb") as fh:
+            first = fh.readline(JSON_LIMIT)
+    except OSError as e:
+        raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    try:
+        header = json.loads(first)
+    except (ValueError, RecursionError):
+        header = None
+    if not isinstance(header, dict) or "numbisect_trial_log" not in header:
+        raise InputError(f"{what} {path} is not a numbisect trial log")

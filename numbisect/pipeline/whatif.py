@@ -1,0 +1,162 @@
+"""Precision what-ifs: would running a culprit's arithmetic in fp32 fix the divergence?
+
+For each culprit the search named:
+
+1. `fp32 unit`: the whole unit computed in float32, its output handed back in the
+   engine's dtype. On an hf engine the engine's own module (with its planted faults)
+   is copied and run in float32 (`CastAdapter`). On vLLM, whose linear weights are
+   prepacked (the module's parameters are empty), it is the reference's module for
+   the unit in float32 (same checkpoint), put in through the swap machinery.
+   How a what-if is put in place is the engine's backend's (`Backend.install_whatif`:
+   numbisect.backends.hf.whatif, numbisect.backends.vllm.model); this module picks
+   the what-ifs, the faults they replace, and judges them.
+2. `fp32 weighted sum` (MoE blocks and their experts): the engine's own expert
+   outputs, one top-k slot at a time (weight 1, so each is the expert's output as the
+   engine's kernel rounds it), multiplied by the routing weights and summed in
+   float32. Nothing else changes.
+3. Each what-if is one engine forward over the trace. The other culprits are swapped
+   for the reference's modules, so only this culprit's error is left; "before" is
+   that forward without the what-if (the search's baseline when there is one culprit).
+4. Planted faults stay on, except the precision faults whose arithmetic the what-if
+   recomputes in float32: `fp32 weighted sum` replaces a `moe_combine_*` fault of its
+   block; `fp32 unit` replaces the precision faults (`moe_combine_*`, `router_logits_*`,
+   `rmsnorm_no_upcast`) at or inside the unit. Noise faults (`weight_noise`,
+   `output_noise`) are never replaced: an upcast does not remove noise. On vLLM an
+   output noise at the unit itself is planted again on the float32 module; other noise
+   at or inside it cannot be (the reference's module replaces the engine's weights):
+   the what-if lists it in `faults_not_carried` and its line says so.
+5. Verdict per what-if: `fixes` (from above the threshold to at or under it), `helps`
+   (to at most half of before), or `no_help`; the culprit's `suggested` fix is the narrowest that fixes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM
+from numbisect.common.formatting import fmt
+from numbisect.patching.arrangement import arranged
+from numbisect.patching.faults import apply_faults
+from numbisect.pipeline import measure as C
+
+PRECISION_FAULTS = ("moe_combine", "router_logits", "rmsnorm_no_upcast")
+UNIT = WHATIF_UNIT
+WSUM = WHATIF_WSUM
+
+
+def _inside(name: str, unit: str) -> bool:
+    return name == unit or name.startswith(unit + ".")
+
+
+def _block(unit) -> str:
+    return unit.name if unit.kind == "moe" else unit.parent
+
+
+def whatifs_for(unit) -> list[str]:
+    """The what-ifs that apply to a unit: the whole unit, and for MoE the weighted sum."""
+    return [WSUM, UNIT] if unit.kind in ("moe", "experts") else [UNIT]
+
+
+def replaced(fault, whatif: str, unit) -> bool:
+    """Whether the what-if recomputes exactly this fault's arithmetic in float32."""
+    if fault.kind not in PRECISION_FAULTS:
+        return False
+    if whatif == WSUM:
+        return fault.kind == "moe_combine" and fault.unit in (_block(unit), _block(unit) + ".experts")
+    # A moe_combine fault planted on a block lives in its experts' weighted sum.
+    where = fault.unit + ".experts" if fault.kind == "moe_combine" and not fault.unit.endswith(".experts") else fault.unit
+    return _inside(where, unit.name)
+
+
+def fix_text(whatif: str, unit) -> str:
+    if whatif == WSUM:
+        return "accumulate the expert weighted sum in fp32"
+    return f"upcast {unit.name} ({unit.kind}) to fp32"
+
+
+# -- a what-if on the engine ------------------------------------------------------------------
+def not_carried(session, whatif: str, unit) -> list[str]:
+    """Planted noise faults this what-if cannot keep (the engine's backend says which: on
+    vLLM the fp32 unit is the reference's module, so weight noise at or inside the unit,
+    and output noise strictly inside it, are gone)."""
+    return session.engine.whatif_not_carried(whatif, unit, session.faults)
+
+
+def forward(session, whatif: str | None, unit, others: list[str]):
+    """One engine forward: planted faults (less those the what-if replaces), the other
+    culprits swapped, then the what-if and the faults it plants again on top of it, all
+    in the arrangement's one ledger."""
+    engine = session.engine
+    kept = [f for f in session.faults if whatif is None or not replaced(f, whatif, unit)]
+    with arranged(engine, session.ref, kept, others) as ledger:
+        if whatif is not None:
+            replant = engine.install_whatif(whatif, unit, session.ref, session.faults, ledger)
+            apply_faults(engine, replant, ledger)
+        # decode mode too; full logits only when the KL is judged (as in a search trial)
+        return engine.forward(session.samples, full_logits=session.settings.judges_kl,
+                              mode=getattr(session, "mode", "prefill"))
+
+
+def verdict(before: float, after: float, threshold: float) -> str:
+    if after <= threshold < before:
+        return "fixes"
+    if math.isfinite(after) and after <= 0.5 * before:  # inf -> inf is no help
+        return "helps"
+    return "no_help"
+
+
+def describe(t: dict) -> str:
+    """One line: 'accumulate the expert weighted sum in fp32: k3-mean 2.9e-01 -> 4.0e-06 (fixes it)'."""
+    above = t.get("threshold") is not None and t["value"] > t["threshold"]
+    helps = "helps, still above the threshold" if above else "helps"
+    what = {"fixes": "fixes it", "helps": helps, "no_help": "does not help"}[t["verdict"]]
+    if t["verdict"] == "no_help" and t["value"] == t["before"]:
+        what = "changes nothing"
+    lost = f"; planted {', '.join(t['faults_not_carried'])} not carried over" if t.get("faults_not_carried") else ""
+    return f"{t['fix']}: {t['metric']} {fmt(t['before'])} -> {fmt(t['value'])} ({what}{lost})"
+
+
+def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=lambda m: None,
+                names: list[str] | None = None) -> None:
+    """Add `precision` (what-ifs and the suggested fix) to each culprit dict, in place.
+
+    `names`: every culprit of the search (default: those given), each swapped while another's
+    what-if runs; `baseline` is used as "before" only when there is no other. A failure raises
+    (`run.run` records it per culprit and keeps the search's result)."""
+    if session.engine is None or not culprits:
+        return
+    ref = session.reference_tokens()
+    st = session.settings
+    names = [c["unit"] for c in culprits] if names is None else list(names)
+    for c in culprits:
+        unit = session.engine.unit(c["unit"])
+        # a culprit around or inside this one is not swapped for its what-if (it would hide it)
+        others = [n for n in names if not _inside(n, unit.name) and not _inside(unit.name, n)]
+
+        def judged(res) -> tuple[float, float]:
+            tokens = C.token_report(session.samples, ref, res, st, session.groups, detail=False)
+            return tokens["value"], tokens["groups"][st.group]["k3"]["mean"] if st.group in tokens["groups"] else None
+
+        if others or baseline is None:
+            progress(f"what-if: {unit.name} with the other culprits swapped")
+            before, _ = judged(forward(session, None, unit, others))
+        else:
+            before = baseline
+        trials = []
+        for w in whatifs_for(unit):
+            progress(f"what-if: {unit.name}, {w}")
+            value, k3 = judged(forward(session, w, unit, others))
+            t = {"whatif": w, "fix": fix_text(w, unit), "metric": st.metric, "threshold": st.threshold,
+                 "before": before, "value": value, "k3_mean": k3,
+                 "replaced_faults": [f.spec for f in session.faults if replaced(f, w, unit)],
+                 "faults_not_carried": not_carried(session, w, unit)}
+            t["verdict"] = verdict(before, value, st.threshold)
+            t["line"] = describe(t)
+            trials.append(t)
+        fixing = [t for t in trials if t["verdict"] == "fixes"]
+        helping = sorted((t for t in trials if t["verdict"] == "helps"), key=lambda t: t["value"])
+        best = (fixing or helping or [None])[0]
+        c["precision"] = {
+            "whatifs": trials,
+            "suggested": best["line"] if best else f"no precision fix: running {unit.name} in fp32 does not help",
+        }
