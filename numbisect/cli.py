@@ -12,15 +12,24 @@ import json
 import math
 import os
 import signal
+import stat
 import sys
 import threading
 import traceback
+import warnings
 
 import click
 
 from numbisect import __version__
 from numbisect.common.errors import ExitCode, InputError, NumbisectError
+from numbisect.common.jsonsafe import sanitize
+from numbisect.common.safeio import check_output_dir
 from numbisect.common.threshold import parse_threshold
+from numbisect.model import engine_config as E
+from numbisect.report.document import write_json_atomic
+from numbisect.report.summary import render
+from numbisect.report.tools import diff, markdown, render_diff
+from numbisect.tui.live import LiveConfig, check_live, run_argv
 
 EPILOG = """\b
 Exit codes:
@@ -57,7 +66,6 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-    import warnings
 
     warnings.filterwarnings("ignore")
 
@@ -69,7 +77,7 @@ class Progress:
         self.quiet = quiet
         self._status = None
         if not quiet and sys.stderr.isatty():
-            from rich.console import Console
+            from rich.console import Console  # lazy: rich loads only when this runs
 
             self._status = Console(stderr=True).status("starting")
 
@@ -201,8 +209,13 @@ def options(*names, required: bool | None = None):
 def _spec_settings(kw):
     """The run's Spec and Settings from the parsed options. A `--threshold floor[xN]` is
     left a `Floor`: `_resolve_floor` turns it into a number (that may run the reference)."""
-    from numbisect.pipeline.measure import Settings, parse_opts
-    from numbisect.session.session import Spec
+    from numbisect.pipeline.measure import (  # lazy: keeps torch out of importing numbisect.cli
+        Settings,
+        parse_opts,
+    )
+    from numbisect.session.session import (
+        Spec,  # lazy: keeps torch out of importing numbisect.cli
+    )
 
     spec = Spec(
         ref=kw["ref"],
@@ -224,20 +237,20 @@ def _spec_settings(kw):
         threads=kw.get("threads"),
     )
     if kw.get("engine_config"):  # the user's engine settings: the session derives the in-process engine's options
-        from numbisect.model import engine_config as E
 
         spec.engine_config = E.merge(E.load_settings(kw["engine_config"]), spec.engine_opts)
         E.check_settings(spec.engine_config, "--engine-config/--engine-opt")
         spec.engine_config_path = kw["engine_config"]
         spec.engine_opts = {}
     if spec.threads:
-        from numbisect.session.environment import set_threads
+        from numbisect.session.environment import (
+            set_threads,  # lazy: keeps torch out of importing numbisect.cli
+        )
 
         set_threads(spec.threads)  # before a --threshold floor calibration runs the reference
     if spec.capture == "full" and not spec.capture_dir:
         raise InputError("--capture full needs --capture-dir DIR")
     if spec.capture_dir:
-        from numbisect.common.safeio import check_output_dir
 
         check_output_dir(spec.capture_dir, "--capture-dir")
     if kw.get("floor_file") and not isinstance(kw["threshold"], Floor):
@@ -257,15 +270,15 @@ def _refuse_dump(engine: str) -> None:
 def _resolve_floor(kw, spec, settings, progress) -> None:
     """A `--threshold floor[xN]`: the floor from --floor FILE, or calibrated now (loads the reference)."""
     if isinstance(kw["threshold"], Floor):
-        from numbisect.commands.calibrate import resolve_threshold
+        from numbisect.commands.calibrate import (
+            resolve_threshold,  # lazy: keeps torch out of importing numbisect.cli
+        )
 
         settings.threshold, settings.threshold_origin = resolve_threshold(
             kw["threshold"].text, kw.get("floor_file"), spec, kw["metric"], kw["group"], progress=progress)
 
 
 def _emit(report: dict, kw) -> None:
-    from numbisect.report.document import write_json_atomic
-    from numbisect.report.summary import render
 
     if kw.get("out"):
         write_json_atomic(kw["out"], report)
@@ -289,7 +302,11 @@ def _emit(report: dict, kw) -> None:
 
 def _check_out(kw) -> None:
     """Before any model loads: every output can be written and is none of the inputs."""
-    from numbisect.common.safeio import check_output, check_trial_log, same_file
+    from numbisect.common.safeio import (  # lazy: the name same_file stands for different imports in this file
+        check_output,
+        check_trial_log,
+        same_file,
+    )
 
     inputs = {"--trace": kw.get("trace"), "--floor": kw.get("floor_file"), "--resume": kw.get("resume"),
               "--engine-config": kw.get("engine_config"), "--good-config": kw.get("good_config")}
@@ -310,7 +327,9 @@ def _check_out(kw) -> None:
 def _not_in_a_model(path: str, opt: str, kw) -> None:
     """An output that is an existing file of a model or dump directory (its config.json, a
     weight file, a dump's manifest) would damage what every later run reads: refused."""
-    from numbisect.common.safeio import same_file
+    from numbisect.common.safeio import (
+        same_file,  # lazy: the name same_file stands for different imports in this file
+    )
 
     if not os.path.isfile(path):
         return
@@ -322,7 +341,6 @@ def _not_in_a_model(path: str, opt: str, kw) -> None:
 
 def _check_new_log(log: str, resume: str | None) -> None:
     """A --log that already holds trials is never overwritten (--resume continues it)."""
-    import stat
 
     try:
         st = os.stat(log)
@@ -332,7 +350,10 @@ def _check_new_log(log: str, resume: str | None) -> None:
         return  # check_output said what it could; opening it will say the rest
     if not stat.S_ISREG(st.st_mode):
         raise InputError(f"--log {log} is not a regular file (a trial log must be one: it is locked and appended to)")
-    from numbisect.commands.run import holds_trials, log_in_use
+    from numbisect.commands.run import (  # lazy: keeps torch out of importing numbisect.cli
+        holds_trials,
+        log_in_use,
+    )
 
     with open(log, "rb") as fh:
         if holds_trials(fh.read()):
@@ -342,14 +363,18 @@ def _check_new_log(log: str, resume: str | None) -> None:
 def _check_replay_indexer(kw, spec) -> None:
     """--replay-indexer refused, before any model loads, where it cannot run."""
     if kw.get("replay_indexer"):
-        from numbisect.pipeline.selection import check_replay
+        from numbisect.pipeline.selection import (
+            check_replay,  # lazy: keeps torch out of importing numbisect.cli
+        )
 
         check_replay(spec)
 
 
 def _replay_indexer(session, body: dict) -> None:
     """The indexer replay what-if (numbisect.pipeline.selection) into the report body as `indexer_replay`."""
-    from numbisect.pipeline.selection import replay_whatif
+    from numbisect.pipeline.selection import (
+        replay_whatif,  # lazy: keeps torch out of importing numbisect.cli
+    )
 
     replay = replay_whatif(session.sides())
     if replay is not None:
@@ -361,9 +386,15 @@ def _replay_indexer(session, body: dict) -> None:
 @click.option("--local/--no-local", default=True, show_default=True, help="Also feed each engine unit the reference's input (local error).")
 def compare(**kw):
     """Run the trace through both models: k3, KL, RL cost and per-unit divergence."""
-    from numbisect.commands.provenance import new_report
-    from numbisect.report.document import command_line
-    from numbisect.session.session import Session
+    from numbisect.commands.provenance import (
+        new_report,  # lazy: keeps torch out of importing numbisect.cli
+    )
+    from numbisect.report.document import (
+        command_line,  # lazy: the name command_line stands for different imports in this file
+    )
+    from numbisect.session.session import (
+        Session,  # lazy: keeps torch out of importing numbisect.cli
+    )
 
     _check_out(kw)
     with Progress(kw["quiet"]) as say:
@@ -395,10 +426,18 @@ def compare(**kw):
               help="RAM for the layer outputs prefix reuse keeps across trials; over it, older recordings are dropped [default: 4096].")
 def run(**kw):
     """Swap reference modules into the engine and search for the culprit units."""
-    from numbisect.commands.provenance import new_report
-    from numbisect.commands.run import run as do_run
-    from numbisect.report.document import command_line
-    from numbisect.session.session import Session
+    from numbisect.commands.provenance import (
+        new_report,  # lazy: keeps torch out of importing numbisect.cli
+    )
+    from numbisect.commands.run import (
+        run as do_run,  # lazy: keeps torch out of importing numbisect.cli
+    )
+    from numbisect.report.document import (
+        command_line,  # lazy: the name command_line stands for different imports in this file
+    )
+    from numbisect.session.session import (
+        Session,  # lazy: keeps torch out of importing numbisect.cli
+    )
 
     _check_out(kw)
     if kw["swap"] and not any(k.strip() for part in kw["swap"] for k in part.split(",")):
@@ -421,7 +460,7 @@ def run(**kw):
                 whatif=kw["whatif"],
             )
             if kw["replay_indexer"]:  # after the search: a failure is recorded, the search's result stands
-                from numbisect.commands.run import after_search
+                from numbisect.commands.run import after_search  # lazy: keeps torch out of importing numbisect.cli
 
                 failed: list[dict] = []
                 after_search(failed, "indexer_replay", None, say, lambda: _replay_indexer(session, body))
@@ -453,11 +492,21 @@ def run(**kw):
 @options("json", "quiet")
 def conditions(**kw):
     """Which of your engine settings make vLLM's log-probs differ from a known-good configuration."""
-    from numbisect.commands.conditions import CondSession, CondSpec, run_conditions
-    from numbisect.commands.provenance import new_report
-    from numbisect.model import engine_config as E
-    from numbisect.pipeline.measure import Settings, parse_opts
-    from numbisect.report.document import command_line
+    from numbisect.commands.conditions import (  # lazy: keeps torch out of importing numbisect.cli
+        CondSession,
+        CondSpec,
+        run_conditions,
+    )
+    from numbisect.commands.provenance import (
+        new_report,  # lazy: keeps torch out of importing numbisect.cli
+    )
+    from numbisect.pipeline.measure import (  # lazy: keeps torch out of importing numbisect.cli
+        Settings,
+        parse_opts,
+    )
+    from numbisect.report.document import (
+        command_line,  # lazy: the name command_line stands for different imports in this file
+    )
 
     _check_out(kw)
     user = E.load_settings(kw["engine_config"]) if kw["engine_config"] else {}
@@ -468,12 +517,16 @@ def conditions(**kw):
     spec = CondSpec(ref=kw["ref"], engine=kw["engine"], trace=kw["trace"], ref_dtype=kw["ref_dtype"],
                     engine_dtype=kw["engine_dtype"], ref_opts=parse_opts(kw["ref_opt"], "--ref-opt"),
                     engine_opts={"user": user, "good": good})
-    from numbisect.pipeline.measure import check_opts
+    from numbisect.pipeline.measure import (
+        check_opts,  # lazy: keeps torch out of importing numbisect.cli
+    )
 
     check_opts("hf", spec.ref_opts, "--ref-opt")
     with Progress(kw["quiet"]) as say:
         sess = CondSession(spec, settings, user, good)
-        from numbisect.backends.vllm.condition_worker import run_child
+        from numbisect.backends.vllm.condition_worker import (
+            run_child,  # lazy: keeps torch out of importing numbisect.cli
+        )
 
         body, code = run_conditions(sess, run_child=run_child, max_trials=kw["max_trials"], log=kw["log_path"],
                                     resume=kw["resume"], localise_culprit=kw["localise"], progress=say)
@@ -505,10 +558,15 @@ def calibrate(**kw):
     Per metric (k3-mean, k3-p99, kl-mean, max abs log-prob difference) and variant;
     the floor is the largest. Use it with `run`/`compare --threshold floor[xN] --floor FILE`.
     """
-    from numbisect.commands.calibrate import calibrate as do_calibrate
-    from numbisect.commands.calibrate import render as render_floor
-    from numbisect.pipeline.measure import parse_opts
-    from numbisect.report.document import write_json_atomic
+    from numbisect.commands.calibrate import (
+        calibrate as do_calibrate,  # lazy: keeps torch out of importing numbisect.cli
+    )
+    from numbisect.commands.calibrate import (
+        render as render_floor,  # lazy: keeps torch out of importing numbisect.cli
+    )
+    from numbisect.pipeline.measure import (
+        parse_opts,  # lazy: keeps torch out of importing numbisect.cli
+    )
 
     _check_out(kw)
     if kw["batch_size"] < 2:  # before the reference loads
@@ -531,8 +589,9 @@ def calibrate(**kw):
 @click.argument("file", type=click.Path())
 def report_show(file):
     """Print the summary of a report, from the file alone."""
-    from numbisect.report.document import load_report
-    from numbisect.report.summary import render
+    from numbisect.report.document import (
+        load_report,  # lazy: the name load_report stands for different imports in this file
+    )
 
     r = load_report(file)
     sys.stdout.write(render(r))
@@ -543,7 +602,9 @@ def report_show(file):
 @click.argument("file", type=click.Path())
 def report_validate(file):
     """Check a report against the JSON Schema of its version."""
-    from numbisect.report.document import load_report
+    from numbisect.report.document import (
+        load_report,  # lazy: the name load_report stands for different imports in this file
+    )
 
     r = load_report(file)
     click.echo(f"{file}: valid numbisect report, schema version {r['schema_version']}")
@@ -556,9 +617,9 @@ def report_validate(file):
 @click.option("--json", "as_json", is_flag=True, help="Print the diff as JSON on stdout instead of text.")
 def report_diff(before, after, as_json):
     """Did the fix work? Compare report BEFORE with AFTER; exit 0 when AFTER is aligned, 1 otherwise."""
-    from numbisect.common.jsonsafe import sanitize
-    from numbisect.report.document import load_report
-    from numbisect.report.tools import diff, render_diff
+    from numbisect.report.document import (
+        load_report,  # lazy: the name load_report stands for different imports in this file
+    )
 
     d = diff(load_report(before), load_report(after), labels=(before, after))
     if as_json:
@@ -572,8 +633,9 @@ def report_diff(before, after, as_json):
 @click.argument("file", type=click.Path())
 def report_md(file):
     """Print a Markdown summary of a report, to paste into a GitHub issue."""
-    from numbisect.report.document import load_report
-    from numbisect.report.tools import markdown
+    from numbisect.report.document import (
+        load_report,  # lazy: the name load_report stands for different imports in this file
+    )
 
     sys.stdout.write(markdown(load_report(file)))
     return ExitCode.ALIGNED
@@ -592,7 +654,10 @@ def tui(report_file, **kw):
     the token comparison in your settings and the search in the hookable ones, as `run`
     does). Press ? for keys.
     """
-    from numbisect.report.document import command_line, load_report
+    from numbisect.report.document import (  # lazy: the name command_line stands for different imports in this file
+        command_line,
+        load_report,
+    )
 
     live_opts = [k for k in ("ref", "engine", "trace") if kw[k]]
     if report_file and live_opts:
@@ -605,7 +670,6 @@ def tui(report_file, **kw):
     elif len(live_opts) < 3:
         raise InputError("bisect tui needs REPORT.json, or --ref, --engine and --trace for a live run")
     else:
-        from numbisect.tui.live import LiveConfig, check_live, run_argv
 
         spec, settings = _spec_settings(kw)
         argv = command_line((click.get_current_context().obj or {}).get("argv"))
@@ -614,14 +678,20 @@ def tui(report_file, **kw):
         _refuse_dump(kw["engine"])
         with Progress() as say:  # the cheap checks first: a floor may run the reference
             _resolve_floor(kw, spec, settings, say)
-    from numbisect.tui.app import BisectApp, preflight  # textual is imported only here
+    from numbisect.tui.app import (  # textual is imported only here  # lazy: keeps textual out of importing numbisect.cli
+        BisectApp,
+        preflight,
+    )
 
     if report is not None:
         preflight(report, report_file)  # a report the TUI cannot draw: one line, exit 2
     app = BisectApp(report=report, report_path=report_file, live=config)
     app.run()
     if app.failure is not None:  # an error inside the app, shown as one line, not a traceback
-        from numbisect.common.textsafe import clip, printable
+        from numbisect.common.textsafe import (  # lazy: the name printable stands for different imports in this file
+            clip,
+            printable,
+        )
 
         what = f"{type(app.failure).__name__}: {printable(clip(app.failure, 200))}"
         if report is not None:
@@ -647,8 +717,9 @@ def selftest(**kw):
 
     Exit 0 when every planted fault was found, 1 when one was missed.
     """
-    from numbisect.commands import selftest as ST
-    from numbisect.report.document import write_json_atomic
+    from numbisect.commands import (
+        selftest as ST,  # lazy: keeps torch out of importing numbisect.cli
+    )
 
     _check_out(kw)
     engine, trace, profile = ST.resolve(kw["ref"], kw["engine"], kw["trace"])
@@ -688,7 +759,9 @@ def _install_signals() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from numbisect.common.textsafe import printable
+    from numbisect.common.textsafe import (
+        printable,  # lazy: the name printable stands for different imports in this file
+    )
 
     _quiet_libraries()
     debug = bool(os.environ.get("NUMBISECT_DEBUG"))

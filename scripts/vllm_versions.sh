@@ -14,7 +14,7 @@ PY="${PYTHON:-python3}"
 ROOT="${NUMBISECT_VENVS:-.venvs}"
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.30.0 0.31.0 0.32.0)
-TESTS=(tests/test_vllm_versions.py)
+TESTS=(tests/backends/test_vllm_versions.py)
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 declare -a SUMMARY
 for v in "${VERSIONS[@]}"; do

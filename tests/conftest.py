@@ -8,6 +8,7 @@ that use one are marked `vllm`.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,81 @@ def pytest_sessionfinish(session, exitstatus):
     for eng in _VLLM.values():
         eng.close()
     _VLLM.clear()
+
+
+# -- the fast set: tests that need no model --------------------------------------------------
+# A test needs a model (marker `engine`) when it is marked vllm or slow, or when its source, the
+# source of the fixtures it asks for, or of the helpers of its module it calls, names a way to
+# load one. `bash scripts/test.sh --fast` runs the others (`-m "not engine"`) with
+# NUMBISECT_TEST_NO_MODELS=1, under which loading a model in this process fails the test: a test
+# the scan missed cannot pass as fast.
+MODEL_USE = re.compile(r"(?<![\w.])(hf|vllm|session|model_dir|damaged_copy|short_trace|search|open_backend|_fresh_hf)\(|"
+                       r"--ref\b|--engine\b|fixtures/models|HFBackend|VLLMBackend|Session\(|from_pretrained|"
+                       r"(?<![\w.])MODELS\b|main\(\[\s*\"(compare|run|selftest|calibrate|conditions)\"")
+
+
+def _uses_model(item) -> bool:
+    import inspect
+
+    if item.get_closest_marker("vllm") or item.get_closest_marker("slow"):
+        return True
+    mod = item.module
+    seen, todo = set(), [getattr(item, "function", None)]
+    for name in getattr(item, "fixturenames", ()):
+        if name == "_no_models_in_fast_runs":
+            continue
+        defs = item.session._fixturemanager.getfixturedefs(name, item)
+        todo += [d.func for d in defs or ()]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        try:
+            src = inspect.getsource(fn)
+        except (OSError, TypeError):
+            continue
+        if MODEL_USE.search(src):
+            return True
+        # helpers of the test's module it calls, one name at a time
+        for name in set(re.findall(r"\b([A-Za-z_]\w*)\(", src)):
+            obj = getattr(mod, name, None)
+            if inspect.isfunction(obj) and obj.__module__ == mod.__name__:
+                todo.append(obj)
+    return False
+
+
+COUNTS = re.compile(r"case_count|cases_ran")  # tests that check that a module's generated cases ran
+
+
+def pytest_collection_modifyitems(config, items):
+    engine_modules = set()
+    for item in items:
+        if _uses_model(item):
+            item.add_marker(pytest.mark.engine)
+            engine_modules.add(item.module.__name__)
+    for item in items:  # a count of generated cases runs where the cases run
+        if COUNTS.search(item.name) and item.module.__name__ in engine_modules:
+            item.add_marker(pytest.mark.engine)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_models_in_fast_runs():
+    """Under `scripts/test.sh --fast`: a model load in this process is an error."""
+    if os.environ.get("NUMBISECT_TEST_NO_MODELS") != "1":
+        yield
+        return
+    from numbisect.backends import hf as H
+    from numbisect.backends import vllm as V
+
+    def refuse(*a, **k):
+        raise AssertionError("this test loads a model: it belongs to the full run (mark it, or name the loader in MODEL_USE)")
+
+    saved = (H.HFBackend.__init__, V.VLLMBackend.__init__)
+    H.HFBackend.__init__ = refuse
+    V.VLLMBackend.__init__ = refuse
+    yield
+    H.HFBackend.__init__, V.VLLMBackend.__init__ = saved
 
 
 def damaged_copy(name: str, dest, edit, config_edit=None) -> str:

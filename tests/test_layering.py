@@ -8,8 +8,8 @@ annotations, not imports, and are not counted.
 1. No import cycles among numbisect modules.
 2. The layer order above.
 3. The core (every layer below the UI) never imports textual or click.
-4. Report tooling (`numbisect.report`, `numbisect.common`) never imports torch,
-   transformers or vllm; and `bisect report show|validate|md|diff` run in a fresh
+4. The torch-free layers (`numbisect.report`, `numbisect.common`, `numbisect.search`) never
+   import torch, transformers or vllm, directly or through what they import; and `bisect report show|validate|md|diff` run in a fresh
    interpreter leave no torch in sys.modules.
 
 An import of a package counts as an import of its `__init__` only (not of its parents).
@@ -39,10 +39,10 @@ LAYERS = (
     ("patching",),  # engine-neutral changes a backend carries out, and its probes
     ("model",),  # arch maps, units, traces, engine configs, checkpoint diff
     ("report",),  # the report document and its readers: torch-free
-    ("common",),  # errors, safe IO, text and number formatting: torch-free
+    ("common", "dump"),  # errors, safe IO, text and number formatting (torch-free); the engine-side dump writer
 )
 UI_ORDER = ("__main__", "cli", "tui")  # inside the UI layer, each imports only those after it
-TORCH_FREE = ("report", "common")
+TORCH_FREE = ("report", "common", "search")
 HEAVY = ("torch", "transformers", "vllm")
 
 
@@ -117,9 +117,11 @@ def check(pkg: Path = PKG) -> list[str]:
         if i > 0:
             for bad in sorted(outside[mod] & {"textual", "click"}):
                 out.append(f"core imports the UI: {mod} imports {bad}")
-        if p in TORCH_FREE:
-            for bad in sorted(outside[mod] & set(HEAVY)):
-                out.append(f"report tooling imports {bad}: {mod}")
+        if p in TORCH_FREE:  # and everything it imports, transitively
+            for dep in [mod, *nx.descendants(g, mod)]:
+                for bad in sorted(outside[dep] & set(HEAVY)):
+                    via = "" if dep == mod else f" (via {dep})"
+                    out.append(f"torch-free layer imports {bad}: {mod}{via}")
     return out
 
 
@@ -139,13 +141,14 @@ def test_every_package_is_in_a_layer():
     [
         ("backends/hf/__init__.py", "import numbisect.search.search", "imports a layer above: numbisect.backends.hf (layer backends) imports numbisect.search.search"),
         ("backends/options.py", "from numbisect.session import session", "imports a layer above: numbisect.backends.options"),
-        ("report/document.py", "import torch", "report tooling imports torch: numbisect.report.document"),
-        ("common/textsafe.py", "def f():\n    from transformers import AutoConfig", "report tooling imports transformers: numbisect.common.textsafe"),
+        ("report/document.py", "import torch", "torch-free layer imports torch: numbisect.report.document"),
+        ("common/textsafe.py", "def f():\n    from transformers import AutoConfig", "torch-free layer imports transformers: numbisect.common.textsafe"),
         ("report/summary.py", "from numbisect.pipeline import measure", "imports a layer above: numbisect.report.summary"),
         ("model/units.py", "import numbisect.model.arch", "import cycle: numbisect.model.arch -> "),
         ("backends/options.py", "from numbisect.backends import open_backend", "import cycle: numbisect.backends -> "),
         ("pipeline/metrics.py", "from numbisect.tui import model", "imports a layer above: numbisect.pipeline.metrics (layer pipeline) imports numbisect.tui.model"),
         ("search/search.py", "def f():\n    import click", "core imports the UI: numbisect.search.search imports click"),
+        ("search/search.py", "import torch", "torch-free layer imports torch: numbisect.search.search"),
         ("patching/swap.py", "from numbisect.backends.base import Backend", "imports a layer above: numbisect.patching.swap"),
         ("tui/model.py", "from numbisect.cli import main", "imports a sibling package: numbisect.tui.model imports numbisect.cli"),
     ],

@@ -1,10 +1,10 @@
-"""Backends: each a way to run a model over a token trace (DESIGN.md, "Backend").
+"""Backends: each a way to run a model over a token trace (docs/design.md, "Backend").
 
-- `base.py`: the interface every backend implements (`Backend`) and what they share;
-  `ledger.py`: the one patch/undo ledger every change to a live model goes through;
-  `common.py`: torch pieces several engines share (fault arithmetic, the per-slot sum);
-  `options.py`: `--ref-opt` / `--engine-opt` parsing and per-backend checks (torch-free);
-  `steps.py`: decode steps back into token order.
+- `base.py`: the interface every backend implements (`Backend`) and what they share
+  (the ledger, fault arithmetic and module helpers live a layer below, in
+  numbisect.patching); `options.py`: `--ref-opt` / `--engine-opt` parsing and per-backend
+  checks (torch-free); `steps.py`: decode steps back into token order; `mla_rope.py`:
+  MLA's rotary part as a unit.
 - One folder per engine, holding its runner, swap adapters, faults, routing probe and
   precision what-ifs: `hf/` (transformers), `vllm/` (in-process vLLM, forced decoding,
   tensor-parallel workers), `dump/` (activations an engine wrote).
@@ -15,8 +15,8 @@
   and the registry imports no backend (the core modules that read it, compare, decode
   and routing, form no import cycle with the backends they open).
 
-Backends sit under the search: nothing here imports numbisect.search.search, run, session or
-selftest (tests/test_layering.py checks it).
+Backends sit under the pipeline, the search, the session and the commands: nothing here
+imports them (tests/test_layering.py checks the layers).
 """
 
 from __future__ import annotations

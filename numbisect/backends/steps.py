@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from numbisect.common.errors import BackendError
+from numbisect.model.units import PREFILL_ONLY_KINDS
 
 
 def vllm_logit_spans(P: int, T: int) -> list[tuple[int, int]]:
@@ -82,6 +83,5 @@ def decode_captures(engine, names) -> list[str]:
     """The units of `names` a decode-mode forward captures: all but those on the prefill path
     only (`units.PREFILL_ONLY_KINDS`: they would cover the prompt's positions alone), which
     the report then shows without a decode-mode value."""
-    from numbisect.model.units import PREFILL_ONLY_KINDS
 
     return [n for n in names if engine.unit(n).kind not in PREFILL_ONLY_KINDS]

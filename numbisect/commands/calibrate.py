@@ -21,10 +21,14 @@ import time
 
 import torch
 
+from numbisect.backends import open_backend
 from numbisect.backends.base import load_config, parse_dtype
+from numbisect.backends.hf import HFBackend
 from numbisect.common.errors import InputError
 from numbisect.common.formatting import fmt
+from numbisect.common.safeio import loads_json, read_text
 from numbisect.common.threshold import parse_threshold  # noqa: F401  (resolve_threshold; tests)
+from numbisect.model.rlformats import load_any
 from numbisect.model.trace import check_vocab
 from numbisect.pipeline import measure as C
 
@@ -101,7 +105,6 @@ def _metrics(samples, base, var, group: str) -> dict:
 
 def _load(path, fmt=None, fields=None):
     """The trace as `run` reads it: numbisect JSONL or a rollout dump (numbisect.model.rlformats)."""
-    from numbisect.model.rlformats import load_any
 
     return load_any(path, fmt, fields)
 
@@ -110,8 +113,6 @@ def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: d
               variants: list[str] | tuple[str, ...] = (), dtype_variant: str | None = None, batch_size: int = 4,
               progress=lambda m: None, trace_format: str | None = None, trace_fields: str | None = None) -> dict:
     """The floor document (see `render`); every variant runs over the whole trace."""
-    from numbisect.backends import open_backend
-    from numbisect.backends.hf import HFBackend
 
     kind, path = C.parse_spec(ref, "--ref")
     if kind != "hf":
@@ -184,7 +185,6 @@ def render(doc: dict) -> str:
 # -- `--threshold floor` --------------------------------------------------------------------------
 def load_floor(path: str, spec, group: str) -> dict:
     """A floor file made on this reference checkpoint, dtype and trace; InputError otherwise."""
-    from numbisect.common.safeio import loads_json, read_text
 
     doc = loads_json(read_text(path, "floor file", limit=64 * 2**20), f"{path} (floor file)")
     if not isinstance(doc, dict) or doc.get("numbisect_floor") != FLOOR_VERSION or not isinstance(doc.get("floor"), dict):

@@ -34,11 +34,18 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 
-from numbisect.backends.base import ForwardResult
+from numbisect.backends import open_backend
+from numbisect.backends.base import ForwardResult, load_config
+from numbisect.commands.run import TrialLog
 from numbisect.common.errors import ExitCode, InputError
 from numbisect.common.formatting import fmt
 from numbisect.model import engine_config as E
+from numbisect.model.arch import arch_for
+from numbisect.model.rlformats import load_any
+from numbisect.model.trace import check_vocab
+from numbisect.model.units import INNER_KINDS
 from numbisect.pipeline import measure as C
+from numbisect.pipeline import metrics as M
 from numbisect.search import search as S
 
 ROLE_INVARIANCE = "invariance"
@@ -64,9 +71,6 @@ class CondSession:
     mode = "conditions"
 
     def __init__(self, spec: CondSpec, settings: C.Settings, user: dict, good: dict):
-        from numbisect.backends.base import load_config
-        from numbisect.model.rlformats import load_any
-        from numbisect.model.trace import check_vocab
 
         self.spec, self.settings, self.user, self.good = spec, settings, user, good
         ref_kind, self.ref_path = C.parse_spec(spec.ref, "--ref")
@@ -193,8 +197,6 @@ def pattern(units: list[str], layers: int) -> list[str]:
 def execution_order(units: list[str], model_path: str) -> list[str]:
     """`units` in the arch map's execution order (embed, each layer's units by index and in
     their order, final_norm, lm_head); a name the map lacks goes last, in its given order."""
-    from numbisect.backends.base import load_config
-    from numbisect.model.arch import arch_for
 
     cfg = load_config(model_path)
     order = {u.name: u.order for u in arch_for(cfg).units(cfg)}
@@ -203,9 +205,6 @@ def execution_order(units: list[str], model_path: str) -> list[str]:
 
 def _inner_units(model_path: str) -> set[str]:
     """The model's units of `units.INNER_KINDS` (never teacher-forced)."""
-    from numbisect.backends.base import load_config
-    from numbisect.model.arch import arch_for
-    from numbisect.model.units import INNER_KINDS
 
     cfg = load_config(model_path)
     return {u.name for u in arch_for(cfg).units(cfg) if u.kind in INNER_KINDS}
@@ -214,7 +213,6 @@ def _inner_units(model_path: str) -> set[str]:
 def _differing(base: dict, local: dict, model_path: str) -> dict:
     """Each unit's local output in `local` against `base` (unit -> per-sample tensors), in
     execution order; the units that differ, and the innermost of them named."""
-    from numbisect.pipeline import metrics as M
 
     rows, differ = [], []
     for unit in execution_order(list(base), model_path):
@@ -430,8 +428,6 @@ def localisation_target(culprits: list[str]) -> str | None:
 def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, resume=None, localise_culprit=True,
                    progress=lambda m: None) -> tuple[dict, int]:
     """Everything `bisect conditions` does; the report body and the exit code."""
-    from numbisect.backends import open_backend
-    from numbisect.commands.run import TrialLog
 
     logger = TrialLog(log, sess, resume)  # refused before any forward when it cannot be resumed
     try:

@@ -12,16 +12,22 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import stat
+import traceback
 from dataclasses import dataclass, field
 
 from numbisect.common.errors import BackendError, ExitCode, InputError
 from numbisect.common.formatting import fmt
+from numbisect.common.safeio import check_input, loads_json, read_bytes, same_file
 from numbisect.model.units import unit_graph
 from numbisect.patching.swap import units_of_kinds
 from numbisect.pipeline import decode as D
+from numbisect.pipeline import whatif as W
 from numbisect.search import search as S
+from numbisect.session.environment import conditions, differences
 
 
 class SelfCheckFailed(BackendError):
@@ -48,7 +54,6 @@ LOG_VERSION = 2
 
 
 def log_header(session) -> dict:
-    from numbisect.session.environment import conditions
 
     return {
         "numbisect_trial_log": LOG_VERSION,
@@ -63,7 +68,6 @@ def log_header(session) -> dict:
 
 
 def _check_header(path: str, header, session) -> None:
-    from numbisect.session.environment import differences
 
     if not isinstance(header, dict) or "numbisect_trial_log" not in header:
         raise InputError(f"{path}: not a numbisect trial log")
@@ -107,7 +111,6 @@ def _parse(path: str, data: bytes, session) -> tuple[list[S.Trial], int, bool]:
     of the line before it); a complete last record without its newline is kept; a line
     damaged elsewhere (an older numbisect appended a record onto a cut one) keeps the
     record it still holds."""
-    from numbisect.common.safeio import loads_json
 
     raw = data.split(b"\n")  # offsets in bytes: the file is cut back by them
     lines = [b.decode("utf-8", errors="replace") for b in raw]
@@ -147,7 +150,6 @@ def _parse(path: str, data: bytes, session) -> tuple[list[S.Trial], int, bool]:
 
 def read_log(path: str, session) -> list[S.Trial]:
     """The trials of an earlier run on the same inputs and conditions; InputError if it is not one."""
-    from numbisect.common.safeio import read_bytes
 
     trials, _, _ = _parse(path, read_bytes(path, "resume log"), session)
     return trials
@@ -176,7 +178,6 @@ class TrialLog:
     """
 
     def __init__(self, path: str | None, session, resume: str | None = None):
-        from numbisect.common.safeio import check_input, same_file
 
         self.path = path or resume
         self.resumed: list[S.Trial] = []
@@ -217,8 +218,6 @@ class TrialLog:
 
     @staticmethod
     def _open_locked(path: str, create: bool) -> int:
-        import fcntl
-        import stat
 
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
         try:
@@ -338,7 +337,6 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
     after_search(failed, "prefix_reuse", None, progress,
                  lambda: result.search.__setitem__("prefix_reuse", prefix_summary(session, runner.trials)))
     if whatif and result.culprits:
-        from numbisect.pipeline import whatif as W
 
         names = [c["unit"] for c in result.culprits]
         for c in result.culprits:
@@ -355,7 +353,6 @@ def after_search(failed: list[dict], step: str, unit: str | None, progress, fn) 
         fn()
     except Exception as e:
         if os.environ.get("NUMBISECT_DEBUG"):
-            import traceback
 
             traceback.print_exc()
         lines = str(e).strip().splitlines()

@@ -31,18 +31,24 @@ from __future__ import annotations
 import errno
 import math
 import random
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from numbisect.backends import BACKENDS
+from numbisect.backends.base import check_checkpoint
+from numbisect.commands.run import SelfCheckFailed, check_swaps, run
 from numbisect.common.errors import InputError
 from numbisect.common.formatting import fmt
+from numbisect.model import ckptfaults as CF
 from numbisect.model.units import children, unit_graph
 from numbisect.patching.faults import KINDS as FAULT_UNIT_KINDS
 from numbisect.patching.faults import check_fault, parse_fault
 from numbisect.pipeline.measure import Settings, parse_spec, sanitize
 from numbisect.search import search as S
+from numbisect.session.session import Session, Spec
 
 SELFTEST_VERSION = 1
 
@@ -107,7 +113,7 @@ PROFILES = {
         threshold=3e-4,
         why=(
             "vLLM bf16 engine vs hf bf16 reference: the noise floor is 4e-5 to 6.5e-5 (partial swaps up to "
-            "about 1e-4, DESIGN.md); the weakest planted fault is 1.2e-3, so 3e-4 sits about 3x from each "
+            "about 1e-4, docs/design.md); the weakest planted fault is 1.2e-3, so 3e-4 sits about 3x from each "
             "(the tool's default 1e-3 would leave that fault at 1.2x)"
         ),
         faults=(
@@ -160,7 +166,6 @@ def profile_for(engine: str) -> Profile:
 def open_session(ref: str, engine: str, trace: str, profile: Profile, threshold: float | None = None,
                  progress=None, backends: dict | None = None):
     """A session in the profile's dtypes, judged on mean k3 of completion tokens."""
-    from numbisect.session.session import Session, Spec
 
     spec = Spec(ref=ref, engine=engine, trace=trace, ref_dtype=profile.dtype, engine_dtype=profile.dtype)
     thr = profile.threshold if threshold is None else threshold
@@ -287,8 +292,6 @@ def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templ
     `checkpoint`: instead of runtime faults, damaged copies of the reference checkpoint
     (`numbisect.model.ckptfaults`), each searched by `bisect run` as a user would run it;
     `templates` then names the checkpoint fault kinds to write (default: all)."""
-    from numbisect.commands.run import check_swaps
-    from numbisect.model import ckptfaults as CF
 
     if session.engine is None:
         raise InputError("selftest needs an engine that runs (hf:DIR or vllm:DIR)")
@@ -403,11 +406,7 @@ def checkpoint_rounds(session, profile: Profile, floor: float, bound: int, round
     temporary directory) and runs `bisect run` on it against the reference: the swap
     self-check must pass on the copy and the search must name the damage. A copy whose
     damage is within 10x of the noise floor is TOO WEAK: neither found nor missed."""
-    import shutil
-    import tempfile
 
-    from numbisect.backends.base import check_checkpoint
-    from numbisect.model import ckptfaults as CF
 
     _, ref_path = parse_spec(session.spec.ref, "--ref")
     eng_kind, _ = parse_spec(session.spec.engine, "--engine")
@@ -455,8 +454,6 @@ def copy_error(e: OSError, where: str) -> InputError:
 
 def _checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progress) -> dict:
     """One damaged copy run with `bisect run` against the reference, judged."""
-    from numbisect.commands.run import SelfCheckFailed, run
-    from numbisect.model import ckptfaults as CF
 
     s = open_session(session.spec.ref, f"{eng_kind}:{copy}", session.spec.trace, profile, session.settings.threshold,
                      progress=progress, backends={"ref": session.ref})

@@ -34,6 +34,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from numbisect.model.arch import arch_for
+
 # Config fields whose value changes what a forward computes, and the unit kinds that read them.
 NUMERIC_FIELDS = {
     "rms_norm_eps": ("norm", "attn"), "layer_norm_eps": ("norm",), "layer_norm_epsilon": ("norm",),
@@ -229,7 +231,6 @@ def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict,
     """What differs between two checkpoint directories of one family (module docstring).
     `ref_cfg` / `eng_cfg`: their parsed config.json; `config`: the reference's transformers
     config (its units and head size)."""
-    from numbisect.model.arch import arch_for
 
     if Path(ref_path).resolve() == Path(eng_path).resolve():
         return {"same_path": True, "identical": True, "tensors": 0, "units": {}, "unmapped": [], "config": []}

@@ -32,11 +32,15 @@ path being written, for the selftest to report.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from numbisect.model.arch import arch_for
+from numbisect.model.ckptdiff import apply_renames, unit_of, unit_prefixes
 
 # kind -> (config.json field paths to look for, in order; its new value from the old; the
 # unit kinds that read it in every layer; the change in words)
@@ -110,7 +114,6 @@ def _router_reads(arch, text, path: str, value) -> bool:
     """Whether the family's router reads config field `path`: its routing (`arch.router_spec`,
     which mirrors the transformers router) changes when the field is `value`. Qwen3-VL-MoE's
     router always renormalises, whatever norm_topk_prob says."""
-    import copy
 
     if arch.router_spec is None:
         return False
@@ -123,8 +126,6 @@ def plan(ref_path: str, raw_config: dict, config, kinds=KINDS, seed: int = 0) ->
     """The faults to write for this checkpoint (one per kind of `kinds` it has), and the
     kinds skipped with why. `raw_config`: its config.json; `config`: its transformers
     config. Each kind's layer comes from `seed` alone, whichever kinds are asked for."""
-    from numbisect.model.arch import arch_for
-    from numbisect.model.ckptdiff import apply_renames, unit_of, unit_prefixes
 
     rng = random.Random(seed)
     arch = arch_for(config)

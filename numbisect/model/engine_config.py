@@ -32,7 +32,10 @@ from __future__ import annotations
 import json
 import os
 
+import tomllib
+
 from numbisect.common.errors import InputError
+from numbisect.common.safeio import read_text
 
 EXTRA = ("batch", "logprobs_mode", "sampling")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -66,12 +69,10 @@ def _bad(what: str, msg: str) -> InputError:
 
 def load_settings(path: str, what: str = "--engine-config") -> dict:
     """A settings file (JSON object; TOML when the name ends in .toml), checked."""
-    from numbisect.common.safeio import read_text
 
     text = read_text(path, what)
     name = f"{what} {path}"
     if os.fspath(path).endswith(".toml"):
-        import tomllib
 
         try:
             obj = tomllib.loads(text)

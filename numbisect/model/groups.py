@@ -14,6 +14,9 @@ positions.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from numbisect.common.errors import InputError
 from numbisect.model.trace import BUILTIN_GROUPS, Trace
 
@@ -90,7 +93,6 @@ def check_images(trace: Trace, config, arch) -> None:
 def inputs_digest(trace: Trace, defs) -> str | None:
     """sha256 of what decides the trace's metrics besides the file: the pixel tensors and
     the --group-def list (None when there are neither, so older trial logs still match)."""
-    import hashlib
 
     images = [s.images for s in trace.samples if s.images is not None]
     if not images and not defs:
@@ -103,6 +105,5 @@ def inputs_digest(trace: Trace, defs) -> str | None:
 
 
 def json_bytes(x) -> bytes:
-    import json
 
     return json.dumps(x).encode()

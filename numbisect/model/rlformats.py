@@ -29,6 +29,7 @@ import json
 import os
 
 from numbisect.common.errors import InputError
+from numbisect.common.safeio import check_input
 from numbisect.model.trace import Trace, _sample, load_trace, show
 
 # Where each preset's names come from (field names in the frameworks' own code):
@@ -121,7 +122,6 @@ def is_parquet(path: str) -> bool:
 
 def read_records(path: str) -> tuple[list[dict], bytes]:
     """(records, file bytes) of a JSONL or parquet file."""
-    from numbisect.common.safeio import check_input
 
     if os.path.exists(path) and not os.path.isdir(path):
         check_input(path, "trace")
@@ -283,7 +283,6 @@ def load_rollouts(path: str, fmt: str | None = None, fields_text: str | None = N
 
 def load_any(path: str, fmt: str | None = None, fields_text: str | None = None) -> Trace:
     """A trace from any supported file; numbisect JSONL keeps its own reader and errors."""
-    from numbisect.common.safeio import check_input
 
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from numbisect.model.arch import arch_for
 from numbisect.model.arch.base import (
     RouterSpec,  # defined with the architecture maps (pure data)
 )
@@ -14,7 +15,6 @@ from numbisect.model.arch.base import (
 
 def router_spec(config) -> RouterSpec | None:
     """The routing of this config's architecture; None for a dense model."""
-    from numbisect.model.arch import arch_for
 
     fn = arch_for(config).router_spec
     return None if fn is None else fn(config.get_text_config())

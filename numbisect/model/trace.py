@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from numbisect.common.errors import InputError
+from numbisect.common.safeio import check_input
 
 BUILTIN_GROUPS = ("completion", "prompt", "all")
 LOGPROB_SLACK = 1e-4  # rollout log-probs up to this far above 0 are taken as rounding
@@ -191,7 +192,7 @@ def _read_pixels(ref: str, base: str) -> torch.Tensor:
     if not os.path.isfile(path):
         raise ValueError(f"images.pixel_values: no such file {fname}")
     if path.endswith(".npy"):
-        import numpy as np
+        import numpy as np  # lazy: numpy loads only when this runs
 
         try:
             arr = np.load(path, allow_pickle=False)
@@ -255,7 +256,6 @@ def load_trace(path: str | os.PathLike) -> Trace:
 
     Samples that lack a group another sample defines get it with all flags 0.
     """
-    from numbisect.common.safeio import check_input
 
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):

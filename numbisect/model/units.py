@@ -142,3 +142,10 @@ def local_feed_names(backend: Backend) -> list[str]:
     """Units whose input is a hidden state (so they can be teacher-forced); not those fed
     from inside their parent (`INNER_KINDS`)."""
     return [u.name for u in backend.units if u.kind != "embed" and u.kind not in INNER_KINDS]
+
+
+def parent(g: nx.DiGraph, name: str) -> str | None:
+    for u, _, d in g.in_edges(name, data=True):
+        if d["rel"] == "contains":
+            return u
+    return None

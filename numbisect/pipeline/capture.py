@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -372,7 +373,7 @@ class LazySamples:
 def _libc_trim():
     """glibc's malloc_trim, or None (another C library)."""
     try:
-        import ctypes
+        import ctypes  # lazy: used only on the glibc path, inside its try
 
         return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
@@ -402,7 +403,6 @@ class _Behind:
     with the fold in line, 1.12x with it behind (2 cores, torch on one thread)."""
 
     def __init__(self):
-        from concurrent.futures import ThreadPoolExecutor
 
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="numbisect-fold")
         self.pending = None

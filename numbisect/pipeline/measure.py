@@ -25,9 +25,11 @@ from numbisect.backends.base import Backend, ForwardResult, check_checkpoint
 from numbisect.backends.options import HF_OPTS, VLLM_INTS, VLLM_RESERVED, parse_opts  # noqa: F401  (re-exported)
 from numbisect.common.errors import InputError
 from numbisect.common.jsonsafe import sanitize  # noqa: F401  (re-exported: numbisect.pipeline.measure.sanitize)
+from numbisect.model.arch import arch_for
 from numbisect.model.trace import Sample, Trace
 from numbisect.model.units import INNER_KINDS, capture_names, local_feed_names  # noqa: F401 (read as measure.*)
 from numbisect.pipeline import metrics as M
+from numbisect.pipeline.capture import UnitStats
 
 METRICS = ("k3-mean", "k3-p99", "kl-mean")
 
@@ -68,7 +70,6 @@ def parse_spec(spec: str, what: str) -> tuple[str, str | None]:
 
 def check_configs(ref_cfg, eng_cfg) -> None:
     """Refuse a pair whose configs cannot be compared unit by unit."""
-    from numbisect.model.arch import arch_for
 
     rc, ec = ref_cfg.get_text_config(), eng_cfg.get_text_config()
     for key in ("vocab_size", "num_hidden_layers", "hidden_size"):
@@ -306,8 +307,6 @@ def _unit_error(refs: list[torch.Tensor], engs: list[torch.Tensor], engine_dtype
     if len({r[:1].reshape(min(1, r.shape[0]), -1).shape[1] for r in refs}) > 1:
         # rows as wide as the sample (an indexer's [T, T] selection mask): they cannot be
         # joined, so sample by sample, as a streamed comparison folds them (ULP floor per sample)
-        from numbisect.pipeline.capture import UnitStats
-
         st = UnitStats(engine_dtype)
         for i, (r, e) in enumerate(zip(refs, engs)):
             st.update(r, e, i)

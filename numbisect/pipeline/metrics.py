@@ -1,4 +1,4 @@
-"""Divergence metrics shared by the whole project (see DESIGN.md, "Metrics").
+"""Divergence metrics shared by the whole project (see docs/design.md, "Metrics").
 
 Tokens were sampled by the engine, so expectations are under the engine policy q;
 the reference (trainer) policy is p. Per token, log_r = logp_ref - logp_engine.

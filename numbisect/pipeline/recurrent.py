@@ -34,7 +34,7 @@ the output only through what later tokens read; the state itself shows it first.
    kernel, not the chunked rule), and its state after the prompt and after decode steps
    (`decode_points`, at most `MAX_BOUNDARIES` evenly spread, then the end) is measured
    against the reference's after the same tokens; its `boundaries` are those points.
-5. `dump_states(sides)`: against a `dump:` engine, the states it wrote (`numbisect.backends.dump.writer`:
+5. `dump_states(sides)`: against a `dump:` engine, the states it wrote (`numbisect.dump`:
    `state.{i}`, and `state.{i}.{n}` at boundaries) against the reference's at the same
    points; local: the reference's linear units fed the dumped inputs. Linear units whose
    states the dump lacks are listed under `missing`.
@@ -47,6 +47,7 @@ import math
 import torch
 
 from numbisect.model.trace import Sample
+from numbisect.patching.arrangement import arranged
 from numbisect.patching.probes.state import (  # noqa: F401 (read as recurrent.*)
     CHUNK,
     MAX_BOUNDARIES,
@@ -57,6 +58,7 @@ from numbisect.patching.probes.state import (  # noqa: F401 (read as recurrent.*
     prefix,
     spread,
 )
+from numbisect.pipeline.capture import UnitStats
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -75,7 +77,6 @@ class StateStats:
         self.reached: dict = {}  # unit -> tokens -> samples that reach it
 
     def add(self, i: int, L: int, final: bool, ref: dict, eng: dict) -> None:
-        from numbisect.pipeline.capture import UnitStats
 
         for u, e in eng.items():
             r = ref.get(u)
@@ -125,7 +126,6 @@ def state_light(sides, local: bool) -> dict | None:
     wrote (`dump_states`). A tensor-parallel engine reads each rank's heads and puts them
     together (`VLLMTPBackend.install_state_probe`). None for a model without linear
     attention or the rollout (no states to read)."""
-    from numbisect.patching.arrangement import arranged
 
     ref, eng = sides.ref, sides.engine
     units = linear_units(ref)

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from numbisect.backends import BACKENDS
+from numbisect.common.errors import InputError
+from numbisect.model.arch import arch_for
 from numbisect.model.arch.base import (
     RouterSpec,  # defined with the architecture maps (pure data)
 )
@@ -36,6 +39,7 @@ from numbisect.model.router import (  # noqa: F401 (this module's readers use th
     weights_for,
 )
 from numbisect.patching.probes.routing import RoutingProbe, _differ  # noqa: F401
+from numbisect.pipeline import measure as C
 from numbisect.pipeline import metrics as M
 
 MAX_FLIPS_LISTED = 50  # flips listed per layer in the report (the count is always complete)
@@ -105,17 +109,14 @@ REPLAY_DIRECTIONS = ("ref", "engine")
 
 def check_replay(direction: str | None, config, engine_kind: str, engine_opts: dict | None = None) -> None:
     """Refuse a replay that cannot run, before any model loads."""
-    from numbisect.common.errors import InputError
 
     if direction is None:
         return
     if direction not in REPLAY_DIRECTIONS:
         raise InputError(f"--replay-routing must be ref or engine, not {direction!r}")
     if router_spec(config) is None:
-        from numbisect.model.arch import arch_for
 
         raise InputError(f"--replay-routing needs a MoE model; {arch_for(config).name} is dense (no router to replay)")
-    from numbisect.backends import BACKENDS
 
     entry = BACKENDS.get(engine_kind)
     if entry is None or not entry.runs:
@@ -136,7 +137,6 @@ def _flips(a: dict, b: dict, units) -> dict:
 
 def _replay_trial(sides, direction: str, replay: dict, eng_prop):
     """One forward with `replay` forced on the replaying side: (judged value, k3 per group, ids used)."""
-    from numbisect.pipeline import measure as C
 
     ref = sides.reference()
     if direction == "ref":

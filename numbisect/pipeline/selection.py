@@ -38,13 +38,19 @@ import math
 
 import torch
 
+from numbisect.backends import BACKENDS
+from numbisect.backends.base import load_config
+from numbisect.common.errors import InputError
+from numbisect.model.arch import arch_for
 from numbisect.patching.probes.selection import (  # noqa: F401 (read as selection.*)
     SelectionProbe,
     indexer_units,
     replay_ids,
     selection_mask,
 )
+from numbisect.pipeline import measure as C
 from numbisect.pipeline import metrics as M
+from numbisect.pipeline.measure import parse_spec
 
 MAX_FLIPS_LISTED = 50  # flipped queries listed per layer (the count is always complete)
 
@@ -221,11 +227,6 @@ def check_replay(spec) -> None:
     """Refuse `--replay-indexer` where it cannot run, before any model loads: a model without
     sparse attention's indexer, an engine that does not run (a dump, the rollout), tensor
     parallelism, decode mode. `spec`: the session's `Spec`."""
-    from numbisect.backends import BACKENDS
-    from numbisect.backends.base import load_config
-    from numbisect.common.errors import InputError
-    from numbisect.model.arch import arch_for
-    from numbisect.pipeline.measure import parse_spec
 
     _, ref_path = parse_spec(spec.ref, "--ref")
     config = load_config(ref_path)
@@ -246,7 +247,6 @@ def check_replay(spec) -> None:
 
 def _replay_trial(sides, replay: dict, ref_tokens) -> tuple[float, dict, dict]:
     """The engine with `replay` forced: (judged value, k3 mean per group, masks it ran with)."""
-    from numbisect.pipeline import measure as C
 
     p = SelectionProbe(sides.engine, sides.samples, replay)
     undo = p.install()

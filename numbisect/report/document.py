@@ -21,6 +21,8 @@ from pathlib import Path
 
 from numbisect import __version__
 from numbisect.common.errors import InputError
+from numbisect.common.safeio import loads_json, read_text, write_text_atomic
+from numbisect.common.textsafe import clip, printable
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "report-v1.json"
@@ -29,7 +31,6 @@ SCHEMA_PATH = Path(__file__).parent / "schemas" / "report-v1.json"
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
     """Write `obj` as JSON through `safeio.write_text_atomic`: never a half-written file,
     and never a device or a link replaced by a regular file."""
-    from numbisect.common.safeio import write_text_atomic
 
     text = json.dumps(obj, indent=1, allow_nan=False) + "\n"
     try:
@@ -47,9 +48,8 @@ MAX_DEPTH = 64  # nesting a report may have (the tool writes at most 8 levels)
 
 def validate(report: dict) -> list[str]:
     """Schema errors as 'path: message' lines (empty when valid), printable and clipped."""
-    import jsonschema
+    import jsonschema  # lazy: jsonschema loads only when this runs
 
-    from numbisect.common.textsafe import clip, printable
 
     v = jsonschema.Draft202012Validator(schema())
     out = []
@@ -79,8 +79,6 @@ def load_report(path: str | os.PathLike) -> dict:
     that is not one: a missing file, a directory, a FIFO or device (never read), a file
     over `safeio.JSON_LIMIT`, text that is not UTF-8 or not JSON, nesting deeper than
     `MAX_DEPTH`, an unsupported schema version, or a schema error."""
-    from numbisect.common.safeio import loads_json, read_text
-    from numbisect.common.textsafe import clip, printable
 
     name = printable(clip(os.fspath(path), 300))
     try:

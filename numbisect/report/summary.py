@@ -9,8 +9,18 @@ drive the terminal or forge a line.
 
 from __future__ import annotations
 
+import json
+
 from numbisect.common.formatting import fmt, pct
 from numbisect.common.textsafe import printable_text
+from numbisect.report.sections.conditions import (
+    conditions_lines,
+    engine_config_lines,
+)
+from numbisect.report.sections.decode import render_lines as decode_lines
+from numbisect.report.sections.recurrent import state_lines
+from numbisect.report.sections.routing import routing_lines
+from numbisect.report.sections.selection import selection_lines
 from numbisect.report.view import ReportView, view
 
 
@@ -78,7 +88,6 @@ def checkpoint_lines(r: dict | ReportView) -> list[str]:
 
 
 def _json(x) -> str:
-    import json
 
     try:
         return json.dumps(x)
@@ -218,14 +227,6 @@ def _group_evidence(v: ReportView, unit: str) -> str | None:
 
 def render(r: dict | ReportView) -> str:
     """The plain-text summary of report `r`; every character printable (newlines aside)."""
-    from numbisect.report.sections.conditions import (
-        conditions_lines,
-        engine_config_lines,
-    )
-    from numbisect.report.sections.decode import render_lines as decode_lines
-    from numbisect.report.sections.recurrent import state_lines
-    from numbisect.report.sections.routing import routing_lines
-    from numbisect.report.sections.selection import selection_lines
 
     v = view(r)
     parts = header(v) + engine_config_lines(v) + [""] + token_table(v) + rl_lines(v)

@@ -29,6 +29,13 @@ import shlex
 
 from numbisect.common.formatting import fmt, num, pct
 from numbisect.common.textsafe import md_code, md_text, printable, printable_text
+from numbisect.report.sections.conditions import (
+    engine_config_finding,
+    user_modes_lines,
+)
+from numbisect.report.sections.decode import markdown_lines as decode_md
+from numbisect.report.sections.recurrent import markdown_lines as state_md
+from numbisect.report.summary import checkpoint_lines, contract_lines, systematic_lines
 from numbisect.report.view import ReportView, bitwise, get, rel, view
 
 MAX_DIFF_UNITS = 25  # unit rows shown by render_diff before the rest are summarised
@@ -408,7 +415,6 @@ def _search_lines(v: ReportView) -> list[str]:
             out += ["", f"**Suggested fix** (precision what-if, measured): {_md(str(p.get('suggested')))}", ""]
             out += [f"- {_code(t.get('whatif'))}: {_md(str(t.get('line')))}" for t in p.get("whatifs") or [] if isinstance(t, dict)]
     if v.systematic:
-        from numbisect.report.summary import systematic_lines
 
         out += [""] + [f"{_md(line.strip())}  " for line in systematic_lines(v)]
     if s.get("verdict") == "diffuse":
@@ -441,7 +447,6 @@ def _env_lines(v: ReportView) -> list[str]:
     faults = [f.get("spec") for f in v.faults]
     if faults:
         out.append("- planted faults: " + ", ".join(_code(f) for f in faults))
-    from numbisect.report.summary import checkpoint_lines
 
     out += [f"- {_md(line.strip())}" for line in checkpoint_lines(v)]
     return out
@@ -450,10 +455,6 @@ def _env_lines(v: ReportView) -> list[str]:
 def _engine_config_md(v: ReportView) -> list[str]:
     """The `engine_config` section (`--engine-config`): whether the module search saw the
     user's numbers, and the settings changed so hooks could run."""
-    from numbisect.report.sections.conditions import (
-        engine_config_finding,
-        user_modes_lines,
-    )
 
     ec = v.r.get("engine_config")
     if not isinstance(ec, dict):
@@ -469,8 +470,6 @@ def _engine_config_md(v: ReportView) -> list[str]:
 def markdown(r: dict | ReportView) -> str:
     """A Markdown summary of one report, to paste into a GitHub issue; a report's strings
     show as escaped text or code spans (no markup, no control characters of their own)."""
-    from numbisect.report.sections.decode import markdown_lines as decode_md
-    from numbisect.report.sections.recurrent import markdown_lines as state_md
 
     v = view(r)
     verdict = (
@@ -478,7 +477,6 @@ def markdown(r: dict | ReportView) -> str:
         f"{fmt(num(v.value))}, {'at or under' if v.aligned else 'above'} the threshold {fmt(num(v.threshold))}."
     )
     parts = [f"### {_title(v)}", "", verdict]
-    from numbisect.report.summary import contract_lines
 
     cl = contract_lines(v)
     if v.logprob_contract.get("verdict") == "processed":  # the first finding, before any numeric one

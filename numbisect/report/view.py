@@ -14,7 +14,7 @@ its widgets) read a report through `ReportView` instead of each walking the dict
 
 A reader must not modify what the view returns (it may be the report itself).
 
-Torch-free and UI-free (tests/test_layering.py REPORT_TOOLS): `bisect report ...` imports this.
+Torch-free and UI-free (the report layer, tests/test_layering.py): `bisect report ...` imports this.
 """
 
 from __future__ import annotations

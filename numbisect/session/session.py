@@ -12,17 +12,32 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from numbisect.backends import BACKENDS
-from numbisect.backends.base import Backend, ForwardResult, load_config
+from numbisect.backends import BACKENDS, open_backend
+from numbisect.backends.base import (
+    Backend,
+    ForwardResult,
+    check_checkpoint,
+    load_config,
+)
+from numbisect.backends.dump import DumpBackend
+from numbisect.backends.vllm.condition_worker import run_child
 from numbisect.common.errors import BackendError, InputError
+from numbisect.model import groups as G
 from numbisect.model.arch import arch_for
+from numbisect.model.ckptdiff import diff_checkpoints
+from numbisect.model.rlformats import load_any
 from numbisect.model.trace import BUILTIN_GROUPS, Trace, check_vocab
 from numbisect.patching.faults import check_fault, parse_fault
-from numbisect.patching.prefix import PrefixCache
+from numbisect.patching.prefix import DEFAULT_MB, PrefixCache
 from numbisect.pipeline import comparison as P
 from numbisect.pipeline import decode as D
 from numbisect.pipeline import measure as C
+from numbisect.pipeline.layerstream import LayerStreamRef
+from numbisect.pipeline.routing import check_replay
+from numbisect.session.environment import set_threads
+from numbisect.session.userengine import UserEngine
 
 
 @dataclass
@@ -60,7 +75,6 @@ class Session:
         keeping at most `prefix_cache_mb` of recorded layer outputs (default
         `numbisect.patching.prefix.DEFAULT_MB`).
         """
-        from numbisect.patching.prefix import DEFAULT_MB
 
         self.spec = spec
         self.prefix_reuse = prefix_reuse
@@ -73,8 +87,6 @@ class Session:
         import torch
 
         torch.manual_seed(0)  # recorded as environment.seeds; nothing here samples, but hooks may
-        from numbisect.model import groups as G
-        from numbisect.model.rlformats import load_any
 
         self.trace: Trace = load_any(spec.trace, spec.trace_format, spec.trace_fields)
         ref_kind, ref_path = C.parse_spec(spec.ref, "--ref")
@@ -86,7 +98,6 @@ class Session:
         self.engine_runs = eng_kind in BACKENDS and BACKENDS[eng_kind].runs
         self.user_engine = None  # --engine-config: the user's engine, as they run it (numbisect.session.userengine)
         if spec.engine_config is not None:
-            from numbisect.session.userengine import UserEngine
 
             self.user_engine = UserEngine.check(spec, eng_kind)
             spec.engine_opts = self.user_engine.backend_opts()
@@ -104,7 +115,6 @@ class Session:
         # Cheap checks first: configs, architectures, vocabulary, groups; then the slow loads.
         ref_cfg = load_config(ref_path)
         ref_arch = arch_for(ref_cfg)
-        from numbisect.pipeline.routing import check_replay
 
         check_replay(spec.replay_routing, ref_cfg, eng_kind, spec.engine_opts)
         if spec.replay_routing and spec.engine_mode == "decode":
@@ -120,7 +130,6 @@ class Session:
             raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}{hint}")
         dump = None
         if eng_kind == "dump":
-            from numbisect.backends.dump import DumpBackend
 
             dump = backends.get("engine") or DumpBackend(eng_path, self.trace)
             C.check_configs(ref_cfg, dump.config)
@@ -133,7 +142,6 @@ class Session:
             C.check_positions(self.trace, eng_cfg, "the engine")
             self.checkpoint_diff = self._checkpoint_diff(ref_path, eng_path, ref_cfg)
         if spec.ref_opts.get("layer_stream") and "ref" not in backends:
-            from numbisect.pipeline.layerstream import LayerStreamRef
 
             if eng_kind != "dump":
                 raise InputError("--ref-opt layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
@@ -141,7 +149,6 @@ class Session:
         self.ref: Backend = backends.get("ref") or self._open("hf", ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
         self.engine: Backend | None = None
         if self.user_engine is not None:  # before the in-process engine: its custom ops follow the user's engine
-            from numbisect.backends.vllm.condition_worker import run_child
 
             text = eng_cfg.get_text_config()
             max_len = spec.engine_opts.get("max_model_len", min(1024, int(getattr(text, "max_position_embeddings", 1024) or 1024)))
@@ -157,7 +164,6 @@ class Session:
                 check_fault(self.engine, f)
             D.check_faults(self.engine, self.faults, self.mode)
         if spec.threads:  # after the engine started: vLLM's CPU worker sets its own count
-            from numbisect.session.environment import set_threads
 
             set_threads(spec.threads)
         self._owned = [b for k, b in (("ref", self.ref), ("engine", self.engine)) if b is not None and (k not in backends or b is dump)]
@@ -179,10 +185,7 @@ class Session:
     def _checkpoint_diff(self, ref_path: str, eng_path: str, ref_cfg) -> dict | None:
         """What differs between the two checkpoints (weights per unit, numeric config), read
         before any forward; None when both sides load the same directory."""
-        from pathlib import Path
 
-        from numbisect.backends.base import check_checkpoint
-        from numbisect.model.ckptdiff import diff_checkpoints
 
         if Path(ref_path).resolve() == Path(eng_path).resolve():
             return None
@@ -191,7 +194,6 @@ class Session:
 
     def _open(self, kind, path, dtype, opts, what) -> Backend:
         self.say(f"{what} {kind}:{path} ({dtype})")
-        from numbisect.backends import open_backend
 
         return open_backend(kind, path, dtype, dict(opts), "--ref-opt" if what == "loading reference" else "--engine-opt")
 

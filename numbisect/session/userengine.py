@@ -29,7 +29,10 @@ from __future__ import annotations
 from numbisect.backends.base import ForwardResult
 from numbisect.common.errors import InputError
 from numbisect.model import engine_config as E
+from numbisect.model.trace import Sample
+from numbisect.pipeline import decode as D
 from numbisect.pipeline import measure as C
+from numbisect.pipeline.contract import ContractFit
 
 FULL_VOCAB_MAX = 4096  # full-vocabulary log-probs from the child (the KL) up to this vocabulary
 SAMPLE_TOKENS = 16  # tokens sampled per prompt for the log-prob contract
@@ -111,8 +114,6 @@ class UserEngine:
     def fit_contract(self, ref, samples) -> None:
         """The log-prob contract of the tokens the user's engine sampled, against the
         reference's full log-probs on the same tokens."""
-        from numbisect.model.trace import Sample
-        from numbisect.pipeline.contract import ContractFit
 
         sampled = (self.out or {}).get("sampled")
         if not sampled:
@@ -185,7 +186,6 @@ class UserEngine:
             section["hookable_vs_user"] = {"bitwise": same, "max_abs_diff": diff,
                                            "k3_mean": ((vs["groups"].get("completion") or {}).get("k3") or {}).get("mean")}
         if self.mode == "decode":  # the user's decode run against its own prefill run, as engine_modes does for the hookable one
-            from numbisect.pipeline import decode as D
 
             section["engine_modes"] = D.with_baseline(D.mode_pair(samples, settings, groups, ref_tok, user, self.result("prefill_")),
                                                       tokens)

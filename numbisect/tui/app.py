@@ -433,7 +433,9 @@ class BisectApp(App[int]):
             return None
         if not whole_kind:
             return [name], name
-        from numbisect.patching.swap import units_of_kinds
+        from numbisect.patching.swap import (
+            units_of_kinds,  # lazy: keeps torch out of importing numbisect.tui.app
+        )
 
         names = units_of_kinds(self.session.engine, [u["kind"]])
         return names, f"all {len(names)} {u['kind']} units"

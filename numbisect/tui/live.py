@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from numbisect.common.errors import InputError
+from numbisect.search.search import STRATEGIES
 
 
 class Cancelled(Exception):
@@ -50,21 +51,27 @@ def run_argv(argv: list[str]) -> list[str]:
 
 
 def open_session(cfg: LiveConfig, progress: Callable[[str], None]):
-    from numbisect.session.session import Session
+    from numbisect.session.session import (
+        Session,  # lazy: keeps torch out of importing numbisect.tui.live
+    )
 
     return Session(cfg.spec, cfg.settings, progress=progress, backends=dict(cfg.backends or {}))
 
 
 def report_of(session, cfg: LiveConfig, body: dict) -> dict:
     """The report `bisect run` writes for this body."""
-    from numbisect.commands.provenance import new_report
+    from numbisect.commands.provenance import (
+        new_report,  # lazy: keeps torch out of importing numbisect.tui.live
+    )
 
     return new_report("run", cfg.argv, session.inputs(), cfg.settings.to_dict(), body)
 
 
 def run_search(session, cfg: LiveConfig, progress, on_trial, on_baseline=None) -> tuple[dict, int]:
     """Compare, self-check and search; returns (report, exit code) as `bisect run` would."""
-    from numbisect.commands.run import run
+    from numbisect.commands.run import (
+        run,  # lazy: keeps torch out of importing numbisect.tui.live
+    )
 
     def tell(body: dict) -> None:
         on_baseline(report_of(session, cfg, copy.deepcopy(body)))
@@ -105,21 +112,31 @@ def swap_trial(session, names: list[str], label: str, before: float | None) -> d
 
 def check_live(cfg: LiveConfig) -> None:
     """Cheap checks before the app starts, so bad input is a one-line CLI error."""
-    from numbisect.model.rlformats import load_any
-    from numbisect.patching.faults import parse_fault
-    from numbisect.pipeline.measure import group_names, parse_spec
-    from numbisect.search.search import STRATEGIES
+    from numbisect.model.rlformats import (
+        load_any,  # lazy: keeps torch out of importing numbisect.tui.live
+    )
+    from numbisect.patching.faults import (
+        parse_fault,  # lazy: keeps torch out of importing numbisect.tui.live
+    )
+    from numbisect.pipeline.measure import (  # lazy: keeps torch out of importing numbisect.tui.live
+        group_names,
+        parse_spec,
+    )
 
     parse_spec(cfg.spec.ref, "--ref")
     kind, _ = parse_spec(cfg.spec.engine, "--engine")
     if kind == "rollout":
         raise InputError("bisect tui runs trials: --engine must be hf:DIR or vllm:DIR (not rollout)")
-    from numbisect.pipeline import decode as D
+    from numbisect.pipeline import (
+        decode as D,  # lazy: keeps torch out of importing numbisect.tui.live
+    )
 
     D.check_mode(kind, cfg.spec.engine_mode)
     D.check_tp(cfg.spec.engine_mode, {**(cfg.spec.engine_opts or {}), **(cfg.spec.engine_config or {})})  # the settings' degree too
     if cfg.spec.engine_config is not None:  # the file was read and checked where parsed; here what it asks of the engine
-        from numbisect.session.userengine import UserEngine
+        from numbisect.session.userengine import (
+            UserEngine,  # lazy: keeps torch out of importing numbisect.tui.live
+        )
 
         UserEngine.check(cfg.spec, kind)
     if cfg.strategy not in STRATEGIES:
@@ -128,8 +145,13 @@ def check_live(cfg: LiveConfig) -> None:
         parse_fault(f)
     trace = load_any(cfg.spec.trace, cfg.spec.trace_format, cfg.spec.trace_fields)
     D.check_trace(trace, cfg.spec.engine_mode)
-    from numbisect.backends.base import load_config
-    from numbisect.model.groups import add_groups, parse_group_defs
+    from numbisect.backends.base import (
+        load_config,  # lazy: keeps torch out of importing numbisect.tui.live
+    )
+    from numbisect.model.groups import (  # lazy: keeps torch out of importing numbisect.tui.live
+        add_groups,
+        parse_group_defs,
+    )
 
     add_groups(trace, load_config(parse_spec(cfg.spec.ref, "--ref")[1]), parse_group_defs(cfg.spec.group_defs))
     if cfg.settings.group not in group_names(trace) + ["all"]:

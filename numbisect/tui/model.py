@@ -33,7 +33,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from numbisect.common.errors import InputError
 from numbisect.common.formatting import fmt, num, pct
+from numbisect.common.safeio import read_bytes
+from numbisect.common.textsafe import printable
 from numbisect.model.units import Unit, children, unit_graph
 from numbisect.report.sections.conditions import (
     engine_config_finding as engine_config_finding_of,
@@ -741,9 +744,6 @@ def _trace_rows(data: bytes) -> list[dict] | None:
 def token_data(r: dict | ReportView, report_path: str | None = None) -> TokenData:
     """The report's per-token k3; trace groups when the trace file (same sha256) is found
     and is a JSONL trace whose groups cover every token (otherwise a note says why not)."""
-    from numbisect.common.errors import InputError
-    from numbisect.common.safeio import read_bytes
-    from numbisect.common.textsafe import printable
 
     rv = view(r)
     td = TokenData(per_sample=rv.per_sample, threshold=num(rv.threshold) or 0.0)

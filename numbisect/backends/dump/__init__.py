@@ -1,4 +1,4 @@
-"""The `dump` backend: activations an engine wrote with `numbisect.backends.dump.writer`, compared without
+"""The `dump` backend: activations an engine wrote with `numbisect.dump`, compared without
 running anything (`runner.py`: `DumpBackend`, `open_dump`, the registry's loader, and
 `write_dump`, which writes one from a backend that runs)."""
 

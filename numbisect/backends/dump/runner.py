@@ -1,4 +1,4 @@
-"""The `dump` engine: activations an engine wrote with `numbisect.backends.dump.writer` (layout in its docstring).
+"""The `dump` engine: activations an engine wrote with `numbisect.dump` (layout in its docstring).
 
 Nothing runs: `sample(i)` reads sample i's dumped log-probs and unit tensors, merging
 tensor-parallel shards (column: concatenated along the last dim in rank order; row:
@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 
 from numbisect.backends.base import Backend, parse_dtype
-from numbisect.backends.dump.writer import LAYOUT_VERSION, SHARDS, STATE_SHARDS
 from numbisect.backends.mla_rope import width as rope_width
 from numbisect.common.errors import InputError
+from numbisect.dump import LAYOUT_VERSION, SHARDS, STATE_SHARDS, DumpWriter
 from numbisect.model.arch import arch_for
 from numbisect.model.trace import show
-from numbisect.model.units import VISION_KINDS, nearby_names
+from numbisect.model.units import VISION_KINDS, local_feed_names, nearby_names
+from numbisect.patching.probes import state as RS
 from numbisect.patching.torchops import conv_width, gate_width, gates_width
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -412,14 +413,9 @@ def write_dump(backend: Backend, trace, root: str, units=None, world_size: int =
     a unit that `state_shards` marks "heads" has its heads split over the ranks in order
     (as a tensor-parallel engine holds them).
     """
-    from numbisect.backends.dump.writer import DumpWriter
-    from numbisect.patching.probes import state as RS
-
     shards = shards or {}
     names = list(units) if units is not None else [u.name for u in backend.units]
     # the units that can be teacher-forced: their inputs are what a dump engine feeds the reference
-    from numbisect.model.units import local_feed_names
-
     feed = [n for n in local_feed_names(backend) if n in names]
     toks = [len(s.ids) for s in trace.samples]
     writers = [DumpWriter(root, str(Path(backend.path) / "config.json"), len(toks), toks, rank=r, world_size=world_size,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from numbisect.backends.base import Backend
+from numbisect.model.router import router_spec, select, weights_for
 from numbisect.patching.ledger import Ledger
 from numbisect.patching.torchops import LOWP, lowp_experts, slot_sum
 
@@ -48,7 +49,6 @@ def plant_fault(engine, fault, ledger: Ledger) -> None:
 
 def _reroute(engine):
     """A transformers router's (logits, weights, ids) chosen again from its (perturbed) logits."""
-    from numbisect.model.router import router_spec, select, weights_for
 
     spec = router_spec(engine.config)
 

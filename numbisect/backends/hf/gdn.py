@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from numbisect.common.errors import BackendError
 from numbisect.patching.torchops import ROUTED, route_names
 
 CONV_FN = "causal_conv1d_fn"
@@ -178,7 +179,6 @@ def install(engine) -> None:
             continue
         fns = _route(type(attn).__module__)
         if CONV_FN not in fns or RULE_FN not in fns:
-            from numbisect.common.errors import BackendError
 
             raise BackendError(f"{type(attn).__name__} ({type(attn).__module__}) has no {CONV_FN} or {RULE_FN} to route")
         attn.conv = GdnConv(fns[CONV_FN], attn.conv1d, attn.activation)

@@ -5,7 +5,7 @@ The module returns only the top-k key ids; `index_scores` recomputes the scores 
 them by, from the same inputs with the same operations as transformers 5.19's
 `GlmMoeDsaIndexer.forward` (interleaved RoPE on the first qk_rope_head_dim dims, relu'd
 per-head dot products weighted by `weights_proj` and summed, the attention mask added),
-so on the same machine its top-k is the module's own (tests/test_family_glm_moe_dsa.py
+so on the same machine its top-k is the module's own (tests/model/arch/test_family_glm_moe_dsa.py
 checks that).
 """
 

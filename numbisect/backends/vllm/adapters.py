@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from numbisect.backends.base import carry_layer_flags
+from numbisect.common.errors import BackendError
 from numbisect.patching.torchops import text_rotary
 
 
@@ -75,7 +77,6 @@ def _no_extra(unit: str, extra: tuple) -> None:
     """vLLM's DeepSeek layers pass attention and layers one more argument, `llama_4_scaling`
     (None unless the config asks for it): the donor transformers module has no such input."""
     if any(v is not None for v in extra):
-        from numbisect.common.errors import BackendError
 
         raise BackendError(f"vLLM calls this {unit} with an argument the transformers module has no counterpart "
                            "for (llama_4_scaling in config.json): cannot swap it")
@@ -188,10 +189,8 @@ class VllmLayer(VllmHF):
         """The flags the model reads from its layers (`base.LAYER_FLAGS`: vLLM's Qwen3-Next and
         Qwen3.5 read `use_attn_reduce_scatter_for_moe`), from the replaced layer; a layer
         under sequence-parallel MoE is refused (the adapter has no such path)."""
-        from numbisect.backends.base import carry_layer_flags
 
         if getattr(old, "use_attn_reduce_scatter_for_moe", False):
-            from numbisect.common.errors import BackendError
 
             raise BackendError("cannot swap a whole layer under vLLM's sequence-parallel MoE")
         carry_layer_flags(self, old)

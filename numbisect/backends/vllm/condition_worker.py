@@ -46,14 +46,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 from numbisect.common.errors import BackendError
-from numbisect.model.engine_config import llm_kwargs
+from numbisect.model.engine_config import LOCALISABLE, llm_kwargs
+from numbisect.model.units import local_feed_names
 
 
 def _samples(job: dict) -> list:
     """The job's samples as `trace.Sample`s (ids split at each prompt length)."""
-    from numbisect.model.trace import Sample
+    from numbisect.model.trace import (
+        Sample,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
+    )
 
     return [Sample(line=i + 1, prompt_ids=list(ids[:p]), completion_ids=list(ids[p:]))
             for i, (ids, p) in enumerate(zip(job["samples"], job["prompt_lens"]))]
@@ -79,7 +83,10 @@ def _generate(llm, prompts: list, params: list, batch) -> list:
 
 
 def logprobs_job(job: dict) -> dict:
-    from numbisect.backends.vllm.runner import import_vllm, quiet_stderr
+    from numbisect.backends.vllm.runner import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
+        import_vllm,
+        quiet_stderr,
+    )
 
     vllm = import_vllm()
     settings = dict(job["settings"])
@@ -89,7 +96,9 @@ def logprobs_job(job: dict) -> dict:
     kw.setdefault("seed", 0)
     kw["logprobs_mode"] = settings.get("logprobs_mode", "raw_logprobs")
     if decode:  # the forcing logits processor; requests that do not ask for it are untouched
-        from numbisect.backends.vllm.force import ForceTokens
+        from numbisect.backends.vllm.force import (
+            ForceTokens,  # lazy: keeps torch, vllm out of importing numbisect.backends.vllm.condition_worker
+        )
 
         kw["logits_processors"] = [*(kw.get("logits_processors") or []), ForceTokens]
     full = bool(job.get("full"))
@@ -146,7 +155,10 @@ def _forced_decode(llm, vllm, samples: list, batch, full: bool, vocab: int) -> d
     engine: each prompt prefilled, its completion decoded one token per step and forced to the
     trace's, every sample's request in one generate when batch is "all" (they decode side by
     side). {"logprobs": per sample [T-1], "full": per sample [T-1][V] with `full`}."""
-    from numbisect.backends.vllm.runner import decoded_logprobs, forced_decode_params
+    from numbisect.backends.vllm.runner import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
+        decoded_logprobs,
+        forced_decode_params,
+    )
 
     prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(s.prompt_ids)) for s in samples]
     outs = _generate(llm, prompts, [forced_decode_params(vllm.SamplingParams, s, full) for s in samples], batch)
@@ -160,13 +172,16 @@ def _forced_decode(llm, vllm, samples: list, batch, full: bool, vocab: int) -> d
 def capture_job(job: dict, out_path: str) -> None:
     import torch
 
-    from numbisect.backends.vllm.runner import VLLMBackend
-    from numbisect.model.engine_config import LOCALISABLE
+    from numbisect.backends.vllm.runner import (
+        VLLMBackend,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
+    )
 
     keep = ("compilation_config", "max_model_len", "seed", *LOCALISABLE)
     opts = {k: v for k, v in llm_kwargs(job["settings"]).items() if k in keep}
     if job.get("tree"):  # model_impl="transformers": the units read by their transformers names
-        from numbisect.backends.vllm.treecapture import capture_tree
+        from numbisect.backends.vllm.treecapture import (
+            capture_tree,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
+        )
 
         torch.save(capture_tree(job), out_path)
         return
@@ -174,7 +189,9 @@ def capture_job(job: dict, out_path: str) -> None:
     samples = _samples(job)
     names = [u.name for u in eng.units]
     if job.get("compile"):
-        from numbisect.backends.vllm.unitcompile import eager_and_compiled
+        from numbisect.backends.vllm.unitcompile import (
+            eager_and_compiled,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
+        )
 
         torch.save(eager_and_compiled(eng, samples), out_path)
     elif job.get("feed"):
@@ -182,7 +199,6 @@ def capture_job(job: dict, out_path: str) -> None:
         res = eng.forward(samples, capture=names, feed=feed)
         torch.save({"captures": res.captures}, out_path)
     else:
-        from numbisect.model.units import local_feed_names
 
         res = eng.forward(samples, capture=names, capture_inputs=local_feed_names(eng))
         torch.save({"captures": res.captures, "inputs": res.inputs}, out_path)
@@ -198,7 +214,6 @@ def main(argv: list[str]) -> int:
             return 0
         out = logprobs_job(job)
     except BaseException as e:  # one line for the parent; the traceback stays on stderr
-        import traceback
 
         traceback.print_exc()
         lines = [x.strip() for x in str(e).strip().splitlines() if x.strip() and not x.strip().startswith("For further information")]

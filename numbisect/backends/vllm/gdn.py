@@ -27,6 +27,7 @@ import importlib
 import torch
 from torch import nn
 
+from numbisect.backends.base import get_module
 from numbisect.patching.torchops import route_names
 
 FILE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
@@ -117,7 +118,6 @@ def _leave(m, args, out):
 def install(model: nn.Module, arch, units) -> None:
     """A `conv` and a `gates` module in each Gated DeltaNet attention with those units, and
     the routing to them (once: a second call changes nothing)."""
-    from numbisect.backends.base import get_module
 
     parents = {u.parent: u for u in units if u.kind in ("conv", "gates")}
     by_name = {u.name: u for u in units}

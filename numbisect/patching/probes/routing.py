@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from numbisect.common.errors import BackendError
 from numbisect.model.arch.base import RouterSpec
 from numbisect.model.router import router_units, weights_for
+from numbisect.patching.ledger import installed
 
 
 def _differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -40,7 +42,6 @@ class RoutingProbe:
         lens = [self.lens[i] for i in idx]
         width = max(lens) if lens else 0
         if not idx or rows != width * len(idx):
-            from numbisect.common.errors import BackendError
 
             raise BackendError(f"routing probe on {unit}: call {call} has {rows} tokens, expected samples {idx} of lengths {lens}")
         return idx, lens
@@ -67,6 +68,5 @@ class RoutingProbe:
 
     def install(self):
         """Install the probe on its backend; returns the callable that takes it out."""
-        from numbisect.patching.ledger import installed
 
         return installed(lambda ledger: self.backend.install_routing_probe(self, ledger))

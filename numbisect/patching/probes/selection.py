@@ -8,6 +8,9 @@ import math
 
 import torch
 
+from numbisect.common.errors import BackendError
+from numbisect.patching.ledger import installed
+
 
 def indexer_units(backend) -> list[str]:
     return [u.name for u in backend.units if u.kind == "indexer"]
@@ -64,7 +67,6 @@ class SelectionProbe:
             ids = replay_ids(ids, [self.replay[unit][first + j] for j in range(ids.shape[0])])
         for j in range(scores.shape[0]):
             if first + j >= len(self.lens):
-                from numbisect.common.errors import BackendError
 
                 raise BackendError(f"selection probe on {unit}: more calls than samples ({len(self.lens)})")
             n = self.lens[first + j]
@@ -76,6 +78,5 @@ class SelectionProbe:
 
     def install(self):
         """Install the probe on its backend; returns the callable that takes it out."""
-        from numbisect.patching.ledger import installed
 
         return installed(lambda ledger: self.backend.install_selection_probe(self, ledger))

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from numbisect.common.errors import BackendError
 from numbisect.model.trace import Sample
+from numbisect.patching.ledger import installed
 
 CHUNK = 64  # chunk size of transformers' torch_chunk_gated_delta_rule and of vLLM's chunked delta rule
 
@@ -70,7 +72,6 @@ class StateProbe:
         `steps` when the tokens run so far are one of `at`."""
         if state.dim() == 4:
             if state.shape[0] != 1:
-                from numbisect.common.errors import BackendError
 
                 raise BackendError(f"state probe on {unit}: {state.shape[0]} sequences in one call (expected one sample)")
             state = state[0]
@@ -95,6 +96,5 @@ class StateProbe:
 
     def install(self):
         """Install the probe on its backend; returns the callable that takes it out."""
-        from numbisect.patching.ledger import installed
 
         return installed(lambda ledger: self.backend.install_state_probe(self, ledger))

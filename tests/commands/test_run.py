@@ -107,7 +107,7 @@ def test_swap_moe_on_real_vllm_fixes_a_fault_in_the_experts_and_swap_attn_does_n
 
 @pytest.mark.vllm
 def test_natural_vllm_divergence_completes_a_search_and_reports_it_as_diffuse():
-    """DESIGN.md: bf16 rounding noise is spread over every layer; no smaller set fixes it."""
+    """docs/design.md: bf16 rounding noise is spread over every layer; no smaller set fixes it."""
     s = session("qwen3_moe", "vllm", threshold=1e-5, samples=8)  # ~90 trials: keep each one short
     body, code = search(s)
     assert code == ExitCode.NO_CULPRIT

@@ -11,7 +11,7 @@ from numbisect.common.errors import ExitCode, InputError
 from numbisect.model.trace import Sample, check_vocab, load_trace
 
 GOOD = {"prompt_ids": [1, 2, 3], "completion_ids": [4, 5], "rollout_logprobs": [-0.5, -1.0]}
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "traces"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
 
 
 def write(tmp_path, lines, name="t.jsonl"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import child_env
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "fixtures" / "models" / "qwen3_moe"
 TRACE = ROOT / "fixtures" / "traces" / "qwen3_moe.jsonl"
 

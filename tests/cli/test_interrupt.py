@@ -20,7 +20,7 @@ from conftest import child_env
 
 from numbisect.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "fixtures" / "models" / "qwen3_moe"
 TRACE = ROOT / "fixtures" / "traces" / "qwen3_moe.jsonl"
 FAULT = "moe_combine_bf16@layers.2.moe"

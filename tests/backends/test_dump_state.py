@@ -1,4 +1,4 @@
-"""Recurrent states in offline dumps (numbisect.backends.dump.writer `state.{i}`, `bisect compare --engine dump:DIR`),
+"""Recurrent states in offline dumps (numbisect.dump `state.{i}`, `bisect compare --engine dump:DIR`),
 on Qwen3.5-MoE (fixtures/models/qwen3_5_moe: Gated DeltaNet in layers 0-2).
 
 What a user relies on: the states a dump holds get the `recurrent_state` section, with the

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from numbisect.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "fixtures" / "models" / "qwen3_moe"
 TRACE = ROOT / "fixtures" / "traces" / "qwen3_moe.jsonl"
 REPORT = ROOT / "fixtures" / "reports" / "qwen3_moe_planted_fault.json"

@@ -69,7 +69,7 @@ def test_dump_of_vllm_compares_like_vllm_itself(tmp_path_factory):
     # local: the reference fed the dumped inputs; embed has no input, the rest are measured
     assert got["units"][0]["local"] is None
     assert all(r["local"] is not None for r in got["units"][1:])
-    assert got["units"][1]["local"]["ulps"]["bitwise_equal"]  # an RMSNorm given the same input is bitwise equal (DESIGN.md)
+    assert got["units"][1]["local"]["ulps"]["bitwise_equal"]  # an RMSNorm given the same input is bitwise equal (docs/design.md)
     assert got["first_divergence"]["bitwise"] == live["first_divergence"]["bitwise"]
     assert got.get("capture", {}).get("mode") == "stats"
 
@@ -217,10 +217,10 @@ def test_broken_dumps_are_refused_naming_the_problem(tmp_path_factory, tmp_path)
 
 @pytest.mark.vllm
 def test_dump_writer_hooks_on_the_vllm_model(tmp_path_factory, tmp_path):
-    """What an engine process does: numbisect.backends.dump.writer hooks on its own modules, one forward per sample."""
+    """What an engine process does: numbisect.dump hooks on its own modules, one forward per sample."""
     from safetensors.torch import load_file
 
-    from numbisect.backends.dump.writer import DumpWriter
+    from numbisect.dump import DumpWriter
 
     eng = vllm("qwen3_moe")
     trace = load_trace(short_trace("qwen3_moe", N))
@@ -250,7 +250,7 @@ def test_dump_writer_hooks_on_the_vllm_model(tmp_path_factory, tmp_path):
 
 
 def test_dump_helper_imports_only_torch_and_safetensors():
-    code = ("import sys, numbisect.backends.dump.writer; "
+    code = ("import sys, numbisect.dump; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'networkx', 'vllm', 'click', 'numpy_financial') "
             "or m in ('numbisect.model.arch', 'numbisect.model.units', 'numbisect.common.errors', 'numbisect.pipeline.measure')); print(bad)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), cwd=ROOT)
@@ -280,7 +280,7 @@ def test_a_stale_rank_from_an_earlier_run_is_refused(tmp_path):
 
 def test_ranks_writing_one_dump_at_once_do_not_trip_over_the_shared_manifest(tmp_path):
     """Every rank writes manifest.json; each through a temporary file of its own."""
-    from numbisect.backends.dump.writer import DumpWriter
+    from numbisect.dump import DumpWriter
 
     cfg = f"{model_dir('qwen3_moe')}/config.json"
     errors = []

@@ -24,7 +24,7 @@ from numbisect.report.document import (
     write_json_atomic,
 )
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 EXAMPLE = DATA / "report_compare_hf.json"
 
 

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from numbisect.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASES = {
     "run": ROOT / "fixtures" / "reports" / "qwen3_moe_planted_fault.json",
     "compare_vllm": ROOT / "fixtures" / "reports" / "qwen3_moe_compare_vllm.json",
