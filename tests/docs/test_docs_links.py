@@ -1,4 +1,4 @@
-"""Every relative link in README.md and docs/ points at a file that exists, and every
+"""Every relative link in README.md, docs/ and the other READMEs points at a file that exists, and every
 #anchor into a Markdown file names one of its headings (GitHub's anchor rules)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
+PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "fixtures" / "README.md", *DOCS]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|````).*?^\1\s*$", re.S | re.M)
 
@@ -58,5 +59,5 @@ def test_the_pages_link_to_each_other():
             path = target.partition("#")[0]
             if path and not re.match(r"^[a-z]+:", path):
                 todo.append((page.parent / path).resolve())
-    orphans = [str(p.relative_to(ROOT)) for p in PAGES if p.resolve() not in seen]
+    orphans = [str(p.relative_to(ROOT)) for p in DOCS if p.resolve() not in seen]
     assert not orphans, f"not reachable from README.md: {orphans}"
