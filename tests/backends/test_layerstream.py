@@ -36,6 +36,7 @@ def test_same_logprobs_as_the_whole_model(name):
     assert ls.loaded_bytes == 0
 
 
+@pytest.mark.slow  # a child process loads the model layer by layer
 def test_peak_memory_is_one_layer_not_the_model(tmp_path):
     from layer_stream_memory import make_checkpoint, measure
 

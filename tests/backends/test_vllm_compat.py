@@ -12,6 +12,7 @@ from numbisect.cli import main
 from numbisect.common.errors import InputError
 
 
+@pytest.mark.slow  # imports vLLM
 def test_qwen3_5_module_imports_and_inspects_without_torchvision():
     """setup.sh removes torchvision (PyPI's build cannot load beside torch+cpu); vLLM's
     qwen3_5 module must still import, and its registry must still read the class's traits
@@ -31,6 +32,7 @@ def test_qwen3_5_module_imports_and_inspects_without_torchvision():
         assert m.Qwen2VLImageProcessor.__name__ == "Qwen2VLImageProcessorPil"
 
 
+@pytest.mark.slow  # a child imports vLLM
 def test_a_fresh_vllm_process_imports_qwen3_5_through_the_plugin():
     """vLLM's tensor-parallel workers and inspection children are fresh interpreters that
     run vLLM's general plugins before importing a model; numbisect's plugin (an entry point

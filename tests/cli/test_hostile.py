@@ -370,6 +370,7 @@ def _summarised(args: list[str]) -> None:
     assert out and not err.strip(), (args, err)
 
 
+@pytest.mark.slow  # no model, but minutes of generated cases: the full run only
 @REPORT_CASES
 @given(report=mutated_report())
 def test_hostile_reports_show_md_diff_validate(report):

@@ -299,7 +299,7 @@ def test_conditions_name_an_fp8_kv_cache_and_localise_it_to_the_attention(real, 
 def test_conditions_name_the_cpu_rope_kernel_that_breaks_mla(tmp_path):
     """DeepSeek-V3 (MLA) on vLLM-CPU with its default custom ops is far from transformers
     (vLLM-CPU's rotary kernel rotates MLA's 3-D multi-head query at the wrong positions; see
-    the README). Against a known-good configuration with every op on its native path, the
+    docs/how-to/engine-conditions.md). Against a known-good configuration with every op on its native path, the
     condition search names the rope op alone, every other op is bitwise invariant, the
     good configuration is at the bf16 floor against the reference while the user's is not,
     and the localisation names the attention's rotary part (the rope units). The known-good configuration is the
@@ -325,6 +325,7 @@ def test_conditions_name_the_cpu_rope_kernel_that_breaks_mla(tmp_path):
     assert ref["user"]["rl_cost"]["seq_frac_rejected"] > ref["good"]["rl_cost"]["seq_frac_rejected"]
 
 
+@pytest.mark.slow  # a child process starts
 @pytest.mark.parametrize("how", ["timeout", "failure"])
 def test_a_child_leaves_no_temporary_files_however_it_ends(tmp_path, monkeypatch, how):
     """Each configuration's child writes its job and answer under a temporary directory; a

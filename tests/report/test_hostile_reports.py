@@ -360,6 +360,7 @@ def files_of(d: Path) -> dict[str, tuple[bytes, int]]:
     return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in d.iterdir()}
 
 
+@pytest.mark.slow  # no model, but minutes of generated cases: the full run only
 @CASES
 @given(case=hostile_report())
 def test_hostile_reports_are_refused_in_one_line_or_shown_safely(case):
@@ -399,6 +400,7 @@ def run_headless(self, **_):
     return App.run(self, headless=True, size=(100, 32), auto_pilot=_keys)
 
 
+@pytest.mark.slow  # no model, but minutes of generated cases: the full run only
 @settings(TUI_CASES, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 @given(case=hostile_report(KEEPS_VALID))
 def test_bisect_tui_opens_a_hostile_report_it_accepts(case):

