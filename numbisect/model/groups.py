@@ -105,5 +105,4 @@ def inputs_digest(trace: Trace, defs) -> str | None:
 
 
 def json_bytes(x) -> bytes:
-
     return json.dumps(x).encode()

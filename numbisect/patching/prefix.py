@@ -208,7 +208,6 @@ class PrefixCache:
                 carry_layer_flags(r, ledger.replace(engine.root, engine.module_path(f"layers.{i}"), r))
                 replays.append(r)
             for i in range(upto, n):
-
                 def hook(m, args, out, sink=outputs[i]):
                     sink.append(_copy(out, "cpu"))
 

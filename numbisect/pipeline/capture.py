@@ -403,7 +403,6 @@ class _Behind:
     with the fold in line, 1.12x with it behind (2 cores, torch on one thread)."""
 
     def __init__(self):
-
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="numbisect-fold")
         self.pending = None
 

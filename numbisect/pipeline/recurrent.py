@@ -77,7 +77,6 @@ class StateStats:
         self.reached: dict = {}  # unit -> tokens -> samples that reach it
 
     def add(self, i: int, L: int, final: bool, ref: dict, eng: dict) -> None:
-
         for u, e in eng.items():
             r = ref.get(u)
             if r is None:
@@ -129,7 +128,7 @@ def state_light(sides, local: bool) -> dict | None:
 
     ref, eng = sides.ref, sides.engine
     units = linear_units(ref)
-    if units and eng is not None and getattr(eng, "kind", "") == "dump":
+    if units and eng is not None and eng.recorded:  # a dump: the states it wrote
         return dump_states(sides, units, local)
     if not units or eng is None or eng.recorded:
         return None

@@ -115,7 +115,6 @@ def check_replay(direction: str | None, config, engine_kind: str, engine_opts: d
     if direction not in REPLAY_DIRECTIONS:
         raise InputError(f"--replay-routing must be ref or engine, not {direction!r}")
     if router_spec(config) is None:
-
         raise InputError(f"--replay-routing needs a MoE model; {arch_for(config).name} is dense (no router to replay)")
 
     entry = BACKENDS.get(engine_kind)

@@ -88,7 +88,6 @@ def checkpoint_lines(r: dict | ReportView) -> list[str]:
 
 
 def _json(x) -> str:
-
     try:
         return json.dumps(x)
     except (TypeError, ValueError):

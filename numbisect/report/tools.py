@@ -415,7 +415,6 @@ def _search_lines(v: ReportView) -> list[str]:
             out += ["", f"**Suggested fix** (precision what-if, measured): {_md(str(p.get('suggested')))}", ""]
             out += [f"- {_code(t.get('whatif'))}: {_md(str(t.get('line')))}" for t in p.get("whatifs") or [] if isinstance(t, dict)]
     if v.systematic:
-
         out += [""] + [f"{_md(line.strip())}  " for line in systematic_lines(v)]
     if s.get("verdict") == "diffuse":
         out += ["", "**Diffuse:** no set smaller than every layer reaches the threshold. Per-layer contributions:", "",

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from numbisect.backends import BACKENDS, open_backend
+from numbisect.backends import BACKENDS, open_backend, require_reference, source
 from numbisect.backends.base import (
     Backend,
     ForwardResult,
@@ -90,15 +90,13 @@ class Session:
 
         self.trace: Trace = load_any(spec.trace, spec.trace_format, spec.trace_fields)
         ref_kind, ref_path = C.parse_spec(spec.ref, "--ref")
-        if ref_kind != "hf":
-            raise InputError(f"--ref must be hf:DIR (got {spec.ref!r})")
+        require_reference(ref_kind, spec.ref)
         eng_kind, eng_path = C.parse_spec(spec.engine, "--engine")
         self.engine_kind = eng_kind
         # A dump or the rollout's own log-probs: compared, never run (no faults, swaps, trials).
         self.engine_runs = eng_kind in BACKENDS and BACKENDS[eng_kind].runs
         self.user_engine = None  # --engine-config: the user's engine, as they run it (numbisect.session.userengine)
         if spec.engine_config is not None:
-
             self.user_engine = UserEngine.check(spec, eng_kind)
             spec.engine_opts = self.user_engine.backend_opts()
         C.check_opts("hf", spec.ref_opts, "--ref-opt")
@@ -122,28 +120,26 @@ class Session:
         check_vocab(self.trace, ref_cfg.get_text_config().vocab_size)
         C.check_positions(self.trace, ref_cfg, "the reference")
         G.check_images(self.trace, ref_cfg, ref_arch)
-        if eng_kind == "vllm" and any(s.images is not None for s in self.trace.samples):
-            raise InputError("the trace has images: compare them against an hf engine (--engine hf:DIR); the vllm backend takes tokens only")
+        if eng_kind in BACKENDS and not BACKENDS[eng_kind].takes_images and any(s.images is not None for s in self.trace.samples):
+            raise InputError(f"the trace has images: compare them against an hf engine (--engine hf:DIR); the {eng_kind} backend takes tokens only")
         self.group_origin = G.add_groups(self.trace, ref_cfg, G.parse_group_defs(spec.group_defs))
         if settings.group not in C.group_names(self.trace) + ["all"]:
             hint = " (define one with --group-def NAME=ID[,ID])" if settings.group not in BUILTIN_GROUPS else ""
             raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}{hint}")
         dump = None
-        if eng_kind == "dump":
-
+        if source(eng_kind) == "dump":
             dump = backends.get("engine") or DumpBackend(eng_path, self.trace)
             C.check_configs(ref_cfg, dump.config)
             backends = {**backends, "engine": dump}
-        elif eng_kind != "rollout":
+        elif source(eng_kind) == "checkpoint":
             eng_cfg = load_config(eng_path)
-            if eng_kind == "vllm" and not arch_for(eng_cfg).vllm:
-                raise InputError(f"{arch_for(eng_cfg).name} has no vLLM unit map (vLLM-CPU cannot run it here): use --engine hf:DIR")
+            if not getattr(arch_for(eng_cfg), BACKENDS[eng_kind].unit_map):
+                raise InputError(f"{arch_for(eng_cfg).name} {BACKENDS[eng_kind].no_unit_map}: use --engine hf:DIR")
             C.check_configs(ref_cfg, eng_cfg)
             C.check_positions(self.trace, eng_cfg, "the engine")
             self.checkpoint_diff = self._checkpoint_diff(ref_path, eng_path, ref_cfg)
         if spec.ref_opts.get("layer_stream") and "ref" not in backends:
-
-            if eng_kind != "dump":
+            if source(eng_kind) != "dump":
                 raise InputError("--ref-opt layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
             backends = {**backends, "ref": LayerStreamRef(ref_path, spec.ref_dtype)}
         self.ref: Backend = backends.get("ref") or self._open("hf", ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
@@ -155,7 +151,7 @@ class Session:
             self.user_engine.run(self.trace.samples, eng_path, spec.engine_dtype, int(max_len), int(text.vocab_size),
                                  settings.judges_kl, run_child, self.say)
             spec.engine_opts = self.user_engine.backend_opts()
-        if eng_kind != "rollout":
+        if source(eng_kind) is not None:  # not the rollout's own log-probs
             self.engine = backends.get("engine") or self._open(
                 eng_kind, eng_path, spec.engine_dtype, spec.engine_opts, "starting engine"
             )
@@ -177,9 +173,9 @@ class Session:
         extra = G.inputs_digest(self.trace, spec.group_defs)  # pixel inputs and --group-def live outside the file
         if extra:
             self.digests["trace_extra"] = extra
-        if eng_kind == "dump":
+        if source(eng_kind) == "dump":
             self.digests["engine"] = C.dump_digest(eng_path)
-        elif eng_kind != "rollout":
+        elif source(eng_kind) == "checkpoint":
             self.digests["engine"] = C.checkpoint_digest(eng_path)
 
     def _checkpoint_diff(self, ref_path: str, eng_path: str, ref_cfg) -> dict | None:

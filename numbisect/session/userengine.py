@@ -26,6 +26,7 @@ is fitted on them: the report's first finding when they are processed.
 
 from __future__ import annotations
 
+from numbisect.backends import BACKENDS
 from numbisect.backends.base import ForwardResult
 from numbisect.common.errors import InputError
 from numbisect.model import engine_config as E
@@ -71,7 +72,7 @@ class UserEngine:
     @classmethod
     def check(cls, spec, eng_kind: str) -> "UserEngine":
         """Refuse what cannot run before anything loads."""
-        if eng_kind != "vllm":
+        if not (eng_kind in BACKENDS and BACKENDS[eng_kind].runs_user_config):
             raise InputError(f"--engine-config needs --engine vllm:DIR (got {spec.engine!r})")
         E.check_settings(spec.engine_config, "--engine-config/--engine-opt")
         u = cls(spec.engine_config, spec.engine_config_path, spec.engine_mode)

@@ -179,7 +179,6 @@ def install(engine) -> None:
             continue
         fns = _route(type(attn).__module__)
         if CONV_FN not in fns or RULE_FN not in fns:
-
             raise BackendError(f"{type(attn).__name__} ({type(attn).__module__}) has no {CONV_FN} or {RULE_FN} to route")
         attn.conv = GdnConv(fns[CONV_FN], attn.conv1d, attn.activation)
         attn.gates = GdnGates(attn.A_log, attn.dt_bias)

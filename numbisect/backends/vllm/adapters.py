@@ -77,7 +77,6 @@ def _no_extra(unit: str, extra: tuple) -> None:
     """vLLM's DeepSeek layers pass attention and layers one more argument, `llama_4_scaling`
     (None unless the config asks for it): the donor transformers module has no such input."""
     if any(v is not None for v in extra):
-
         raise BackendError(f"vLLM calls this {unit} with an argument the transformers module has no counterpart "
                            "for (llama_4_scaling in config.json): cannot swap it")
 
@@ -191,7 +190,6 @@ class VllmLayer(VllmHF):
         under sequence-parallel MoE is refused (the adapter has no such path)."""
 
         if getattr(old, "use_attn_reduce_scatter_for_moe", False):
-
             raise BackendError("cannot swap a whole layer under vLLM's sequence-parallel MoE")
         carry_layer_flags(self, old)
 

@@ -199,7 +199,6 @@ def capture_job(job: dict, out_path: str) -> None:
         res = eng.forward(samples, capture=names, feed=feed)
         torch.save({"captures": res.captures}, out_path)
     else:
-
         res = eng.forward(samples, capture=names, capture_inputs=local_feed_names(eng))
         torch.save({"captures": res.captures, "inputs": res.inputs}, out_path)
 

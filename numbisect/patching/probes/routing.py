@@ -42,7 +42,6 @@ class RoutingProbe:
         lens = [self.lens[i] for i in idx]
         width = max(lens) if lens else 0
         if not idx or rows != width * len(idx):
-
             raise BackendError(f"routing probe on {unit}: call {call} has {rows} tokens, expected samples {idx} of lengths {lens}")
         return idx, lens
 

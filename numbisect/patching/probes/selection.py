@@ -67,7 +67,6 @@ class SelectionProbe:
             ids = replay_ids(ids, [self.replay[unit][first + j] for j in range(ids.shape[0])])
         for j in range(scores.shape[0]):
             if first + j >= len(self.lens):
-
                 raise BackendError(f"selection probe on {unit}: more calls than samples ({len(self.lens)})")
             n = self.lens[first + j]
             s = scores[j, :n, :n].detach().to("cpu", torch.float64, copy=True)

@@ -72,7 +72,6 @@ class StateProbe:
         `steps` when the tokens run so far are one of `at`."""
         if state.dim() == 4:
             if state.shape[0] != 1:
-
                 raise BackendError(f"state probe on {unit}: {state.shape[0]} sequences in one call (expected one sample)")
             state = state[0]
         state = state.detach().to("cpu", copy=True)
