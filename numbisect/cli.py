@@ -85,8 +85,13 @@ class Progress:
     def __call__(self, msg: str) -> None:
         if self.quiet:
             return
+        from numbisect.textsafe import printable
+
+        msg = printable(msg)  # a step names paths (the models' directories): one line, no escapes
         if self._status is not None:
-            self._status.update(msg)
+            from rich.text import Text
+
+            self._status.update(Text(msg))  # text, not rich markup: a "[" in a path stays a "["
         else:
             print(f"bisect: {msg}", file=sys.stderr, flush=True)
 
@@ -266,6 +271,7 @@ def _resolve_floor(kw, spec, settings, progress) -> None:
 def _emit(report: dict, kw) -> None:
     from numbisect.render import render
     from numbisect.report import write_json_atomic
+    from numbisect.textsafe import path_text, printable
 
     if kw.get("out"):
         write_json_atomic(kw["out"], report)
@@ -278,12 +284,12 @@ def _emit(report: dict, kw) -> None:
             if os.environ.get("NUMBISECT_DEBUG"):
                 traceback.print_exc()
             text = ""
-            where = f"; the report is in {kw['out']}" if kw.get("out") else "; --json or --out gives the report"
-            print(f"bisect: the summary could not be rendered ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){where}",
+            where = f"; the report is in {path_text(kw['out'])}" if kw.get("out") else "; --json or --out gives the report"
+            print(printable(f"bisect: the summary could not be rendered ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){where}"),
                   file=sys.stderr)
         sys.stdout.write(text)
         if kw.get("out"):
-            sys.stdout.write(f"report: {kw['out']}\n")
+            sys.stdout.write(f"report: {path_text(kw['out'])}\n")
     sys.stdout.flush()
 
 
@@ -308,16 +314,17 @@ def _check_out(kw) -> None:
 
 
 def _not_in_a_model(path: str, opt: str, kw) -> None:
-    """An output that is an existing file of a model or dump directory (its config.json, a
-    weight file, a dump's manifest) would damage what every later run reads: refused."""
-    from numbisect.safeio import same_file
+    """An output that is, links followed, an existing file of a model or dump directory (its
+    config.json, a weight file, a dump's manifest) would damage what every later run reads:
+    refused."""
+    from numbisect.safeio import check_not_an_input
 
-    if not os.path.isfile(path):
-        return
+    dirs = {}
     for side in ("ref", "engine"):
         kind, _, d = (kw.get(side) or "").partition(":")
-        if kind in ("hf", "vllm", "dump") and d and os.path.isdir(d) and same_file(os.path.dirname(os.path.abspath(path)), d):
-            raise InputError(f"{opt} {path} is a file of the --{side} {'dump' if kind == 'dump' else 'model'} {d}; it would be overwritten (choose another path)")
+        if kind in ("hf", "vllm", "dump") and d:
+            dirs[f"--{side}"] = ("dump" if kind == "dump" else "model", d)
+    check_not_an_input(path, opt, None, dirs)
 
 
 def _check_new_log(log: str, resume: str | None) -> None:
@@ -522,7 +529,9 @@ def calibrate(**kw):
     if kw["as_json"]:
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     else:
-        sys.stdout.write(render_floor(doc) + (f"floor: {kw['out']}\n" if kw["out"] else ""))
+        from numbisect.textsafe import path_text
+
+        sys.stdout.write(render_floor(doc) + (f"floor: {path_text(kw['out'])}\n" if kw["out"] else ""))
     sys.stdout.flush()
     return ExitCode.ALIGNED
 
@@ -546,7 +555,9 @@ def report_validate(file):
     from numbisect.report import load_report
 
     r = load_report(file)
-    click.echo(f"{file}: valid numbisect report, schema version {r['schema_version']}")
+    from numbisect.textsafe import path_text
+
+    click.echo(f"{path_text(file)}: valid numbisect report, schema version {r['schema_version']}")
     return ExitCode.ALIGNED
 
 
@@ -661,7 +672,9 @@ def selftest(**kw):
             session.close()
     if kw["out"]:
         write_json_atomic(kw["out"], res)
-    sys.stdout.write(ST.render(res) + (f"results: {kw['out']}\n" if kw["out"] else ""))
+    from numbisect.textsafe import path_text
+
+    sys.stdout.write(ST.render(res) + (f"results: {path_text(kw['out'])}\n" if kw["out"] else ""))
     sys.stdout.flush()
     return ExitCode.ALIGNED if res["passed"] else ExitCode.DIVERGED
 

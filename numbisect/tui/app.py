@@ -44,7 +44,8 @@ from numbisect.errors import InputError, NumbisectError
 from numbisect.formatting import fmt
 from numbisect.report import load_report, write_json_atomic
 from numbisect.reportview import view as report_view
-from numbisect.textsafe import clip, printable, printable_tree
+from numbisect.jsonsafe import sanitize
+from numbisect.textsafe import clip, path_text, printable, printable_tree
 from numbisect.tui import model as M
 from numbisect.tui.live import Cancelled, LiveConfig, open_session, run_search, swap_trial
 from numbisect.tui.messages import BaselineReady, Progress, RunDone, SwapDone, TrialDone, WorkFailed
@@ -226,11 +227,11 @@ class BisectApp(App[int]):
         lines = [
             f"live run: {' '.join(cfg.argv) or 'bisect run'}",
             "",
-            f"reference  {sp.ref} ({sp.ref_dtype})",
-            f"engine     {sp.engine} ({sp.engine_dtype})",
-            f"trace      {sp.trace}",
+            f"reference  {path_text(sp.ref)} ({sp.ref_dtype})",
+            f"engine     {path_text(sp.engine)} ({sp.engine_dtype})",
+            f"trace      {path_text(sp.trace)}",
             f"faults     {', '.join(sp.faults) or 'none planted'}",
-            *([f"settings   {sp.engine_config_path or 'your engine settings'} (--engine-config: the token comparison in "
+            *([f"settings   {path_text(sp.engine_config_path or 'your engine settings')} (--engine-config: the token comparison in "
                "yours, the search in the hookable ones)"] if sp.engine_config is not None else []),
             f"judged on  {M.metric_words(st.metric)} of {st.group} tokens, threshold {fmt(st.threshold)}",
             f"search     {cfg.strategy}" + (f", at most {cfg.max_trials} trials" if cfg.max_trials else ""),
@@ -349,16 +350,19 @@ class BisectApp(App[int]):
     def _export_to(self, path: str | None) -> None:
         if not path:
             return
-        try:
-            write_json_atomic(path, self.source)
+        try:  # NaN / Infinity literals (a schema-valid report may hold them) as the schema's "nan" / "inf"
+            write_json_atomic(path, sanitize(self.source))
         except NumbisectError as e:
             self.push_screen(ErrorScreen("cannot export", e.message))
             return
         except OSError as e:
-            self.push_screen(ErrorScreen("cannot export", f"cannot write {path}: {e.strerror or e}"))
+            self.push_screen(ErrorScreen("cannot export", f"cannot write {path_text(path)}: {e.strerror or e}"))
             return
-        self.set_status(f"report written to {path}")
-        self.notify(printable(f"report written to {path}"), markup=False)
+        except (ValueError, TypeError, RecursionError) as e:  # not JSON data: said, never the app's end
+            self.push_screen(ErrorScreen("cannot export", f"cannot write {path_text(path)}: {type(e).__name__}: {e}"))
+            return
+        self.set_status(f"report written to {path_text(path)}")
+        self.notify(f"report written to {path_text(path)}", markup=False)
 
     def action_open(self) -> None:
         if self.busy:
@@ -388,7 +392,7 @@ class BisectApp(App[int]):
         self._set_titles()
         self.refresh_all()
         self.refresh_bindings()
-        self.set_status(f"opened {path} (read-only)")
+        self.set_status(f"opened {path_text(path)} (read-only)")
 
     # live: search and swaps
     def action_run_search(self) -> None:
