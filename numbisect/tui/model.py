@@ -36,7 +36,7 @@ from pathlib import Path
 from numbisect.conditions_render import engine_config_finding as engine_config_finding_of
 from numbisect.conditions_render import localisations_of
 from numbisect.formatting import fmt, num, pct
-from numbisect.reportview import ReportView, view
+from numbisect.reportview import ReportView, typed_trials, view
 from numbisect.units import Unit, children, unit_graph
 
 METRIC_WORDS = {"k3-mean": "mean k3", "k3-p99": "p99 k3", "kl-mean": "mean KL"}
@@ -392,7 +392,7 @@ def report_trials(r: dict | ReportView) -> list[dict]:
     cond = conditions_of(rv)
     if cond is None:
         return list(rv.trials)
-    return [t for t in cond.get("trials") or [] if isinstance(t, dict)] if isinstance(cond.get("trials"), list) else []
+    return typed_trials(cond.get("trials"))
 
 
 def section(cond: dict, key: str) -> dict:
