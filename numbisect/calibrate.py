@@ -163,9 +163,11 @@ def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: d
 
 
 def render(doc: dict) -> str:
+    from numbisect.textsafe import path_text
+
     r, t = doc["ref"], doc["trace"]
     lines = [
-        f"numbisect calibrate | {r['arch']} | ref hf:{r['path']} ({r['dtype']}) | trace {t['path']}: {t['samples']} samples",
+        f"numbisect calibrate | {r['arch']} | ref hf:{path_text(r['path'])} ({r['dtype']}) | trace {path_text(t['path'])}: {t['samples']} samples",
         "noise floor: the reference against harmless variants of itself",
     ]
     head = f"{'':<34}{'k3-mean':>10}{'k3-p99':>10}{'kl-mean':>10}{'max|dlogp|':>12}"

@@ -262,7 +262,10 @@ def test_a_rollout_of_zeros_is_unknown_in_the_report_and_its_summaries(zeros_run
 # --- 10. the TUI survives a schema-valid report with NaN / Infinity literals, export included --
 
 @pytest.mark.asyncio
-async def test_the_tui_exports_a_report_holding_nan_and_infinity_literals(tmp_path):
+async def test_the_tui_survives_every_action_and_exports_a_report_holding_nan_and_infinity(tmp_path):
+    """Such a report is schema-valid and opens; pressing `e` raised in json.dumps(allow_nan=
+    False) and ended the app. Every key of the app is pressed, then the report exported:
+    strict JSON (the schema's "nan" / "inf"), which numbisect reads back."""
     from textual.widgets import Input
 
     from numbisect.tui.app import BisectApp
@@ -271,26 +274,46 @@ async def test_the_tui_exports_a_report_holding_nan_and_infinity_literals(tmp_pa
     r = json.loads(PLANTED.read_text())
     r["baseline"]["value"] = float("nan")
     r["search"]["baseline"] = float("inf")
+    r["units"][1]["propagated"]["rel_l2"] = float("nan")
+    r["units"][1]["local"]["rel_l2"] = float("-inf")
+    r["trials"][0]["value"] = float("nan")
     src = tmp_path / "nan.json"
     src.write_text(json.dumps(r, indent=1))  # NaN / Infinity literals, as Python's json writes them
     assert "NaN" in src.read_text() and "Infinity" in src.read_text()
     report = load_report(src)  # schema-valid: it opens
     out = tmp_path / "exported.json"
     app = BisectApp(report=report, report_path=str(src))
+    keys = [b.key.split(",")[0] for b in BisectApp.BINDINGS if b.action not in ("quit", "export", "open")]
+    assert len(keys) >= 10
     async with app.run_test(size=(100, 32)) as pilot:
+        for key in keys:
+            await pilot.press(key)
+            await pilot.pause()
+            while app.screen is not app.main:  # a dialog or help: closed again
+                await pilot.press("escape")
+                await pilot.pause()
         await pilot.press("e")
         assert isinstance(app.screen, PathScreen)
         app.screen.query_one(Input).value = str(out)
         await pilot.press("enter")
         await pilot.pause()
         assert not isinstance(app.screen, (PathScreen, ErrorScreen))
-        await pilot.press("tab", "down", "e", "escape")  # still answering keys
     assert app.failure is None
     text = out.read_text()
     assert "NaN" not in text and "Infinity" not in text  # strict JSON: any JSON reader takes it
     back = load_report(out)  # and numbisect reads its own export
     assert back["baseline"]["value"] == "nan" and back["search"]["baseline"] == "inf"
+    assert back["units"][1]["local"]["rel_l2"] == "-inf"
     assert back["culprits"] == r["culprits"]
+
+
+def test_the_floor_table_escapes_the_paths_it_prints():
+    from numbisect.calibrate import render
+
+    doc = {"ref": {"arch": "qwen3_moe", "path": "/m\x1b[2J\nx", "dtype": "bfloat16"},
+           "trace": {"path": "/t\x07.jsonl", "samples": 1}, "variants": [], "floor": {}}
+    text = render(doc)
+    assert not any(c in text for c in UNSAFE) and "hf:/m\\x1b[2J\\nx" in text and "/t\\x07.jsonl" in text
 
 
 # --- 11. the report tools type-check every conditions field they read -------------------------
