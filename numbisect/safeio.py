@@ -158,8 +158,21 @@ def check_not_an_input(path: str | os.PathLike, what: str, files: dict[str, str 
             inside = os.path.commonpath([top, real]) == top
         except ValueError:
             inside = False
-        if inside and os.path.isfile(real):
+        # or a file a link inside it leads to (a Hugging Face cache snapshot links its weights to blobs/)
+        if (inside and os.path.isfile(real)) or real in _files_under(d):
             raise InputError(f"{what} {path} is a file of the {opt} {label} {d}{via}; it would be overwritten (choose another path)")
+
+
+def _files_under(d: str, limit: int = 10_000) -> set[str]:
+    """The real paths of the files in directory `d` and below (links followed to files,
+    not into directories), at most `limit` entries: a checkpoint holds a few dozen."""
+    out: set[str] = set()
+    for root, dirs, files in os.walk(d):
+        for f in files:
+            out.add(_realpath(os.path.join(root, f)))
+        if len(out) >= limit:
+            break
+    return out
 
 
 def check_output(path: str | os.PathLike, what: str, inputs: dict[str, str | None] | None = None) -> None:

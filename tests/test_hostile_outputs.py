@@ -106,6 +106,24 @@ def test_an_output_linked_onto_a_model_file_is_refused(tmp_path, no_model_loads,
     assert snapshot(tmp_path) == before
 
 
+def test_an_output_linked_onto_the_blob_a_cached_checkpoint_links_to_is_refused(tmp_path, no_model_loads):
+    """A Hugging Face cache snapshot holds links to blobs/ outside it: an output linked onto
+    the blob is a file of the model all the same."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for f in Path(MODEL).iterdir():
+        if f.is_file():
+            (blobs / f.name).write_bytes(f.read_bytes())
+            (snap / f.name).symlink_to(blobs / f.name)
+    (tmp_path / "out.json").symlink_to(blobs / "model.safetensors")
+    before = snapshot(tmp_path)
+    rc, _, err = bisect("compare", "--ref", f"hf:{MODEL}", "--engine", f"hf:{snap}", "--trace", TRACE, "-q",
+                        "--out", str(tmp_path / "out.json"))
+    assert rc == 2 and "is a file of the --engine model" in one_error_line(err)
+    assert snapshot(tmp_path) == before
+
+
 def test_an_output_through_a_chain_of_links_onto_the_trace_is_refused(tmp_path, no_model_loads):
     trace = rollout_trace(tmp_path)
     (tmp_path / "a").symlink_to(trace)
