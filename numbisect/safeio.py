@@ -267,6 +267,17 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 def check_output_dir(path: str | os.PathLike, what: str) -> None:
     """A directory to write into: an existing directory, or one that can be made."""
     p = Path(path)
+    try:
+        os.stat(p)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a name too long, a symbolic link loop, a file where a directory is needed
+        if e.errno != errno.ENOTDIR:
+            raise InputError(f"cannot write {what} {path}: {e.strerror or e}") from None
+    limit = name_max(next((q for q in p.absolute().parents if q.is_dir()), "/"))
+    for part in p.parts:
+        if len(os.fsencode(part)) > limit:
+            raise InputError(f"cannot write {what} {path}: a name in it is longer than the {limit} bytes the filesystem allows")
     if p.exists() and not p.is_dir():
         raise InputError(f"cannot write {what} {path}: it exists and is not a directory")
     d = p if p.exists() else next((q for q in p.absolute().parents if q.exists()), None)

@@ -159,6 +159,8 @@ def hostile(d: Path, good_input: Path, good: Path | None) -> dict[str, str]:
         "nan_literals": str(d / "nan.json"),
         "name_255": str(long),
         "name_255_new": str(d / ("N" * 249 + ".jsonl")),
+        "name_256_new": str(d / ("N" * 250 + ".jsonl")),  # one byte over what the filesystem takes
+        "under_a_loop": str(d / "loop1" / "x.json"),
         "esc_newline_name": str(esc),
         "esc_newline_name_new": str(d / "o\x1b]0;t\x07\nnew.json"),
     }
