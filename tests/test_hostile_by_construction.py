@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import re
 import signal
@@ -224,8 +223,8 @@ def argv(command: str, param: click.Parameter, value: str, trace: str) -> list[s
         args[pos[nth]] = value
         return [*command.split(), *args]
     opt = max(param.opts, key=len)
-    if param.name in SPEC_OPTIONS and opt in base:
-        kind = base[base.index(opt) + 1].partition(":")[0]
+    if param.name in SPEC_OPTIONS:  # KIND:DIR, the kind its base gives (hf where it gives none)
+        kind = base[base.index(opt) + 1].partition(":")[0] if opt in base else "hf"
         value = f"{kind}:{value}"
     args = list(base)
     if opt in args:
@@ -259,8 +258,8 @@ def problems(outcome: str, rc, out: str, err: str) -> list[str]:
     found = []
     if outcome == "hung":
         return [f"no answer within {CASE_SECONDS} s"]
-    if rc == 3:
-        found.append("exit 3")
+    if outcome == "exit" and rc not in (0, 1, 2, 4):  # 3: an internal or backend error
+        found.append(f"exit {rc}")
     if "Traceback" in out + err:
         found.append("a traceback")
     if outcome == "exit" and rc == 2:
