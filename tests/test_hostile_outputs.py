@@ -325,6 +325,32 @@ async def test_the_tui_survives_every_action_and_exports_a_report_holding_nan_an
     assert back["culprits"] == r["culprits"]
 
 
+@pytest.mark.asyncio
+async def test_the_tui_export_through_a_link_onto_the_models_weights_is_refused(tmp_path):
+    """The export is an output too: onto a file of the model the report names (here through
+    a link), an error screen, and the weights stay as they were."""
+    from textual.widgets import Input
+
+    from numbisect.tui.app import BisectApp
+    from numbisect.tui.screens.dialogs import ErrorScreen
+
+    m = copy_model(tmp_path)
+    r = json.loads(PLANTED.read_text())
+    r["inputs"]["engine"]["path"] = str(m)
+    link = tmp_path / "export.json"
+    link.symlink_to(m / "model.safetensors")
+    before = snapshot(tmp_path)
+    app = BisectApp(report=r, report_path=str(PLANTED))
+    async with app.run_test(size=(100, 32)) as pilot:
+        await pilot.press("e")
+        app.screen.query_one(Input).value = str(link)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, ErrorScreen)
+        assert "is a file of the --engine model" in app.screen.message
+    assert snapshot(tmp_path) == before
+
+
 def test_the_floor_table_escapes_the_paths_it_prints():
     from numbisect.calibrate import render
 

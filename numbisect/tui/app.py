@@ -351,6 +351,7 @@ class BisectApp(App[int]):
         if not path:
             return
         try:  # NaN / Infinity literals (a schema-valid report may hold them) as the schema's "nan" / "inf"
+            self._check_export(path)
             write_json_atomic(path, sanitize(self.source))
         except NumbisectError as e:
             self.push_screen(ErrorScreen("cannot export", e.message))
@@ -363,6 +364,25 @@ class BisectApp(App[int]):
             return
         self.set_status(f"report written to {path_text(path)}")
         self.notify(f"report written to {path_text(path)}", markup=False)
+
+    def _check_export(self, path: str) -> None:
+        """An export never overwrites an input, links followed: the trace or a file of either
+        model's directory (the live run's, or those the report names)."""
+        from numbisect.safeio import check_not_an_input
+
+        def d(x) -> dict:
+            return x if isinstance(x, dict) else {}
+
+        if self.live is not None:
+            sp = self.live.spec
+            trace = sp.trace
+            dirs = {f"--{side}": ("model", spec.partition(":")[2]) for side, spec in (("ref", sp.ref), ("engine", sp.engine))}
+        else:
+            ins = d(self.source.get("inputs")) if isinstance(self.source, dict) else {}
+            trace = d(ins.get("trace")).get("path")
+            dirs = {f"--{side}": ("model", d(ins.get(side)).get("path")) for side in ("ref", "engine")}
+        check_not_an_input(path, "export", {"--trace": trace if isinstance(trace, str) else None},
+                           {k: v for k, v in dirs.items() if isinstance(v[1], str) and v[1]})
 
     def action_open(self) -> None:
         if self.busy:
