@@ -24,10 +24,21 @@ from numbisect import __version__
 from numbisect.backends import BACKENDS
 from numbisect.common.errors import ExitCode, InputError, NumbisectError
 from numbisect.common.jsonsafe import sanitize
-from numbisect.common.safeio import check_output_dir
+from numbisect.common.safeio import (
+    check_not_an_input,
+    check_output,
+    check_output_dir,
+    check_trial_log,
+    same_file,
+)
+from numbisect.common.textsafe import clip, path_text, printable
 from numbisect.common.threshold import parse_threshold
 from numbisect.model import engine_config as E
-from numbisect.report.document import write_json_atomic
+from numbisect.report.document import (
+    command_line,
+    load_report,
+    write_json_atomic,
+)
 from numbisect.report.summary import render
 from numbisect.report.tools import diff, markdown, render_diff
 from numbisect.tui.live import LiveConfig, check_live, run_argv
@@ -94,8 +105,12 @@ class Progress:
     def __call__(self, msg: str) -> None:
         if self.quiet:
             return
+
+        msg = printable(msg)  # a step names paths (the models' directories): one line, no escapes
         if self._status is not None:
-            self._status.update(msg)
+            from rich.text import Text  # lazy: rich loads only when this runs
+
+            self._status.update(Text(msg))  # text, not rich markup: a "[" in a path stays a "["
         else:
             print(f"bisect: {msg}", file=sys.stderr, flush=True)
 
@@ -214,7 +229,7 @@ def _spec_settings(kw):
         Settings,
         parse_opts,
     )
-    from numbisect.session.session import (
+    from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.cli
         Spec,  # lazy: keeps torch out of importing numbisect.cli
     )
 
@@ -244,7 +259,7 @@ def _spec_settings(kw):
         spec.engine_config_path = kw["engine_config"]
         spec.engine_opts = {}
     if spec.threads:
-        from numbisect.session.environment import (
+        from numbisect.session.environment import (  # lazy: keeps torch out of importing numbisect.cli
             set_threads,  # lazy: keeps torch out of importing numbisect.cli
         )
 
@@ -270,7 +285,7 @@ def _refuse_dump(engine: str) -> None:
 def _resolve_floor(kw, spec, settings, progress) -> None:
     """A `--threshold floor[xN]`: the floor from --floor FILE, or calibrated now (loads the reference)."""
     if isinstance(kw["threshold"], Floor):
-        from numbisect.commands.calibrate import (
+        from numbisect.commands.calibrate import (  # lazy: keeps torch out of importing numbisect.cli
             resolve_threshold,  # lazy: keeps torch out of importing numbisect.cli
         )
 
@@ -290,22 +305,17 @@ def _emit(report: dict, kw) -> None:
             if os.environ.get("NUMBISECT_DEBUG"):
                 traceback.print_exc()
             text = ""
-            where = f"; the report is in {kw['out']}" if kw.get("out") else "; --json or --out gives the report"
-            print(f"bisect: the summary could not be rendered ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){where}",
+            where = f"; the report is in {path_text(kw['out'])}" if kw.get("out") else "; --json or --out gives the report"
+            print(printable(f"bisect: the summary could not be rendered ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){where}"),
                   file=sys.stderr)
         sys.stdout.write(text)
         if kw.get("out"):
-            sys.stdout.write(f"report: {kw['out']}\n")
+            sys.stdout.write(f"report: {path_text(kw['out'])}\n")
     sys.stdout.flush()
 
 
 def _check_out(kw) -> None:
     """Before any model loads: every output can be written and is none of the inputs."""
-    from numbisect.common.safeio import (  # lazy: the name same_file stands for different imports in this file
-        check_output,
-        check_trial_log,
-        same_file,
-    )
 
     inputs = {"--trace": kw.get("trace"), "--floor": kw.get("floor_file"), "--resume": kw.get("resume"),
               "--engine-config": kw.get("engine_config"), "--good-config": kw.get("good_config")}
@@ -324,19 +334,16 @@ def _check_out(kw) -> None:
 
 
 def _not_in_a_model(path: str, opt: str, kw) -> None:
-    """An output that is an existing file of a model or dump directory (its config.json, a
-    weight file, a dump's manifest) would damage what every later run reads: refused."""
-    from numbisect.common.safeio import (
-        same_file,  # lazy: the name same_file stands for different imports in this file
-    )
+    """An output that is, links followed, an existing file of a model or dump directory (its
+    config.json, a weight file, a dump's manifest) would damage what every later run reads:
+    refused."""
 
-    if not os.path.isfile(path):
-        return
+    dirs = {}
     for side in ("ref", "engine"):
         kind, _, d = (kw.get(side) or "").partition(":")
-        if kind in BACKENDS and d and os.path.isdir(d) and same_file(os.path.dirname(os.path.abspath(path)), d):
-            what = "dump" if BACKENDS[kind].source == "dump" else "model"
-            raise InputError(f"{opt} {path} is a file of the --{side} {what} {d}; it would be overwritten (choose another path)")
+        if kind in BACKENDS and d:
+            dirs[f"--{side}"] = ("dump" if BACKENDS[kind].source == "dump" else "model", d)
+    check_not_an_input(path, opt, None, dirs)
 
 
 def _check_new_log(log: str, resume: str | None) -> None:
@@ -363,7 +370,7 @@ def _check_new_log(log: str, resume: str | None) -> None:
 def _check_replay_indexer(kw, spec) -> None:
     """--replay-indexer refused, before any model loads, where it cannot run."""
     if kw.get("replay_indexer"):
-        from numbisect.pipeline.selection import (
+        from numbisect.pipeline.selection import (  # lazy: keeps torch out of importing numbisect.cli
             check_replay,  # lazy: keeps torch out of importing numbisect.cli
         )
 
@@ -372,7 +379,7 @@ def _check_replay_indexer(kw, spec) -> None:
 
 def _replay_indexer(session, body: dict) -> None:
     """The indexer replay what-if (numbisect.pipeline.selection) into the report body as `indexer_replay`."""
-    from numbisect.pipeline.selection import (
+    from numbisect.pipeline.selection import (  # lazy: keeps torch out of importing numbisect.cli
         replay_whatif,  # lazy: keeps torch out of importing numbisect.cli
     )
 
@@ -386,13 +393,10 @@ def _replay_indexer(session, body: dict) -> None:
 @click.option("--local/--no-local", default=True, show_default=True, help="Also feed each engine unit the reference's input (local error).")
 def compare(**kw):
     """Run the trace through both models: k3, KL, RL cost and per-unit divergence."""
-    from numbisect.commands.provenance import (
+    from numbisect.commands.provenance import (  # lazy: keeps torch out of importing numbisect.cli
         new_report,  # lazy: keeps torch out of importing numbisect.cli
     )
-    from numbisect.report.document import (
-        command_line,  # lazy: the name command_line stands for different imports in this file
-    )
-    from numbisect.session.session import (
+    from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.cli
         Session,  # lazy: keeps torch out of importing numbisect.cli
     )
 
@@ -426,16 +430,13 @@ def compare(**kw):
               help="RAM for the layer outputs prefix reuse keeps across trials; over it, older recordings are dropped [default: 4096].")
 def run(**kw):
     """Swap reference modules into the engine and search for the culprit units."""
-    from numbisect.commands.provenance import (
+    from numbisect.commands.provenance import (  # lazy: keeps torch out of importing numbisect.cli
         new_report,  # lazy: keeps torch out of importing numbisect.cli
     )
-    from numbisect.commands.run import (
+    from numbisect.commands.run import (  # lazy: keeps torch out of importing numbisect.cli
         run as do_run,  # lazy: keeps torch out of importing numbisect.cli
     )
-    from numbisect.report.document import (
-        command_line,  # lazy: the name command_line stands for different imports in this file
-    )
-    from numbisect.session.session import (
+    from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.cli
         Session,  # lazy: keeps torch out of importing numbisect.cli
     )
 
@@ -497,15 +498,12 @@ def conditions(**kw):
         CondSpec,
         run_conditions,
     )
-    from numbisect.commands.provenance import (
+    from numbisect.commands.provenance import (  # lazy: keeps torch out of importing numbisect.cli
         new_report,  # lazy: keeps torch out of importing numbisect.cli
     )
     from numbisect.pipeline.measure import (  # lazy: keeps torch out of importing numbisect.cli
         Settings,
         parse_opts,
-    )
-    from numbisect.report.document import (
-        command_line,  # lazy: the name command_line stands for different imports in this file
     )
 
     _check_out(kw)
@@ -517,14 +515,14 @@ def conditions(**kw):
     spec = CondSpec(ref=kw["ref"], engine=kw["engine"], trace=kw["trace"], ref_dtype=kw["ref_dtype"],
                     engine_dtype=kw["engine_dtype"], ref_opts=parse_opts(kw["ref_opt"], "--ref-opt"),
                     engine_opts={"user": user, "good": good})
-    from numbisect.pipeline.measure import (
+    from numbisect.pipeline.measure import (  # lazy: keeps torch out of importing numbisect.cli
         check_opts,  # lazy: keeps torch out of importing numbisect.cli
     )
 
     check_opts("hf", spec.ref_opts, "--ref-opt")
     with Progress(kw["quiet"]) as say:
         sess = CondSession(spec, settings, user, good)
-        from numbisect.backends.vllm.condition_worker import (
+        from numbisect.backends.vllm.condition_worker import (  # lazy: keeps torch out of importing numbisect.cli
             run_child,  # lazy: keeps torch out of importing numbisect.cli
         )
 
@@ -558,13 +556,13 @@ def calibrate(**kw):
     Per metric (k3-mean, k3-p99, kl-mean, max abs log-prob difference) and variant;
     the floor is the largest. Use it with `run`/`compare --threshold floor[xN] --floor FILE`.
     """
-    from numbisect.commands.calibrate import (
+    from numbisect.commands.calibrate import (  # lazy: keeps torch out of importing numbisect.cli
         calibrate as do_calibrate,  # lazy: keeps torch out of importing numbisect.cli
     )
-    from numbisect.commands.calibrate import (
+    from numbisect.commands.calibrate import (  # lazy: keeps torch out of importing numbisect.cli
         render as render_floor,  # lazy: keeps torch out of importing numbisect.cli
     )
-    from numbisect.pipeline.measure import (
+    from numbisect.pipeline.measure import (  # lazy: keeps torch out of importing numbisect.cli
         parse_opts,  # lazy: keeps torch out of importing numbisect.cli
     )
 
@@ -580,7 +578,7 @@ def calibrate(**kw):
     if kw["as_json"]:
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     else:
-        sys.stdout.write(render_floor(doc) + (f"floor: {kw['out']}\n" if kw["out"] else ""))
+        sys.stdout.write(render_floor(doc) + (f"floor: {path_text(kw['out'])}\n" if kw["out"] else ""))
     sys.stdout.flush()
     return ExitCode.ALIGNED
 
@@ -589,9 +587,6 @@ def calibrate(**kw):
 @click.argument("file", type=click.Path())
 def report_show(file):
     """Print the summary of a report, from the file alone."""
-    from numbisect.report.document import (
-        load_report,  # lazy: the name load_report stands for different imports in this file
-    )
 
     r = load_report(file)
     sys.stdout.write(render(r))
@@ -602,12 +597,10 @@ def report_show(file):
 @click.argument("file", type=click.Path())
 def report_validate(file):
     """Check a report against the JSON Schema of its version."""
-    from numbisect.report.document import (
-        load_report,  # lazy: the name load_report stands for different imports in this file
-    )
 
     r = load_report(file)
-    click.echo(f"{file}: valid numbisect report, schema version {r['schema_version']}")
+
+    click.echo(f"{path_text(file)}: valid numbisect report, schema version {r['schema_version']}")
     return ExitCode.ALIGNED
 
 
@@ -617,9 +610,6 @@ def report_validate(file):
 @click.option("--json", "as_json", is_flag=True, help="Print the diff as JSON on stdout instead of text.")
 def report_diff(before, after, as_json):
     """Did the fix work? Compare report BEFORE with AFTER; exit 0 when AFTER is aligned, 1 otherwise."""
-    from numbisect.report.document import (
-        load_report,  # lazy: the name load_report stands for different imports in this file
-    )
 
     d = diff(load_report(before), load_report(after), labels=(before, after))
     if as_json:
@@ -633,9 +623,6 @@ def report_diff(before, after, as_json):
 @click.argument("file", type=click.Path())
 def report_md(file):
     """Print a Markdown summary of a report, to paste into a GitHub issue."""
-    from numbisect.report.document import (
-        load_report,  # lazy: the name load_report stands for different imports in this file
-    )
 
     sys.stdout.write(markdown(load_report(file)))
     return ExitCode.ALIGNED
@@ -654,10 +641,6 @@ def tui(report_file, **kw):
     the token comparison in your settings and the search in the hookable ones, as `run`
     does). Press ? for keys.
     """
-    from numbisect.report.document import (  # lazy: the name command_line stands for different imports in this file
-        command_line,
-        load_report,
-    )
 
     live_opts = [k for k in ("ref", "engine", "trace") if kw[k]]
     if report_file and live_opts:
@@ -687,10 +670,6 @@ def tui(report_file, **kw):
     app = BisectApp(report=report, report_path=report_file, live=config)
     app.run()
     if app.failure is not None:  # an error inside the app, shown as one line, not a traceback
-        from numbisect.common.textsafe import (  # lazy: the name printable stands for different imports in this file
-            clip,
-            printable,
-        )
 
         what = f"{type(app.failure).__name__}: {printable(clip(app.failure, 200))}"
         if report is not None:
@@ -716,7 +695,7 @@ def selftest(**kw):
 
     Exit 0 when every planted fault was found, 1 when one was missed.
     """
-    from numbisect.commands import (
+    from numbisect.commands import (  # lazy: keeps torch out of importing numbisect.cli
         selftest as ST,  # lazy: keeps torch out of importing numbisect.cli
     )
 
@@ -731,7 +710,8 @@ def selftest(**kw):
             session.close()
     if kw["out"]:
         write_json_atomic(kw["out"], res)
-    sys.stdout.write(ST.render(res) + (f"results: {kw['out']}\n" if kw["out"] else ""))
+
+    sys.stdout.write(ST.render(res) + (f"results: {path_text(kw['out'])}\n" if kw["out"] else ""))
     sys.stdout.flush()
     return ExitCode.ALIGNED if res["passed"] else ExitCode.DIVERGED
 
@@ -758,10 +738,6 @@ def _install_signals() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from numbisect.common.textsafe import (
-        printable,  # lazy: the name printable stands for different imports in this file
-    )
-
     _quiet_libraries()
     debug = bool(os.environ.get("NUMBISECT_DEBUG"))
     previous = _install_signals()

@@ -9,6 +9,7 @@ rows of logits that predict tokens 1..T-1.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import dataclass, field
@@ -66,6 +67,11 @@ def check_checkpoint(path: str) -> dict:
     regular file (a FIFO, a link to /dev/zero), too large, not JSON (nested too deeply
     included) or not a JSON object."""
     p = Path(path)
+    try:
+        os.stat(p)
+    except OSError as e:  # missing; a name too long, a symbolic link loop: said as what it is
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise InputError(f"cannot read checkpoint directory {path}: {e.strerror or e}") from None
     if not p.is_dir():
         raise InputError(f"checkpoint directory not found: {path}")
     cfg = p / "config.json"

@@ -27,6 +27,7 @@ from numbisect.backends.hf import HFBackend
 from numbisect.common.errors import InputError
 from numbisect.common.formatting import fmt
 from numbisect.common.safeio import loads_json, read_text
+from numbisect.common.textsafe import path_text
 from numbisect.common.threshold import parse_threshold  # noqa: F401  (resolve_threshold; tests)
 from numbisect.model.rlformats import load_any
 from numbisect.model.trace import check_vocab
@@ -165,7 +166,7 @@ def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: d
 def render(doc: dict) -> str:
     r, t = doc["ref"], doc["trace"]
     lines = [
-        f"numbisect calibrate | {r['arch']} | ref hf:{r['path']} ({r['dtype']}) | trace {t['path']}: {t['samples']} samples",
+        f"numbisect calibrate | {r['arch']} | ref hf:{path_text(r['path'])} ({r['dtype']}) | trace {path_text(t['path'])}: {t['samples']} samples",
         "noise floor: the reference against harmless variants of itself",
     ]
     head = f"{'':<34}{'k3-mean':>10}{'k3-p99':>10}{'kl-mean':>10}{'max|dlogp|':>12}"

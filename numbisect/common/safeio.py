@@ -8,10 +8,14 @@ Every file numbisect reads or writes on the user's behalf goes through here:
 3. `loads_json` parses JSON and turns nesting too deep for Python (RecursionError) into
    an InputError.
 4. `check_output(path, what, inputs)` is called before any model loads: the directory
-   exists and is writable, the disk is not full, the path is no input of the run.
+   exists and is writable, the disk is not full, the name fits the filesystem, the path
+   (links followed) is no input of the run. `check_not_an_input(path, what, files, dirs)`
+   also refuses an output that resolves (links followed) to a file inside an input
+   directory (a checkpoint, a dump).
 5. `write_text_atomic` replaces a regular file (or creates one) through a temporary file
    and a rename; a non-regular target (/dev/null, /dev/stdout, a FIFO) is written in
-   place, and a symbolic link keeps pointing where it did.
+   place, and a symbolic link keeps pointing where it did. The temporary file's name is
+   cut to fit NAME_MAX whenever the final name fits (`temp_prefix`).
 No torch here: `bisect report ...` imports this.
 """
 
@@ -97,15 +101,87 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
+def name_max(directory: str | os.PathLike) -> int:
+    """The longest file name (in bytes) the filesystem holding `directory` takes."""
+    try:
+        return int(os.pathconf(directory, "PC_NAME_MAX"))
+    except (OSError, ValueError):
+        return 255
+
+
+_TEMP_RANDOM, _TEMP_SUFFIX = 8, ".tmp"  # what tempfile.mkstemp adds after the prefix
+
+
+def temp_prefix(name: str, directory: str | os.PathLike) -> str:
+    """`.NAME.` as the prefix of a temporary file beside NAME, with NAME cut (whole
+    characters) so that the temporary name fits NAME_MAX whenever NAME itself does."""
+    room = name_max(directory) - _TEMP_RANDOM - len(_TEMP_SUFFIX) - 2
+    raw = os.fsencode(name)
+    if len(raw) <= room:
+        return f".{name}."
+    cut = raw[:max(room, 1)]
+    for _ in range(4):  # never half a UTF-8 character
+        try:
+            return f".{cut.decode('utf-8')}."
+        except UnicodeDecodeError:
+            cut = cut[:-1]
+    return f".{os.fsdecode(raw[:max(room, 1)])}."
+
+
+def _realpath(path: str | os.PathLike) -> str:
+    try:
+        return os.path.realpath(path)
+    except (OSError, ValueError, RuntimeError):  # a symbolic link loop on older Pythons
+        return os.path.abspath(path)
+
+
+def check_not_an_input(path: str | os.PathLike, what: str, files: dict[str, str | None] | None = None,
+                       dirs: dict[str, tuple[str, str | None]] | None = None) -> None:
+    """Refuse an output that is, links followed, one of the run's input files, or an existing
+    file inside one of its input directories (a checkpoint's weights, a dump's manifest).
+
+    `files` maps an option (e.g. "--trace") to the path it names; `dirs` maps an option
+    (e.g. "--engine") to (what it is, e.g. "model", its directory).
+    """
+    real = _realpath(path)
+    if not os.path.exists(real):
+        return
+    via = f" (a link to {real})" if os.path.islink(path) else ""
+    for opt, src in (files or {}).items():
+        if src and os.path.exists(src) and (_realpath(src) == real or same_file(src, real)):
+            raise InputError(f"{what} {path} is the {opt} input{via}; it would be overwritten (choose another path)")
+    for opt, (label, d) in (dirs or {}).items():
+        if not d or not os.path.isdir(d):
+            continue
+        top = _realpath(d)
+        try:
+            inside = os.path.commonpath([top, real]) == top
+        except ValueError:
+            inside = False
+        # or a file a link inside it leads to (a Hugging Face cache snapshot links its weights to blobs/)
+        if (inside and os.path.isfile(real)) or real in _files_under(d):
+            raise InputError(f"{what} {path} is a file of the {opt} {label} {d}{via}; it would be overwritten (choose another path)")
+
+
+def _files_under(d: str, limit: int = 10_000) -> set[str]:
+    """The real paths of the files in directory `d` and below (links followed to files,
+    not into directories), at most `limit` entries: a checkpoint holds a few dozen."""
+    out: set[str] = set()
+    for root, dirs, files in os.walk(d):
+        for f in files:
+            out.add(_realpath(os.path.join(root, f)))
+        if len(out) >= limit:
+            break
+    return out
+
+
 def check_output(path: str | os.PathLike, what: str, inputs: dict[str, str | None] | None = None) -> None:
     """Refuse, before any work, an output that cannot be written or would overwrite an input.
 
     `inputs` maps an option name (e.g. "--trace") to the path it names.
     """
     p = Path(path)
-    for opt, src in (inputs or {}).items():
-        if src and os.path.exists(src) and os.path.exists(p) and same_file(src, p):
-            raise InputError(f"{what} {path} is the {opt} input; it would be overwritten (choose another path)")
+    check_not_an_input(p, what, inputs)
     try:
         st = os.stat(p)
     except FileNotFoundError:
@@ -130,6 +206,9 @@ def check_output(path: str | os.PathLike, what: str, inputs: dict[str, str | Non
         raise InputError(f"cannot write {what} {path}: directory {d} is not writable ({e.strerror or e})") from None
     if st is not None and not os.access(real, os.W_OK):
         raise InputError(f"cannot write {what} {path}: the file is read-only")
+    limit = name_max(d)
+    if len(os.fsencode(real.name)) > limit:
+        raise InputError(f"cannot write {what} {path}: the file name is longer than the {limit} bytes the filesystem allows")
     try:
         vfs = os.statvfs(d)
     except OSError:
@@ -167,7 +246,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     parent = real.parent
     if not parent.is_dir():
         raise InputError(f"cannot write {path}: directory {parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(real.name, parent), suffix=_TEMP_SUFFIX, dir=parent)
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -188,6 +267,17 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 def check_output_dir(path: str | os.PathLike, what: str) -> None:
     """A directory to write into: an existing directory, or one that can be made."""
     p = Path(path)
+    try:
+        os.stat(p)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a name too long, a symbolic link loop, a file where a directory is needed
+        if e.errno != errno.ENOTDIR:
+            raise InputError(f"cannot write {what} {path}: {e.strerror or e}") from None
+    limit = name_max(next((q for q in p.absolute().parents if q.is_dir()), "/"))
+    for part in p.parts:
+        if len(os.fsencode(part)) > limit:
+            raise InputError(f"cannot write {what} {path}: a name in it is longer than the {limit} bytes the filesystem allows")
     if p.exists() and not p.is_dir():
         raise InputError(f"cannot write {what} {path}: it exists and is not a directory")
     d = p if p.exists() else next((q for q in p.absolute().parents if q.exists()), None)

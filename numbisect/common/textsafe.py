@@ -17,6 +17,9 @@ shows a report's string goes through here:
    backslash-escaped) or as an inline code span; with `table=True` a `|` cannot end the
    table cell.
 5. `clip(s, n)`: at most n characters, with the count of the rest.
+6. `path_text(p)`: a path (str, bytes or PathLike) as printed anywhere (summary lines,
+   progress, errors, the TUI): `printable` on its text, so a name holding ESC, BEL or a
+   newline prints escaped on one line. Every path printed goes through it.
 
 No torch, no textual: `bisect report ...` imports this.
 """
@@ -24,6 +27,7 @@ No torch, no textual: `bisect report ...` imports this.
 from __future__ import annotations
 
 import json
+import os
 import re
 
 # C0 (incl. \n \t), DEL, C1, line/paragraph separators, bidi embeddings/overrides/isolates
@@ -92,6 +96,16 @@ def _printable_walk(obj):
     if isinstance(obj, tuple):
         return tuple(_printable_walk(v) for v in obj)
     return obj
+
+
+def path_text(p) -> str:
+    """A path as printed: one line, every control or unsafe character escaped."""
+
+    try:
+        s = os.fsdecode(p)
+    except TypeError:
+        s = str(p)
+    return printable(s)
 
 
 def clip(s, n: int = 200) -> str:

@@ -21,6 +21,12 @@ is `processed` when that error is at most a fifth of the raw one and the raw one
 `RAW_TOL`. Values above 0 are not log-probs: the trace reader refuses them, naming
 logits (numbisect.model.trace).
 
+The verdict is `unknown` (with `unknown_reason` and why in `advice`) when the recorded
+values cannot be log-probs of the model: all 0 or denormal (what an engine that records
+nothing writes), all one value (a placeholder such as -1000), or mostly below the least
+log-prob any candidate processing could give the token (outside the model's support).
+A model that really is that sure of every token (raw error under `RAW_TOL`) stays `raw`.
+
 Only the first `MAX_POSITIONS` completion positions are read. Per position the
 `TOP_N` most likely tokens are kept exactly and the rest as a `TAIL_BINS`-bin histogram
 of their log-probs (what the sums over the vocabulary at another temperature need).
@@ -42,6 +48,8 @@ TOP_N = 2048
 TAIL_BINS = 64
 RAW_TOL = 1e-3  # mean |rollout - reference| log-prob below this: raw, whatever fits better
 PENALTY = 10.0  # error counted for a position a candidate could not have sampled (and cap of any error)
+TINY = 1.1754943508222875e-38  # float32's least normal number: a recorded |value| under it is 0 or denormal
+SUPPORT_SLACK = 1.0  # nats under the least processed log-prob a candidate can give a token before it is "outside"
 
 
 class ContractFit:
@@ -56,6 +64,9 @@ class ContractFit:
         self.n = 0
         self.finite = 0
         self.samples = 0
+        self.values: set[float] = set()  # distinct recorded values (up to a few: "constant" needs only two)
+        self.small = 0  # positions whose recorded |value| is 0 or denormal
+        self.outside = 0  # positions recorded below what any candidate processing could give
 
     def add(self, sample, full_logprobs: torch.Tensor) -> None:
         """One sample: `full_logprobs` [T-1, V] is the reference's (row t-1 predicts token t)."""
@@ -74,8 +85,22 @@ class ContractFit:
             row = full_logprobs[P + j - 1].double()
             if not torch.isfinite(row).all():
                 continue
-            self._position(row, int(ids[P + j]), float(lp))
+            lp = float(lp)
+            self._position(row, int(ids[P + j]), lp)
+            self._plausible(row, int(ids[P + j]), lp)
             self.n += 1
+
+    def _plausible(self, row: torch.Tensor, tok: int, lp: float) -> None:
+        """What says the recorded value may not be a log-prob at all (see `result`)."""
+        if len(self.values) < 2:
+            self.values.add(lp)
+        if abs(lp) < TINY:
+            self.small += 1
+        # the least processed log-prob of the token: at the lowest temperature, nothing cut
+        # (z_tok/T - logsumexp(z/T) >= (z_tok - z_max)/T - log V)
+        least = (float(row[tok]) - float(row.max())) / TEMPERATURES[0] - math.log(row.numel())
+        if lp < least - SUPPORT_SLACK:
+            self.outside += 1
 
     def _position(self, row: torch.Tensor, tok: int, lp: float) -> None:
         V = row.numel()
@@ -120,7 +145,7 @@ class ContractFit:
             return None
         out = {"positions": self.n}
         if self.n == 0:
-            out.update(verdict="unknown", advice="no completion position with a finite reference row")
+            out.update(verdict="unknown", unknown_reason="no_positions", advice="no completion position with a finite reference row")
             return out
         mean = self.err / self.n
         i1 = TEMPERATURES.index(1.0)
@@ -133,6 +158,10 @@ class ContractFit:
                    fitted={"temperature": T, "top_p": p, "top_k": k,
                            "kept_mass": float(self.kept_mass[ti, pi, ki] / self.n),
                            "inconsistent": int(self.bad[ti, pi, ki])})
+        why = self._not_logprobs(raw)
+        if why is not None:
+            out.update(verdict="unknown", unknown_reason=why[0], advice=why[1])
+            return out
         processed = raw > RAW_TOL and fit <= raw / 5 and (T, p, k) != (1.0, 1.0, 0)
         if processed:
             parts = [f"temperature {T:g}"] + ([f"top-p {p:g}"] if p < 1 else []) + ([f"top-k {k}"] if k else [])
@@ -143,3 +172,23 @@ class ContractFit:
         else:
             out.update(verdict="raw", advice=None)
         return out
+
+    def _not_logprobs(self, raw: float) -> tuple[str, str] | None:
+        """(reason, why) when the recorded values cannot be the model's log-probs; None otherwise.
+
+        Only when they are also far from the reference's (raw error above RAW_TOL): a model
+        that gives every sampled token probability 1 records zeros and is raw."""
+        if raw <= RAW_TOL:
+            return None
+        tail = ("; they cannot be the model's log-probs, so whether they are raw or processed "
+                "is unknown: check what the engine records (vLLM: logprobs=0 with logprobs_mode='raw_logprobs')")
+        if self.small == self.n:
+            return "all_zero", f"every recorded log-prob of the {self.n} completion tokens is 0 or denormal " \
+                               f"(what an engine that records nothing writes){tail}"
+        if self.n >= 2 and len(self.values) == 1:
+            v = next(iter(self.values))
+            return "constant", f"every recorded log-prob of the {self.n} completion tokens is the same value ({v:.6g}){tail}"
+        if 2 * self.outside > self.n:
+            return "outside_support", f"{self.outside} of {self.n} recorded log-probs are below the least log-prob any " \
+                                      f"temperature, top-p or top-k could give their token{tail}"
+        return None

@@ -36,6 +36,18 @@ def _dict(x) -> dict:
     return x if isinstance(x, dict) else {}
 
 
+def typed_trials(trials) -> list[dict]:
+    """Trials as renderers read them: objects only, `swapped` a list of strings (a copy of a
+    trial where it was not one), so no reader meets a number where it iterates names."""
+    out = []
+    for t in _dicts(trials):
+        sw = t.get("swapped")
+        if not (isinstance(sw, list) and all(isinstance(x, str) for x in sw)):
+            t = {**t, "swapped": [str(x) for x in sw] if isinstance(sw, list) else []}
+        out.append(t)
+    return out
+
+
 def _dicts(x) -> list[dict]:
     return [e for e in x if isinstance(e, dict)] if isinstance(x, list) else []
 
@@ -249,8 +261,9 @@ class ReportView:
         return _dict(self.search).get("contributions") or {}
 
     @property
-    def trials(self) -> list:
-        return self.r.get("trials") or []
+    def trials(self) -> list[dict]:
+        """The search's trials (objects), each with `swapped` a list of strings."""
+        return typed_trials(self.r.get("trials"))
 
     def trial_groups(self, t: dict) -> dict[str, dict]:
         """A trial's per-group metrics (entries that are objects)."""

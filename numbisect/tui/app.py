@@ -42,7 +42,9 @@ from textual.worker import get_current_worker
 
 from numbisect.common.errors import InputError, NumbisectError
 from numbisect.common.formatting import fmt
-from numbisect.common.textsafe import clip, printable, printable_tree
+from numbisect.common.jsonsafe import sanitize
+from numbisect.common.safeio import check_not_an_input
+from numbisect.common.textsafe import clip, path_text, printable, printable_tree
 from numbisect.report.document import load_report, write_json_atomic
 from numbisect.report.view import view as report_view
 from numbisect.tui import model as M
@@ -245,11 +247,11 @@ class BisectApp(App[int]):
         lines = [
             f"live run: {' '.join(cfg.argv) or 'bisect run'}",
             "",
-            f"reference  {sp.ref} ({sp.ref_dtype})",
-            f"engine     {sp.engine} ({sp.engine_dtype})",
-            f"trace      {sp.trace}",
+            f"reference  {path_text(sp.ref)} ({sp.ref_dtype})",
+            f"engine     {path_text(sp.engine)} ({sp.engine_dtype})",
+            f"trace      {path_text(sp.trace)}",
             f"faults     {', '.join(sp.faults) or 'none planted'}",
-            *([f"settings   {sp.engine_config_path or 'your engine settings'} (--engine-config: the token comparison in "
+            *([f"settings   {path_text(sp.engine_config_path or 'your engine settings')} (--engine-config: the token comparison in "
                "yours, the search in the hookable ones)"] if sp.engine_config is not None else []),
             f"judged on  {M.metric_words(st.metric)} of {st.group} tokens, threshold {fmt(st.threshold)}",
             f"search     {cfg.strategy}" + (f", at most {cfg.max_trials} trials" if cfg.max_trials else ""),
@@ -368,16 +370,38 @@ class BisectApp(App[int]):
     def _export_to(self, path: str | None) -> None:
         if not path:
             return
-        try:
-            write_json_atomic(path, self.source)
+        try:  # NaN / Infinity literals (a schema-valid report may hold them) as the schema's "nan" / "inf"
+            self._check_export(path)
+            write_json_atomic(path, sanitize(self.source))
         except NumbisectError as e:
             self.push_screen(ErrorScreen("cannot export", e.message))
             return
         except OSError as e:
-            self.push_screen(ErrorScreen("cannot export", f"cannot write {path}: {e.strerror or e}"))
+            self.push_screen(ErrorScreen("cannot export", f"cannot write {path_text(path)}: {e.strerror or e}"))
             return
-        self.set_status(f"report written to {path}")
-        self.notify(printable(f"report written to {path}"), markup=False)
+        except (ValueError, TypeError, RecursionError) as e:  # not JSON data: said, never the app's end
+            self.push_screen(ErrorScreen("cannot export", f"cannot write {path_text(path)}: {type(e).__name__}: {e}"))
+            return
+        self.set_status(f"report written to {path_text(path)}")
+        self.notify(f"report written to {path_text(path)}", markup=False)
+
+    def _check_export(self, path: str) -> None:
+        """An export never overwrites an input, links followed: the trace or a file of either
+        model's directory (the live run's, or those the report names)."""
+
+        def d(x) -> dict:
+            return x if isinstance(x, dict) else {}
+
+        if self.live is not None:
+            sp = self.live.spec
+            trace = sp.trace
+            dirs = {f"--{side}": ("model", spec.partition(":")[2]) for side, spec in (("ref", sp.ref), ("engine", sp.engine))}
+        else:
+            ins = d(self.source.get("inputs")) if isinstance(self.source, dict) else {}
+            trace = d(ins.get("trace")).get("path")
+            dirs = {f"--{side}": ("model", d(ins.get(side)).get("path")) for side in ("ref", "engine")}
+        check_not_an_input(path, "export", {"--trace": trace if isinstance(trace, str) else None},
+                           {k: v for k, v in dirs.items() if isinstance(v[1], str) and v[1]})
 
     def action_open(self) -> None:
         if self.busy:
@@ -407,7 +431,7 @@ class BisectApp(App[int]):
         self._set_titles()
         self.refresh_all()
         self.refresh_bindings()
-        self.set_status(f"opened {path} (read-only)")
+        self.set_status(f"opened {path_text(path)} (read-only)")
 
     # live: search and swaps
     def action_run_search(self) -> None:
@@ -433,7 +457,7 @@ class BisectApp(App[int]):
             return None
         if not whole_kind:
             return [name], name
-        from numbisect.patching.swap import (
+        from numbisect.patching.swap import (  # lazy: keeps torch out of importing numbisect.tui.app
             units_of_kinds,  # lazy: keeps torch out of importing numbisect.tui.app
         )
 

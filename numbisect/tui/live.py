@@ -51,7 +51,7 @@ def run_argv(argv: list[str]) -> list[str]:
 
 
 def open_session(cfg: LiveConfig, progress: Callable[[str], None]):
-    from numbisect.session.session import (
+    from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.tui.live
         Session,  # lazy: keeps torch out of importing numbisect.tui.live
     )
 
@@ -60,7 +60,7 @@ def open_session(cfg: LiveConfig, progress: Callable[[str], None]):
 
 def report_of(session, cfg: LiveConfig, body: dict) -> dict:
     """The report `bisect run` writes for this body."""
-    from numbisect.commands.provenance import (
+    from numbisect.commands.provenance import (  # lazy: keeps torch out of importing numbisect.tui.live
         new_report,  # lazy: keeps torch out of importing numbisect.tui.live
     )
 
@@ -69,7 +69,7 @@ def report_of(session, cfg: LiveConfig, body: dict) -> dict:
 
 def run_search(session, cfg: LiveConfig, progress, on_trial, on_baseline=None) -> tuple[dict, int]:
     """Compare, self-check and search; returns (report, exit code) as `bisect run` would."""
-    from numbisect.commands.run import (
+    from numbisect.commands.run import (  # lazy: keeps torch out of importing numbisect.tui.live
         run,  # lazy: keeps torch out of importing numbisect.tui.live
     )
 
@@ -112,10 +112,10 @@ def swap_trial(session, names: list[str], label: str, before: float | None) -> d
 
 def check_live(cfg: LiveConfig) -> None:
     """Cheap checks before the app starts, so bad input is a one-line CLI error."""
-    from numbisect.model.rlformats import (
+    from numbisect.model.rlformats import (  # lazy: keeps torch out of importing numbisect.tui.live
         load_any,  # lazy: keeps torch out of importing numbisect.tui.live
     )
-    from numbisect.patching.faults import (
+    from numbisect.patching.faults import (  # lazy: keeps torch out of importing numbisect.tui.live
         parse_fault,  # lazy: keeps torch out of importing numbisect.tui.live
     )
     from numbisect.pipeline.measure import (  # lazy: keeps torch out of importing numbisect.tui.live
@@ -127,14 +127,14 @@ def check_live(cfg: LiveConfig) -> None:
     kind, _ = parse_spec(cfg.spec.engine, "--engine")
     if kind == "rollout":
         raise InputError("bisect tui runs trials: --engine must be hf:DIR or vllm:DIR (not rollout)")
-    from numbisect.pipeline import (
+    from numbisect.pipeline import (  # lazy: keeps torch out of importing numbisect.tui.live
         decode as D,  # lazy: keeps torch out of importing numbisect.tui.live
     )
 
     D.check_mode(kind, cfg.spec.engine_mode)
     D.check_tp(cfg.spec.engine_mode, {**(cfg.spec.engine_opts or {}), **(cfg.spec.engine_config or {})})  # the settings' degree too
     if cfg.spec.engine_config is not None:  # the file was read and checked where parsed; here what it asks of the engine
-        from numbisect.session.userengine import (
+        from numbisect.session.userengine import (  # lazy: keeps torch out of importing numbisect.tui.live
             UserEngine,  # lazy: keeps torch out of importing numbisect.tui.live
         )
 
@@ -145,7 +145,7 @@ def check_live(cfg: LiveConfig) -> None:
         parse_fault(f)
     trace = load_any(cfg.spec.trace, cfg.spec.trace_format, cfg.spec.trace_fields)
     D.check_trace(trace, cfg.spec.engine_mode)
-    from numbisect.backends.base import (
+    from numbisect.backends.base import (  # lazy: keeps torch out of importing numbisect.tui.live
         load_config,  # lazy: keeps torch out of importing numbisect.tui.live
     )
     from numbisect.model.groups import (  # lazy: keeps torch out of importing numbisect.tui.live

@@ -38,11 +38,9 @@ from numbisect.common.formatting import fmt, num, pct
 from numbisect.common.safeio import read_bytes
 from numbisect.common.textsafe import printable
 from numbisect.model.units import Unit, children, unit_graph
-from numbisect.report.sections.conditions import (
-    engine_config_finding as engine_config_finding_of,
-)
+from numbisect.report.sections.conditions import engine_config_finding as engine_config_finding_of
 from numbisect.report.sections.conditions import localisations_of
-from numbisect.report.view import ReportView, view
+from numbisect.report.view import ReportView, typed_trials, view
 
 METRIC_WORDS = {"k3-mean": "mean k3", "k3-p99": "p99 k3", "kl-mean": "mean KL"}
 
@@ -397,7 +395,7 @@ def report_trials(r: dict | ReportView) -> list[dict]:
     cond = conditions_of(rv)
     if cond is None:
         return list(rv.trials)
-    return [t for t in cond.get("trials") or [] if isinstance(t, dict)] if isinstance(cond.get("trials"), list) else []
+    return typed_trials(cond.get("trials"))
 
 
 def section(cond: dict, key: str) -> dict:

@@ -26,7 +26,7 @@ from numbisect.backends.vllm.runner import (  # noqa: F401  (the package's API)
 def open_vllm(path: str, dtype: str, opts: dict):
     """The registry's loader (numbisect.backends.BACKENDS["vllm"]): tensor parallel when asked."""
     if opts.get("tensor_parallel_size", 1) > 1:  # the model lives in worker processes
-        from numbisect.backends.vllm.tp import (
+        from numbisect.backends.vllm.tp import (  # lazy: import cycle (numbisect.backends.vllm.tp imports numbisect.backends.vllm at load)
             VLLMTPBackend,  # lazy: import cycle (numbisect.backends.vllm.tp imports numbisect.backends.vllm at load)
         )
 

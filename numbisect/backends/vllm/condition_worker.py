@@ -55,7 +55,7 @@ from numbisect.model.units import local_feed_names
 
 def _samples(job: dict) -> list:
     """The job's samples as `trace.Sample`s (ids split at each prompt length)."""
-    from numbisect.model.trace import (
+    from numbisect.model.trace import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
         Sample,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
     )
 
@@ -96,7 +96,7 @@ def logprobs_job(job: dict) -> dict:
     kw.setdefault("seed", 0)
     kw["logprobs_mode"] = settings.get("logprobs_mode", "raw_logprobs")
     if decode:  # the forcing logits processor; requests that do not ask for it are untouched
-        from numbisect.backends.vllm.force import (
+        from numbisect.backends.vllm.force import (  # lazy: keeps torch, vllm out of importing numbisect.backends.vllm.condition_worker
             ForceTokens,  # lazy: keeps torch, vllm out of importing numbisect.backends.vllm.condition_worker
         )
 
@@ -172,14 +172,14 @@ def _forced_decode(llm, vllm, samples: list, batch, full: bool, vocab: int) -> d
 def capture_job(job: dict, out_path: str) -> None:
     import torch
 
-    from numbisect.backends.vllm.runner import (
+    from numbisect.backends.vllm.runner import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
         VLLMBackend,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
     )
 
     keep = ("compilation_config", "max_model_len", "seed", *LOCALISABLE)
     opts = {k: v for k, v in llm_kwargs(job["settings"]).items() if k in keep}
     if job.get("tree"):  # model_impl="transformers": the units read by their transformers names
-        from numbisect.backends.vllm.treecapture import (
+        from numbisect.backends.vllm.treecapture import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
             capture_tree,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
         )
 
@@ -189,7 +189,7 @@ def capture_job(job: dict, out_path: str) -> None:
     samples = _samples(job)
     names = [u.name for u in eng.units]
     if job.get("compile"):
-        from numbisect.backends.vllm.unitcompile import (
+        from numbisect.backends.vllm.unitcompile import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
             eager_and_compiled,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
         )
 

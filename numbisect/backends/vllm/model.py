@@ -174,7 +174,7 @@ class VLLMModel(Backend):
         moe.install_probe(self, probe, ledger)
 
     def install_state_probe(self, probe, ledger: Ledger) -> None:
-        from numbisect.backends.vllm import (
+        from numbisect.backends.vllm import (  # lazy: import cycle (numbisect.backends.vllm imports numbisect.backends.vllm.model at load)
             recurrent,  # lazy: import cycle (numbisect.backends.vllm imports numbisect.backends.vllm.model at load)
         )
 

@@ -132,7 +132,7 @@ class VLLMBackend(VLLMModel):
             **engine_opts,
         }
         self.options = dict(opts)
-        from numbisect.backends.vllm.force import (
+        from numbisect.backends.vllm.force import (  # lazy: import cycle (numbisect.backends.vllm imports numbisect.backends.vllm.runner at load)
             ForceTokens,  # lazy: import cycle (numbisect.backends.vllm imports numbisect.backends.vllm.runner at load)
         )
 
@@ -326,7 +326,7 @@ def forced_decode_params(params, sample, full: bool = False):
     completion token (see steps.py). `full`: every position's log-probs over the whole
     vocabulary (the engine needs max_logprobs=-1). Also the user's engine's decode run
     (`condition_worker`, job "decode")."""
-    from numbisect.backends.vllm.force import (
+    from numbisect.backends.vllm.force import (  # lazy: import cycle (numbisect.backends.vllm imports numbisect.backends.vllm.runner at load)
         FORCE_KEY,  # vLLM is imported by now  # lazy: import cycle (numbisect.backends.vllm imports numbisect.backends.vllm.runner at load)
     )
 

@@ -17,27 +17,27 @@ def conditions_lines(cond) -> list[str]:
     if not isinstance(cond, dict):
         return []
     out = ["engine conditions: your settings against the known-good configuration"]
-    s = cond.get("search") or {}
+    s = _d(cond.get("search"))
     out.append(f"  search: {s.get('verdict')} after {s.get('trials_used')} trials: {s.get('stop_reason')}")
-    vr = cond.get("vs_reference") or {}
+    vr = _d(cond.get("vs_reference"))  # every field read is type-checked: a report is anyone's file
     for side in ("user", "good"):
-        r = vr.get(side) or {}
-        rl = r.get("rl_cost") or {}
-        k3 = ((r.get("groups") or {}).get("completion") or {}).get("k3_mean")
+        r = _d(vr.get(side))
+        rl = _d(r.get("rl_cost"))
+        k3 = _d(_d(r.get("groups")).get("completion")).get("k3_mean")
         out.append(f"  {side:<4} vs reference: completion k3 mean {fmt(k3)}, sequences rejected {_pct(rl.get('seq_frac_rejected'))}"
                    f" (TIS {_pct(rl.get('seq_frac_tis'))}, IcePop {_pct(rl.get('seq_frac_icepop'))}, geo-mean {_pct(rl.get('seq_frac_geo'))},"
                    f" seq k3 {_pct(rl.get('seq_frac_k3'))})")
-    for a in cond.get("atoms") or []:
+    for a in _l(cond.get("atoms")):
         if not isinstance(a, dict):
             continue
         tag = ("CULPRIT" if a.get("culprit") else "bitwise invariant here" if a.get("bitwise_invariant")
                else "not measured" if a.get("alone") is None else "changes log-probs")
-        ref = (a.get("vs_reference") or {}).get("rl_cost") or {}
+        ref = _d(_d(a.get("vs_reference")).get("rl_cost"))
         out.append(f"  {str(a.get('atom')):<28} alone: k3 {fmt(a.get('alone'))}, {tag}; {a.get('description')}"
                    + (f"; vs reference: sequences rejected {_pct(ref.get('seq_frac_rejected'))}" if ref else ""))
     for loc in localisations_of(cond):
         if loc.get("done"):
-            out.append(f"  under {loc.get('atom')}: units {localised_what(loc)}: {', '.join(map(str, loc.get('named') or [])) or 'none'}")
+            out.append(f"  under {loc.get('atom')}: units {localised_what(loc)}: {', '.join(map(str, _l(loc.get('named')))) or 'none'}")
             chain = chained_line(loc.get("units_chained"))
             if chain:
                 out.append(f"  {chain}")
@@ -86,6 +86,10 @@ def localised_what(loc: dict) -> str:
 
 def _d(x) -> dict:
     return x if isinstance(x, dict) else {}
+
+
+def _l(x) -> list:
+    return x if isinstance(x, list) else []
 
 
 def engine_config_finding(ec, aligned: bool, value, threshold) -> tuple[str, str]:

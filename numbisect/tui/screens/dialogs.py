@@ -9,6 +9,8 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Static
 
+from numbisect.common.textsafe import printable_text
+
 
 class PathScreen(ModalScreen[str | None]):
     """Ask for a file path; dismisses with the path, or None when cancelled."""
@@ -58,7 +60,7 @@ class ErrorScreen(ModalScreen[None]):
     def __init__(self, title: str, message: str) -> None:
         super().__init__()
         self._title = title
-        self.message = message
+        self.message = printable_text(message)  # an error may name a path holding escapes
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog error", id="error-box"):
