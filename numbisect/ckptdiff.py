@@ -23,6 +23,10 @@ reads both checkpoints and says, per unit, what differs:
 4. Config fields that change numerics (`NUMERIC_FIELDS`, top level and `text_config`;
    a dict-valued one such as `rope_parameters` key by key) are compared; each
    difference names the unit kinds that read it (`rope_parameters.rope_theta`: attn).
+5. A sharded checkpoint is read as the loader reads it: its `model.safetensors.index.json`
+   first, each tensor from the shard it names. Where the index and the files disagree (a
+   tensor the index names in a shard that lacks it, a copy in another shard, a tensor no
+   index entry names) the result's `index` says so, one note each.
 
 The result is a plain dict (the report's `inputs.checkpoint_diff`; numbisect.render
 prints it). The search still confirms a unit by swapping it.
@@ -51,6 +55,7 @@ NUMERIC_FIELDS = {
     "decoder_sparse_step": ("moe", "mlp"), "mlp_only_layers": ("moe", "mlp"),
 }
 DIGEST_BYTES = 16
+MAX_NOTES = 50  # index disagreements kept in a report
 
 
 def _header(path: Path) -> tuple[dict, int]:
@@ -62,17 +67,66 @@ def _header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+INDEX_LIMIT = 64 * 2**20  # an index holds one line per tensor: far above any real one
+
+
+def _index(path: Path) -> dict[str, str] | None:
+    """A sharded checkpoint's index (`model.safetensors.index.json`): tensor name -> the
+    shard file the loader reads it from; None when there is none, or when a single
+    `model.safetensors` is there (transformers then loads that file alone)."""
+    from numbisect.errors import InputError
+    from numbisect.safeio import read_input
+
+    f = path / INDEX
+    if not f.exists() or (path / SINGLE).exists():
+        return None
+    obj = read_input(f, "checkpoint index", limit=INDEX_LIMIT)
+    wm = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise InputError(f"checkpoint index {f}: no weight_map of tensor name -> shard file")
+    for shard in set(wm.values()):
+        if Path(shard).name != shard or not shard.endswith(".safetensors"):
+            raise InputError(f"checkpoint index {f}: shard {shard!r} is not a .safetensors file of the directory")
+    return wm
+
+
 class _Checkpoint:
-    """The tensors of one checkpoint directory, by (renamed) name, read lazily."""
+    """The tensors of one checkpoint directory, by (renamed) name, read lazily, as the
+    loader reads them: with a `model.safetensors.index.json`, each tensor from the shard
+    the index names (a copy in another file is not read); otherwise every `*.safetensors`
+    file in name order. `notes`: where the index and the files disagree, one line each."""
 
     def __init__(self, path: str, renames: dict[str, str]):
         self.path = path
         # renamed name -> (file, data start, header entry, the file's own name)
         self.tensors: dict[str, tuple[Path, int, dict, str]] = {}
-        for f in sorted(Path(path).glob("*.safetensors")):
-            header, start = _header(f)
-            for key, meta in header.items():
-                self.tensors[apply_renames(key, renames)] = (f, start, meta, key)
+        self.notes: list[str] = []
+        files = sorted(Path(path).glob("*.safetensors"))
+        index = _index(Path(path))
+        headers = {f.name: _header(f) for f in files}
+        if index is None:
+            for f in files:
+                header, start = headers[f.name]
+                for key, meta in header.items():
+                    self.tensors[apply_renames(key, renames)] = (f, start, meta, key)
+        else:
+            for key, shard in index.items():
+                if shard not in headers:
+                    self.notes.append(f"{INDEX} names shard {shard} for {key}, and there is no such file")
+                    continue
+                header, start = headers[shard]
+                if key not in header:
+                    self.notes.append(f"{INDEX} names shard {shard} for {key}, which does not hold it")
+                    continue
+                self.tensors[apply_renames(key, renames)] = (Path(path) / shard, start, header[key], key)
+            for f in files:
+                for key in headers[f.name][0]:
+                    if key not in index:
+                        self.notes.append(f"{f.name} holds {key}, which {INDEX} does not name (not loaded)")
+                    elif index[key] != f.name:
+                        self.notes.append(f"{f.name} also holds {key}; {INDEX} names {index[key]} (the one loaded)")
         self._digests: dict[str, str] = {}
 
     def meta(self, name: str) -> dict:
@@ -286,8 +340,14 @@ def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict,
     order = {u.name: u.order for u in arch.units(config)}
     units = dict(sorted(units.items(), key=lambda kv: order.get(kv[0], 1 << 30)))
     cfg = diff_configs(ref_cfg, eng_cfg)
-    return {"same_path": False, "identical": not units and not unmapped and not cfg, "tensors": len(names),
-            "units": units, "unmapped": unmapped, "config": cfg}
+    out = {"same_path": False, "identical": not units and not unmapped and not cfg, "tensors": len(names),
+           "units": units, "unmapped": unmapped, "config": cfg}
+    index = [{"checkpoint": side, "note": n} for side, ck in (("ref", ref_ck), ("engine", eng_ck)) for n in ck.notes]
+    if index:  # the diff read what the loader reads; these copies it does not
+        out["index"] = index[:MAX_NOTES]
+        if len(index) > MAX_NOTES:
+            out["index"].append({"checkpoint": "", "note": f"(+{len(index) - MAX_NOTES} more)"})
+    return out
 
 
 def apply_renames(key: str, renames: dict[str, str]) -> str:

@@ -66,7 +66,7 @@ class CondSession:
     def __init__(self, spec: CondSpec, settings: C.Settings, user: dict, good: dict):
         from numbisect.backends.base import load_config
         from numbisect.rlformats import load_any
-        from numbisect.trace import check_vocab
+        from numbisect.trace import check_vocab, samples_digest
 
         self.spec, self.settings, self.user, self.good = spec, settings, user, good
         ref_kind, self.ref_path = C.parse_spec(spec.ref, "--ref")
@@ -86,7 +86,7 @@ class CondSession:
         if settings.group not in self.groups + ["all"]:
             raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(self.groups)}")
         self.digests = {"ref": C.checkpoint_digest(self.ref_path), "trace": self.trace.sha256,
-                        "engine": C.checkpoint_digest(self.eng_path)}
+                        "engine": C.checkpoint_digest(self.eng_path), "samples": samples_digest(self.samples)}
 
     def job(self, settings: dict, **more) -> dict:
         return {"job": "logprobs", "model": self.eng_path, "dtype": self.spec.engine_dtype, "settings": settings,
