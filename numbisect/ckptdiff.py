@@ -24,9 +24,10 @@ reads both checkpoints and says, per unit, what differs:
    a dict-valued one such as `rope_parameters` key by key) are compared; each
    difference names the unit kinds that read it (`rope_parameters.rope_theta`: attn).
 5. A sharded checkpoint is read as the loader reads it: its `model.safetensors.index.json`
-   first, each tensor from the shard it names. Where the index and the files disagree (a
-   tensor the index names in a shard that lacks it, a copy in another shard, a tensor no
-   index entry names) the result's `index` says so, one note each.
+   first, then the shards it names (a stray `*.safetensors` beside them is not read).
+   Where the index and the files disagree (a shard file it names is missing, a file it
+   does not name, a tensor read from another shard than the index says) the result's
+   `index` says so, one note each.
 
 The result is a plain dict (the report's `inputs.checkpoint_diff`; numbisect.render
 prints it). The search still confirms a unit by swapping it.
@@ -74,7 +75,7 @@ INDEX_LIMIT = 64 * 2**20  # an index holds one line per tensor: far above any re
 
 def _index(path: Path) -> dict[str, str] | None:
     """A sharded checkpoint's index (`model.safetensors.index.json`): tensor name -> the
-    shard file the loader reads it from; None when there is none, or when a single
+    shard file the index names; None when there is none, or when a single
     `model.safetensors` is there (transformers then loads that file alone)."""
     from numbisect.errors import InputError
     from numbisect.safeio import read_input
@@ -94,9 +95,11 @@ def _index(path: Path) -> dict[str, str] | None:
 
 class _Checkpoint:
     """The tensors of one checkpoint directory, by (renamed) name, read lazily, as the
-    loader reads them: with a `model.safetensors.index.json`, each tensor from the shard
-    the index names (a copy in another file is not read); otherwise every `*.safetensors`
-    file in name order. `notes`: where the index and the files disagree, one line each."""
+    loaders read them (transformers and vLLM alike, checked in their code): with a
+    `model.safetensors.index.json`, only the shard files the index names, every tensor
+    of each, in name order (a tensor two shards hold: the later shard's copy, which the
+    loader writes last); otherwise every `*.safetensors` file in name order. `notes`:
+    where the index and the files disagree, one line each."""
 
     def __init__(self, path: str, renames: dict[str, str]):
         self.path = path
@@ -105,28 +108,29 @@ class _Checkpoint:
         self.notes: list[str] = []
         files = sorted(Path(path).glob("*.safetensors"))
         index = _index(Path(path))
-        headers = {f.name: _header(f) for f in files}
-        if index is None:
+        if index is not None:
+            present = {f.name for f in files}
+            for shard in sorted(set(index.values()) - present):
+                self.notes.append(f"{INDEX} names shard {shard}, and there is no such file")
             for f in files:
-                header, start = headers[f.name]
-                for key, meta in header.items():
-                    self.tensors[apply_renames(key, renames)] = (f, start, meta, key)
-        else:
-            for key, shard in index.items():
-                if shard not in headers:
-                    self.notes.append(f"{INDEX} names shard {shard} for {key}, and there is no such file")
-                    continue
-                header, start = headers[shard]
-                if key not in header:
-                    self.notes.append(f"{INDEX} names shard {shard} for {key}, which does not hold it")
-                    continue
-                self.tensors[apply_renames(key, renames)] = (Path(path) / shard, start, header[key], key)
-            for f in files:
-                for key in headers[f.name][0]:
-                    if key not in index:
-                        self.notes.append(f"{f.name} holds {key}, which {INDEX} does not name (not loaded)")
-                    elif index[key] != f.name:
-                        self.notes.append(f"{f.name} also holds {key}; {INDEX} names {index[key]} (the one loaded)")
+                if f.name not in set(index.values()):
+                    self.notes.append(f"{f.name} is not named by {INDEX}: the loader does not read it")
+            files = [f for f in files if f.name in set(index.values())]
+        read_from: dict[str, str] = {}
+        for f in files:
+            header, start = _header(f)
+            for key, meta in header.items():
+                self.tensors[apply_renames(key, renames)] = (f, start, meta, key)
+                read_from[key] = f.name
+        for key, shard in (index or {}).items():
+            if key not in read_from:
+                self.notes.append(f"{INDEX} names shard {shard} for {key}, which no shard holds")
+            elif read_from[key] != shard:
+                self.notes.append(f"{INDEX} names shard {shard} for {key}, but the loader reads the copy in "
+                                  f"{read_from[key]} (later in name order)")
+        for key, shard in read_from.items():
+            if index is not None and key not in index:
+                self.notes.append(f"{shard} holds {key}, which {INDEX} does not name (the loader reads it)")
         self._digests: dict[str, str] = {}
 
     def meta(self, name: str) -> dict:
