@@ -50,12 +50,14 @@ def no_model_loads(monkeypatch):
     """A model load or a vLLM child fails the test: the refusals here come before both."""
     from numbisect.backends import hf
     from numbisect.backends.vllm import condition_worker
+    from numbisect.tui import live
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded (or a vLLM child started) before the input was checked")
 
     monkeypatch.setattr(hf.HFBackend, "__init__", refuse)
     monkeypatch.setattr(condition_worker, "run_child", refuse)
+    monkeypatch.setattr(live, "check_live", refuse)  # the TUI's live run would start its app (and wait for keys)
 
 
 # -- 1. a child Python imports nothing from the working directory -----------------------------
