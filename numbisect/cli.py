@@ -22,6 +22,7 @@ import click
 
 from numbisect import __version__
 from numbisect.backends import BACKENDS
+from numbisect.backends.options import parse_opts
 from numbisect.common.errors import ExitCode, InputError, NumbisectError
 from numbisect.common.jsonsafe import sanitize
 from numbisect.common.safeio import (
@@ -256,6 +257,7 @@ def _spec_settings(kw):
 
         spec.engine_config = E.merge(E.load_settings(kw["engine_config"]), spec.engine_opts)
         E.check_settings(spec.engine_config, "--engine-config/--engine-opt")
+        _check_with_vllm(spec.engine_config, kw["engine_config"], kw["engine_opt"], "--engine-config", kw["engine"])
         spec.engine_config_path = kw["engine_config"]
         spec.engine_opts = {}
     if spec.threads:
@@ -274,6 +276,23 @@ def _spec_settings(kw):
     if not isinstance(kw["threshold"], Floor):
         settings.threshold = kw["threshold"]
     return spec, settings
+
+
+def _check_with_vllm(settings: dict, path: str | None, opts, option: str, engine: str | None) -> None:
+    """Engine settings checked by the installed vLLM's own validation, before any model
+    loads (numbisect.backends.vllm.validate); the message names the file (or --engine-opt)."""
+    if not settings:
+        return
+    from numbisect.backends.vllm.validate import check_with_vllm  # lazy: keeps torch out of importing numbisect.cli
+
+    given = set(parse_opts(opts, "--engine-opt"))
+    file = f"{option} {printable(clip(path, 300))}" if path else option
+
+    def where(key: str) -> str:  # the option a key came from: --engine-opt wins over the file
+        return "--engine-opt" if key.split(".")[0] in given else file
+
+    kind, _, d = (engine or "").partition(":")
+    check_with_vllm(settings, where, d if kind == "vllm" and os.path.isdir(d) else None)
 
 
 def _refuse_dump(engine: str) -> None:
@@ -360,11 +379,19 @@ def _check_new_log(log: str, resume: str | None) -> None:
     from numbisect.commands.run import (  # lazy: keeps torch out of importing numbisect.cli
         holds_trials,
         log_in_use,
+        not_a_log,
+        not_a_log_error,
     )
 
-    with open(log, "rb") as fh:
-        if holds_trials(fh.read()):
-            raise log_in_use(log, resume)
+    try:
+        with open(log, "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return  # check_output said what it could; opening it will say the rest
+    if not_a_log(data):
+        raise not_a_log_error(log)
+    if holds_trials(data):
+        raise log_in_use(log, resume)
 
 
 def _check_replay_indexer(kw, spec) -> None:
@@ -511,6 +538,9 @@ def conditions(**kw):
     user = E.merge(user, parse_opts(kw["engine_opt"], "--engine-opt"))
     E.check_settings(user, "--engine-config/--engine-opt")
     good = E.load_settings(kw["good_config"], "--good-config") if kw["good_config"] else dict(E.GOOD)
+    _check_with_vllm(user, kw["engine_config"], kw["engine_opt"], "--engine-config", kw["engine"])
+    if kw["good_config"]:
+        _check_with_vllm(good, kw["good_config"], (), "--good-config", kw["engine"])
     settings = Settings(threshold=kw["threshold"], group=kw["group"])
     spec = CondSpec(ref=kw["ref"], engine=kw["engine"], trace=kw["trace"], ref_dtype=kw["ref_dtype"],
                     engine_dtype=kw["engine_dtype"], ref_opts=parse_opts(kw["ref_opt"], "--ref-opt"),

@@ -42,7 +42,7 @@ from numbisect.common.formatting import fmt
 from numbisect.model import engine_config as E
 from numbisect.model.arch import arch_for
 from numbisect.model.rlformats import load_any
-from numbisect.model.trace import check_vocab
+from numbisect.model.trace import check_vocab, samples_digest
 from numbisect.model.units import INNER_KINDS
 from numbisect.pipeline import measure as C
 from numbisect.pipeline import metrics as M
@@ -88,7 +88,7 @@ class CondSession:
         if settings.group not in self.groups + ["all"]:
             raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(self.groups)}")
         self.digests = {"ref": C.checkpoint_digest(self.ref_path), "trace": self.trace.sha256,
-                        "engine": C.checkpoint_digest(self.eng_path)}
+                        "engine": C.checkpoint_digest(self.eng_path), "samples": samples_digest(self.samples)}
 
     def job(self, settings: dict, **more) -> dict:
         return {"job": "logprobs", "model": self.eng_path, "dtype": self.spec.engine_dtype, "settings": settings,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from numbisect.common.errors import BackendError, ExitCode, InputError
 from numbisect.common.formatting import fmt
 from numbisect.common.safeio import check_input, loads_json, read_bytes, same_file
+from numbisect.common.textsafe import printable
 from numbisect.model.units import unit_graph
 from numbisect.patching.swap import units_of_kinds
 from numbisect.pipeline import decode as D
@@ -75,6 +76,11 @@ def _check_header(path: str, header, session) -> None:
     want = log_header(session)
     for key in ("digests", "dtypes", "engine", "faults", "settings", "engine_mode"):
         if header.get(key, "prefill" if key == "engine_mode" else None) != want[key]:
+            then = header.get(key)
+            if key == "digests" and isinstance(then, dict) and {k: v for k, v in then.items() if k != "samples"} == {
+                    k: v for k, v in want[key].items() if k != "samples"}:
+                raise InputError(f"{path}: resume log was made on other samples of the same trace (--trace-fields or "
+                                 "--trace-format select others); start a new run instead")
             raise InputError(f"{path}: resume log was made on other inputs ({key} differ); start a new run instead")
     then = header.get("conditions")
     diff = differences(then if isinstance(then, dict) else {}, want["conditions"])
@@ -158,6 +164,23 @@ def holds_trials(data: bytes) -> bool:
     return bool(data.partition(b"\n")[2].strip())
 
 
+def not_a_log(data: bytes) -> bool:
+    """Whether a file's bytes are neither empty nor a numbisect trial log (a first line
+    that is a trial log header): such a file is never truncated by --log."""
+    if not data.strip():
+        return False
+    try:
+        header = json.loads(data.partition(b"\n")[0])
+    except (ValueError, RecursionError):
+        return True
+    return not (isinstance(header, dict) and "numbisect_trial_log" in header)
+
+
+def not_a_log_error(path: str) -> InputError:
+    return InputError(f"--log {printable(path)} exists and is not a numbisect trial log; it is never overwritten "
+                      "(choose another path)")
+
+
 def log_in_use(path: str, resume: str | None) -> InputError:
     """The refusal of a --log that already holds trials: it is never overwritten."""
     hint = f"continue it with --resume {path}" if not resume else "give a new --log, or the --resume log itself"
@@ -200,7 +223,10 @@ class TrialLog:
                     self._write_raw(b"\n")
             else:
                 size = os.fstat(fd).st_size
-                if size and holds_trials(os.pread(fd, size, 0)):  # checked again here, under the lock
+                data = os.pread(fd, size, 0) if size else b""
+                if not_a_log(data):  # checked again here, under the lock: only a log is ever rewritten
+                    raise not_a_log_error(self.path)
+                if holds_trials(data):
                     raise log_in_use(self.path, resume)
                 os.ftruncate(fd, 0)  # empty, or a header alone (a run that ended before its first trial)
                 self._fd = fd

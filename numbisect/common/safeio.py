@@ -12,7 +12,14 @@ Every file numbisect reads or writes on the user's behalf goes through here:
    (links followed) is no input of the run. `check_not_an_input(path, what, files, dirs)`
    also refuses an output that resolves (links followed) to a file inside an input
    directory (a checkpoint, a dump).
-5. `write_text_atomic` replaces a regular file (or creates one) through a temporary file
+5. `read_input(path, option, fmt)` is the one way in for a structured file (a report, an
+   engine or good configuration, a floor, a trial log's header, a checkpoint's
+   config.json or index): a regular file (1), at most `limit` bytes (2), UTF-8 (a BOM is
+   dropped; UTF-16 and other bytes refused), JSON or TOML parsed with nesting at most
+   `max_depth` levels (`MAX_DEPTH`, what the report tools read), NaN and Infinity
+   literals refused unless `nan=True`. Every refusal is one InputError of one shape,
+   "OPTION PATH: why" (the path printable), before any model loads.
+6. `write_text_atomic` replaces a regular file (or creates one) through a temporary file
    and a rename; a non-regular target (/dev/null, /dev/stdout, a FIFO) is written in
    place, and a symbolic link keeps pointing where it did. The temporary file's name is
    cut to fit NAME_MAX whenever the final name fits (`temp_prefix`).
@@ -28,11 +35,15 @@ import stat
 import tempfile
 from pathlib import Path
 
+import tomllib
+
 from numbisect.common.errors import InputError
+from numbisect.common.textsafe import clip, printable
 
 MB = 2**20
 JSON_LIMIT = 512 * MB  # a report, a trace line, a config: far above any real one
 MIN_FREE = 4 * MB  # an output directory with less free space than this is "full"
+MAX_DEPTH = 64  # nesting of lists/objects any structured input may have (a report's own limit)
 
 
 def _kind(mode: int) -> str:
@@ -92,6 +103,65 @@ def loads_json(text: str | bytes, where: str):
         raise InputError(f"{where}: JSON nested too deeply") from None
     except ValueError as e:
         raise InputError(f"{where}: not valid JSON ({e})") from None
+
+
+def depth_over(obj, limit: int) -> bool:
+    """Whether lists/dicts nest deeper than `limit` levels (iterative: no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            o = list(o.values())
+        elif not isinstance(o, list):
+            continue
+        if d > limit:
+            return True
+        stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
+    return False
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def read_input(path: str | os.PathLike, option: str, fmt: str = "json", *, limit: int = JSON_LIMIT,
+               max_depth: int = MAX_DEPTH, nan: bool = False):
+    """The one way in for a structured input file: its parsed content, or one InputError
+    "OPTION PATH: why" (OPTION names the option or the file's role, e.g. "--engine-config"
+    or "report"). `fmt`: "json", "toml", "auto" (TOML when the name ends in .toml), or
+    "text" (the decoded text, unparsed). See the module docstring for the limits."""
+
+    name = f"{option} {printable(clip(os.fspath(path), 300))}"
+    if fmt == "auto":
+        fmt = "toml" if os.fspath(path).endswith(".toml") else "json"
+    try:
+        data = read_bytes(path, option, limit)
+    except InputError as e:
+        raise InputError(printable(e.message), e.hint) from None
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise InputError(f"{name}: UTF-16 text; save it as UTF-8")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{name}: not UTF-8 text (byte {e.start})") from None
+    if fmt == "text":
+        return text
+    try:
+        if fmt == "toml":
+            try:
+                obj = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as e:
+                raise InputError(f"{name}: not TOML ({printable(clip(str(e).splitlines()[0], 200))})") from None
+        else:
+            try:
+                obj = json.loads(text, parse_constant=None if nan else _no_constant)
+            except ValueError as e:
+                raise InputError(f"{name}: not valid JSON ({printable(clip(str(e).splitlines()[0], 200))})") from None
+    except RecursionError:
+        raise InputError(f"{name}: nested deeper than {max_depth} levels") from None
+    if depth_over(obj, max_depth):
+        raise InputError(f"{name}: nested deeper than {max_depth} levels")
+    return obj
 
 
 def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:

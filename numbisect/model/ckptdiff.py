@@ -23,6 +23,11 @@ reads both checkpoints and says, per unit, what differs:
 4. Config fields that change numerics (`NUMERIC_FIELDS`, top level and `text_config`;
    a dict-valued one such as `rope_parameters` key by key) are compared; each
    difference names the unit kinds that read it (`rope_parameters.rope_theta`: attn).
+5. A sharded checkpoint is read as the loader reads it: its `model.safetensors.index.json`
+   first, then the shards it names (a stray `*.safetensors` beside them is not read).
+   Where the index and the files disagree (a shard file it names is missing, a file it
+   does not name, a tensor read from another shard than the index says) the result's
+   `index` says so, one note each.
 
 The result is a plain dict (the report's `inputs.checkpoint_diff`; numbisect.report.summary
 prints it). The search still confirms a unit by swapping it.
@@ -34,6 +39,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from numbisect.common.errors import InputError
+from numbisect.common.safeio import read_input
 from numbisect.model.arch import arch_for
 
 # Config fields whose value changes what a forward computes, and the unit kinds that read them.
@@ -53,6 +60,7 @@ NUMERIC_FIELDS = {
     "decoder_sparse_step": ("moe", "mlp"), "mlp_only_layers": ("moe", "mlp"),
 }
 DIGEST_BYTES = 16
+MAX_NOTES = 50  # index disagreements kept in a report
 
 
 def _header(path: Path) -> tuple[dict, int]:
@@ -64,17 +72,67 @@ def _header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+INDEX_LIMIT = 64 * 2**20  # an index holds one line per tensor: far above any real one
+
+
+def _index(path: Path) -> dict[str, str] | None:
+    """A sharded checkpoint's index (`model.safetensors.index.json`): tensor name -> the
+    shard file the index names; None when there is none, or when a single
+    `model.safetensors` is there (transformers then loads that file alone)."""
+
+    f = path / INDEX
+    if not f.exists() or (path / SINGLE).exists():
+        return None
+    obj = read_input(f, "checkpoint index", limit=INDEX_LIMIT)
+    wm = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise InputError(f"checkpoint index {f}: no weight_map of tensor name -> shard file")
+    for shard in set(wm.values()):
+        if Path(shard).name != shard or not shard.endswith(".safetensors"):
+            raise InputError(f"checkpoint index {f}: shard {shard!r} is not a .safetensors file of the directory")
+    return wm
+
+
 class _Checkpoint:
-    """The tensors of one checkpoint directory, by (renamed) name, read lazily."""
+    """The tensors of one checkpoint directory, by (renamed) name, read lazily, as the
+    loaders read them (transformers and vLLM alike, checked in their code): with a
+    `model.safetensors.index.json`, only the shard files the index names, every tensor
+    of each, in name order (a tensor two shards hold: the later shard's copy, which the
+    loader writes last); otherwise every `*.safetensors` file in name order. `notes`:
+    where the index and the files disagree, one line each."""
 
     def __init__(self, path: str, renames: dict[str, str]):
         self.path = path
         # renamed name -> (file, data start, header entry, the file's own name)
         self.tensors: dict[str, tuple[Path, int, dict, str]] = {}
-        for f in sorted(Path(path).glob("*.safetensors")):
+        self.notes: list[str] = []
+        files = sorted(Path(path).glob("*.safetensors"))
+        index = _index(Path(path))
+        if index is not None:
+            present = {f.name for f in files}
+            for shard in sorted(set(index.values()) - present):
+                self.notes.append(f"{INDEX} names shard {shard}, and there is no such file")
+            for f in files:
+                if f.name not in set(index.values()):
+                    self.notes.append(f"{f.name} is not named by {INDEX}: the loader does not read it")
+            files = [f for f in files if f.name in set(index.values())]
+        read_from: dict[str, str] = {}
+        for f in files:
             header, start = _header(f)
             for key, meta in header.items():
                 self.tensors[apply_renames(key, renames)] = (f, start, meta, key)
+                read_from[key] = f.name
+        for key, shard in (index or {}).items():
+            if key not in read_from:
+                self.notes.append(f"{INDEX} names shard {shard} for {key}, which no shard holds")
+            elif read_from[key] != shard:
+                self.notes.append(f"{INDEX} names shard {shard} for {key}, but the loader reads the copy in "
+                                  f"{read_from[key]} (later in name order)")
+        for key, shard in read_from.items():
+            if index is not None and key not in index:
+                self.notes.append(f"{shard} holds {key}, which {INDEX} does not name (the loader reads it)")
         self._digests: dict[str, str] = {}
 
     def meta(self, name: str) -> dict:
@@ -287,8 +345,14 @@ def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict,
     order = {u.name: u.order for u in arch.units(config)}
     units = dict(sorted(units.items(), key=lambda kv: order.get(kv[0], 1 << 30)))
     cfg = diff_configs(ref_cfg, eng_cfg)
-    return {"same_path": False, "identical": not units and not unmapped and not cfg, "tensors": len(names),
-            "units": units, "unmapped": unmapped, "config": cfg}
+    out = {"same_path": False, "identical": not units and not unmapped and not cfg, "tensors": len(names),
+           "units": units, "unmapped": unmapped, "config": cfg}
+    index = [{"checkpoint": side, "note": n} for side, ck in (("ref", ref_ck), ("engine", eng_ck)) for n in ck.notes]
+    if index:  # the diff read what the loader reads; these copies it does not
+        out["index"] = index[:MAX_NOTES]
+        if len(index) > MAX_NOTES:
+            out["index"].append({"checkpoint": "", "note": f"(+{len(index) - MAX_NOTES} more)"})
+    return out
 
 
 def apply_renames(key: str, renames: dict[str, str]) -> str:

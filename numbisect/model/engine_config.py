@@ -29,13 +29,11 @@ settings of a trial: the user's, with a set of atoms reverted to the good state.
 
 from __future__ import annotations
 
-import json
 import os
 
-import tomllib
-
 from numbisect.common.errors import InputError
-from numbisect.common.safeio import read_text
+from numbisect.common.safeio import read_input
+from numbisect.common.textsafe import clip, printable
 
 EXTRA = ("batch", "logprobs_mode", "sampling")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -61,6 +59,10 @@ COMPILED = "compiled"
 # tensor_parallel_size runs in worker processes.
 LOCALISABLE = ("kv_cache_dtype",)
 OP_PREFIX = "custom_op:"
+# Nesting a settings file may have: a report keeps a copy a few levels down (inputs.engine
+# .options), and the report tools read at most `safeio.MAX_DEPTH` (64) levels; a vLLM
+# setting nests 3 or 4 at most (compilation_config.pass_config...).
+MAX_DEPTH = 16
 
 
 def _bad(what: str, msg: str) -> InputError:
@@ -68,20 +70,12 @@ def _bad(what: str, msg: str) -> InputError:
 
 
 def load_settings(path: str, what: str = "--engine-config") -> dict:
-    """A settings file (JSON object; TOML when the name ends in .toml), checked."""
+    """A settings file (JSON object; TOML when the name ends in .toml), checked. Read
+    through `safeio.read_input`: nesting deeper than `MAX_DEPTH` is refused, so the copy a
+    report keeps of it stays within what the report tools read."""
 
-    text = read_text(path, what)
-    name = f"{what} {path}"
-    if os.fspath(path).endswith(".toml"):
-        try:
-            obj = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise _bad(name, f"not TOML ({str(e).splitlines()[0]})") from None
-    else:
-        try:
-            obj = json.loads(text)
-        except ValueError as e:
-            raise _bad(name, f"not JSON ({str(e).splitlines()[0]})") from None
+    obj = read_input(path, what, "auto", max_depth=MAX_DEPTH, nan=True)
+    name = f"{what} {printable(clip(os.fspath(path), 300))}"
     if not isinstance(obj, dict):
         raise _bad(name, "expected an object of engine settings, e.g. {\"enforce_eager\": false}")
     check_settings(obj, name)

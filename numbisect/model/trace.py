@@ -315,3 +315,16 @@ def check_vocab(trace: Trace, vocab_size: int) -> None:
                         f"vocabulary of {vocab_size} tokens",
                         hint="is the trace tokenized for this model?",
                     )
+
+
+def samples_digest(samples) -> str:
+    """SHA-256 of what a run reads of a trace: each sample's prompt and completion ids,
+    rollout log-probs and token groups, in order. The file's own digest cannot tell two
+    runs on one file apart that read other samples of it (`--trace-fields`,
+    `--trace-format`): a trial log is resumed only where this one matches too."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(json.dumps([s.prompt_ids, s.completion_ids, s.rollout_logprobs,
+                             sorted((k, list(v)) for k, v in (s.groups or {}).items())]).encode())
+        h.update(b"\n")
+    return h.hexdigest()

@@ -28,7 +28,7 @@ from numbisect.model import groups as G
 from numbisect.model.arch import arch_for
 from numbisect.model.ckptdiff import diff_checkpoints
 from numbisect.model.rlformats import load_any
-from numbisect.model.trace import BUILTIN_GROUPS, Trace, check_vocab
+from numbisect.model.trace import BUILTIN_GROUPS, Trace, check_vocab, samples_digest
 from numbisect.patching.faults import check_fault, parse_fault
 from numbisect.patching.prefix import DEFAULT_MB, PrefixCache
 from numbisect.pipeline import comparison as P
@@ -169,7 +169,9 @@ class Session:
         self.ref_routing: dict | None = None  # router unit -> per-sample expert ids of the reference
         self._ref_tokens: ForwardResult | None = None  # the reference's log-probs from the last compare
         self.comparison: P.Comparison | None = None  # the last compare's result
-        self.digests = {"ref": C.checkpoint_digest(ref_path), "trace": self.trace.sha256}
+
+        self.digests = {"ref": C.checkpoint_digest(ref_path), "trace": self.trace.sha256,
+                        "samples": samples_digest(self.samples)}  # what --trace-fields selected, too
         extra = G.inputs_digest(self.trace, spec.group_defs)  # pixel inputs and --group-def live outside the file
         if extra:
             self.digests["trace_extra"] = extra
@@ -186,7 +188,10 @@ class Session:
         if Path(ref_path).resolve() == Path(eng_path).resolve():
             return None
         self.say("checkpoints: the engine's weights and config against the reference's")
-        return diff_checkpoints(ref_path, eng_path, check_checkpoint(ref_path), check_checkpoint(eng_path), ref_cfg)
+        diff = diff_checkpoints(ref_path, eng_path, check_checkpoint(ref_path), check_checkpoint(eng_path), ref_cfg)
+        for n in diff.get("index", []):  # the diff read what the loader reads; a disagreeing copy is not read
+            self.say(f"checkpoints: the {n['checkpoint']} index and its files disagree: {n['note']}")
+        return diff
 
     def _open(self, kind, path, dtype, opts, what) -> Backend:
         self.say(f"{what} {kind}:{path} ({dtype})")

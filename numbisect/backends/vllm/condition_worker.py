@@ -1,7 +1,7 @@
 """A vLLM engine in one engine configuration, run in a child process (`bisect conditions`).
 
-`python -m numbisect.backends.vllm.condition_worker IN.json OUT` reads a job and writes
-its answer. One child per configuration keeps engines isolated (two vLLM engines started
+`python -P -m numbisect.backends.vllm.condition_worker IN.json OUT` reads a job and writes
+its answer (`-P` and PYTHONSAFEPATH: nothing imported from the working directory). One child per configuration keeps engines isolated (two vLLM engines started
 one after another in one process are fragile) and threads honest (torch.set_num_threads
 is a no-op once vLLM started). `run_child` (in the parent) starts it and reads the answer.
 
@@ -224,6 +224,15 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def safe_child_env() -> dict:
+    """This process's environment for a child Python that imports nothing from the
+    directory the user stands in: `PYTHONSAFEPATH=1` (what `python -P` does) puts no
+    working directory on its import path, nor on that of the processes it starts itself
+    (vLLM's workers, started `python -c`, would otherwise put "" first). A `json.py` next
+    to a checkpoint is never run."""
+    return {**os.environ, "PYTHONSAFEPATH": "1"}
+
+
 def run_child(job: dict, what: str, timeout: float | None = None):
     """Run `job` in a child process; its answer (a dict; a capture job's read with
     torch.load). Its temporary files are removed however it ends (an answer, a failure, a
@@ -236,13 +245,13 @@ def run_child(job: dict, what: str, timeout: float | None = None):
         in_path, out_path, err_path = (os.path.join(tmp, n) for n in ("in.json", "out", "stderr"))
         with open(in_path, "w") as f:
             json.dump(job, f)
-        env = dict(os.environ)
+        env = safe_child_env()
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(os.path.dirname(
             os.path.dirname(os.path.abspath(__file__))))), env.get("PYTHONPATH", "")] if p)
         with open(err_path, "wb") as err:
             try:
-                rc = subprocess.run([sys.executable, "-m", "numbisect.backends.vllm.condition_worker", in_path, out_path],
+                rc = subprocess.run([sys.executable, "-P", "-m", "numbisect.backends.vllm.condition_worker", in_path, out_path],
                                     stdout=subprocess.DEVNULL, stderr=err, env=env, timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 raise BackendError(f"{what}: the vLLM child process ran past {timeout:g} s") from None
