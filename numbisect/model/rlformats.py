@@ -30,7 +30,7 @@ import os
 
 from numbisect.common.errors import InputError
 from numbisect.common.safeio import check_input
-from numbisect.model.trace import Trace, _sample, load_trace, show
+from numbisect.model.trace import Trace, _sample, load_trace, read_trace_bytes, show
 
 # Where each preset's names come from (field names in the frameworks' own code):
 # - verl: the DataProto batch keys its trainer keeps per rollout: `prompts` and
@@ -123,17 +123,7 @@ def is_parquet(path: str) -> bool:
 def read_records(path: str) -> tuple[list[dict], bytes]:
     """(records, file bytes) of a JSONL or parquet file."""
 
-    if os.path.exists(path) and not os.path.isdir(path):
-        check_input(path, "trace")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such trace file") from None
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a directory, expected a trace file") from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+    data = read_trace_bytes(path, "a trace file")
     if data[:4] == b"PAR1":
         try:
             import pyarrow.parquet as pq

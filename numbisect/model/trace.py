@@ -251,6 +251,22 @@ def _sample(obj: object, line: int, base: str = ".") -> Sample:
     )
 
 
+def read_trace_bytes(path: str, what: str = "a JSONL trace file") -> bytes:
+    """The bytes of a trace file, refused in one line where it cannot be read (a FIFO would
+    hang and a device never end)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        check_input(path, "trace")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such trace file") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, expected {what}") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
 def load_trace(path: str | os.PathLike) -> Trace:
     """Read and validate a JSONL trace. Blank lines are skipped; extra fields ignored.
 
@@ -258,17 +274,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
     """
 
     path = os.fspath(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        check_input(path, "trace")  # a FIFO would hang and a device never end
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such trace file") from None
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a directory, expected a JSONL trace file") from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+    data = read_trace_bytes(path)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:

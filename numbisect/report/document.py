@@ -21,7 +21,7 @@ from pathlib import Path
 
 from numbisect import __version__
 from numbisect.common.errors import InputError
-from numbisect.common.safeio import loads_json, read_text, write_text_atomic
+from numbisect.common.safeio import depth_over, loads_json, read_text, write_text_atomic
 from numbisect.common.textsafe import clip, printable
 
 SCHEMA_VERSION = 1
@@ -59,21 +59,6 @@ def validate(report: dict) -> list[str]:
     return out
 
 
-def _depth_over(obj, limit: int) -> bool:
-    """Whether lists/dicts nest deeper than `limit` levels (iterative: no recursion)."""
-    stack = [(obj, 1)]
-    while stack:
-        o, d = stack.pop()
-        if isinstance(o, dict):
-            o = list(o.values())
-        elif not isinstance(o, list):
-            continue
-        if d > limit:
-            return True
-        stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
-    return False
-
-
 def load_report(path: str | os.PathLike) -> dict:
     """Read and check a report; one clear InputError (printable, one line) for anything
     that is not one: a missing file, a directory, a FIFO or device (never read), a file
@@ -93,7 +78,7 @@ def load_report(path: str | os.PathLike) -> dict:
         raise InputError(
             f"{name}: report schema version {printable(clip(repr(ver), 40))} is not supported (this numbisect {__version__} reads 1..{SCHEMA_VERSION})"
         )
-    if _depth_over(obj, MAX_DEPTH):
+    if depth_over(obj, MAX_DEPTH):
         raise InputError(f"{name}: JSON nested deeper than {MAX_DEPTH} levels; not a numbisect report")
     try:
         errors = validate(obj)
