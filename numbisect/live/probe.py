@@ -156,6 +156,7 @@ class Probe:
         self.history = W.History()
         self.history.add("attach", W.reference_digests(self._ref_tensors(), engine.dtype))
         self.checks = 0
+        self.last_comparison = None  # (Comparison, Trace, Settings) of the last functional check
 
     # -- comparison ------------------------------------------------------------------------
     def _sides(self, trace: Trace, settings: C.Settings) -> P.Sides:
@@ -212,13 +213,27 @@ class Probe:
         self.checks += 1
         step = step or f"check {self.checks}"
         local = None
+        self.last_comparison = None
         if functional:
-            c, _, _ = self._comparison(samples if samples is not None else random_samples(self.ref.vocab_size))
+            c, trace, settings = self._comparison(samples if samples is not None else random_samples(self.ref.vocab_size))
             local = {r["name"]: r["local"]["rel_l2"] for r in c.units if r.get("local")}
+            self.last_comparison = (c, trace, settings)
         ref = self._ref_tensors()
         eng = self._engine_tensors({n: tuple(t.shape) for n, t in ref.items()})
         tied = bool(getattr(self.engine.config.get_text_config(), "tie_word_embeddings", False))
         return W.check(ref, eng, self.history, self.ref.arch, self.ref.config, step=step, local=local, tied=tied, t0=t0)
+
+    def weights_report(self, check: W.WeightCheck, argv: list[str] | None = None) -> LiveReport:
+        """The report of a functional weight check: the comparison it ran (`bisect compare`'s
+        body) with the check as its `weights` section (kind "weights")."""
+        from numbisect.provenance import new_report
+
+        if self.last_comparison is None:
+            raise InputError("a weights report needs the functional check (check_weights(functional=True))")
+        c, trace, settings = self.last_comparison
+        body = {**P.report_body(c), "weights": check.to_dict()}
+        return LiveReport(new_report("weights", argv or ["numbisect.live.attach(...).check_weights"], self.inputs(trace),
+                                     settings.to_dict(), body))
 
     def close(self) -> None:
         """Close what this probe opened from directories; the user's objects stay as they are."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from numbisect.ckptdiff import _explain, _pair_label, _unit_summary, apply_renames, unit_of, unit_prefixes
+from numbisect.ckptdiff import _explain, _pair_label, _short, _unit_summary, apply_renames, unit_of, unit_prefixes
 
 OK, UNWRITTEN, STALE, CORRUPTED, BUFFER, MISSING = "ok", "unwritten", "stale", "corrupted", "buffer differs", "missing"
 ORDER = (OK, BUFFER, UNWRITTEN, STALE, CORRUPTED, MISSING)  # worst last
@@ -344,7 +344,7 @@ def _corrupt_summary(rows: list[dict]) -> str:
     parts = [_unit_summary(rest)] if rest else []
     if len(changed) > 3:
         worst = max(r.get("rel_norm", 0.0) for r in changed)
-        parts.append(f"{len(changed)} tensors changed (e.g. {changed[0]['tensor'].split('layers.')[-1]}; "
+        parts.append(f"{len(changed)} tensors changed (e.g. {_short(changed[0]['tensor'])}; "
                      f"relative difference up to {worst:.3g})")
     elif changed:
         parts.append(_unit_summary(changed))
