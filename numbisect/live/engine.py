@@ -60,6 +60,10 @@ def check_engine(llm) -> dict:
         raise
     except Exception as e:  # a closed engine core raises on any call
         line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if "VLLM_ALLOW_INSECURE_SERIALIZATION" in str(e):
+            raise EngineSettingError("the engine runs its model in worker processes, which numbisect reaches with functions "
+                                     "pickled to them: set VLLM_ALLOW_INSECURE_SERIALIZATION=1 (in the engine's environment "
+                                     "and this process's)") from None
         raise EngineClosedError(f"the engine cannot be reached (shut down already?): {type(e).__name__}: {line}") from None
     if s["tensor_parallel_size"] != 1:
         raise EngineSettingError(f"the engine runs tensor_parallel_size={s['tensor_parallel_size']}: attach works on a "

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import model_dir
 
-from numbisect.live import EngineClosedError, EngineSettingError, ReferenceModelError, attach
+from numbisect.live import EngineSettingError, ReferenceModelError, attach
 
 
 def test_objects_that_are_neither_an_engine_nor_a_model_are_refused_in_one_line():
@@ -32,18 +32,20 @@ def mp_engine():
 
     saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    llm = None
     try:
         llm = vllm.LLM(model=model_dir("qwen3"), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                        max_model_len=256, seed=0)
+        assert type(llm.llm_engine.engine_core).__name__ != "InprocClient"
+        yield llm  # (functions go to its worker pickled: the variable stays set while it is used)
     finally:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    assert type(llm.llm_engine.engine_core).__name__ != "InprocClient"
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
 
 
 @pytest.mark.vllm
@@ -75,6 +77,3 @@ def test_weights_of_an_engine_in_another_process(mp_engine):
     check = probe.check_weights()
     print("\n".join(check.lines()))
     assert {u.unit: u.status for u in check.differing()} == {"layers.0.mlp": "unwritten"}
-    llm.llm_engine.engine_core.shutdown()
-    with pytest.raises(EngineClosedError, match="shut down"):
-        attach(reference=trainer.model, engine=llm)
