@@ -16,7 +16,9 @@ import pytest
 import torch
 from conftest import model_dir, vllm
 
-pytestmark = pytest.mark.vllm
+# one torch thread: with several processes on a few cores, spinning OpenMP threads made the tiny
+# forwards here ~10x slower (conftest.one_thread)
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
 
 SAMPLES = [[(7 * i + 3 * j) % 256 for j in range(20)] for i in range(3)]
 
@@ -231,3 +233,18 @@ def test_gate_and_up_exchanged_is_corrupted_mlp(dense):
     assert bad == {"layers.0.mlp": "corrupted"}
     assert "gate_proj <-> up_proj swapped" in check.differing()[0].summary
     restore(probe, llm, trainer)
+
+
+def test_the_trigger_runs_the_weight_check_and_a_compare_on_the_batch_it_fired_on(dense, tmp_path):
+    from numbisect.live.trigger import Trigger, probe_action
+    from numbisect.report import load_report
+
+    _, probe, llm = dense
+    trigger = Trigger(threshold=1e-3, cooldown=5, max_fires=1, on_fire=probe_action(probe, tmp_path))
+    lp = engine_logprobs(llm)
+    assert trigger.feed(lp, lp, samples=SAMPLES) is None  # the same log-probs: k3 = 0
+    fire = trigger.feed([[x + 0.2 for x in s] for s in lp], lp, samples=SAMPLES)
+    assert fire is not None and fire.results["weights_ok"] and fire.results["weights_differ"] == {}
+    assert load_report(fire.results["weights_report"])["weights"]["ok"]
+    assert load_report(fire.results["compare_report"])["verdict"] == fire.results["verdict"]
+    assert trigger.feed([[x + 0.2 for x in s] for s in lp], lp) is None  # max_fires
