@@ -248,3 +248,20 @@ def test_the_trigger_runs_the_weight_check_and_a_compare_on_the_batch_it_fired_o
     assert load_report(fire.results["weights_report"])["weights"]["ok"]
     assert load_report(fire.results["compare_report"])["verdict"] == fire.results["verdict"]
     assert trigger.feed([[x + 0.2 for x in s] for s in lp], lp) is None  # max_fires
+
+
+def test_a_wrong_rotary_cache_is_a_buffer_that_differs(dense):
+    """The weights read back right but the attention computes otherwise: a runtime buffer
+    (vLLM's rotary cos/sin cache, one module shared by every layer of this model) left wrong."""
+    _, probe, llm = dense
+    rope = llm.apply_model(lambda m: m.model.layers[0].self_attn.rotary_emb)[0]
+    saved = rope.cos_sin_cache.clone()
+    rope.cos_sin_cache.mul_(0.5)
+    try:
+        check = probe.check_weights()
+    finally:
+        rope.cos_sin_cache.copy_(saved)
+    print("\n".join(check.lines()))
+    assert {u.unit: u.status for u in check.differing()} == {f"layers.{i}.attn": "buffer differs" for i in range(4)}
+    assert all(u.local_rel_l2 > check.functional_tol and not u.tensors for u in check.differing())
+    assert probe.check_weights()
