@@ -32,6 +32,9 @@ def mp_engine():
 
     saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    # An engine started earlier in this process made vLLM cache its environment variables
+    # (vllm.envs.enable_envs_cache): read them afresh here, and again after this engine.
+    vllm.envs.disable_envs_cache()
     llm = None
     try:
         llm = vllm.LLM(model=model_dir("qwen3"), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
@@ -46,6 +49,7 @@ def mp_engine():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        vllm.envs.disable_envs_cache()
 
 
 @pytest.mark.vllm
