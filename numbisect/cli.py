@@ -420,7 +420,7 @@ def _replay_indexer(session, body: dict) -> None:
 @click.option("--local/--no-local", default=True, show_default=True, help="Also feed each engine unit the reference's input (local error).")
 def compare(**kw):
     """Run the trace through both models: k3, KL, RL cost and per-unit divergence."""
-    from numbisect.commands.provenance import (  # lazy: keeps torch out of importing numbisect.cli
+    from numbisect.pipeline.provenance import (  # lazy: keeps torch out of importing numbisect.cli
         new_report,  # lazy: keeps torch out of importing numbisect.cli
     )
     from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.cli
@@ -445,6 +445,54 @@ def compare(**kw):
 
 
 @cli.command(epilog=EPILOG)
+@options("ref", "engine")
+@options("trace", required=False)
+@options("ref_dtype", "engine_dtype", "out", "json", "quiet")
+def weights(**kw):
+    """Per unit, whether the engine computes with the reference's weights (0 all ok, 1 not).
+
+    Each engine tensor is read back in the checkpoint's names and compared with the
+    reference's; each unit is also fed the reference's inputs on --trace (default: a few
+    random sequences). Statuses: ok, corrupted, missing, buffer differs (and, in the
+    training loop, numbisect.live's unwritten and stale)."""
+    from numbisect.live import attach  # lazy: keeps torch out of importing numbisect.cli
+    from numbisect.pipeline.measure import parse_spec  # lazy: keeps torch out of importing numbisect.cli
+
+    _check_out(kw)
+    ref_kind, ref_path = parse_spec(kw["ref"], "--ref")
+    eng_kind, eng_path = parse_spec(kw["engine"], "--engine")
+    if ref_kind != "hf":
+        raise InputError(f"--ref must be hf:DIR (got {kw['ref']!r})")
+    if eng_kind != "vllm":
+        raise InputError(f"--engine must be vllm:DIR for `bisect weights` (its weights are read from a vLLM engine), got {kw['engine']!r}")
+    from numbisect.backends.base import load_config  # lazy: keeps torch out of importing numbisect.cli
+    from numbisect.live.probe import samples_trace  # lazy: keeps torch out of importing numbisect.cli
+
+    trace = samples_trace(kw["trace"]) if kw.get("trace") else None  # bad input refused before anything loads
+    for path in (ref_path, eng_path):
+        load_config(path)
+    with Progress(kw["quiet"]) as say:
+        say(f"loading reference hf:{ref_path} and starting engine vllm:{eng_path}")
+        probe = attach(reference=ref_path, engine=eng_path, ref_dtype=kw["ref_dtype"], engine_dtype=kw["engine_dtype"])
+        try:
+            say("checking the engine's weights, unit by unit")
+            check = probe.check_weights(samples=trace, step="cold load")
+            report = probe.weights_report(check, command_line(click.get_current_context().obj["argv"])).report
+        finally:
+            probe.close()
+    if kw.get("out"):
+        write_json_atomic(kw["out"], report)
+    if kw.get("as_json"):
+        sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    else:
+        sys.stdout.write("\n".join(check.lines()) + "\n")
+        if kw.get("out"):
+            sys.stdout.write(f"report: {kw['out']}\n")
+    sys.stdout.flush()
+    return ExitCode.ALIGNED if check.ok else ExitCode.DIVERGED
+
+
+@cli.command(epilog=EPILOG)
 @options(*SESSION)
 @click.option("--swap", multiple=True, metavar="KIND[,KIND]", help="Swap every unit of these kinds (moe, attn, norm, mlp, router, experts, embed, lm_head, layer) in one trial.")
 @options("replay_routing", "replay_indexer", "strategy", "max_trials", "engine_config")
@@ -457,11 +505,11 @@ def compare(**kw):
               help="RAM for the layer outputs prefix reuse keeps across trials; over it, older recordings are dropped [default: 4096].")
 def run(**kw):
     """Swap reference modules into the engine and search for the culprit units."""
-    from numbisect.commands.provenance import (  # lazy: keeps torch out of importing numbisect.cli
-        new_report,  # lazy: keeps torch out of importing numbisect.cli
-    )
     from numbisect.commands.run import (  # lazy: keeps torch out of importing numbisect.cli
         run as do_run,  # lazy: keeps torch out of importing numbisect.cli
+    )
+    from numbisect.pipeline.provenance import (  # lazy: keeps torch out of importing numbisect.cli
+        new_report,  # lazy: keeps torch out of importing numbisect.cli
     )
     from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.cli
         Session,  # lazy: keeps torch out of importing numbisect.cli
@@ -525,12 +573,12 @@ def conditions(**kw):
         CondSpec,
         run_conditions,
     )
-    from numbisect.commands.provenance import (  # lazy: keeps torch out of importing numbisect.cli
-        new_report,  # lazy: keeps torch out of importing numbisect.cli
-    )
     from numbisect.pipeline.measure import (  # lazy: keeps torch out of importing numbisect.cli
         Settings,
         parse_opts,
+    )
+    from numbisect.pipeline.provenance import (  # lazy: keeps torch out of importing numbisect.cli
+        new_report,  # lazy: keeps torch out of importing numbisect.cli
     )
 
     _check_out(kw)

@@ -32,7 +32,8 @@ PKG = ROOT / "numbisect"
 LAYERS = (
     ("__main__", "cli", "tui"),  # the UI: the `bisect` command and the Textual app
     ("commands",),  # one module per verb's orchestration
-    ("session",),  # one trace, one reference, one engine, the trials run on them
+    ("session", "live"),  # one trace, one reference, one engine (from disk, or live objects: a trainer's
+    # model and a running engine), the trials run on them
     ("search",),  # the culprit search: pure, torch-free
     ("pipeline",),  # one comparison and the analysis done at comparison time
     ("backends",),  # one folder per engine, the registry, the interface

@@ -215,10 +215,16 @@ class Backend:
     recorded = False
 
     def __init__(self, path: str, dtype: str):
+        self.adopt(path, dtype, load_config(path))
+
+    def adopt(self, path: str, dtype: str, config) -> None:
+        """Set up from a transformers `config` already in memory: `__init__` after reading a
+        checkpoint's, and a backend wrapped around a live model (numbisect.live), whose
+        `path` is a label ("live:...") and whose config is the model's own."""
         self.path = path
         self.dtype_name = dtype
         self.dtype = parse_dtype(dtype)
-        self.config = load_config(path)
+        self.config = config
         self.arch: ArchMap = arch_for(self.config)
         self.units: list[Unit] = self.arch.units(self.config)
         self.unit_by_name = {u.name: u for u in self.units}

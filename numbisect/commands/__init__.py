@@ -1,2 +1,2 @@
 """One module per verb's orchestration over a session: `run` (self-check, search, what-ifs),
-`selftest`, `calibrate`, `conditions`; `provenance` makes a new report's envelope."""
+`selftest`, `calibrate`, `conditions`."""

@@ -9,7 +9,7 @@ report kinds) only change with the version. This tool reads every version up to 
 with a message naming both. `numbisect/report/schemas/report-v1.json` is the JSON Schema.
 
 Torch-free (`bisect report ...` reads reports without the models); a new report's
-envelope and environment are made by `numbisect.commands.provenance.new_report`.
+envelope and environment are made by `numbisect.pipeline.provenance.new_report`.
 """
 
 from __future__ import annotations

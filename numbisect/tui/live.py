@@ -60,7 +60,7 @@ def open_session(cfg: LiveConfig, progress: Callable[[str], None]):
 
 def report_of(session, cfg: LiveConfig, body: dict) -> dict:
     """The report `bisect run` writes for this body."""
-    from numbisect.commands.provenance import (  # lazy: keeps torch out of importing numbisect.tui.live
+    from numbisect.pipeline.provenance import (  # lazy: keeps torch out of importing numbisect.tui.live
         new_report,  # lazy: keeps torch out of importing numbisect.tui.live
     )
 

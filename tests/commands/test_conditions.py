@@ -178,7 +178,7 @@ def test_resume_repeats_no_trial(tmp_path):
 
 
 def test_report_validates_and_renders(tmp_path):
-    from numbisect.commands.provenance import new_report
+    from numbisect.pipeline.provenance import new_report
     from numbisect.report.document import validate
     from numbisect.report.summary import render
 

@@ -66,7 +66,7 @@ def test_real_vllm_against_hf_bf16_shows_bf16_noise_of_the_recorded_size():
 
 @pytest.mark.vllm
 def test_compare_report_from_vllm_validates_against_the_schema(tmp_path):
-    from numbisect.commands.provenance import new_report
+    from numbisect.pipeline.provenance import new_report
     from numbisect.report.document import write_json_atomic
 
     s = session("qwen3", "vllm")

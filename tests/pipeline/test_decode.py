@@ -11,10 +11,10 @@ import torch
 from conftest import FIXTURES, ROOT, child_env, hf, model_dir, session, trace_path, vllm
 
 from numbisect.cli import main
-from numbisect.commands.provenance import new_report
 from numbisect.commands.run import run
 from numbisect.common.errors import ExitCode, InputError
 from numbisect.model.trace import Sample, load_trace
+from numbisect.pipeline.provenance import new_report
 from numbisect.report.document import validate
 from numbisect.report.summary import render
 

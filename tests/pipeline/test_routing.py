@@ -12,8 +12,8 @@ import torch
 from conftest import hf, model_dir, session, trace_path
 
 from numbisect.cli import main
-from numbisect.commands.provenance import new_report
 from numbisect.pipeline import routing as R
+from numbisect.pipeline.provenance import new_report
 from numbisect.report.document import validate
 
 pytestmark = pytest.mark.usefixtures("one_thread")

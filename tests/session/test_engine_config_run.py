@@ -97,8 +97,8 @@ def test_compare_in_the_users_settings_with_processed_logprobs(tmp_path):
     eager engine; the report records both, the child's prompt log-probs are bitwise the
     eager engine's, and the first finding is that the log-probs are processed (fitted on
     the tokens the user's engine sampled), with what to change."""
-    from numbisect.commands.provenance import new_report
     from numbisect.pipeline.measure import Settings
+    from numbisect.pipeline.provenance import new_report
     from numbisect.report.document import validate
     from numbisect.report.summary import render
     from numbisect.session.session import Session, Spec
@@ -242,8 +242,8 @@ def test_decode_mode_in_the_users_settings_runs_in_the_child():
 
 def _compare_report(user, more, samples=3):
     """A compare in the user's settings on the shared engines: (body, validated report, summary lines)."""
-    from numbisect.commands.provenance import new_report
     from numbisect.pipeline.measure import Settings
+    from numbisect.pipeline.provenance import new_report
     from numbisect.report.document import validate
     from numbisect.report.summary import render
     from numbisect.session.session import Session, Spec

@@ -18,6 +18,7 @@ import os
 import torch
 
 from numbisect.backends.base import (
+    DTYPES,
     Backend,
     ForwardResult,
     fail,
@@ -107,6 +108,25 @@ class HFBackend(Backend):
             "batch_size": batch_size,
         }
         self.batch_size = batch_size
+
+    @classmethod
+    def of(cls, model, label: str = "live:transformers") -> HFBackend:
+        """A backend on a transformers model already in memory (a trainer's, numbisect.live),
+        loaded from nothing and changed in nothing: no rope or Gated DeltaNet modules are
+        installed (a family that needs them is refused by numbisect.live), its training
+        flag, `requires_grad` and gradients are the caller's to keep (`forward` runs under
+        `torch.inference_mode`). Its dtype is the model's own."""
+
+        names = {v: k for k, v in DTYPES.items()}
+        dtype = getattr(model, "dtype", None)
+        if dtype not in names:
+            raise InputError(f"the reference model is {dtype}; numbisect compares {', '.join(DTYPES)} models")
+        self = cls.__new__(cls)
+        self.adopt(label, names[dtype], model.config)
+        self.model = model
+        self.options = {"attn_implementation": None, "experts_implementation": None, "batch_size": 1}
+        self.batch_size = 1
+        return self
 
     @property
     def root(self):

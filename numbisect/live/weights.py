@@ -1,0 +1,365 @@
+"""The weight-sync check: is the engine computing with the reference's weights, unit by unit?
+
+An RL trainer pushes its weights into a running engine after every optimizer step; a
+sync that skips a tensor, a layer, or writes the right bytes to the wrong place leaves
+the engine computing with other weights, and nothing fails. `check(...)` says, per unit:
+
+1. Per tensor, where the engine's parameters are readable: each engine tensor is read
+   back in the checkpoint's names (`engine_tensors`: fused `qkv_proj` and `gate_up_proj`
+   split into q/k/v and gate/up, stacked experts `w13_weight`/`w2_weight` split per
+   expert, a packed CPU GEMM weight read back through its kernel, prepacked CPU MoE
+   expert weights unpacked as the kernel reads them, `unpacked`), the reference's
+   tensors in the same names (`reference_tensors`: transformers' own
+   `revert_weight_conversion`, as `save_pretrained` writes them), cast to the engine's
+   dtype, and the two compared by a digest of their bytes. A tensor that differs is
+   matched against the digests of the reference's weights kept at each earlier check
+   (`History`): the previous check's -> `unwritten` (the sync never wrote it), an earlier
+   one's -> `stale`; else `corrupted`, explained as the checkpoint diff explains a tensor
+   (numbisect.model.ckptdiff: holds another tensor's weights, `swapped`; rows permuted;
+   scaled; changed). A reference tensor the engine does not hold: `missing`.
+2. Functionally, when a comparison was run: the unit's local error (the engine unit fed
+   the reference unit's inputs, numbisect.pipeline.comparison). A unit whose readable weights are
+   all right but whose local error is above `FUNCTIONAL_TOL` computes with something
+   else: `buffer differs` (a runtime buffer, a packed copy the sync did not reach).
+
+A unit's status is the worst of its tensors' (`ORDER`). The result, `WeightCheck`, is
+truthy when every unit is ok and gives the report's `weights` section (`to_dict`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from numbisect.backends.vllm.model import _gemm_weight
+from numbisect.model.ckptdiff import _explain, _pair_label, _short, _unit_summary, apply_renames, unit_of, unit_prefixes
+
+OK, UNWRITTEN, STALE, CORRUPTED, BUFFER, MISSING = "ok", "unwritten", "stale", "corrupted", "buffer differs", "missing"
+ORDER = (OK, BUFFER, UNWRITTEN, STALE, CORRUPTED, MISSING)  # worst last
+# Local (teacher-forced) relative L2 error above which a unit is judged to compute with
+# other weights. A bf16 engine against its own weights in float32 stays under it (measured
+# on the fixtures: tests/live); one optimizer step at a small learning rate may stay under
+# it too, which is why the per-tensor digests decide where the weights are readable.
+FUNCTIONAL_TOL = 5e-2
+
+# vLLM's fused parameters -> their parts in the checkpoint, in order (split by the
+# reference's row counts): the packed modules every family of numbisect has.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# vLLM's stacked expert tensors [experts, rows, cols] -> the checkpoint's per-expert parts.
+EXPERTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
+
+
+def digest(t: torch.Tensor) -> str:
+    """BLAKE2b of a tensor's bytes (on the CPU, contiguous)."""
+    b = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(b, digest_size=16).hexdigest()
+
+
+# -- reading both sides in the checkpoint's names ---------------------------------------------
+def reference_tensors(model) -> dict[str, torch.Tensor]:
+    """The float tensors of a transformers model in the checkpoint's names, as
+    `save_pretrained` would write them (transformers' `revert_weight_conversion`: fused
+    experts split per expert, renames undone); detached views, nothing copied or changed."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.no_grad():
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+        out = revert_weight_conversion(model, sd)
+    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+
+def _split(pname: str, t: torch.Tensor, shapes: dict[str, tuple]) -> list[tuple[str, torch.Tensor]]:
+    """One vLLM parameter as the checkpoint tensors it holds (`FUSED`, `EXPERTS`)."""
+    for fused, parts in FUSED.items():
+        if f".{fused}." in pname:
+            names = [pname.replace(f".{fused}.", f".{p}.") for p in parts]
+            if all(n in shapes for n in names):
+                rows = [shapes[n][0] for n in names]
+                if sum(rows) == t.shape[0]:
+                    return list(zip(names, torch.split(t, rows)))
+            return [(pname, t)]
+    owner, _, leaf = pname.rpartition(".")
+    if leaf in EXPERTS and t.dim() == 3:
+        owner = owner.removesuffix(".routed_experts")  # vLLM's MoE runner holds its experts there
+        out = []
+        for e in range(t.shape[0]):
+            names = [f"{owner}.{e}.{p}.weight" for p in EXPERTS[leaf]]
+            rows = [shapes.get(n, (t.shape[1] // len(names),))[0] for n in names]
+            if sum(rows) != t.shape[1]:
+                return [(pname, t)]
+            out += list(zip(names, torch.split(t[e], rows)))
+        return out
+    return [(pname, t)]
+
+
+_ORDERS: dict = {}  # (shape, dtype, isa) -> the prepacked layout's element order (or None)
+
+
+def cpu_moe_isa(layer) -> str | None:
+    """The ISA vLLM-CPU's grouped-gemm MoE kernel prepacked `layer`'s expert weights for
+    ("amx", "vec", ...), or None when its experts are not prepacked (another kernel)."""
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # another vLLM: no such kernel
+        return None
+    if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+        return None
+    return experts.isa
+
+
+def _prepack_order(shape: tuple, dtype: torch.dtype, isa: str) -> torch.Tensor | None:
+    """Where vLLM-CPU's MoE prepacking (`cpu_prepack_moe_weight`) puts each element: found
+    by prepacking the element indices themselves, one base-256 digit at a time (0..255 are
+    exact in bf16 and fp16); `order[j]` is the index of the element the packed tensor holds
+    at j. None when the prepacking is not a pure reordering of the elements."""
+    key = (tuple(shape), dtype, isa)
+    if key not in _ORDERS:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+
+        n = math.prod(shape)
+        idx = torch.arange(n)
+        order = torch.zeros(n, dtype=torch.long)
+        for d in range(max(1, math.ceil(math.log(n, 256)))):
+            digit = ((idx >> (8 * d)) & 255).to(dtype).view(shape)
+            order += cpu_prepack_moe_weight(digit, isa).reshape(-1).to(torch.long) << (8 * d)
+        _ORDERS[key] = order if torch.equal(order.sort().values, idx) else None
+    return _ORDERS[key]
+
+
+def unpacked(t: torch.Tensor, isa: str) -> torch.Tensor | None:
+    """The expert weights a prepacked tensor holds, in their plain [experts, rows, cols]
+    layout: what the kernel multiplies by (None when the layout cannot be undone)."""
+    order = _prepack_order(tuple(t.shape), t.dtype, isa)
+    if order is None:
+        return None
+    out = torch.empty(t.numel(), dtype=t.dtype)
+    out[order] = t.detach().reshape(-1).cpu()
+    return out.view(t.shape)
+
+
+def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Every float parameter of a vLLM model in the checkpoint's names (`_split`), copied
+    to the CPU; a linear layer whose weight vLLM-CPU packed into its GEMM kernel is read
+    back through the kernel (backends.vllm.model._gemm_weight, exact). `shapes`: the
+    reference tensors' shapes, by checkpoint name (how to split a fused tensor). Runs
+    where the model lives (in-process; a worker through `apply_model`)."""
+
+    mods = dict(model.named_modules())
+    out = {}
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if not p.is_floating_point():
+                continue
+            owner, _, leaf = pname.rpartition(".")
+            mod = mods.get(owner)
+            t = p.data
+            if leaf == "weight" and not t.numel() and mod is not None and hasattr(mod, "cpu_linear"):
+                t = _gemm_weight(mod)
+            elif leaf in EXPERTS and mod is not None and cpu_moe_isa(mod) is not None:
+                t = unpacked(t, cpu_moe_isa(mod))  # the kernel reads it as prepacked, whatever it holds
+                if t is None:
+                    continue
+            for name, piece in _split(pname, t, shapes):
+                out[name] = piece.detach().to("cpu", copy=True)
+    return out
+
+
+# -- what the reference held before --------------------------------------------------------------
+@dataclass
+class History:
+    """Digests of the reference's weights (in the engine's dtype) at attach and at each
+    check, oldest first: how `unwritten` and `stale` are told from `corrupted` without
+    keeping a copy of any weight."""
+
+    steps: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (label, name -> digest)
+    keep: int = 8  # the most recent ones kept
+
+    def add(self, label: str, digests: dict[str, str]) -> None:
+        self.steps.append((label, digests))
+        del self.steps[: -self.keep]
+
+    def previous(self) -> tuple[str, dict[str, str]] | None:
+        return self.steps[-1] if self.steps else None
+
+
+def reference_digests(ref: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, str]:
+    return {n: digest(t.to(dtype)) for n, t in ref.items()}
+
+
+# -- the result -----------------------------------------------------------------------------
+@dataclass
+class UnitWeights:
+    """One unit's verdict."""
+
+    unit: str
+    status: str
+    tensors: list[dict]  # per tensor that is not ok: name, status, how (and the explanation's fields)
+    n_tensors: int  # tensors the unit holds (checked)
+    local_rel_l2: float | None = None  # the functional check's local error, when one ran
+    summary: str = ""
+
+    def to_dict(self) -> dict:
+        return {"unit": self.unit, "status": self.status, "tensors_checked": self.n_tensors, "tensors": self.tensors,
+                "local_rel_l2": self.local_rel_l2, "summary": self.summary}
+
+
+@dataclass
+class WeightCheck:
+    """Per unit, whether the engine computes with the reference's weights (module doc).
+    Truthy when every unit is ok."""
+
+    units: list[UnitWeights]
+    step: str  # the check's label
+    compared_with: list[str]  # the labels of the earlier reference weights it knew
+    seconds: float
+    functional: bool  # whether a local-error pass judged the units too
+    functional_tol: float = FUNCTIONAL_TOL
+    unmapped: list[str] = field(default_factory=list)  # engine tensors of no reference name (extra)
+
+    def __bool__(self) -> bool:
+        return all(u.status == OK for u in self.units)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self)
+
+    def differing(self) -> list[UnitWeights]:
+        return [u for u in self.units if u.status != OK]
+
+    def status(self, unit: str) -> str:
+        return next(u.status for u in self.units if u.unit == unit)
+
+    def to_dict(self) -> dict:
+        counts = {s: sum(u.status == s for u in self.units) for s in ORDER}
+        return {"ok": self.ok, "step": self.step, "compared_with": self.compared_with, "seconds": round(self.seconds, 4),
+                "functional": self.functional, "functional_tol": self.functional_tol,
+                "counts": {k: v for k, v in counts.items() if v}, "unmapped": self.unmapped,
+                "units": [u.to_dict() for u in self.units]}
+
+    def lines(self) -> list[str]:
+        """A short summary: one line per unit that is not ok."""
+        bad = self.differing()
+        head = f"weights ({self.step}): {'all ok' if not bad else f'{len(bad)} of {len(self.units)} units differ'} ({self.seconds:.2f} s)"
+        return [head] + [f"  {u.unit:<24} {u.status:<15} {u.summary}" for u in bad]
+
+
+class _Tensors:
+    """A dict of tensors with the `.tensor(name)` that ckptdiff's `_explain` reads."""
+
+    def __init__(self, d: dict[str, torch.Tensor]):
+        self.d = d
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.d[name]
+
+
+def _worst(statuses) -> str:
+    return max(statuses, key=ORDER.index, default=OK)
+
+
+def check(ref: dict[str, torch.Tensor], eng: dict[str, torch.Tensor], history: History, arch, config, *,
+          step: str, local: dict[str, float] | None = None, tied: bool = False, t0: float | None = None) -> WeightCheck:
+    """Judge every unit (module doc). `ref`/`eng`: both sides' tensors in checkpoint names
+    (`reference_tensors`, `engine_tensors`); `history`: the reference's earlier digests
+    (this check's are added to it); `local`: unit -> local relative L2 error of a
+    comparison, or None; `tied`: the engine ties lm_head to the embedding (no lm_head tensor)."""
+    t0 = time.perf_counter() if t0 is None else t0
+    dtype = next(iter(eng.values())).dtype if eng else torch.bfloat16
+    cur = reference_digests(ref, dtype)
+    by_digest: dict[str, list[str]] = {}
+    for n, d in cur.items():
+        by_digest.setdefault(d, []).append(n)
+    prev = history.previous()
+    earlier = history.steps[:-1]
+    head_dim = getattr(config.get_text_config(), "head_dim", None)
+    prefixes = unit_prefixes(arch, config)
+    renames = getattr(arch, "ckpt_renames", {}) or {}
+    per_unit: dict[str, list[dict]] = {}
+    counts: dict[str, int] = {}
+    eng_digest = {n: digest(t) for n, t in eng.items()}
+    for name in sorted(ref):
+        if tied and name.endswith("lm_head.weight") and name not in eng:
+            continue
+        unit = unit_of(apply_renames(name, renames), prefixes) or "(no unit)"
+        counts[unit] = counts.get(unit, 0) + 1
+        row = {"tensor": name}
+        if name not in eng:
+            row.update(status=MISSING, how="missing")
+        elif tuple(eng[name].shape) != tuple(ref[name].shape):
+            row.update(status=MISSING, how="reshaped", engine_shape=list(eng[name].shape), ref_shape=list(ref[name].shape))
+        elif eng_digest[name] == cur[name]:
+            continue
+        elif prev is not None and prev[1].get(name) == eng_digest[name]:
+            row.update(status=UNWRITTEN, how="unwritten", holds=prev[0])
+        elif any(h.get(name) == eng_digest[name] for _, h in earlier):
+            label = next(lb for lb, h in reversed(earlier) if h.get(name) == eng_digest[name])
+            row.update(status=STALE, how="stale", holds=label)
+        else:
+            row.update(status=CORRUPTED, **_explain_tensor(name, ref, eng, eng_digest, cur, by_digest, dtype, head_dim))
+        per_unit.setdefault(unit, []).append(row)
+    units = []
+    for u in [u.name for u in arch.units(config)] + (["(no unit)"] if "(no unit)" in counts else []):
+        rows = per_unit.get(u, [])
+        err = (local or {}).get(u)
+        status = _worst(r["status"] for r in rows)
+        if status == OK and err is not None and err > FUNCTIONAL_TOL and not _explained(u, per_unit):
+            status = BUFFER
+        if u not in counts and status == OK:
+            continue  # no tensor of its own and nothing functional to say: its sub-units speak for it
+        summary = _summary(rows) if rows else (f"weights read back are the reference's, local error {err:.3g}" if status == BUFFER else "")
+        units.append(UnitWeights(u, status, rows, counts.get(u, 0), err, summary))
+    history.add(step, cur)
+    extra = sorted(set(eng) - set(ref))
+    return WeightCheck(units, step, [lb for lb, _ in history.steps[:-1]], time.perf_counter() - t0, local is not None,
+                       unmapped=extra)
+
+
+def _explained(unit: str, per_unit: dict) -> bool:
+    """Whether a tensor of `unit` or of a unit inside it differs already."""
+    return any(k == unit or k.startswith(unit + ".") for k, rows in per_unit.items() if rows)
+
+
+def _explain_tensor(name, ref, eng, eng_digest, cur, by_digest, dtype, head_dim) -> dict:
+    """How a corrupted engine tensor differs: it holds another reference tensor's weights
+    (swapped when that one holds this one's), or ckptdiff's explanation."""
+    others = [m for m in by_digest.get(eng_digest[name], []) if m != name]
+    if others:
+        m = others[0]
+        back = eng_digest.get(m) == cur[name]
+        return {"how": "swapped" if back else "moved", "pair": _pair_label(name, m), "holds": m}
+    r = _Tensors({name: ref[name].to(dtype)})
+    return _explain(name, r, _Tensors(eng), head_dim)
+
+
+def _corrupt_summary(rows: list[dict]) -> str:
+    """ckptdiff's phrases for corrupted tensors; more than a few merely `changed` ones as one."""
+    changed = [r for r in rows if r.get("how") == "changed"]
+    rest = [r for r in rows if r.get("how") != "changed"]
+    parts = [_unit_summary(rest)] if rest else []
+    if len(changed) > 3:
+        worst = max(r.get("rel_norm", 0.0) for r in changed)
+        parts.append(f"{len(changed)} tensors changed (e.g. {_short(changed[0]['tensor'])}; "
+                     f"relative difference up to {worst:.3g})")
+    elif changed:
+        parts.append(_unit_summary(changed))
+    return "; ".join(p for p in parts if p)
+
+
+def _summary(rows: list[dict]) -> str:
+    """One phrase per kind of difference (ckptdiff's wording), with the tensors' statuses."""
+    text = _corrupt_summary(rows)
+    bys = {}
+    for r in rows:
+        if r["status"] in (UNWRITTEN, STALE):
+            bys.setdefault((r["status"], r.get("holds")), []).append(r["tensor"])
+    if bys:
+        parts = [f"{len(v)} tensor{'s' if len(v) > 1 else ''} {s}: still the weights of {h}" for (s, h), v in bys.items()]
+        corrupt = [r for r in rows if r["status"] not in (UNWRITTEN, STALE)]
+        return "; ".join(parts + ([_corrupt_summary(corrupt)] if corrupt else []))
+    return text
