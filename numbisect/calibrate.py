@@ -184,9 +184,9 @@ def render(doc: dict) -> str:
 # -- `--threshold floor` --------------------------------------------------------------------------
 def load_floor(path: str, spec, group: str) -> dict:
     """A floor file made on this reference checkpoint, dtype and trace; InputError otherwise."""
-    from numbisect.safeio import loads_json, read_text
+    from numbisect.safeio import read_input
 
-    doc = loads_json(read_text(path, "floor file", limit=64 * 2**20), f"{path} (floor file)")
+    doc = read_input(path, "floor file", limit=64 * 2**20)  # NaN / Infinity literals are no floor
     if not isinstance(doc, dict) or doc.get("numbisect_floor") != FLOOR_VERSION or not isinstance(doc.get("floor"), dict):
         raise InputError(f"{path}: not a numbisect floor file (made by `bisect calibrate --out`)")
     _, ref_path = C.parse_spec(spec.ref, "--ref")

@@ -60,18 +60,11 @@ def validate(report: dict) -> list[str]:
 
 
 def _depth_over(obj, limit: int) -> bool:
-    """Whether lists/dicts nest deeper than `limit` levels (iterative: no recursion)."""
-    stack = [(obj, 1)]
-    while stack:
-        o, d = stack.pop()
-        if isinstance(o, dict):
-            o = list(o.values())
-        elif not isinstance(o, list):
-            continue
-        if d > limit:
-            return True
-        stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
-    return False
+    """Whether lists/dicts nest deeper than `limit` levels (`safeio.depth_over`: one
+    implementation for every reader)."""
+    from numbisect.safeio import depth_over
+
+    return depth_over(obj, limit)
 
 
 def load_report(path: str | os.PathLike) -> dict:
