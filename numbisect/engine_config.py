@@ -29,7 +29,6 @@ settings of a trial: the user's, with a set of atoms reverted to the good state.
 
 from __future__ import annotations
 
-import math
 import os
 
 from numbisect.errors import InputError
