@@ -26,7 +26,7 @@ from numbisect.backends.base import load_config, parse_dtype
 from numbisect.backends.hf import HFBackend
 from numbisect.common.errors import InputError
 from numbisect.common.formatting import fmt
-from numbisect.common.safeio import loads_json, read_text
+from numbisect.common.safeio import read_input
 from numbisect.common.textsafe import path_text
 from numbisect.common.threshold import parse_threshold  # noqa: F401  (resolve_threshold; tests)
 from numbisect.model.rlformats import load_any
@@ -186,7 +186,7 @@ def render(doc: dict) -> str:
 def load_floor(path: str, spec, group: str) -> dict:
     """A floor file made on this reference checkpoint, dtype and trace; InputError otherwise."""
 
-    doc = loads_json(read_text(path, "floor file", limit=64 * 2**20), f"{path} (floor file)")
+    doc = read_input(path, "floor file", limit=64 * 2**20)  # NaN / Infinity literals are no floor
     if not isinstance(doc, dict) or doc.get("numbisect_floor") != FLOOR_VERSION or not isinstance(doc.get("floor"), dict):
         raise InputError(f"{path}: not a numbisect floor file (made by `bisect calibrate --out`)")
     _, ref_path = C.parse_spec(spec.ref, "--ref")

@@ -79,6 +79,9 @@ def _check_header(path: str, header, session) -> None:
             then = header.get(key)
             if key == "digests" and isinstance(then, dict) and {k: v for k, v in then.items() if k != "samples"} == {
                     k: v for k, v in want[key].items() if k != "samples"}:
+                if "samples" not in then:
+                    raise InputError(f"{path}: resume log does not record which samples of the trace it was made on "
+                                     "(an older numbisect); start a new run instead")
                 raise InputError(f"{path}: resume log was made on other samples of the same trace (--trace-fields or "
                                  "--trace-format select others); start a new run instead")
             raise InputError(f"{path}: resume log was made on other inputs ({key} differ); start a new run instead")
@@ -190,7 +193,8 @@ def log_in_use(path: str, resume: str | None) -> InputError:
 class TrialLog:
     """Append-only JSONL: one header, then one line per finished trial, flushed and synced.
 
-    - `--log L` alone: L must be new (or empty); an existing log is never truncated.
+    - `--log L` alone: L must be new (or empty, or a header alone); an existing log is
+      never truncated, and a file that is not a trial log is never touched.
     - `--resume L` (and `--log L`): L is locked, a record cut by a crash is cut off, and
       new trials are appended after the resumed ones.
     - `--resume A --log B`: B (new or empty) gets the header, A's trials, then the new

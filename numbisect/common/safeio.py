@@ -12,13 +12,14 @@ Every file numbisect reads or writes on the user's behalf goes through here:
    (links followed) is no input of the run. `check_not_an_input(path, what, files, dirs)`
    also refuses an output that resolves (links followed) to a file inside an input
    directory (a checkpoint, a dump).
-5. `read_input(path, option, fmt)` is the one way in for a structured file (a report, an
-   engine or good configuration, a floor, a trial log's header, a checkpoint's
-   config.json or index): a regular file (1), at most `limit` bytes (2), UTF-8 (a BOM is
+5. `read_input(path, option, fmt)` is the one way in for a structured file (engine and
+   good configurations, floors, checkpoint indexes; reports share its depth limit,
+   `depth_over`): a regular file (1), at most `limit` bytes (2), UTF-8 (a BOM is
    dropped; UTF-16 and other bytes refused), JSON or TOML parsed with nesting at most
-   `max_depth` levels (`MAX_DEPTH`, what the report tools read), NaN and Infinity
-   literals refused unless `nan=True`. Every refusal is one InputError of one shape,
-   "OPTION PATH: why" (the path printable), before any model loads.
+   `max_depth` levels (`MAX_DEPTH`, what the report tools read; RecursionError never
+   escapes), NaN and Infinity literals refused unless `nan=True`. Every refusal is one
+   InputError of one shape, "OPTION PATH: why" (the path printable), before any model
+   loads.
 6. `write_text_atomic` replaces a regular file (or creates one) through a temporary file
    and a rename; a non-regular target (/dev/null, /dev/stdout, a FIFO) is written in
    place, and a symbolic link keeps pointing where it did. The temporary file's name is
@@ -156,7 +157,7 @@ def read_input(path: str | os.PathLike, option: str, fmt: str = "json", *, limit
             try:
                 obj = json.loads(text, parse_constant=None if nan else _no_constant)
             except ValueError as e:
-                raise InputError(f"{name}: not valid JSON ({printable(clip(str(e).splitlines()[0], 200))})") from None
+                raise InputError(f"{name}: not JSON ({printable(clip(str(e).splitlines()[0], 200))})") from None
     except RecursionError:
         raise InputError(f"{name}: nested deeper than {max_depth} levels") from None
     if depth_over(obj, max_depth):

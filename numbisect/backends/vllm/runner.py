@@ -74,9 +74,6 @@ def bad_input(e: BaseException) -> None:
 
 def import_vllm():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # vLLM's worker processes (tensor parallel) start a fresh Python (`python -c`), which
-    # would put the working directory first on its import path: never, here.
-    os.environ["PYTHONSAFEPATH"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

