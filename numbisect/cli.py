@@ -254,7 +254,6 @@ def _spec_settings(kw):
         threads=kw.get("threads"),
     )
     if kw.get("engine_config"):  # the user's engine settings: the session derives the in-process engine's options
-
         spec.engine_config = E.merge(E.load_settings(kw["engine_config"]), spec.engine_opts)
         E.check_settings(spec.engine_config, "--engine-config/--engine-opt")
         _check_with_vllm(spec.engine_config, kw["engine_config"], kw["engine_opt"], "--engine-config", kw["engine"])
@@ -748,7 +747,6 @@ def tui(report_file, **kw):
     app = BisectApp(report=report, report_path=report_file, live=config)
     app.run()
     if app.failure is not None:  # an error inside the app, shown as one line, not a traceback
-
         what = f"{type(app.failure).__name__}: {printable(clip(app.failure, 200))}"
         if report is not None:
             raise InputError(f"{printable(clip(report_file, 300))}: the TUI cannot show this report ({what})")

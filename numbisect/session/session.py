@@ -145,7 +145,6 @@ class Session:
         self.ref: Backend = backends.get("ref") or self._open("hf", ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
         self.engine: Backend | None = None
         if self.user_engine is not None:  # before the in-process engine: its custom ops follow the user's engine
-
             text = eng_cfg.get_text_config()
             max_len = spec.engine_opts.get("max_model_len", min(1024, int(getattr(text, "max_position_embeddings", 1024) or 1024)))
             self.user_engine.run(self.trace.samples, eng_path, spec.engine_dtype, int(max_len), int(text.vocab_size),
@@ -160,7 +159,6 @@ class Session:
                 check_fault(self.engine, f)
             D.check_faults(self.engine, self.faults, self.mode)
         if spec.threads:  # after the engine started: vLLM's CPU worker sets its own count
-
             set_threads(spec.threads)
         self._owned = [b for k, b in (("ref", self.ref), ("engine", self.engine)) if b is not None and (k not in backends or b is dump)]
         self.samples = self.trace.samples

@@ -187,7 +187,6 @@ class UserEngine:
             section["hookable_vs_user"] = {"bitwise": same, "max_abs_diff": diff,
                                            "k3_mean": ((vs["groups"].get("completion") or {}).get("k3") or {}).get("mean")}
         if self.mode == "decode":  # the user's decode run against its own prefill run, as engine_modes does for the hookable one
-
             section["engine_modes"] = D.with_baseline(D.mode_pair(samples, settings, groups, ref_tok, user, self.result("prefill_")),
                                                       tokens)
         body["baseline"] = tokens

@@ -37,7 +37,7 @@ def test_settings_file_json_and_toml(tmp_path):
 
 
 @pytest.mark.parametrize("text, words", [
-    ("{not json", "not valid JSON"),
+    ("{not json", "not JSON"),
     ("[1, 2]", "expected an object"),
     ('{"trust_remote_code": true}', "trust_remote_code is refused"),
     ('{"model": "x"}', "is set by numbisect"),

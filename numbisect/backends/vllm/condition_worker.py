@@ -207,16 +207,16 @@ def main(argv: list[str]) -> int:
     in_path, out_path = argv[0], argv[1]
     with open(in_path) as f:
         job = json.load(f)
+    capture = isinstance(job, dict) and job.get("job") == "capture"
     try:
-        if job["job"] == "capture":
+        if capture:
             capture_job(job, out_path)
             return 0
         out = logprobs_job(job)
     except BaseException as e:  # one line for the parent; the traceback stays on stderr
-
         traceback.print_exc()
         lines = [x.strip() for x in str(e).strip().splitlines() if x.strip() and not x.strip().startswith("For further information")]
-        with open(out_path if job["job"] != "capture" else out_path + ".err", "w") as f:
+        with open(out_path + ".err" if capture else out_path, "w") as f:
             json.dump({"error": f"{type(e).__name__}: {lines[-1] if lines else ''}"[:500]}, f)
         return 1
     with open(out_path, "w") as f:
