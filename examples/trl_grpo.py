@@ -86,7 +86,8 @@ def run(steps: int, out: str, plant: str | None = None, threshold: float = 1e-3)
         shutil.rmtree(work, ignore_errors=True)
     fires = [b for b in cb.batches if b["fired"]]
     return {"plant": plant, "steps": steps, "seconds_per_step": seconds / steps, "rows": cb.rows, "checks": cb.checks,
-            "fires": [{"step": b["step"], "k3": b["k3"], **(b["results"] or {})} for b in fires]}
+            "trigger_seconds": [b["seconds"] for b in cb.batches],
+            "fires": [{"step": b["step"] + 1, "k3": b["k3"], **(b["results"] or {})} for b in fires]}  # GRPO step, 1-based
 
 
 def fmt(x, spec=".3g") -> str:
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
         print(f"{r['step']:>4}  {fmt(r['mismatch']):>9}  {fmt(r['is_ratio'], '.5f'):>9}  {fmt(r['reward']):>7}  "
               f"{fmt(r['k3']):>9}  {'yes' if r['fired'] else '   '}    {r['weights']}")
     for f in res["fires"]:
-        print(f"fired at step {f['step']} (k3 {f['k3']:.3g}): bundle {f.get('bundle')}; weights differ: {f.get('weights_differ')}")
+        print(f"fired at GRPO step {f['step']} (k3 {f['k3']:.3g}): bundle {f.get('bundle')}; weights differ: {f.get('weights_differ')}")
     print(f"{res['seconds_per_step']:.1f} s per GRPO step (callback included)")
     if a.json_out:
         with open(a.json_out, "w") as fh:
