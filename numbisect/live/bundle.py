@@ -261,10 +261,11 @@ def load(path: str | os.PathLike) -> Bundle:
     parts = m.get("parts")
     if not isinstance(parts, dict) or not isinstance(m.get("sha256"), dict):
         raise InputError(f"{where}: manifest.json has no parts or sha256 table")
+    for rel in [*m["sha256"], *(v for v in parts.values() if v is not None)]:
+        if not isinstance(rel, str) or os.path.isabs(rel) or ".." in rel.split(os.sep):
+            raise InputError(f"{where}: manifest names a file outside the bundle ({rel!r})")
     for rel, want in m["sha256"].items():
         p = os.path.join(path, rel)
-        if os.path.isabs(rel) or ".." in rel.split(os.sep):
-            raise InputError(f"{where}: manifest names a file outside the bundle ({rel!r})")
         if not os.path.isfile(p):
             raise InputError(f"{where}: {rel} is missing")
         if _sha256(p) != want:
