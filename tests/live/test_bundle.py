@@ -107,7 +107,9 @@ def test_a_layer_left_out_of_the_sync_fires_and_its_bundle_replays_offline(tmp_p
                        env=child_env(), capture_output=True, text=True, timeout=240)
     print(r.stdout[-1500:], r.stderr[-1500:])
     assert r.returncode == 1, r.stderr
-    replayed = json.loads(out.read_text())
+    from numbisect.report import load_report
+
+    replayed = load_report(out)  # validated against the schema
     assert replayed["first_divergence"] == finding["first_divergence"]
     assert replayed["replay"]["reproduced"] is True
     assert "reproduced" in r.stdout.splitlines()[-1]
