@@ -26,7 +26,8 @@ and trl/trainer/grpo_trainer.py):
 3. wraps `_generate_and_score_completions` to feed the trigger each batch's trainer and
    rollout log-probs over the completion tokens (mean k3, numbisect.live.trigger), with
    the batch's token ids, so a fire writes a replay bundle of that batch
-   (numbisect.live.bundle) under `out_dir`;
+   (numbisect.live.bundle) under `out_dir`. Not from TRL's logged mismatch: TRL logs after
+   the optimizer step, when the trainer's weights are no longer the batch's;
 4. on each of TRL's logs, keeps one row per step: TRL's mismatch, mean IS ratio and reward,
    the trigger's k3, the weight check's verdict and the units it named (`rows`).
 
