@@ -134,3 +134,6 @@ def test_a_bad_bundle_is_one_line_and_exit_2(tmp_path, capsys):
     (bad / "manifest.json").write_text('{"format": "numbisect-replay-bundle", "version": 1, "parts": {"trace": "trace.jsonl"}, '
                                        '"sha256": {}}')
     refused(bad, "it holds the weights' digests only")
+    (bad / "manifest.json").write_text('{"format": "numbisect-replay-bundle", "version": 1, '
+                                       '"parts": {"reference": "../elsewhere"}, "sha256": {}}')
+    refused(bad, "manifest names a file outside the bundle ('../elsewhere')")
