@@ -20,6 +20,7 @@ import click
 
 from numbisect import __version__
 from numbisect.errors import ExitCode, InputError, NumbisectError
+from numbisect.findings import exit_code as verdict_exit_code
 from numbisect.threshold import parse_threshold
 
 EPILOG = """\b
@@ -29,6 +30,7 @@ Exit codes:
   2    usage or input error
   3    backend or load error; failed swap self-check
   4    diverged, but no culprit set found within --max-trials (or only --engine-config's settings diverge)
+  5    tokens within the threshold, but the engine's checkpoint differs from the reference's (weights or config)
   130  interrupted (Ctrl-C, SIGTERM, SIGHUP)
 Set NUMBISECT_DEBUG=1 to see tracebacks."""
 
@@ -379,7 +381,7 @@ def compare(**kw):
         finally:
             session.close()
     _emit(report, kw)
-    return ExitCode.ALIGNED if report["verdict"] == "aligned" else ExitCode.DIVERGED
+    return verdict_exit_code(report["verdict"], report["inputs"].get("checkpoint_diff"))
 
 
 @cli.command(epilog=EPILOG)

@@ -39,6 +39,7 @@ from numbisect import engine_config as E
 from numbisect import search as S
 from numbisect.backends.base import ForwardResult
 from numbisect.errors import ExitCode, InputError
+from numbisect.findings import tokens_verdict
 from numbisect.formatting import fmt
 
 ROLE_INVARIANCE = "invariance"
@@ -459,7 +460,7 @@ def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, r
     baseline = C.token_report(sess.samples, eng.good, user_res, sess.settings, sess.groups, detail=True)
     if base["bitwise"]:
         baseline["value"] = 0.0
-    body = {"baseline": baseline, "units": [], "verdict": "aligned" if baseline["value"] <= sess.settings.threshold else "diverged"}
+    body = {"baseline": baseline, "units": [], "verdict": tokens_verdict(baseline["value"], sess.settings.threshold)}
     cond = {"user": sess.user, "good": sess.good, "atoms": [], "culprits": [], "vs_reference": vs_ref,
             "bitwise_equal": base["bitwise"], "max_abs_diff": base["max_abs_diff"], "custom_ops": {"user": user_ops, "good": good_ops}}
     body["conditions"] = cond

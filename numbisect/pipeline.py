@@ -36,6 +36,7 @@ from numbisect.backends.base import Backend, ForwardResult
 from numbisect.contract import ContractFit
 from numbisect.engine_state import arranged
 from numbisect.errors import InputError
+from numbisect.findings import tokens_verdict
 from numbisect.trace import Trace
 
 
@@ -178,7 +179,7 @@ def _comparison(sides: Sides, tokens: dict, rows: list[dict], ref_tokens: Forwar
         tokens=tokens,
         units=rows,
         first_divergence=C.first_divergence(rows, sides.settings),
-        verdict="aligned" if tokens["value"] <= sides.settings.threshold else "diverged",
+        verdict=tokens_verdict(tokens["value"], sides.settings.threshold),
         ref_tokens=ref_tokens,
         local_ranking=C.local_ranking(rows, layers=layers) if ranked else None,
         **rest,

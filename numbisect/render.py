@@ -9,6 +9,7 @@ drive the terminal or forge a line.
 
 from __future__ import annotations
 
+from numbisect.findings import checkpoint_differs, mark
 from numbisect.formatting import fmt, pct
 from numbisect.reportview import ReportView, view
 from numbisect.textsafe import printable_text
@@ -25,9 +26,12 @@ def header(r: dict | ReportView) -> list[str]:
     if v.faults:
         lines.append("planted faults: " + ", ".join(f["spec"] for f in v.faults))
     lines += checkpoint_lines(v)
-    mark = "OK ALIGNED" if v.aligned else "!! DIVERGED"
+    differs = checkpoint_differs(v.checkpoint_diff)
     cmp_ = "<=" if v.aligned else ">"
-    lines.append(f"verdict: {mark}  {v.metric} {fmt(v.value)} {cmp_} threshold {fmt(v.threshold)} (group {v.group})")
+    lines.append(f"verdict: {mark(v.aligned, differs)}  {v.metric} {fmt(v.value)} {cmp_} threshold {fmt(v.threshold)} (group {v.group})")
+    if v.aligned and differs:  # a checkpoint difference is a finding at any threshold
+        lines.append("   the tokens are within the threshold, but the engine's checkpoint differs from the reference's "
+                     "(above): not the same model")
     o = v.threshold_origin
     if o is not None:  # --threshold floor[xN]
         where = f"from {o.get('file')}" if o.get("file") else "calibrated now"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from numbisect import decode as D
+from numbisect import findings as F
 from numbisect import search as S
 from numbisect.errors import BackendError, ExitCode, InputError
 from numbisect.formatting import fmt
@@ -333,6 +334,7 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
         result.search["stop_reason"] += ("; your engine configuration diverges but the hookable one the search ran in does not: "
                                          "the divergence comes from its settings (bisect conditions --engine-config names them)")
         code = ExitCode.NO_CULPRIT
+    code = F.with_checkpoint(code, getattr(session, "checkpoint_diff", None))  # aligned tokens, differing checkpoints: 5
     # The search is done: nothing after it may lose its result (see `after_search`).
     failed = result.post_search_errors
     after_search(failed, "prefix_reuse", None, progress,

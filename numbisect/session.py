@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from numbisect import compare as C
 from numbisect import decode as D
+from numbisect import findings as F
 from numbisect import pipeline as P
 from numbisect.arch import arch_for
 from numbisect.backends import BACKENDS
@@ -246,6 +247,9 @@ class Session:
             if self.user_engine.child:
                 self.user_engine.fit_contract(self.ref, self.samples)
             body = self.user_engine.apply(body, c, self.samples, self.settings, self.groups, self.ref)
+        differs = F.summary(self.checkpoint_diff)  # a finding at any threshold (numbisect.findings)
+        if differs is not None:
+            body["checkpoint_differs"] = differs
         return body
 
     def _prefix_key(self):

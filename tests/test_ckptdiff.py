@@ -89,7 +89,7 @@ def test_compare_reports_the_diff_and_show_prints_it(tmp_path, capsys):
     out = tmp_path / "r.json"
     code = main(["compare", "--ref", f"hf:{model_dir('qwen3_moe')}", "--engine", f"hf:{copy}",
                  "--trace", trace_path("qwen3_moe"), "--out", str(out), "-q"])
-    assert code in (0, 1)
+    assert code in (0, 1, 5)
     r = load_report(str(out))  # validates against the schema
     assert "layers.2.moe.experts" in r["inputs"]["checkpoint_diff"]["units"]
     capsys.readouterr()

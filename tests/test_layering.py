@@ -28,7 +28,7 @@ PKG = ROOT / "numbisect"
 UI = ("numbisect.cli", "numbisect.__main__", "numbisect.tui")
 REPORT_TOOLS = ("numbisect.report", "numbisect.reporttools", "numbisect.render", "numbisect.routing_render",
                 "numbisect.decode_render", "numbisect.formatting", "numbisect.reportview", "numbisect.jsonsafe", "numbisect.textsafe",
-                "numbisect.safeio", "numbisect.errors")
+                "numbisect.safeio", "numbisect.errors", "numbisect.findings")
 HEAVY = ("torch", "transformers", "vllm")
 SEARCH = ("numbisect.search", "numbisect.run", "numbisect.session", "numbisect.selftest")
 

@@ -35,6 +35,8 @@ from pathlib import Path
 
 from numbisect.conditions_render import engine_config_finding as engine_config_finding_of
 from numbisect.conditions_render import localisations_of
+from numbisect.findings import checkpoint_differs
+from numbisect.findings import mark as verdict_mark
 from numbisect.formatting import fmt, num, pct
 from numbisect.reportview import ReportView, view
 from numbisect.units import Unit, children, unit_graph
@@ -72,7 +74,8 @@ def unit_tol(r: dict | ReportView) -> float:
 def verdict_line(r: dict | ReportView) -> tuple[str, str, str]:
     """(mark, style, text): the verdict with the judged value against the threshold."""
     rv = view(r)
-    mark, style = ("OK ALIGNED", "bold green") if rv.aligned else ("!! DIVERGED", "bold red")
+    differs = checkpoint_differs(rv.checkpoint_diff)
+    mark, style = (verdict_mark(True, differs), "bold yellow" if differs else "bold green") if rv.aligned else ("!! DIVERGED", "bold red")
     ratio = ""
     t, v = num(rv.threshold), num(rv.value)
     if t and v is not None and math.isfinite(t) and math.isfinite(v):
