@@ -18,6 +18,7 @@ Torch-free: renderers and `bisect report` read it.
 from __future__ import annotations
 
 from numbisect.errors import ExitCode
+from numbisect.formatting import fmt
 
 
 def tokens_verdict(value: float, threshold: float) -> str:
@@ -79,3 +80,42 @@ def exit_code(verdict: str, diff: dict | None) -> ExitCode:
 def with_checkpoint(code: int, diff: dict | None) -> int:
     """A run's exit code: ALIGNED becomes CHECKPOINT_DIFFERS when the checkpoints differ."""
     return ExitCode.CHECKPOINT_DIFFERS if code == ExitCode.ALIGNED and checkpoint_differs(diff) else code
+
+
+# -- a run whose search could not run, or stopped: the report is written all the same ------
+OUTSIDE = "model"  # the reader of a config field read outside every unit (ckptdiff's read_by)
+
+
+def outside_unit_fields(diff: dict | None) -> list[str]:
+    """Config fields that differ and that the model reads outside every unit (a mask, a
+    model-level rotary embedding): no swap carries them."""
+    return [str(c.get("field")) for c in _list(diff or {}, "config") if OUTSIDE in (c.get("read_by") or [])]
+
+
+def search_not_run(self_check: dict, diff: dict | None, baseline: float | None, threshold: float, strategy: str) -> dict:
+    """The report's `search` when the swap self-check failed: no trial of the search ran.
+    Its verdict is `unreachable` (every unit swapped does not reproduce the reference, so no
+    set of units can), `not_run` says why, and the stop reason names the config fields read
+    outside units that differ (or, failing those, every config field that differs)."""
+    checks = [c for c in self_check.get("checks") or [] if isinstance(c, dict)]
+    bad = next((c for c in checks if not c.get("passed")), {})
+    reason = (f"the search could not run: the swap self-check failed (with every unit swapped as {bad.get('swapped')} "
+              f"mean k3 against the reference is {fmt(bad.get('k3_mean'))}, must be <= {fmt(self_check.get('tolerance'))}): "
+              "what differs is not (only) inside the units a swap replaces")
+    outside = outside_unit_fields(diff)
+    fields = [str(c.get("field")) for c in _list(diff or {}, "config")]
+    if outside:
+        reason += f"; config fields read outside every unit differ: {', '.join(outside)}"
+    elif fields:
+        reason += f"; config fields that differ: {', '.join(fields)}"
+    return {"verdict": "unreachable", "strategy": strategy, "trials_used": 0, "stop_reason": reason,
+            "baseline": baseline, "all_swapped": bad.get("k3_mean"), "threshold": threshold, "contributions": {},
+            "not_run": {"why": "self_check_failed", "config_outside_units": outside, "config_differs": fields}}
+
+
+def run_error(step: str, e: BaseException) -> dict:
+    """The report's `run_error`: the step of a run that failed after the inputs were read,
+    and its error in one line; what finished before it is kept in the report."""
+    lines = str(getattr(e, "message", None) or e).strip().splitlines()
+    error = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return {"step": step, "error": error, "exit_code": int(getattr(e, "code", ExitCode.BACKEND))}

@@ -253,6 +253,9 @@ def post_search_lines(r: dict | ReportView) -> list[str]:
     for e in view(r).post_search_errors:
         unit = f" for {e.get('unit')}" if e.get("unit") else ""
         out.append(f"!! {e.get('step')}{unit} failed after the search: {e.get('error')} (the search's result stands)")
+    stop = view(r).r.get("run_error")
+    if isinstance(stop, dict):
+        out.append(f"!! the run stopped: its {stop.get('step')} failed: {stop.get('error')} (what finished is above)")
     return out
 
 

@@ -95,3 +95,53 @@ def test_run_on_a_tiny_weight_change_exits_5_with_the_difference(tmp_path, capsy
 def test_help_documents_exit_code_5(capsys):
     assert main(["run", "--help"]) == 0
     assert "5    tokens within the threshold, but the engine's checkpoint differs" in capsys.readouterr().out
+
+
+# -- item 1: no finished computation is lost -----------------------------------------------
+def test_a_failed_self_check_still_writes_the_report_with_why(tmp_path, capsys):
+    """gpt-oss with `sliding_window` changed in config.json: the mask is built at model level,
+    outside every unit, so no swap reproduces the reference. The run still writes its report:
+    comparison, checkpoint diff, first divergence, the self-check's numbers, and a search that
+    says it could not run and names the config field."""
+    copy = damaged_copy("gpt_oss", tmp_path, lambda w: None, lambda c: c.update(sliding_window=8))
+    out = tmp_path / "r.json"
+    code = main(["run", "--ref", f"hf:{model_dir('gpt_oss')}", "--engine", f"hf:{copy}", "--trace", short_trace("gpt_oss", 3),
+                 "--ref-dtype", "float32", "--engine-dtype", "float32", "--threshold", "1e-9", "--out", str(out), "-q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == ExitCode.BACKEND
+    r = load_report(str(out))  # validates against the schema
+    assert r["baseline"]["value"] > 1e-9 and r["first_divergence"]["above_tol"] == "layers.0.attn"
+    assert [c["field"] for c in r["inputs"]["checkpoint_diff"]["config"]] == ["sliding_window"]
+    assert not r["self_check"]["passed"] and r["self_check"]["k3_mean"] > 1e-7
+    s = r["search"]
+    assert s["verdict"] == "unreachable" and s["trials_used"] == 0 and s["not_run"]["why"] == "self_check_failed"
+    assert "sliding_window" in s["stop_reason"] and "sliding_window" in s["not_run"]["config_differs"]
+    assert len(err) == 1 and err[0].startswith("bisect: error: the search could not run: the swap self-check failed")
+    assert str(out) in err[0]
+
+
+def test_a_step_that_fails_mid_search_keeps_the_comparison_and_the_trials(tmp_path, monkeypatch):
+    """A trial that raises (a planted failure in the engine's forward, the 4th trial) ends the
+    run, but the report holds the comparison and the trials that ended, and says which step
+    failed; the exit code is the error's."""
+    from numbisect.errors import BackendError
+    from numbisect.session import Session
+
+    copy = damaged_copy("qwen3", tmp_path, scale_one_norm(2, 1.5))
+    calls = {"n": 0}
+    trial = Session.trial
+
+    def failing(self, swapped):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise BackendError("engine worker died (planted)")
+        return trial(self, swapped)
+
+    monkeypatch.setattr(Session, "trial", failing)
+    out = tmp_path / "r.json"
+    code = cli("run", model_dir("qwen3"), copy, out, "--threshold", "1e-9", "-q")
+    r = load_report(str(out))
+    assert code == ExitCode.BACKEND
+    assert r["run_error"]["step"] == "search" and "engine worker died (planted)" in r["run_error"]["error"]
+    assert r["self_check"]["passed"] and r["baseline"]["value"] > 1e-9
+    assert len(r["trials"]) >= 1 and "layers.2.post_attn_norm" in r["checkpoint_differs"]["units"]
