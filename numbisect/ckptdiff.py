@@ -20,9 +20,13 @@ reads both checkpoints and says, per unit, what differs:
    Missing, extra, reshaped and recast tensors are listed as such.
 3. Each tensor belongs to the unit whose transformers module holds it (the longest module
    path of the family's map that prefixes its name): `layers.1.moe.experts`.
-4. Config fields that change numerics (`NUMERIC_FIELDS`, top level and `text_config`;
-   a dict-valued one such as `rope_parameters` key by key) are compared; each
-   difference names the unit kinds that read it (`rope_parameters.rope_theta`: attn).
+4. Every config field is compared (nested dicts key by key: `rope_parameters.rope_theta`,
+   `text_config.norm_topk_prob`); each difference names the unit kinds that read it, derived
+   from the family's transformers modeling code (`numbisect.config_readers`; `model`: read
+   outside every unit, e.g. the attention mask's `sliding_window`), else from
+   `NUMERIC_FIELDS`, else `unknown`: a field is never dropped. Metadata (`METADATA`: the
+   transformers version, the stored dtype, ...) is compared too and listed apart
+   (`config_metadata`), not as a finding.
 
 The result is a plain dict (the report's `inputs.checkpoint_diff`; numbisect.render
 prints it). The search still confirms a unit by swapping it.
@@ -51,6 +55,11 @@ NUMERIC_FIELDS = {
     "decoder_sparse_step": ("moe", "mlp"), "mlp_only_layers": ("moe", "mlp"),
 }
 DIGEST_BYTES = 16
+# Fields that say how the file was written or how generation runs, not what a forward
+# computes: compared and listed (`config_metadata`), never a finding.
+METADATA = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache", "_commit_hash",
+            "output_attentions", "output_hidden_states", "return_dict")
+UNKNOWN = "unknown"
 
 
 def _header(path: Path) -> tuple[dict, int]:
@@ -185,44 +194,59 @@ def _explain(name: str, ref_ck: _Checkpoint, eng_ck: _Checkpoint, head_dim: int 
     return out
 
 
-def _config_fields(cfg: dict) -> dict:
-    """The numerics-changing fields of a config.json, by path: `rms_norm_eps`,
-    `text_config.norm_topk_prob`; a field whose value is a dict (`rope_parameters`,
-    `rope_scaling`) one entry per key, `rope_parameters.rope_theta`, so the finding names
-    the value that changed (transformers 5 keeps `rope_theta` there)."""
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+def config_fields(cfg: dict, where: str = "") -> dict:
+    """Every field of a config.json, by path: `rms_norm_eps`, `text_config.norm_topk_prob`;
+    a dict-valued field (`rope_parameters`, `text_config`) key by key, so a finding names the
+    value that changed (`rope_parameters.rope_theta`); lists and scalars as they are."""
     out = {}
-    for scope, where in ((cfg, ""), (text, "text_config.")):
-        for k in NUMERIC_FIELDS:
-            if k not in scope:
-                continue
-            if isinstance(scope[k], dict) and scope[k]:
-                for sub, v in scope[k].items():
-                    out[f"{where}{k}.{sub}"] = v
-            else:
-                out[where + k] = scope[k]
+    for k, v in cfg.items():
+        if isinstance(v, dict) and v:
+            out.update(config_fields(v, f"{where}{k}."))
+        else:
+            out[where + k] = v
     return out
 
 
-def field_readers(path: str) -> list[str]:
-    """The unit kinds that read config field `path` (`text_config.rope_parameters.rope_theta`
-    -> the readers of `rope_parameters`)."""
+def field_readers(path: str, readers: dict[str, list[str]] | None = None) -> list[str]:
+    """The unit kinds that read config field `path`: `readers` (from the modeling code,
+    `numbisect.config_readers`) for its first name under the nested config it lives in
+    (`text_config.rope_parameters.rope_theta` -> `rope_parameters`), else `NUMERIC_FIELDS`,
+    else [`unknown`]."""
     parts = path.split(".")
-    if parts[0] == "text_config":
-        parts = parts[1:]
-    return list(NUMERIC_FIELDS.get(parts[0], ()))
+    ns = []
+    while len(parts) > 1 and parts[0].endswith("_config"):
+        ns.append(parts.pop(0))
+    name = parts[0]
+    for key in ([f"{ns[-1]}.{name}"] if ns else []) + [name]:  # the sub-config's own readers first
+        if readers and readers.get(key):
+            return list(readers[key])
+    return list(NUMERIC_FIELDS.get(name, ())) or [UNKNOWN]
 
 
-def diff_configs(ref_cfg: dict, eng_cfg: dict) -> list[dict]:
-    """The numerics-changing config fields whose values differ (or that one side lacks),
-    each with the unit kinds that read it (`read_by`)."""
-    a, b = _config_fields(ref_cfg), _config_fields(eng_cfg)
-    out = []
+def diff_configs(ref_cfg: dict, eng_cfg: dict, readers: dict[str, list[str]] | None = None) -> tuple[list[dict], list[dict], int]:
+    """Every config field compared: (the differing fields, each with the unit kinds that read
+    it (`read_by`), the differing metadata fields, how many fields were compared)."""
+    a, b = config_fields(ref_cfg), config_fields(eng_cfg)
+    out, meta = [], []
     for k in sorted(set(a) | set(b)):
         if a.get(k, "<missing>") != b.get(k, "<missing>"):
-            out.append({"field": k, "ref": a.get(k), "engine": b.get(k), "missing": "ref" if k not in a else "engine" if k not in b else None,
-                        "read_by": field_readers(k)})
-    return out
+            item = {"field": k, "ref": a.get(k), "engine": b.get(k), "missing": "ref" if k not in a else "engine" if k not in b else None}
+            if k.rpartition(".")[2] in METADATA:
+                meta.append(item)
+            else:
+                out.append({**item, "read_by": field_readers(k, readers)})
+    return out, meta, len(set(a) | set(b))
+
+
+def _readers(arch, config) -> dict[str, list[str]] | None:
+    """The modeling code's readers of each field; None when the model cannot be built on
+    the meta device (the diff then falls back to `NUMERIC_FIELDS`)."""
+    from numbisect.config_readers import readers
+
+    try:
+        return readers(arch, config)
+    except Exception:
+        return None
 
 
 def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict, config) -> dict:
@@ -285,9 +309,12 @@ def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict,
         units[unit] = {"tensors": items, "summary": _unit_summary(items)}
     order = {u.name: u.order for u in arch.units(config)}
     units = dict(sorted(units.items(), key=lambda kv: order.get(kv[0], 1 << 30)))
-    cfg = diff_configs(ref_cfg, eng_cfg)
-    return {"same_path": False, "identical": not units and not unmapped and not cfg, "tensors": len(names),
-            "units": units, "unmapped": unmapped, "config": cfg}
+    cfg, meta, compared = diff_configs(ref_cfg, eng_cfg, _readers(arch, config) if ref_cfg != eng_cfg else None)
+    out = {"same_path": False, "identical": not units and not unmapped and not cfg, "tensors": len(names),
+           "units": units, "unmapped": unmapped, "config": cfg, "config_fields": compared}
+    if meta:
+        out["config_metadata"] = meta
+    return out
 
 
 def apply_renames(key: str, renames: dict[str, str]) -> str:

@@ -64,8 +64,12 @@ def checkpoint_lines(r: dict | ReportView) -> list[str]:
     d = view(r).checkpoint_diff
     if not d or d.get("same_path"):
         return []
+    n = d.get("config_fields")
+    compared = f"config ({n} fields compared)" if isinstance(n, int) else "numeric config"  # older reports compared a list
+    meta = [f"config metadata (not a finding): {c.get('field')} is {_json(c.get('engine'))} in the engine, {_json(c.get('ref'))} in the reference"
+            for c in d.get("config_metadata") or [] if isinstance(c, dict)]
     if d.get("identical"):
-        return [f"checkpoints: the engine's {d.get('tensors')} tensors and numeric config equal the reference's"]
+        return [f"checkpoints: the engine's {d.get('tensors')} tensors and {compared} equal the reference's"] + meta
     lines = []
     units = d.get("units") if isinstance(d.get("units"), dict) else {}
     if units:
@@ -76,9 +80,10 @@ def checkpoint_lines(r: dict | ReportView) -> list[str]:
             lines.append(f"  {t.get('tensor')} (no unit): {t.get('how')}")
     for c in d.get("config") or []:
         if isinstance(c, dict):
+            readers = [("the model outside every unit" if k == "model" else str(k)) for k in c.get("read_by") or []]
             lines.append(f"config: {c.get('field')} is {_json(c.get('engine'))} in the engine, {_json(c.get('ref'))} "
-                         f"in the reference (read by {', '.join(map(str, c.get('read_by') or []))})")
-    return lines
+                         f"in the reference (read by {', '.join(readers) or 'unknown'})")
+    return lines + meta
 
 
 def _json(x) -> str:

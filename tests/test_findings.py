@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from conftest import damaged_copy, model_dir, short_trace
+from conftest import ROOT, damaged_copy, model_dir, short_trace
 from numbisect import findings as F
 from numbisect.cli import main
 from numbisect.errors import ExitCode
@@ -115,7 +115,8 @@ def test_a_failed_self_check_still_writes_the_report_with_why(tmp_path, capsys):
     assert not r["self_check"]["passed"] and r["self_check"]["k3_mean"] > 1e-7
     s = r["search"]
     assert s["verdict"] == "unreachable" and s["trials_used"] == 0 and s["not_run"]["why"] == "self_check_failed"
-    assert "sliding_window" in s["stop_reason"] and "sliding_window" in s["not_run"]["config_differs"]
+    assert s["not_run"]["config_outside_units"] == ["sliding_window"]  # the mask is built at model level
+    assert "config fields read outside every unit differ: sliding_window" in s["stop_reason"]
     assert len(err) == 1 and err[0].startswith("bisect: error: the search could not run: the swap self-check failed")
     assert str(out) in err[0]
 
@@ -145,3 +146,76 @@ def test_a_step_that_fails_mid_search_keeps_the_comparison_and_the_trials(tmp_pa
     assert r["run_error"]["step"] == "search" and "engine worker died (planted)" in r["run_error"]["error"]
     assert r["self_check"]["passed"] and r["baseline"]["value"] > 1e-9
     assert len(r["trials"]) >= 1 and "layers.2.post_attn_norm" in r["checkpoint_differs"]["units"]
+
+
+# -- item 2: a complete config diff ----------------------------------------------------------
+FAMILIES = sorted(p.name for p in (ROOT / "fixtures" / "models").iterdir() if (p / "config.json").exists())
+
+
+def _planted(v):
+    """A changed numeric value: ints + 1, floats x 2 (0.0 -> 0.5)."""
+    return v + 1 if isinstance(v, int) else (v * 2 if v else 0.5)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_change_in_every_numeric_config_field_is_reported_with_its_readers(name):
+    """Every numeric field of the family's config.json (nested ones key by key) changed at
+    once: each is reported, with the unit kinds its modeling code reads it from, or
+    `unknown`; none is dropped. Diff only: no model runs."""
+    from numbisect.arch import arch_for
+    from numbisect.backends.base import load_config
+    from numbisect.ckptdiff import METADATA, _readers, config_fields, diff_configs
+
+    raw = json.loads((ROOT / "fixtures" / "models" / name / "config.json").read_text())
+    numeric = {k: v for k, v in config_fields(raw).items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and k.rpartition(".")[2] not in METADATA}
+    assert numeric
+    eng = json.loads(json.dumps(raw))
+    for path, v in numeric.items():
+        *parents, leaf = path.split(".")
+        d = eng
+        for p in parents:
+            d = d[p]
+        d[leaf] = _planted(v)
+    config = load_config(model_dir(name))
+    readers = _readers(arch_for(config), config)
+    assert readers, "the modeling code's readers could not be derived"
+    found, meta, compared = diff_configs(raw, eng, readers)
+    by = {c["field"]: c for c in found}
+    assert set(by) == set(numeric) and not meta and compared == len(config_fields(raw))
+    for path, v in numeric.items():
+        assert by[path]["ref"] == v and by[path]["engine"] == _planted(v) and by[path]["read_by"], by[path]
+
+
+@pytest.mark.parametrize("name, field, reader", [
+    ("deepseek_v3", "rope_interleave", "attn"),  # not in the old hand list (#28 item 2)
+    ("gpt_oss", "swiglu_alpha", "experts"),
+    ("gpt_oss", "sliding_window", "model"),  # the mask is built outside every unit
+    ("qwen3_vl_moe", "text_config.rope_parameters.rope_theta", "attn"),
+])
+def test_fields_the_old_list_missed_are_attributed_from_the_modeling_code(name, field, reader):
+    from numbisect.arch import arch_for
+    from numbisect.backends.base import load_config
+    from numbisect.ckptdiff import _readers, field_readers
+
+    config = load_config(model_dir(name))
+    assert reader in field_readers(field, _readers(arch_for(config), config))
+
+
+def test_an_unattributed_field_is_unknown_never_dropped_and_equal_says_what_was_compared(tmp_path, capsys):
+    from numbisect.render import checkpoint_lines
+
+    def cfg(c):
+        c["my_new_field"] = 3  # read by no modeling code
+    copy = damaged_copy("qwen3", tmp_path, lambda w: None, cfg)
+    from numbisect.backends.base import check_checkpoint, load_config
+    from numbisect.ckptdiff import config_fields, diff_checkpoints
+
+    ref = model_dir("qwen3")
+    d = diff_checkpoints(ref, copy, check_checkpoint(ref), check_checkpoint(copy), load_config(ref))
+    [c] = d["config"]
+    assert c["field"] == "my_new_field" and c["read_by"] == ["unknown"] and c["missing"] == "ref"
+    same = diff_checkpoints(ref, copy, check_checkpoint(ref), check_checkpoint(ref), load_config(ref))
+    n = len(config_fields(json.loads((ROOT / "fixtures" / "models" / "qwen3" / "config.json").read_text())))
+    assert checkpoint_lines({"inputs": {"checkpoint_diff": same}}) == [
+        f"checkpoints: the engine's {same['tensors']} tensors and config ({n} fields compared) equal the reference's"]
