@@ -67,7 +67,7 @@ def checkpoint_lines(r: dict | ReportView) -> list[str]:
     n = d.get("config_fields")
     compared = f"config ({n} fields compared)" if isinstance(n, int) else "numeric config"  # older reports compared a list
     meta = [f"config metadata (not a finding): {c.get('field')} is {_json(c.get('engine'))} in the engine, {_json(c.get('ref'))} in the reference"
-            for c in d.get("config_metadata") or [] if isinstance(c, dict)]
+            for c in (d.get("config_metadata") if isinstance(d.get("config_metadata"), list) else []) if isinstance(c, dict)]
     if d.get("identical"):
         return [f"checkpoints: the engine's {d.get('tensors')} tensors and {compared} equal the reference's"] + meta
     lines = []
