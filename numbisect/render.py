@@ -9,7 +9,7 @@ drive the terminal or forge a line.
 
 from __future__ import annotations
 
-from numbisect.findings import checkpoint_differs, mark
+from numbisect.findings import checkpoint_differs, localise_command, mark
 from numbisect.formatting import fmt, pct
 from numbisect.reportview import ReportView, view
 from numbisect.textsafe import printable_text
@@ -32,6 +32,8 @@ def header(r: dict | ReportView) -> list[str]:
     if v.aligned and differs:  # a checkpoint difference is a finding at any threshold
         lines.append("   the tokens are within the threshold, but the engine's checkpoint differs from the reference's "
                      "(above): not the same model")
+        lines.append("   to localise it below the noise floor (both checkpoints in transformers fp32, floor 0): "
+                     + localise_command(ref.get("path"), eng.get("path"), tr.get("path")))
     o = v.threshold_origin
     if o is not None:  # --threshold floor[xN]
         where = f"from {o.get('file')}" if o.get("file") else "calibrated now"

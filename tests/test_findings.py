@@ -55,6 +55,8 @@ def test_compare_says_a_tiny_weight_change_under_the_threshold_is_still_a_differ
     assert "OK ALIGNED" not in text
     assert "verdict: ~~ TOKENS ALIGNED, CHECKPOINTS DIFFER" in text
     assert "layers.1.post_attn_norm: post_attention_layernorm.weight scaled by 1.02" in text
+    hint = f"bisect run --ref hf:{model_dir('qwen3')} --engine hf:{copy} --trace {short_trace('qwen3', 2)} --ref-dtype float32"
+    assert hint in text  # the way to localise it below the noise floor
     assert main(["report", "show", str(out)]) == 0
     assert "TOKENS ALIGNED, CHECKPOINTS DIFFER" in capsys.readouterr().out
     main(["report", "md", str(out)])
