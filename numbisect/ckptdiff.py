@@ -321,7 +321,8 @@ def explain_tensors(r, e, name: str = "", heads: dict | None = None) -> dict:
         zero = (rows_e == 0).all(1) & (rows_r != 0).any(1)
         if bool(zero.any()) and bool((rows_e[~zero] == rows_r[~zero]).all()):
             idx = zero.nonzero().flatten().tolist()
-            span = f"{idx[0]}-{idx[-1]}" if idx == list(range(idx[0], idx[-1] + 1)) else ",".join(map(str, idx[:8])) + ("..." if len(idx) > 8 else "")
+            contiguous = idx == list(range(idx[0], idx[-1] + 1))
+            span = f"{idx[0]}-{idx[-1]}" if contiguous else ",".join(map(str, idx[:8])) + ("..." if len(idx) > 8 else "")
             return {"how": "rows zeroed", "rows": len(idx), "phrase": f"rows {span} zeroed ({len(idx)} of {r.shape[0]})"}
     nz = r != 0
     if nz.any() and bool(((e == 0) | nz).all()):
@@ -381,7 +382,8 @@ def _across_layers(name: str, r, e, ref_ck: _Checkpoint) -> dict | None:
         return None
     n = sum(1 for s in src if s[0] != here)
     return {"how": "rows from other layers", "layers": layers, "rows": n,
-            "phrase": f"{n} of {len(src)} rows hold layer{'s' if len(layers) > 1 else ''} {','.join(map(str, layers))}'s (a layer index shifted)"}
+            "phrase": f"{n} of {len(src)} rows hold layer{'s' if len(layers) > 1 else ''} {','.join(map(str, layers))}'s "
+                      "(a layer index shifted)"}
 
 
 def config_fields(cfg: dict, where: str = "") -> dict:
