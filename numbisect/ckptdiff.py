@@ -334,10 +334,13 @@ def explain_tensors(r, e, name: str = "", heads: dict | None = None) -> dict:
     diff = e - r
     c = float(diff.median()) if diff.numel() else 0.0
     spread = float((diff - c).abs().max()) if diff.numel() else 0.0
-    if c != 0 and spread <= 1e-2 * max(1.0, abs(c)) and spread <= 0.5 * abs(c):
+    rounding = 2 ** -7 * float(e.abs().max()) if e.numel() else 0.0  # a value written back in bf16
+    if c != 0 and spread <= max(1e-2 * max(1.0, abs(c)), rounding) and spread <= 0.5 * abs(c):
+        whole = round(c)
+        c = float(whole) if whole and abs(c - whole) <= 1e-2 else c  # +1 written back in bf16 reads +0.9999
         norm = "norm" in name or "layernorm" in name
-        note = " (zero-centred <-> plain RMSNorm weights)" if norm and abs(abs(c) - 1) <= 1e-2 else ""
-        return {"how": "offset", "offset": round(c, 4), "phrase": f"offset by {c:+.4g}{note}"}
+        note = " (zero-centred <-> plain RMSNorm weights)" if norm and abs(c) == 1 else ""
+        return {"how": "offset", "offset": round(c, 4), "phrase": f"offset by {c:+.3g}{note}"}
     if r.dim() == 3:  # only some experts' slices differ: each explained
         bad = [i for i in range(r.shape[0]) if not bool((r[i] == e[i]).all())]
         if 0 < len(bad) < r.shape[0]:
