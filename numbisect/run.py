@@ -3,7 +3,10 @@
 1. Compare the unswapped engine with the reference (baseline, per-unit propagated and
    local error; the local ranking orders the search's guesses).
 2. Self-check: with every unit swapped the engine must reproduce the reference
-   (mean k3 <= 1e-7 when the dtypes match); otherwise no swap can localise anything.
+   (mean k3 <= 1e-7 when the dtypes match); otherwise no swap can localise anything,
+   and the report is written all the same: `search.not_run` says why and names the config
+   fields read outside every unit that differ (exit 3). A self-check or search step that
+   raises is recorded as `run_error`, with the trials that ended: nothing finished is lost.
 3. Either `--swap KIND[,KIND]` (baseline trial, then one trial with those kinds swapped)
    or the search (`numbisect.search`), each trial appended to a JSONL log as it ends.
 4. The report body gains `self_check`, `trials`, `culprits`, `search` (and `swap`):
