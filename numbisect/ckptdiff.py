@@ -439,7 +439,7 @@ def _readers(arch, config) -> dict[str, list[str]] | None:
     from numbisect.config_readers import readers
 
     try:
-        return readers(arch, config)
+        return readers(arch, config, unit_prefixes(arch, config))
     except Exception:
         return None
 

@@ -144,13 +144,20 @@ def _meta_model(arch, config):
         return auto.from_config(config)
 
 
-def readers(arch, config) -> dict[str, list[str]]:
-    """Config field -> the unit kinds whose modules read it (`model`: outside every unit),
-    derived from the family's transformers modeling code (module docstring)."""
-    from numbisect.ckptdiff import unit_of, unit_prefixes
+def _unit_of(path: str, prefixes: list[tuple[str, str]]) -> str | None:
+    """The unit whose module path is the longest prefix of module `path` (`prefixes`:
+    (module path, unit), longest first, as `ckptdiff.unit_prefixes` gives them)."""
+    for p, unit in prefixes:
+        if path == p or path.startswith(p + "."):
+            return unit
+    return None
 
+
+def readers(arch, config, prefixes: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """Config field -> the unit kinds whose modules read it (`model`: outside every unit),
+    derived from the family's transformers modeling code (module docstring). `prefixes`:
+    (transformers module path, unit) of every unit, longest first (`ckptdiff.unit_prefixes`)."""
     model = _meta_model(arch, config)
-    prefixes = unit_prefixes(arch, config)
     kind = {u.name: u.kind for u in arch.units(config)}
     modules = dict(model.named_modules())
 
@@ -162,7 +169,7 @@ def readers(arch, config) -> dict[str, list[str]]:
     def kind_of(path: str) -> str:
         if rotary is not None and (path == rotary or path.startswith(rotary + ".")):
             return "attn"
-        u = unit_of(path, prefixes) if path else None
+        u = _unit_of(path, prefixes) if path else None
         return kind.get(u, OUTSIDE) if u is not None else OUTSIDE
 
     from transformers import PretrainedConfig
