@@ -41,6 +41,7 @@ from numbisect.report.document import (
     load_report,
     write_json_atomic,
 )
+from numbisect.report.findings import exit_code as verdict_exit_code
 from numbisect.report.summary import render
 from numbisect.report.tools import diff, markdown, render_diff
 from numbisect.tui.live import LiveConfig, check_live, run_argv
@@ -52,6 +53,7 @@ Exit codes:
   2    usage or input error
   3    backend or load error; failed swap self-check
   4    diverged, but no culprit set found within --max-trials (or only --engine-config's settings diverge)
+  5    tokens within the threshold, but the engine's checkpoint differs from the reference's (weights or config)
   130  interrupted (Ctrl-C, SIGTERM, SIGHUP)
 Set NUMBISECT_DEBUG=1 to see tracebacks."""
 
@@ -441,7 +443,7 @@ def compare(**kw):
         finally:
             session.close()
     _emit(report, kw)
-    return ExitCode.ALIGNED if report["verdict"] == "aligned" else ExitCode.DIVERGED
+    return verdict_exit_code(report["verdict"], report["inputs"].get("checkpoint_diff"))
 
 
 @cli.command(epilog=EPILOG)
@@ -582,6 +584,11 @@ def run(**kw):
         finally:
             session.close()
     _emit(report, kw)
+    stopped = body.get("run_error") or (body.get("search") or {}).get("not_run")
+    if stopped:  # the report holds what finished; the error line says why the rest did not
+
+        where = f"; the report is in {kw['out']}" if kw.get("out") else ""
+        print(printable(f"bisect: error: {body['search']['stop_reason']}{where}"), file=sys.stderr)
     return code
 
 

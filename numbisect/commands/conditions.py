@@ -46,6 +46,7 @@ from numbisect.model.trace import check_vocab, samples_digest
 from numbisect.model.units import INNER_KINDS
 from numbisect.pipeline import measure as C
 from numbisect.pipeline import metrics as M
+from numbisect.report.findings import tokens_verdict
 from numbisect.search import search as S
 
 ROLE_INVARIANCE = "invariance"
@@ -453,7 +454,7 @@ def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, r
     baseline = C.token_report(sess.samples, eng.good, user_res, sess.settings, sess.groups, detail=True)
     if base["bitwise"]:
         baseline["value"] = 0.0
-    body = {"baseline": baseline, "units": [], "verdict": "aligned" if baseline["value"] <= sess.settings.threshold else "diverged"}
+    body = {"baseline": baseline, "units": [], "verdict": tokens_verdict(baseline["value"], sess.settings.threshold)}
     cond = {"user": sess.user, "good": sess.good, "atoms": [], "culprits": [], "vs_reference": vs_ref,
             "bitwise_equal": base["bitwise"], "max_abs_diff": base["max_abs_diff"], "custom_ops": {"user": user_ops, "good": good_ops}}
     body["conditions"] = cond

@@ -3,7 +3,10 @@
 1. Compare the unswapped engine with the reference (baseline, per-unit propagated and
    local error; the local ranking orders the search's guesses).
 2. Self-check: with every unit swapped the engine must reproduce the reference
-   (mean k3 <= 1e-7 when the dtypes match); otherwise no swap can localise anything.
+   (mean k3 <= 1e-7 when the dtypes match); otherwise no swap can localise anything,
+   and the report is written all the same: `search.not_run` says why and names the config
+   fields read outside every unit that differ (exit 3). A self-check or search step that
+   raises is recorded as `run_error`, with the trials that ended: nothing finished is lost.
 3. Either `--swap KIND[,KIND]` (baseline trial, then one trial with those kinds swapped)
    or the search (`numbisect.search.search`), each trial appended to a JSONL log as it ends.
 4. The report body gains `self_check`, `trials`, `culprits`, `search` (and `swap`):
@@ -27,6 +30,7 @@ from numbisect.model.units import unit_graph
 from numbisect.patching.swap import units_of_kinds
 from numbisect.pipeline import decode as D
 from numbisect.pipeline import whatif as W
+from numbisect.report import findings as F
 from numbisect.search import search as S
 from numbisect.session.environment import conditions, differences
 
@@ -293,12 +297,14 @@ class RunResult:
     trials: list[dict] = field(default_factory=list)  # every trial, resumed ones included
     swap: dict | None = None  # --swap KIND: the one swap trial's summary
     post_search_errors: list[dict] = field(default_factory=list)  # steps after the search that failed
+    run_error: dict | None = None  # the step (self-check, search) that failed; what finished before it is kept
 
 
 def run_body(r: RunResult) -> dict:
     """The report's body of a run: the comparison's, then the run's sections."""
     body = dict(r.compared)
-    body["self_check"] = r.self_check
+    if r.self_check is not None:  # None: the self-check itself failed (run_error)
+        body["self_check"] = r.self_check
     if r.swap is not None:
         body["swap"] = r.swap
     body["search"] = r.search
@@ -306,6 +312,8 @@ def run_body(r: RunResult) -> dict:
     body["trials"] = r.trials
     if r.post_search_errors:
         body["post_search_errors"] = r.post_search_errors
+    if r.run_error is not None:
+        body["run_error"] = r.run_error
     return body
 
 
@@ -331,10 +339,44 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
         compared = session.compare(local=True)
         if on_baseline is not None:
             on_baseline(compared)
-        result = RunResult(compared, check_swaps(session, progress))
     except BaseException:
         logger.close()
         raise
+    # From here on nothing finished is lost: a failed self-check, or a step that raises,
+    # still gives the report (compare, checkpoint diff, first divergence, what ran).
+    result = RunResult(compared, None)
+    step = "self_check"
+    runner = None
+    try:
+        progress("self-check: every unit swapped must reproduce the reference")
+        result.self_check = session.self_check()
+        if not result.self_check["passed"]:
+            result.search = F.search_not_run(result.self_check, getattr(session, "checkpoint_diff", None),
+                                             compared["baseline"]["value"], session.settings.threshold, "swap" if kinds else strategy)
+            progress(result.search["stop_reason"])
+            return run_body(result), ExitCode.BACKEND
+        step = "search"
+        code, runner = _trials(session, kinds, strategy, max_trials, logger, progress, on_trial, result)
+    except Exception as e:
+        if os.environ.get("NUMBISECT_DEBUG"):
+            traceback.print_exc()
+        result.run_error = F.run_error(step, e)
+        if runner is not None:
+            result.trials = [t.to_dict() for t in runner.trials]
+        if not result.search:
+            result.search = {"verdict": "unreachable", "strategy": "swap" if kinds else strategy,
+                             "trials_used": len(result.trials), "baseline": compared["baseline"]["value"],
+                             "threshold": session.settings.threshold,
+                             "stop_reason": f"the run stopped: its {step.replace('_', '-')} failed ({result.run_error['error']})"}
+        progress(result.search["stop_reason"])
+        return run_body(result), result.run_error["exit_code"]
+    finally:
+        logger.close()
+    return _after_search(session, result, runner, code, whatif, progress)
+
+
+def _trials(session, kinds, strategy, max_trials, logger, progress, on_trial, result):
+    """The trials: `--swap KIND` or the search; (exit code, the TrialRunner)."""
     resumed = logger.resumed
 
     def record(trial):
@@ -349,8 +391,15 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
             code = _swap_run(session, kinds, runner, result)
         else:
             code = _search_run(session, strategy, runner, result)
-    finally:
-        logger.close()
+    except Exception:
+        result.trials = [t.to_dict() for t in runner.trials]  # the trials that finished are kept
+        raise
+    return code, runner
+
+
+def _after_search(session, result: RunResult, runner, code: int, whatif: bool, progress) -> tuple[dict, int]:
+    """The exit code's last word, then the steps after the search (none may lose its result)."""
+    compared = result.compared
     result.trials = [t.to_dict() for t in runner.trials]
     ue = getattr(session, "user_engine", None)
     if ue is not None and ue.child and compared.get("verdict") == "diverged" and code == ExitCode.ALIGNED:
@@ -358,6 +407,7 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
         result.search["stop_reason"] += ("; your engine configuration diverges but the hookable one the search ran in does not: "
                                          "the divergence comes from its settings (bisect conditions --engine-config names them)")
         code = ExitCode.NO_CULPRIT
+    code = F.with_checkpoint(code, getattr(session, "checkpoint_diff", None))  # aligned tokens, differing checkpoints: 5
     # The search is done: nothing after it may lose its result (see `after_search`).
     failed = result.post_search_errors
     after_search(failed, "prefix_reuse", None, progress,

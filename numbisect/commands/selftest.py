@@ -39,7 +39,7 @@ from pathlib import Path
 
 from numbisect.backends import BACKENDS, require_reference
 from numbisect.backends.base import check_checkpoint
-from numbisect.commands.run import SelfCheckFailed, check_swaps, run
+from numbisect.commands.run import check_swaps, run
 from numbisect.common.errors import InputError
 from numbisect.common.formatting import fmt
 from numbisect.model import ckptfaults as CF
@@ -459,11 +459,10 @@ def _checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progre
     t0 = time.perf_counter()
     row = {"round": r, **f.to_dict(), "expected": f.kinds or f.units}
     try:
-        try:
-            body, _ = run(s, swap=None, strategy="hierarchical", max_trials=None, log=None, resume=None,
-                          progress=progress, whatif=False)
-        except SelfCheckFailed as e:
-            return {**row, "status": "SELF-CHECK FAILED", "found": False, "match": None, "error": str(e),
+        body, _ = run(s, swap=None, strategy="hierarchical", max_trials=None, log=None, resume=None,
+                      progress=progress, whatif=False)
+        if (body.get("search") or {}).get("not_run"):  # the run's report says why the search could not run
+            return {**row, "status": "SELF-CHECK FAILED", "found": False, "match": None, "error": body["search"]["stop_reason"],
                     "wall_s": round(time.perf_counter() - t0, 3)}
         diff = s.checkpoint_diff or {}
     finally:

@@ -11,6 +11,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # usage or input error
     BACKEND = 3  # backend or load error; a failed swap self-check
     NO_CULPRIT = 4  # diverged, but no culprit set found within --max-trials (or only the --engine-config settings diverge)
+    CHECKPOINT_DIFFERS = 5  # the tokens are within the threshold, but the engine's checkpoint differs (weights or config)
     INTERRUPTED = 130  # Ctrl-C
 
 

@@ -20,9 +20,13 @@ reads both checkpoints and says, per unit, what differs:
    Missing, extra, reshaped and recast tensors are listed as such.
 3. Each tensor belongs to the unit whose transformers module holds it (the longest module
    path of the family's map that prefixes its name): `layers.1.moe.experts`.
-4. Config fields that change numerics (`NUMERIC_FIELDS`, top level and `text_config`;
-   a dict-valued one such as `rope_parameters` key by key) are compared; each
-   difference names the unit kinds that read it (`rope_parameters.rope_theta`: attn).
+4. Every config field is compared (nested dicts key by key: `rope_parameters.rope_theta`,
+   `text_config.norm_topk_prob`); each difference names the unit kinds that read it, derived
+   from the family's transformers modeling code (`numbisect.model.config_readers`; `model`: read
+   outside every unit, e.g. the attention mask's `sliding_window`), else from
+   `NUMERIC_FIELDS`, else `unknown`: a field is never dropped. Metadata (`METADATA`: the
+   transformers version, the stored dtype, ...) is compared too and listed apart
+   (`config_metadata`), not as a finding.
 5. A sharded checkpoint is read as the loader reads it: its `model.safetensors.index.json`
    first, then the shards it names (a stray `*.safetensors` beside them is not read).
    Where the index and the files disagree (a shard file it names is missing, a file it
@@ -37,11 +41,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from numbisect.common.errors import InputError
 from numbisect.common.safeio import read_input
 from numbisect.model.arch import arch_for
+from numbisect.model.config_readers import readers
 
 # Config fields whose value changes what a forward computes, and the unit kinds that read them.
 NUMERIC_FIELDS = {
@@ -61,6 +67,11 @@ NUMERIC_FIELDS = {
 }
 DIGEST_BYTES = 16
 MAX_NOTES = 50  # index disagreements kept in a report
+# Fields that say how the file was written or how generation runs, not what a forward
+# computes: compared and listed (`config_metadata`), never a finding.
+METADATA = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache", "_commit_hash",
+            "output_attentions", "output_hidden_states", "return_dict")
+UNKNOWN = "unknown"
 
 
 def _header(path: Path) -> tuple[dict, int]:
@@ -198,91 +209,299 @@ def _pair_label(a: str, b: str) -> str:
     return f"{x} <-> {y}"
 
 
-def _row_permutation(ref, eng, block: int) -> list[int] | None:
-    """The order of `ref`'s row blocks that gives `eng` (eng block i = ref block perm[i]),
-    when eng is a reordering of ref in blocks of `block` rows and not ref itself."""
-    if ref.dim() != 2 or ref.shape != eng.shape or block < 1 or ref.shape[0] % block or ref.shape[0] // block < 2:
+def _explain(name: str, ref_ck: _Checkpoint, eng_ck: _Checkpoint, heads: dict) -> dict:
+    """How tensor `name` of the engine differs from the reference's (same shape and dtype):
+    `explain_tensors` on the two, then, failing that, rows taken from the same tensor of
+    other layers (`_across_layers`)."""
+    r, e = ref_ck.tensor(name).float(), eng_ck.tensor(name).float()
+    out = explain_tensors(r, e, name, heads)
+    if out["how"] == "changed":
+        moved = _across_layers(name, r, e, ref_ck)
+        if moved is not None:
+            return moved
+    return out
+
+
+def head_sizes(name: str, rows: int, heads: dict) -> set[int]:
+    """The rows per head a tensor of `rows` rows may stack: rows / the query head count for a
+    query projection (q_proj, q_b_proj; with a gate riding along, 2 x head_dim), rows / the
+    key/value head count for k_proj, v_proj and kv_b_proj, rows / a linear-attention head
+    count for a fused qkv(z); none for a low-rank `*_a_proj`, a norm or an MLP weight, so an
+    explanation never calls their row blocks heads."""
+    short = name.rsplit(".", 2)[-2] if "." in name else name
+    if "_a_proj" in short:
+        return set()
+    if short in ("q_proj", "q_b_proj"):
+        counts = [heads.get("q")]
+    elif short in ("k_proj", "v_proj", "kv_b_proj"):
+        counts = [heads.get("kv")]
+    elif "qkv" in short:
+        counts = list(heads.get("linear") or ())
+    else:
+        return set()
+    return {rows // n for n in counts if isinstance(n, int) and n >= 1 and rows % n == 0 and rows // n > 1}
+
+
+def _axis_permutation(r, e, dim: int) -> list[int] | None:
+    """The order of `r`'s slices along `dim` that gives `e` (e slice i = r slice perm[i]),
+    when e is a reordering of r along that axis and not r itself."""
+    n = r.shape[dim]
+    if n < 2:
         return None
-    n = ref.shape[0] // block
-    keys = {}
+    rs = r.movedim(dim, 0).reshape(n, -1).contiguous()
+    es = e.movedim(dim, 0).reshape(n, -1).contiguous()
+    keys: dict[bytes, list[int]] = {}
     for i in range(n):
-        keys.setdefault(ref[i * block:(i + 1) * block].contiguous().view(-1).numpy().tobytes(), []).append(i)
+        keys.setdefault(rs[i].numpy().tobytes(), []).append(i)
     perm = []
     for i in range(n):
-        k = eng[i * block:(i + 1) * block].contiguous().view(-1).numpy().tobytes()
+        k = es[i].numpy().tobytes()
         if not keys.get(k):
             return None
         perm.append(keys[k].pop(0))
     return perm if perm != list(range(n)) else None
 
 
-def _explain(name: str, ref_ck: _Checkpoint, eng_ck: _Checkpoint, head_dim: int | None) -> dict:
-    """How tensor `name` of the engine differs from the reference's (same shape and dtype)."""
+def describe_order(q: list[int]) -> str:
+    """A reordering of m items in words: `reversed`, `2 <-> 5 swapped`, `interleaved ->
+    half-split` (engine = the reference's even items, then its odd ones: rotary layouts,
+    gate/up columns), `half-split -> interleaved`, `[first k | last m-k] exchanged`, else the order."""
+    m = len(q)
+    split = list(range(0, m, 2)) + list(range(1, m, 2))
+    inverse = [0] * m
+    for i, p in enumerate(split):
+        inverse[p] = i
+    moved = [i for i, p in enumerate(q) if p != i]
+    if q == list(range(m))[::-1]:
+        return "reversed"
+    if len(moved) == 2:
+        return f"{moved[0]} <-> {moved[1]} swapped"
+    if m % 2 == 0 and q == split:
+        return "interleaved -> half-split"
+    if m % 2 == 0 and q == inverse:
+        return "half-split -> interleaved"
+    k = q[0]
+    if k and q == [(i + k) % m for i in range(m)]:
+        return f"[first {k} | last {m - k}] exchanged"
+    return "order " + ",".join(map(str, q)) if m <= 16 else "reordered"
+
+
+def _blocks(perm: list[int], b: int) -> tuple[str, list[int]] | None:
+    """How `perm` (of single rows) acts on blocks of b rows: ("whole", block order) when it
+    moves whole blocks keeping their inner order; ("inside", the inner order) when every row
+    stays in its block and every block is reordered the same way; else None."""
+    n = len(perm)
+    if b < 1 or n % b or n // b < 1:
+        return None
+    nb = n // b
+    order = []
+    for j in range(nb):
+        src = perm[j * b]
+        if src % b or perm[j * b:(j + 1) * b] != list(range(src, src + b)):
+            break
+        order.append(src // b)
+    else:
+        return ("whole", order) if nb > 1 and order != list(range(nb)) else None
+    inner = [p - perm[0] // b * b for p in perm[:b]]
+    for j in range(nb):
+        if [p - j * b for p in perm[j * b:(j + 1) * b]] != inner:
+            return None
+    return ("inside", inner) if inner != list(range(b)) else None
+
+
+def _describe_permutation(perm: list[int], axis: str, sizes: set[int]) -> dict:
+    """A permutation of rows (or columns) in words that agree with the tensor's structure:
+    whole heads reordered, a same reordering inside every head (a head-sized tensor: inside
+    the head), or blocks of rows; `heads` only where `sizes` (head_sizes) allows it."""
+    n = len(perm)
+    for h in sorted(sizes):
+        got = _blocks(perm, h)
+        if got and got[0] == "whole":
+            return {"how": "rows permuted", "block": "heads", "block_rows": h, "order": got[1] if len(got[1]) <= 64 else None,
+                    "moved": sum(p != i for i, p in enumerate(got[1])),
+                    "phrase": "heads permuted" + (f" (order {','.join(map(str, got[1]))})" if len(got[1]) <= 16 else "")}
+        if got and got[0] == "inside":
+            where = "inside each head" if n // h > 1 else "inside its one head"
+            return {"how": "permuted inside heads", "axis": axis, "head_rows": h, "inner": got[1] if h <= 64 else None,
+                    "phrase": f"{axis} {describe_order(got[1])} {where} ({h} {axis} each)"}
+    for b in range(2, n // 2 + 1):  # the smallest block whose inside is reordered the same way everywhere
+        if n % b == 0:
+            got = _blocks(perm, b)
+            if got and got[0] == "inside" and n // b > 1:
+                return {"how": f"{axis} permuted", "axis": axis, "block_rows": b, "inner": got[1] if b <= 64 else None,
+                        "phrase": f"{axis} {describe_order(got[1])} inside every block of {b}"}
+    for b in range(n // 2, 1, -1):  # the largest block moved whole
+        if n % b == 0:
+            got = _blocks(perm, b)
+            if got and got[0] == "whole":
+                return {"how": f"{axis} permuted", "axis": axis, "block_rows": b, "order": got[1],
+                        "phrase": f"blocks of {b} {axis} permuted ({describe_order(got[1])})"}
+    return {"how": f"{axis} permuted", "axis": axis, "block_rows": 1, "order": perm if n <= 64 else None,
+            "moved": sum(p != i for i, p in enumerate(perm)), "phrase": f"{axis} permuted ({describe_order(perm)})"}
+
+
+def explain_tensors(r, e, name: str = "", heads: dict | None = None) -> dict:
+    """How float tensor `e` (the engine's) differs from `r` (the reference's), same shape:
+    the first signature that fits, checked exactly (no tolerance but the bf16 rounding of a
+    value written back: offsets and factors to 1e-2):
+
+    experts permuted (a fused [experts, ...] tensor's slices reordered); zeroed; negated;
+    transposed (a square matrix); flipped along an axis; permuted along an axis (whole heads,
+    the same reordering inside every head such as interleaved <-> half-split rotary rows, or
+    blocks); rows zeroed; scaled by a constant; offset by a constant (+1: zero-centred <->
+    plain RMSNorm weights); a fused experts tensor with only some experts' slices changed, each
+    explained; else `changed` with the largest and relative difference."""
     import torch
 
-    r, e = ref_ck.tensor(name).float(), eng_ck.tensor(name).float()
-    if r.dim() == 3 and r.shape == e.shape:  # fused experts [experts, ...]: one slice per expert
-        perm = _row_permutation(r.reshape(r.shape[0], -1), e.reshape(e.shape[0], -1), 1)
+    heads = heads or {}
+    if r.shape != e.shape:
+        return {"how": "reshaped"}
+    names = {0: "rows", 1: "columns"} if r.dim() == 2 else {}
+    if r.dim() == 3:  # fused experts [experts, ...]: one slice per expert
+        perm = _axis_permutation(r, e, 0)
         if perm is not None:
             return {"how": "rows permuted", "block": "experts", "block_rows": 1,
                     "order": perm if len(perm) <= 64 else None, "moved": sum(p != i for i, p in enumerate(perm))}
-    for block, what in ((head_dim, "heads"), (1, "rows")):
-        if block:
-            perm = _row_permutation(r, e, block)
-            if perm is not None:
-                moved = [i for i, p in enumerate(perm) if p != i]
-                return {"how": "rows permuted", "block": what, "block_rows": block,
-                        "order": perm if len(perm) <= 64 else None, "moved": len(moved)}
-    d = (e - r).abs()
-    out = {"how": "changed", "max_abs": float(d.max()) if d.numel() else 0.0,
-           "rel_norm": float(torch.linalg.vector_norm(e - r) / max(float(torch.linalg.vector_norm(r)), 1e-30))}
+    if bool((e == 0).all()) and bool((r != 0).any()):
+        return {"how": "zeroed", "phrase": "zeroed"}
+    if bool((e == -r).all()):
+        return {"how": "negated", "phrase": "negated"}
+    if r.dim() == 2 and r.shape[0] == r.shape[1] and bool((e == r.T).all()):
+        return {"how": "transposed", "phrase": "transposed"}
+    for d in range(r.dim()):
+        if r.shape[d] > 1 and bool((e == r.flip(d)).all()):
+            axis = names.get(d, f"axis {d}" if r.dim() > 1 else "elements")
+            return {"how": "flipped", "axis": d, "phrase": f"flipped along {'its only axis' if r.dim() == 1 else axis}"}
+    for d in range(r.dim()):
+        perm = _axis_permutation(r, e, d)
+        if perm is not None:
+            axis = names.get(d, "elements" if r.dim() == 1 else f"slices along axis {d}")
+            sizes = head_sizes(name, r.shape[0], heads) if d == 0 and r.dim() == 2 else set()
+            return _describe_permutation(perm, axis, sizes)
+    if r.dim() >= 2:
+        rows_r, rows_e = r.reshape(r.shape[0], -1), e.reshape(e.shape[0], -1)
+        zero = (rows_e == 0).all(1) & (rows_r != 0).any(1)
+        if bool(zero.any()) and bool((rows_e[~zero] == rows_r[~zero]).all()):
+            idx = zero.nonzero().flatten().tolist()
+            contiguous = idx == list(range(idx[0], idx[-1] + 1))
+            span = f"{idx[0]}-{idx[-1]}" if contiguous else ",".join(map(str, idx[:8])) + ("..." if len(idx) > 8 else "")
+            return {"how": "rows zeroed", "rows": len(idx), "phrase": f"rows {span} zeroed ({len(idx)} of {r.shape[0]})"}
     nz = r != 0
     if nz.any() and bool(((e == 0) | nz).all()):
         ratio = e[nz] / r[nz]
         c = float(ratio.median())
-        if c != 0 and bool(((ratio - c).abs() <= 1e-2 * abs(c)).all()) and bool((e[~nz] == 0).all()):
+        spread = float((ratio - c).abs().max())
+        if c not in (0, -1) and spread <= 1e-2 * abs(c) and spread <= 0.5 * abs(c - 1) and bool((e[~nz] == 0).all()):
             return {"how": "scaled", "factor": round(c, 4)}
-    return out
+    diff = e - r
+    c = float(diff.median()) if diff.numel() else 0.0
+    spread = float((diff - c).abs().max()) if diff.numel() else 0.0
+    rounding = 2 ** -7 * float(e.abs().max()) if e.numel() else 0.0  # a value written back in bf16
+    if c != 0 and spread <= max(1e-2 * max(1.0, abs(c)), rounding) and spread <= 0.5 * abs(c):
+        whole = round(c)
+        c = float(whole) if whole and abs(c - whole) <= 1e-2 else c  # +1 written back in bf16 reads +0.9999
+        norm = "norm" in name or "layernorm" in name
+        note = " (zero-centred <-> plain RMSNorm weights)" if norm and abs(c) == 1 else ""
+        return {"how": "offset", "offset": round(c, 4), "phrase": f"offset by {c:+.3g}{note}"}
+    if r.dim() == 3:  # only some experts' slices differ: each explained
+        bad = [i for i in range(r.shape[0]) if not bool((r[i] == e[i]).all())]
+        if 0 < len(bad) < r.shape[0]:
+            parts = [f"expert {i}: {explain_tensors(r[i], e[i], '', {}).get('phrase') or 'changed'}" for i in bad[:4]]
+            return {"how": "experts changed", "experts": bad, "phrase": "; ".join(parts) + (" ..." if len(bad) > 4 else "")}
+    d = diff.abs()
+    return {"how": "changed", "max_abs": float(d.max()) if d.numel() else 0.0,
+            "rel_norm": float(torch.linalg.vector_norm(diff) / max(float(torch.linalg.vector_norm(r)), 1e-30))}
 
 
-def _config_fields(cfg: dict) -> dict:
-    """The numerics-changing fields of a config.json, by path: `rms_norm_eps`,
-    `text_config.norm_topk_prob`; a field whose value is a dict (`rope_parameters`,
-    `rope_scaling`) one entry per key, `rope_parameters.rope_theta`, so the finding names
-    the value that changed (transformers 5 keeps `rope_theta` there)."""
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+def _across_layers(name: str, r, e, ref_ck: _Checkpoint) -> dict | None:
+    """The engine's tensor made of rows of the same tensor in other layers of the reference
+    (a layer index shifted in a conversion): which layers its rows come from."""
+
+    m = re.search(r"\.layers\.(\d+)\.", name)
+    if m is None or r.dim() < 1 or r.shape[0] < 1:
+        return None
+    here = int(m.group(1))
+    index: dict[bytes, tuple[int, int]] = {}
+    pattern = name[:m.start()] + ".layers.{}." + name[m.end():]
+    j = 0
+    while True:
+        other = pattern.format(j)
+        if other not in ref_ck.tensors:
+            if j > here:
+                break
+            j += 1
+            continue
+        if ref_ck.meta(other).get("shape") == list(r.shape):
+            t = r if j == here else ref_ck.tensor(other).float()
+            rows = t.reshape(t.shape[0], -1).contiguous()
+            for i in range(rows.shape[0]):
+                index.setdefault(rows[i].numpy().tobytes(), (j, i))
+        j += 1
+    rows = e.reshape(e.shape[0], -1).contiguous()
+    src = [index.get(rows[i].numpy().tobytes()) for i in range(rows.shape[0])]
+    if any(s is None for s in src):
+        return None
+    layers = sorted({s[0] for s in src if s[0] != here})
+    if not layers:
+        return None
+    n = sum(1 for s in src if s[0] != here)
+    return {"how": "rows from other layers", "layers": layers, "rows": n,
+            "phrase": f"{n} of {len(src)} rows hold layer{'s' if len(layers) > 1 else ''} {','.join(map(str, layers))}'s "
+                      "(a layer index shifted)"}
+
+
+def config_fields(cfg: dict, where: str = "") -> dict:
+    """Every field of a config.json, by path: `rms_norm_eps`, `text_config.norm_topk_prob`;
+    a dict-valued field (`rope_parameters`, `text_config`) key by key, so a finding names the
+    value that changed (`rope_parameters.rope_theta`); lists and scalars as they are."""
     out = {}
-    for scope, where in ((cfg, ""), (text, "text_config.")):
-        for k in NUMERIC_FIELDS:
-            if k not in scope:
-                continue
-            if isinstance(scope[k], dict) and scope[k]:
-                for sub, v in scope[k].items():
-                    out[f"{where}{k}.{sub}"] = v
-            else:
-                out[where + k] = scope[k]
+    for k, v in cfg.items():
+        if isinstance(v, dict) and v:
+            out.update(config_fields(v, f"{where}{k}."))
+        else:
+            out[where + k] = v
     return out
 
 
-def field_readers(path: str) -> list[str]:
-    """The unit kinds that read config field `path` (`text_config.rope_parameters.rope_theta`
-    -> the readers of `rope_parameters`)."""
+def field_readers(path: str, readers: dict[str, list[str]] | None = None) -> list[str]:
+    """The unit kinds that read config field `path`: `readers` (from the modeling code,
+    `numbisect.model.config_readers`) for its first name under the nested config it lives in
+    (`text_config.rope_parameters.rope_theta` -> `rope_parameters`), else `NUMERIC_FIELDS`,
+    else [`unknown`]."""
     parts = path.split(".")
-    if parts[0] == "text_config":
-        parts = parts[1:]
-    return list(NUMERIC_FIELDS.get(parts[0], ()))
+    ns = []
+    while len(parts) > 1 and parts[0].endswith("_config"):
+        ns.append(parts.pop(0))
+    name = parts[0]
+    for key in ([f"{ns[-1]}.{name}"] if ns else []) + [name]:  # the sub-config's own readers first
+        if readers and readers.get(key):
+            return list(readers[key])
+    return list(NUMERIC_FIELDS.get(name, ())) or [UNKNOWN]
 
 
-def diff_configs(ref_cfg: dict, eng_cfg: dict) -> list[dict]:
-    """The numerics-changing config fields whose values differ (or that one side lacks),
-    each with the unit kinds that read it (`read_by`)."""
-    a, b = _config_fields(ref_cfg), _config_fields(eng_cfg)
-    out = []
+def diff_configs(ref_cfg: dict, eng_cfg: dict, readers: dict[str, list[str]] | None = None) -> tuple[list[dict], list[dict], int]:
+    """Every config field compared: (the differing fields, each with the unit kinds that read
+    it (`read_by`), the differing metadata fields, how many fields were compared)."""
+    a, b = config_fields(ref_cfg), config_fields(eng_cfg)
+    out, meta = [], []
     for k in sorted(set(a) | set(b)):
         if a.get(k, "<missing>") != b.get(k, "<missing>"):
-            out.append({"field": k, "ref": a.get(k), "engine": b.get(k), "missing": "ref" if k not in a else "engine" if k not in b else None,
-                        "read_by": field_readers(k)})
-    return out
+            item = {"field": k, "ref": a.get(k), "engine": b.get(k), "missing": "ref" if k not in a else "engine" if k not in b else None}
+            if k.rpartition(".")[2] in METADATA:
+                meta.append(item)
+            else:
+                out.append({**item, "read_by": field_readers(k, readers)})
+    return out, meta, len(set(a) | set(b))
+
+
+def _readers(arch, config) -> dict[str, list[str]] | None:
+    """The modeling code's readers of each field; None when the model cannot be built on
+    the meta device (the diff then falls back to `NUMERIC_FIELDS`)."""
+
+    try:
+        return readers(arch, config, unit_prefixes(arch, config))
+    except Exception:
+        return None
 
 
 def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict, config) -> dict:
@@ -296,7 +515,8 @@ def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict,
     ref_ck, eng_ck = _Checkpoint(ref_path, arch.ckpt_renames), _Checkpoint(eng_path, arch.ckpt_renames)
     prefixes = unit_prefixes(arch, config)
     text = config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // text.num_attention_heads)
+    heads = {"q": getattr(text, "num_attention_heads", None), "kv": getattr(text, "num_key_value_heads", None),
+             "linear": [c for c in (getattr(text, "linear_num_key_heads", None), getattr(text, "linear_num_value_heads", None)) if c]}
     findings: dict[str, list[dict]] = {}
     unmapped: list[dict] = []
 
@@ -338,15 +558,17 @@ def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict,
             how = "swapped" if holds.get(src) == name else "moved"
             note(name, {"how": how, "holds": src, "pair": _pair_label(name, src)})
         else:
-            note(name, _explain(name, ref_ck, eng_ck, head_dim))
+            note(name, _explain(name, ref_ck, eng_ck, heads))
     units = {}
     for unit, items in findings.items():
         units[unit] = {"tensors": items, "summary": _unit_summary(items)}
     order = {u.name: u.order for u in arch.units(config)}
     units = dict(sorted(units.items(), key=lambda kv: order.get(kv[0], 1 << 30)))
-    cfg = diff_configs(ref_cfg, eng_cfg)
+    cfg, meta, compared = diff_configs(ref_cfg, eng_cfg, _readers(arch, config) if ref_cfg != eng_cfg else None)
     out = {"same_path": False, "identical": not units and not unmapped and not cfg, "tensors": len(names),
-           "units": units, "unmapped": unmapped, "config": cfg}
+           "units": units, "unmapped": unmapped, "config": cfg, "config_fields": compared}
+    if meta:
+        out["config_metadata"] = meta
     index = [{"checkpoint": side, "note": n} for side, ck in (("ref", ref_ck), ("engine", eng_ck)) for n in ck.notes]
     if index:  # the diff read what the loader reads; these copies it does not
         out["index"] = index[:MAX_NOTES]
@@ -374,6 +596,9 @@ def _unit_summary(items: list[dict]) -> str:
             groups[key] = groups.get(key, 0) + (1 if how == "moved" else 0.5)  # a swap is seen from both sides
         elif how == "scaled":
             key = f"{_short(it['tensor'])} scaled by {it['factor']:g}"
+            groups[key] = groups.get(key, 0) + 1
+        elif it.get("phrase"):
+            key = f"{_short(it['tensor'])} {it['phrase']}"
             groups[key] = groups.get(key, 0) + 1
         elif how == "rows permuted":
             order = it.get("order")

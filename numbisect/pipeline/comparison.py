@@ -37,6 +37,7 @@ from numbisect.pipeline import recurrent as RS
 from numbisect.pipeline import routing as R
 from numbisect.pipeline import selection as SEL
 from numbisect.pipeline.contract import ContractFit
+from numbisect.report.findings import tokens_verdict
 
 
 def _quiet(msg: str) -> None:
@@ -178,7 +179,7 @@ def _comparison(sides: Sides, tokens: dict, rows: list[dict], ref_tokens: Forwar
         tokens=tokens,
         units=rows,
         first_divergence=C.first_divergence(rows, sides.settings),
-        verdict="aligned" if tokens["value"] <= sides.settings.threshold else "diverged",
+        verdict=tokens_verdict(tokens["value"], sides.settings.threshold),
         ref_tokens=ref_tokens,
         local_ranking=C.local_ranking(rows, layers=layers) if ranked else None,
         **rest,

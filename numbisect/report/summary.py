@@ -13,6 +13,7 @@ import json
 
 from numbisect.common.formatting import fmt, pct
 from numbisect.common.textsafe import printable_text
+from numbisect.report.findings import checkpoint_differs, localise_command, mark
 from numbisect.report.sections.conditions import (
     conditions_lines,
     engine_config_lines,
@@ -35,9 +36,14 @@ def header(r: dict | ReportView) -> list[str]:
     if v.faults:
         lines.append("planted faults: " + ", ".join(f["spec"] for f in v.faults))
     lines += checkpoint_lines(v)
-    mark = "OK ALIGNED" if v.aligned else "!! DIVERGED"
+    differs = checkpoint_differs(v.checkpoint_diff)
     cmp_ = "<=" if v.aligned else ">"
-    lines.append(f"verdict: {mark}  {v.metric} {fmt(v.value)} {cmp_} threshold {fmt(v.threshold)} (group {v.group})")
+    lines.append(f"verdict: {mark(v.aligned, differs)}  {v.metric} {fmt(v.value)} {cmp_} threshold {fmt(v.threshold)} (group {v.group})")
+    if v.aligned and differs:  # a checkpoint difference is a finding at any threshold
+        lines.append("   the tokens are within the threshold, but the engine's checkpoint differs from the reference's "
+                     "(above): not the same model")
+        lines.append("   to localise it below the noise floor (both checkpoints in transformers fp32, floor 0): "
+                     + localise_command(ref.get("path"), eng.get("path"), tr.get("path")))
     o = v.threshold_origin
     if o is not None:  # --threshold floor[xN]
         where = f"from {o.get('file')}" if o.get("file") else "calibrated now"
@@ -70,8 +76,12 @@ def checkpoint_lines(r: dict | ReportView) -> list[str]:
     d = view(r).checkpoint_diff
     if not d or d.get("same_path"):
         return []
+    n = d.get("config_fields")
+    compared = f"config ({n} fields compared)" if isinstance(n, int) else "numeric config"  # older reports compared a list
+    meta = [f"config metadata (not a finding): {c.get('field')} is {_json(c.get('engine'))} in the engine, {_json(c.get('ref'))} in the reference"
+            for c in (d.get("config_metadata") if isinstance(d.get("config_metadata"), list) else []) if isinstance(c, dict)]
     if d.get("identical"):
-        return [f"checkpoints: the engine's {d.get('tensors')} tensors and numeric config equal the reference's"]
+        return [f"checkpoints: the engine's {d.get('tensors')} tensors and {compared} equal the reference's"] + meta
     lines = []
     units = d.get("units") if isinstance(d.get("units"), dict) else {}
     if units:
@@ -82,9 +92,10 @@ def checkpoint_lines(r: dict | ReportView) -> list[str]:
             lines.append(f"  {t.get('tensor')} (no unit): {t.get('how')}")
     for c in d.get("config") or []:
         if isinstance(c, dict):
+            readers = [("the model outside every unit" if k == "model" else str(k)) for k in c.get("read_by") or []]
             lines.append(f"config: {c.get('field')} is {_json(c.get('engine'))} in the engine, {_json(c.get('ref'))} "
-                         f"in the reference (read by {', '.join(map(str, c.get('read_by') or []))})")
-    return lines
+                         f"in the reference (read by {', '.join(readers) or 'unknown'})")
+    return lines + meta
 
 
 def _json(x) -> str:
@@ -252,6 +263,9 @@ def post_search_lines(r: dict | ReportView) -> list[str]:
     for e in view(r).post_search_errors:
         unit = f" for {e.get('unit')}" if e.get("unit") else ""
         out.append(f"!! {e.get('step')}{unit} failed after the search: {e.get('error')} (the search's result stands)")
+    stop = view(r).r.get("run_error")
+    if isinstance(stop, dict):
+        out.append(f"!! the run stopped: its {stop.get('step')} failed: {stop.get('error')} (what finished is above)")
     return out
 
 

@@ -29,6 +29,7 @@ import shlex
 
 from numbisect.common.formatting import fmt, num, pct
 from numbisect.common.textsafe import md_code, md_text, printable, printable_text
+from numbisect.report.findings import checkpoint_differs, mark
 from numbisect.report.sections.conditions import (
     engine_config_finding,
     user_modes_lines,
@@ -85,6 +86,7 @@ def _side(v: ReportView, label: str) -> dict:
         "group": v.group,
         "threshold": num(v.threshold),
         "search_verdict": get(v.r, "search", "verdict"),
+        "checkpoint_differs": checkpoint_differs(v.checkpoint_diff),
     }
 
 
@@ -226,15 +228,16 @@ def diff(a: dict | ReportView, b: dict | ReportView, labels: tuple[str, str] = (
     }
 
 
-def _verdict_word(v) -> str:
-    return "OK ALIGNED" if v == "aligned" else ("!! DIVERGED" if v == "diverged" else str(v))
+def _verdict_word(side: dict) -> str:
+    v = side["verdict"]
+    return mark(v == "aligned", bool(side.get("checkpoint_differs"))) if v in ("aligned", "diverged") else str(v)
 
 
 def render_diff(d: dict) -> str:
     a, b, j = d["a"], d["b"], d["judged"]
     lines = [
         f"numbisect diff | before {a['label']} ({a['kind']}, {a['created']}) -> after {b['label']} ({b['kind']}, {b['created']})",
-        f"verdict: {_verdict_word(a['verdict'])} -> {_verdict_word(b['verdict'])}  {j['metric']} (group {j['group']}) "
+        f"verdict: {_verdict_word(a)} -> {_verdict_word(b)}  {j['metric']} (group {j['group']}) "
         f"{fmt(j['before'])} -> {fmt(j['after'])}, threshold {fmt(j['threshold'])}",
     ]
     nc = d["not_comparable"]
@@ -471,9 +474,12 @@ def markdown(r: dict | ReportView) -> str:
     show as escaped text or code spans (no markup, no control characters of their own)."""
 
     v = view(r)
+    differs = checkpoint_differs(v.checkpoint_diff)
+    word = ("tokens aligned, checkpoints DIFFER" if differs else "aligned") if v.aligned else "DIVERGED"
     verdict = (
-        f"**Verdict: {'aligned' if v.aligned else 'DIVERGED'}.** {_md(v.metric)} over {_md(v.group)} tokens is "
+        f"**Verdict: {word}.** {_md(v.metric)} over {_md(v.group)} tokens is "
         f"{fmt(num(v.value))}, {'at or under' if v.aligned else 'above'} the threshold {fmt(num(v.threshold))}."
+        + (" The engine's checkpoint differs from the reference's (below): not the same model." if v.aligned and differs else "")
     )
     parts = [f"### {_title(v)}", "", verdict]
 

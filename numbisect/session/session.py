@@ -36,6 +36,7 @@ from numbisect.pipeline import decode as D
 from numbisect.pipeline import measure as C
 from numbisect.pipeline.layerstream import LayerStreamRef
 from numbisect.pipeline.routing import check_replay
+from numbisect.report import findings as F
 from numbisect.session.environment import set_threads
 from numbisect.session.userengine import UserEngine
 
@@ -247,6 +248,9 @@ class Session:
             if self.user_engine.child:
                 self.user_engine.fit_contract(self.ref, self.samples)
             body = self.user_engine.apply(body, c, self.samples, self.settings, self.groups, self.ref)
+        differs = F.summary(self.checkpoint_diff)  # a finding at any threshold (numbisect.report.findings)
+        if differs is not None:
+            body["checkpoint_differs"] = differs
         return body
 
     def _prefix_key(self):

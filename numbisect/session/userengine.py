@@ -34,6 +34,7 @@ from numbisect.model.trace import Sample
 from numbisect.pipeline import decode as D
 from numbisect.pipeline import measure as C
 from numbisect.pipeline.contract import ContractFit
+from numbisect.report.findings import tokens_verdict
 
 FULL_VOCAB_MAX = 4096  # full-vocabulary log-probs from the child (the KL) up to this vocabulary
 SAMPLE_TOKENS = 16  # tokens sampled per prompt for the log-prob contract
@@ -190,7 +191,7 @@ class UserEngine:
             section["engine_modes"] = D.with_baseline(D.mode_pair(samples, settings, groups, ref_tok, user, self.result("prefill_")),
                                                       tokens)
         body["baseline"] = tokens
-        body["verdict"] = "aligned" if tokens["value"] <= settings.threshold else "diverged"
+        body["verdict"] = tokens_verdict(tokens["value"], settings.threshold)
         body["engine_config"] = section
         if self.contract is not None:
             body["logprob_contract"] = self.contract

@@ -254,7 +254,7 @@ def problems(outcome: str, rc, out: str, err: str) -> list[str]:
     found = []
     if outcome == "hung":
         return [f"no answer within {CASE_SECONDS} s"]
-    if outcome == "exit" and rc not in (0, 1, 2, 4):  # 3: an internal or backend error
+    if outcome == "exit" and rc not in (0, 1, 2, 4, 5):  # 3: an internal or backend error
         found.append(f"exit {rc}")
     if "Traceback" in out + err:
         found.append("a traceback")

@@ -183,7 +183,7 @@ def test_bare_options_mean_run(capsys, tmp_path):
     assert r["kind"] == "run" and r["swap"]["kinds"] == ["moe"]
 
 
-def test_failed_self_check_refuses_to_search_with_exit_3(capsys, monkeypatch, tmp_path):
+def test_failed_self_check_refuses_to_search_with_exit_3_and_keeps_the_report(capsys, monkeypatch, tmp_path):
     import torch
 
     from numbisect.backends.hf import swap
@@ -199,7 +199,9 @@ def test_failed_self_check_refuses_to_search_with_exit_3(capsys, monkeypatch, tm
     code, _, err = _cli(["run", *_base(), "--engine-fault", "output_noise=0.1@lm_head", "--out", str(out)], capsys)
     assert code == ExitCode.BACKEND
     assert "self-check failed" in err and "sub-units" in err
-    assert not out.exists()
+    r = json.loads(out.read_text())  # what finished (the comparison, the self-check) is kept (#28)
+    assert r["search"]["not_run"]["why"] == "self_check_failed" and r["search"]["trials_used"] == 0
+    assert not r["self_check"]["passed"] and r["trials"] == []
 
 
 def test_trials_take_full_logits_only_when_the_kl_is_judged():

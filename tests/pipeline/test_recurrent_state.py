@@ -149,7 +149,7 @@ def test_decode_mode_measures_the_state_after_the_prompt_and_decode_steps_agains
     code = main(["compare", "--ref", f"hf:{model_dir(NAME)}", "--engine", f"hf:{engine}", "--trace", trace,
                  "--ref-dtype", "float32", "--engine-dtype", "float32", "--engine-mode", "decode", "-q", "--out", str(out)])
     text = capsys.readouterr().out
-    assert code in (0, 4)
+    assert code in (0, 4, 5)  # 5: the tokens within the threshold, the checkpoints differing (#28)
     r = json.loads(out.read_text())
     assert validate(r) == []
     rs = r["recurrent_state"]
