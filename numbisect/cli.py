@@ -337,7 +337,6 @@ def _emit(report: dict, kw) -> None:
 
 def _check_out(kw) -> None:
     """Before any model loads: every output can be written and is none of the inputs."""
-
     inputs = {"--trace": kw.get("trace"), "--floor": kw.get("floor_file"), "--resume": kw.get("resume"),
               "--engine-config": kw.get("engine_config"), "--good-config": kw.get("good_config")}
     log = kw.get("log_path")
@@ -358,7 +357,6 @@ def _not_in_a_model(path: str, opt: str, kw) -> None:
     """An output that is, links followed, an existing file of a model or dump directory (its
     config.json, a weight file, a dump's manifest) would damage what every later run reads:
     refused."""
-
     dirs = {}
     for side in ("ref", "engine"):
         kind, _, d = (kw.get(side) or "").partition(":")
@@ -369,7 +367,6 @@ def _not_in_a_model(path: str, opt: str, kw) -> None:
 
 def _check_new_log(log: str, resume: str | None) -> None:
     """A --log that already holds trials is never overwritten (--resume continues it)."""
-
     try:
         st = os.stat(log)
     except FileNotFoundError:
@@ -708,7 +705,6 @@ def calibrate(**kw):
 @click.argument("file", type=click.Path())
 def report_show(file):
     """Print the summary of a report, from the file alone."""
-
     r = load_report(file)
     sys.stdout.write(render(r))
     return ExitCode.ALIGNED if r["verdict"] == "aligned" else ExitCode.DIVERGED
@@ -718,7 +714,6 @@ def report_show(file):
 @click.argument("file", type=click.Path())
 def report_validate(file):
     """Check a report against the JSON Schema of its version."""
-
     r = load_report(file)
 
     click.echo(f"{path_text(file)}: valid numbisect report, schema version {r['schema_version']}")
@@ -731,7 +726,6 @@ def report_validate(file):
 @click.option("--json", "as_json", is_flag=True, help="Print the diff as JSON on stdout instead of text.")
 def report_diff(before, after, as_json):
     """Did the fix work? Compare report BEFORE with AFTER; exit 0 when AFTER is aligned, 1 otherwise."""
-
     d = diff(load_report(before), load_report(after), labels=(before, after))
     if as_json:
         sys.stdout.write(json.dumps(sanitize(d), indent=1) + "\n")
@@ -744,7 +738,6 @@ def report_diff(before, after, as_json):
 @click.argument("file", type=click.Path())
 def report_md(file):
     """Print a Markdown summary of a report, to paste into a GitHub issue."""
-
     sys.stdout.write(markdown(load_report(file)))
     return ExitCode.ALIGNED
 
@@ -762,7 +755,6 @@ def tui(report_file, **kw):
     the token comparison in your settings and the search in the hookable ones, as `run`
     does). Press ? for keys.
     """
-
     live_opts = [k for k in ("ref", "engine", "trace") if kw[k]]
     if report_file and live_opts:
         raise InputError("give either REPORT.json or --ref/--engine/--trace (live mode), not both")

@@ -83,5 +83,4 @@ def decode_captures(engine, names) -> list[str]:
     """The units of `names` a decode-mode forward captures: all but those on the prefill path
     only (`units.PREFILL_ONLY_KINDS`: they would cover the prompt's positions alone), which
     the report then shows without a decode-mode value."""
-
     return [n for n in names if engine.unit(n).kind not in PREFILL_ONLY_KINDS]

@@ -106,7 +106,6 @@ def _metrics(samples, base, var, group: str) -> dict:
 
 def _load(path, fmt=None, fields=None):
     """The trace as `run` reads it: numbisect JSONL or a rollout dump (numbisect.model.rlformats)."""
-
     return load_any(path, fmt, fields)
 
 
@@ -114,7 +113,6 @@ def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: d
               variants: list[str] | tuple[str, ...] = (), dtype_variant: str | None = None, batch_size: int = 4,
               progress=lambda m: None, trace_format: str | None = None, trace_fields: str | None = None) -> dict:
     """The floor document (see `render`); every variant runs over the whole trace."""
-
     kind, path = C.parse_spec(ref, "--ref")
     require_reference(kind, ref)
     kinds = parse_variants(variants)
@@ -185,7 +183,6 @@ def render(doc: dict) -> str:
 # -- `--threshold floor` --------------------------------------------------------------------------
 def load_floor(path: str, spec, group: str) -> dict:
     """A floor file made on this reference checkpoint, dtype and trace; InputError otherwise."""
-
     doc = read_input(path, "floor file", limit=64 * 2**20)  # NaN / Infinity literals are no floor
     if not isinstance(doc, dict) or doc.get("numbisect_floor") != FLOOR_VERSION or not isinstance(doc.get("floor"), dict):
         raise InputError(f"{path}: not a numbisect floor file (made by `bisect calibrate --out`)")

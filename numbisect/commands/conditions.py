@@ -196,7 +196,6 @@ def pattern(units: list[str], layers: int) -> list[str]:
 def execution_order(units: list[str], model_path: str) -> list[str]:
     """`units` in the arch map's execution order (embed, each layer's units by index and in
     their order, final_norm, lm_head); a name the map lacks goes last, in its given order."""
-
     cfg = load_config(model_path)
     order = {u.name: u.order for u in arch_for(cfg).units(cfg)}
     return sorted(units, key=lambda u: order.get(u, len(order)))
@@ -204,7 +203,6 @@ def execution_order(units: list[str], model_path: str) -> list[str]:
 
 def _inner_units(model_path: str) -> set[str]:
     """The model's units of `units.INNER_KINDS` (never teacher-forced)."""
-
     cfg = load_config(model_path)
     return {u.name for u in arch_for(cfg).units(cfg) if u.kind in INNER_KINDS}
 
@@ -212,7 +210,6 @@ def _inner_units(model_path: str) -> set[str]:
 def _differing(base: dict, local: dict, model_path: str) -> dict:
     """Each unit's local output in `local` against `base` (unit -> per-sample tensors), in
     execution order; the units that differ, and the innermost of them named."""
-
     rows, differ = [], []
     for unit in execution_order(list(base), model_path):
         if unit not in local:
@@ -427,7 +424,6 @@ def localisation_target(culprits: list[str]) -> str | None:
 def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, resume=None, localise_culprit=True,
                    progress=lambda m: None) -> tuple[dict, int]:
     """Everything `bisect conditions` does; the report body and the exit code."""
-
     logger = TrialLog(log, sess, resume)  # refused before any forward when it cannot be resumed
     try:
         progress(f"reference hf:{sess.ref_path}")

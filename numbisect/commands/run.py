@@ -122,7 +122,6 @@ def _parse(path: str, data: bytes, session) -> tuple[list[S.Trial], int, bool]:
     of the line before it); a complete last record without its newline is kept; a line
     damaged elsewhere (an older numbisect appended a record onto a cut one) keeps the
     record it still holds."""
-
     raw = data.split(b"\n")  # offsets in bytes: the file is cut back by them
     lines = [b.decode("utf-8", errors="replace") for b in raw]
     if not lines[0].strip():
@@ -161,7 +160,6 @@ def _parse(path: str, data: bytes, session) -> tuple[list[S.Trial], int, bool]:
 
 def read_log(path: str, session) -> list[S.Trial]:
     """The trials of an earlier run on the same inputs and conditions; InputError if it is not one."""
-
     trials, _, _ = _parse(path, read_bytes(path, "resume log"), session)
     return trials
 

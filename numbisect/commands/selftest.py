@@ -165,7 +165,6 @@ def profile_for(engine: str) -> Profile:
 def open_session(ref: str, engine: str, trace: str, profile: Profile, threshold: float | None = None,
                  progress=None, backends: dict | None = None):
     """A session in the profile's dtypes, judged on mean k3 of completion tokens."""
-
     spec = Spec(ref=ref, engine=engine, trace=trace, ref_dtype=profile.dtype, engine_dtype=profile.dtype)
     thr = profile.threshold if threshold is None else threshold
     return Session(spec, Settings(threshold=thr), progress=progress, backends=backends)
@@ -291,7 +290,6 @@ def selftest(session, profile: Profile, *, rounds: int = 1, seed: int = 0, templ
     `checkpoint`: instead of runtime faults, damaged copies of the reference checkpoint
     (`numbisect.model.ckptfaults`), each searched by `bisect run` as a user would run it;
     `templates` then names the checkpoint fault kinds to write (default: all)."""
-
     if session.engine is None:
         raise InputError("selftest needs an engine that runs (hf:DIR or vllm:DIR)")
     if rounds < 1:
@@ -405,8 +403,6 @@ def checkpoint_rounds(session, profile: Profile, floor: float, bound: int, round
     temporary directory) and runs `bisect run` on it against the reference: the swap
     self-check must pass on the copy and the search must name the damage. A copy whose
     damage is within 10x of the noise floor is TOO WEAK: neither found nor missed."""
-
-
     _, ref_path = parse_spec(session.spec.ref, "--ref")
     eng_kind, _ = parse_spec(session.spec.engine, "--engine")
     text = session.ref.config.get_text_config()
@@ -453,7 +449,6 @@ def copy_error(e: OSError, where: str) -> InputError:
 
 def _checkpoint_row(session, profile, f, r, copy, eng_kind, floor, bound, progress) -> dict:
     """One damaged copy run with `bisect run` against the reference, judged."""
-
     s = open_session(session.spec.ref, f"{eng_kind}:{copy}", session.spec.trace, profile, session.settings.threshold,
                      progress=progress, backends={"ref": session.ref})
     t0 = time.perf_counter()

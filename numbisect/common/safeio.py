@@ -131,7 +131,6 @@ def read_input(path: str | os.PathLike, option: str, fmt: str = "json", *, limit
     "OPTION PATH: why" (OPTION names the option or the file's role, e.g. "--engine-config"
     or "report"). `fmt`: "json", "toml", "auto" (TOML when the name ends in .toml), or
     "text" (the decoded text, unparsed). See the module docstring for the limits."""
-
     name = f"{option} {printable(clip(os.fspath(path), 300))}"
     if fmt == "auto":
         fmt = "toml" if os.fspath(path).endswith(".toml") else "json"

@@ -100,7 +100,6 @@ def _printable_walk(obj):
 
 def path_text(p) -> str:
     """A path as printed: one line, every control or unsafe character escaped."""
-
     try:
         s = os.fsdecode(p)
     except TypeError:

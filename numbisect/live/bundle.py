@@ -86,7 +86,6 @@ def _sha256(path: str) -> str:
 
 def write_trace(trace, path: str) -> None:
     """A Trace as numbisect JSONL (prompt_ids, completion_ids, rollout_logprobs, groups)."""
-
     with open(path, "w") as f:
         for s in trace.samples:
             row = {"prompt_ids": list(s.prompt_ids), "completion_ids": list(s.completion_ids)}
@@ -100,7 +99,6 @@ def write_trace(trace, path: str) -> None:
 
 def engine_settings(live: dict) -> dict:
     """The live engine's settings (numbisect.live.engine.settings) in `--engine-config`'s form."""
-
     out = {k: live[k] for k in SETTINGS_KEYS if k in live}
     E.check_settings(out, "the engine's settings")
     return out
@@ -132,7 +130,6 @@ def write(probe, out_dir: str | os.PathLike, samples=None, *, weights: bool = Tr
     (module doc); `weights`: also both sides' weights (else the digests only); `fire`: the
     trigger's Fire that led here, recorded; `check`: a functional `check_weights` already run
     on these samples (else one is run). Returns the bundle, read back."""
-
     out = os.fspath(out_dir)
     os.makedirs(out, exist_ok=True)
     if samples is None:

@@ -213,7 +213,6 @@ class Probe:
 
     def compare(self, samples, settings: C.Settings | None = None, local: bool = True) -> LiveReport:
         """The report `bisect compare` makes, over the live objects (module doc)."""
-
         c, trace, settings = self._comparison(samples, settings, local)
         body = P.report_body(c)
         return LiveReport(new_report("compare", ["numbisect.live.attach(...).compare"], self.inputs(trace),
@@ -265,7 +264,6 @@ class Probe:
     def weights_report(self, check: W.WeightCheck, argv: list[str] | None = None) -> LiveReport:
         """The report of a functional weight check: the comparison it ran (`bisect compare`'s
         body) with the check as its `weights` section (kind "weights")."""
-
         if self.last_comparison is None:
             raise InputError("a weights report needs the functional check (check_weights(functional=True))")
         c, trace, settings = self.last_comparison
@@ -289,7 +287,6 @@ class Probe:
 
 def _reference(reference, dtype: str | None):
     """(backend, the user's model or None, owned) for a model object or a directory."""
-
     if isinstance(reference, (str, os.PathLike)):
         b = HFBackend(os.fspath(reference), dtype or "bfloat16")
         return b, None, [b]

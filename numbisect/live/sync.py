@@ -51,7 +51,6 @@ def repack_cpu_moe(model) -> int:
     """Prepack every MoE layer's expert weights for vLLM-CPU's grouped-gemm kernel again,
     as its start-up does; how many layers. The fix for what `reload_weights` leaves behind
     on vLLM-CPU 0.32 (module doc): call it right after a reload, never twice in a row."""
-
     n = 0
     for mod in model.modules():
         if cpu_moe_isa(mod) is not None:

@@ -149,7 +149,6 @@ def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
     back through the kernel (backends.vllm.model._gemm_weight, exact). `shapes`: the
     reference tensors' shapes, by checkpoint name (how to split a fused tensor). Runs
     where the model lives (in-process; a worker through `apply_model`)."""
-
     mods = dict(model.named_modules())
     out = {}
     with torch.no_grad():

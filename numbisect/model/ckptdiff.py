@@ -92,7 +92,6 @@ def _index(path: Path) -> dict[str, str] | None:
     """A sharded checkpoint's index (`model.safetensors.index.json`): tensor name -> the
     shard file the index names; None when there is none, or when a single
     `model.safetensors` is there (transformers then loads that file alone)."""
-
     f = path / INDEX
     if not f.exists() or (path / SINGLE).exists():
         return None
@@ -416,7 +415,6 @@ def explain_tensors(r, e, name: str = "", heads: dict | None = None) -> dict:
 def _across_layers(name: str, r, e, ref_ck: _Checkpoint) -> dict | None:
     """The engine's tensor made of rows of the same tensor in other layers of the reference
     (a layer index shifted in a conversion): which layers its rows come from."""
-
     m = re.search(r"\.layers\.(\d+)\.", name)
     if m is None or r.dim() < 1 or r.shape[0] < 1:
         return None
@@ -497,7 +495,6 @@ def diff_configs(ref_cfg: dict, eng_cfg: dict, readers: dict[str, list[str]] | N
 def _readers(arch, config) -> dict[str, list[str]] | None:
     """The modeling code's readers of each field; None when the model cannot be built on
     the meta device (the diff then falls back to `NUMERIC_FIELDS`)."""
-
     try:
         return readers(arch, config, unit_prefixes(arch, config))
     except Exception:
@@ -508,7 +505,6 @@ def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict,
     """What differs between two checkpoint directories of one family (module docstring).
     `ref_cfg` / `eng_cfg`: their parsed config.json; `config`: the reference's transformers
     config (its units and head size)."""
-
     if Path(ref_path).resolve() == Path(eng_path).resolve():
         return {"same_path": True, "identical": True, "tensors": 0, "units": {}, "unmapped": [], "config": []}
     arch = arch_for(config)

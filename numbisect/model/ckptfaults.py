@@ -114,7 +114,6 @@ def _router_reads(arch, text, path: str, value) -> bool:
     """Whether the family's router reads config field `path`: its routing (`arch.router_spec`,
     which mirrors the transformers router) changes when the field is `value`. Qwen3-VL-MoE's
     router always renormalises, whatever norm_topk_prob says."""
-
     if arch.router_spec is None:
         return False
     changed = copy.copy(text)
@@ -126,7 +125,6 @@ def plan(ref_path: str, raw_config: dict, config, kinds=KINDS, seed: int = 0) ->
     """The faults to write for this checkpoint (one per kind of `kinds` it has), and the
     kinds skipped with why. `raw_config`: its config.json; `config`: its transformers
     config. Each kind's layer comes from `seed` alone, whichever kinds are asked for."""
-
     rng = random.Random(seed)
     arch = arch_for(config)
     text = config.get_text_config()

@@ -73,7 +73,6 @@ def load_settings(path: str, what: str = "--engine-config") -> dict:
     """A settings file (JSON object; TOML when the name ends in .toml), checked. Read
     through `safeio.read_input`: nesting deeper than `MAX_DEPTH` is refused, so the copy a
     report keeps of it stays within what the report tools read."""
-
     obj = read_input(path, what, "auto", max_depth=MAX_DEPTH, nan=True)
     name = f"{what} {printable(clip(os.fspath(path), 300))}"
     if not isinstance(obj, dict):

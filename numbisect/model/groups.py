@@ -93,7 +93,6 @@ def check_images(trace: Trace, config, arch) -> None:
 def inputs_digest(trace: Trace, defs) -> str | None:
     """sha256 of what decides the trace's metrics besides the file: the pixel tensors and
     the --group-def list (None when there are neither, so older trial logs still match)."""
-
     images = [s.images for s in trace.samples if s.images is not None]
     if not images and not defs:
         return None

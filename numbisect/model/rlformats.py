@@ -122,7 +122,6 @@ def is_parquet(path: str) -> bool:
 
 def read_records(path: str) -> tuple[list[dict], bytes]:
     """(records, file bytes) of a JSONL or parquet file."""
-
     data = read_trace_bytes(path, "a trace file")
     if data[:4] == b"PAR1":
         try:
@@ -273,7 +272,6 @@ def load_rollouts(path: str, fmt: str | None = None, fields_text: str | None = N
 
 def load_any(path: str, fmt: str | None = None, fields_text: str | None = None) -> Trace:
     """A trace from any supported file; numbisect JSONL keeps its own reader and errors."""
-
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         check_input(path, "trace")  # a FIFO would hang and a device never end: refused here

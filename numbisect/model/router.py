@@ -15,7 +15,6 @@ from numbisect.model.arch.base import (
 
 def router_spec(config) -> RouterSpec | None:
     """The routing of this config's architecture; None for a dense model."""
-
     fn = arch_for(config).router_spec
     return None if fn is None else fn(config.get_text_config())
 

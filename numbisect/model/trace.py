@@ -272,7 +272,6 @@ def load_trace(path: str | os.PathLike) -> Trace:
 
     Samples that lack a group another sample defines get it with all flags 0.
     """
-
     path = os.fspath(path)
     data = read_trace_bytes(path)
     try:

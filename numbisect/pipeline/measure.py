@@ -70,7 +70,6 @@ def parse_spec(spec: str, what: str) -> tuple[str, str | None]:
 
 def check_configs(ref_cfg, eng_cfg) -> None:
     """Refuse a pair whose configs cannot be compared unit by unit."""
-
     rc, ec = ref_cfg.get_text_config(), eng_cfg.get_text_config()
     for key in ("vocab_size", "num_hidden_layers", "hidden_size"):
         a, b = getattr(rc, key, None), getattr(ec, key, None)

@@ -125,7 +125,6 @@ def state_light(sides, local: bool) -> dict | None:
     wrote (`dump_states`). A tensor-parallel engine reads each rank's heads and puts them
     together (`VLLMTPBackend.install_state_probe`). None for a model without linear
     attention or the rollout (no states to read)."""
-
     ref, eng = sides.ref, sides.engine
     units = linear_units(ref)
     if units and eng is not None and eng.recorded:  # a dump: the states it wrote

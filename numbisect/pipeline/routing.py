@@ -109,7 +109,6 @@ REPLAY_DIRECTIONS = ("ref", "engine")
 
 def check_replay(direction: str | None, config, engine_kind: str, engine_opts: dict | None = None) -> None:
     """Refuse a replay that cannot run, before any model loads."""
-
     if direction is None:
         return
     if direction not in REPLAY_DIRECTIONS:
@@ -136,7 +135,6 @@ def _flips(a: dict, b: dict, units) -> dict:
 
 def _replay_trial(sides, direction: str, replay: dict, eng_prop):
     """One forward with `replay` forced on the replaying side: (judged value, k3 per group, ids used)."""
-
     ref = sides.reference()
     if direction == "ref":
         probe = sides.routing_probe(sides.engine, replay)

@@ -227,7 +227,6 @@ def check_replay(spec) -> None:
     """Refuse `--replay-indexer` where it cannot run, before any model loads: a model without
     sparse attention's indexer, an engine that does not run (a dump, the rollout), tensor
     parallelism, decode mode. `spec`: the session's `Spec`."""
-
     _, ref_path = parse_spec(spec.ref, "--ref")
     config = load_config(ref_path)
     arch = arch_for(config)
@@ -247,7 +246,6 @@ def check_replay(spec) -> None:
 
 def _replay_trial(sides, replay: dict, ref_tokens) -> tuple[float, dict, dict]:
     """The engine with `replay` forced: (judged value, k3 mean per group, masks it ran with)."""
-
     p = SelectionProbe(sides.engine, sides.samples, replay)
     undo = p.install()
     try:

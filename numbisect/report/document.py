@@ -31,7 +31,6 @@ SCHEMA_PATH = Path(__file__).parent / "schemas" / "report-v1.json"
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
     """Write `obj` as JSON through `safeio.write_text_atomic`: never a half-written file,
     and never a device or a link replaced by a regular file."""
-
     text = json.dumps(obj, indent=1, allow_nan=False) + "\n"
     try:
         write_text_atomic(path, text)
@@ -64,7 +63,6 @@ def load_report(path: str | os.PathLike) -> dict:
     that is not one: a missing file, a directory, a FIFO or device (never read), a file
     over `safeio.JSON_LIMIT`, text that is not UTF-8 or not JSON, nesting deeper than
     `MAX_DEPTH`, an unsupported schema version, or a schema error."""
-
     name = printable(clip(os.fspath(path), 300))
     try:
         text = read_text(path, "report")

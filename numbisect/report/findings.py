@@ -127,6 +127,5 @@ def localise_command(ref_path, eng_path, trace_path) -> str:
     """The command that localises a checkpoint difference the tokens do not show (under the
     threshold, or under a bf16 engine's noise floor): both checkpoints in transformers fp32,
     where the floor is 0, so the search can judge against a tiny threshold."""
-
     return (f"bisect run --ref hf:{shlex.quote(str(ref_path))} --engine hf:{shlex.quote(str(eng_path))} "
             f"--trace {shlex.quote(str(trace_path))} --ref-dtype float32 --engine-dtype float32 --threshold 1e-10")

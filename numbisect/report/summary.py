@@ -237,7 +237,6 @@ def _group_evidence(v: ReportView, unit: str) -> str | None:
 
 def render(r: dict | ReportView) -> str:
     """The plain-text summary of report `r`; every character printable (newlines aside)."""
-
     v = view(r)
     parts = header(v) + engine_config_lines(v) + [""] + token_table(v) + rl_lines(v)
     for section in (unit_table(v), state_lines(v), routing_lines(v), selection_lines(v)):

@@ -457,7 +457,6 @@ def _env_lines(v: ReportView) -> list[str]:
 def _engine_config_md(v: ReportView) -> list[str]:
     """The `engine_config` section (`--engine-config`): whether the module search saw the
     user's numbers, and the settings changed so hooks could run."""
-
     ec = v.r.get("engine_config")
     if not isinstance(ec, dict):
         return []
@@ -472,7 +471,6 @@ def _engine_config_md(v: ReportView) -> list[str]:
 def markdown(r: dict | ReportView) -> str:
     """A Markdown summary of one report, to paste into a GitHub issue; a report's strings
     show as escaped text or code spans (no markup, no control characters of their own)."""
-
     v = view(r)
     differs = checkpoint_differs(v.checkpoint_diff)
     word = ("tokens aligned, checkpoints DIFFER" if differs else "aligned") if v.aligned else "DIVERGED"

@@ -76,7 +76,6 @@ class Session:
         keeping at most `prefix_cache_mb` of recorded layer outputs (default
         `numbisect.patching.prefix.DEFAULT_MB`).
         """
-
         self.spec = spec
         self.prefix_reuse = prefix_reuse
         mb = DEFAULT_MB if prefix_cache_mb is None else prefix_cache_mb  # checked where parsed (cli)
@@ -84,11 +83,24 @@ class Session:
         self.settings = settings
         self.say = progress or (lambda msg: None)
         self.checkpoint_diff: dict | None = None  # numbisect.model.ckptdiff, when the two checkpoints are two directories
-        backends = backends or {}
         import torch
 
         torch.manual_seed(0)  # recorded as environment.seeds; nothing here samples, but hooks may
+        # Cheap checks first (options, trace, configs, architectures, vocabulary, groups), then the slow loads.
+        ref_path, eng_kind, eng_path = self._read_request(spec)
+        eng_cfg, backends, dump = self._check_inputs(spec, settings, ref_path, eng_kind, eng_path, dict(backends or {}))
+        self._open_backends(spec, settings, ref_path, eng_kind, eng_path, eng_cfg, backends, dump)
+        self.samples = self.trace.samples
+        self.groups = C.group_names(self.trace) + (["all"] if settings.group == "all" else [])
+        self._ref_result: ForwardResult | None = None
+        self.ref_routing: dict | None = None  # router unit -> per-sample expert ids of the reference
+        self._ref_tokens: ForwardResult | None = None  # the reference's log-probs from the last compare
+        self.comparison: P.Comparison | None = None  # the last compare's result
+        self.digests = self._digests(spec, ref_path, eng_kind, eng_path)
 
+    def _read_request(self, spec: Spec) -> tuple[str, str, str | None]:
+        """The trace and what the options ask for, checked before anything is read from a
+        checkpoint: (reference path, engine kind, engine path)."""
         self.trace: Trace = load_any(spec.trace, spec.trace_format, spec.trace_fields)
         ref_kind, ref_path = C.parse_spec(spec.ref, "--ref")
         require_reference(ref_kind, spec.ref)
@@ -111,10 +123,15 @@ class Session:
             self.prefix_reuse = False
         if self.faults and not self.engine_runs:
             raise InputError(f"--engine-fault needs an engine that runs (hf: or vllm:), not {eng_kind}")
-        # Cheap checks first: configs, architectures, vocabulary, groups; then the slow loads.
+        return ref_path, eng_kind, eng_path
+
+    def _check_inputs(self, spec: Spec, settings: C.Settings, ref_path: str, eng_kind: str, eng_path: str | None,
+                      backends: dict):
+        """Both configs against each other and the trace (vocabulary, positions, images,
+        groups), the checkpoint diff; a dump engine (and a layer-streamed reference) opened
+        here, as they are read, not run. Returns (engine config, backends, the dump)."""
         ref_cfg = load_config(ref_path)
         ref_arch = arch_for(ref_cfg)
-
         check_replay(spec.replay_routing, ref_cfg, eng_kind, spec.engine_opts)
         if spec.replay_routing and spec.engine_mode == "decode":
             raise InputError("--replay-routing works in prefill mode only (--engine-mode decode records no expert ids yet)")
@@ -127,7 +144,7 @@ class Session:
         if settings.group not in C.group_names(self.trace) + ["all"]:
             hint = " (define one with --group-def NAME=ID[,ID])" if settings.group not in BUILTIN_GROUPS else ""
             raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}{hint}")
-        dump = None
+        dump = eng_cfg = None
         if source(eng_kind) == "dump":
             dump = backends.get("engine") or DumpBackend(eng_path, self.trace)
             C.check_configs(ref_cfg, dump.config)
@@ -143,6 +160,12 @@ class Session:
             if source(eng_kind) != "dump":
                 raise InputError("--ref-opt layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
             backends = {**backends, "ref": LayerStreamRef(ref_path, spec.ref_dtype)}
+        return eng_cfg, backends, dump
+
+    def _open_backends(self, spec: Spec, settings: C.Settings, ref_path: str, eng_kind: str, eng_path: str | None,
+                       eng_cfg, backends: dict, dump) -> None:
+        """The reference, the user's own engine run (--engine-config) and the engine, opened
+        (or taken from `backends`); the faults checked against the engine's units."""
         self.ref: Backend = backends.get("ref") or self._open("hf", ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
         self.engine: Backend | None = None
         if self.user_engine is not None:  # before the in-process engine: its custom ops follow the user's engine
@@ -162,28 +185,23 @@ class Session:
         if spec.threads:  # after the engine started: vLLM's CPU worker sets its own count
             set_threads(spec.threads)
         self._owned = [b for k, b in (("ref", self.ref), ("engine", self.engine)) if b is not None and (k not in backends or b is dump)]
-        self.samples = self.trace.samples
-        self.groups = C.group_names(self.trace) + (["all"] if settings.group == "all" else [])
-        self._ref_result: ForwardResult | None = None
-        self.ref_routing: dict | None = None  # router unit -> per-sample expert ids of the reference
-        self._ref_tokens: ForwardResult | None = None  # the reference's log-probs from the last compare
-        self.comparison: P.Comparison | None = None  # the last compare's result
 
-        self.digests = {"ref": C.checkpoint_digest(ref_path), "trace": self.trace.sha256,
-                        "samples": samples_digest(self.samples)}  # what --trace-fields selected, too
+    def _digests(self, spec: Spec, ref_path: str, eng_kind: str, eng_path: str | None) -> dict:
+        """What identifies the inputs (a trial log's resume checks them)."""
+        digests = {"ref": C.checkpoint_digest(ref_path), "trace": self.trace.sha256,
+                   "samples": samples_digest(self.samples)}  # what --trace-fields selected, too
         extra = G.inputs_digest(self.trace, spec.group_defs)  # pixel inputs and --group-def live outside the file
         if extra:
-            self.digests["trace_extra"] = extra
+            digests["trace_extra"] = extra
         if source(eng_kind) == "dump":
-            self.digests["engine"] = C.dump_digest(eng_path)
+            digests["engine"] = C.dump_digest(eng_path)
         elif source(eng_kind) == "checkpoint":
-            self.digests["engine"] = C.checkpoint_digest(eng_path)
+            digests["engine"] = C.checkpoint_digest(eng_path)
+        return digests
 
     def _checkpoint_diff(self, ref_path: str, eng_path: str, ref_cfg) -> dict | None:
         """What differs between the two checkpoints (weights per unit, numeric config), read
         before any forward; None when both sides load the same directory."""
-
-
         if Path(ref_path).resolve() == Path(eng_path).resolve():
             return None
         self.say("checkpoints: the engine's weights and config against the reference's")
@@ -194,7 +212,6 @@ class Session:
 
     def _open(self, kind, path, dtype, opts, what) -> Backend:
         self.say(f"{what} {kind}:{path} ({dtype})")
-
         return open_backend(kind, path, dtype, dict(opts), "--ref-opt" if what == "loading reference" else "--engine-opt")
 
     # -- the comparison pipeline ------------------------------------------------------------

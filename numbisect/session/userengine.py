@@ -116,7 +116,6 @@ class UserEngine:
     def fit_contract(self, ref, samples) -> None:
         """The log-prob contract of the tokens the user's engine sampled, against the
         reference's full log-probs on the same tokens."""
-
         sampled = (self.out or {}).get("sampled")
         if not sampled:
             return

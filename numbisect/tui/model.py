@@ -745,7 +745,6 @@ def _trace_rows(data: bytes) -> list[dict] | None:
 def token_data(r: dict | ReportView, report_path: str | None = None) -> TokenData:
     """The report's per-token k3; trace groups when the trace file (same sha256) is found
     and is a JSONL trace whose groups cover every token (otherwise a note says why not)."""
-
     rv = view(r)
     td = TokenData(per_sample=rv.per_sample, threshold=num(rv.threshold) or 0.0)
     tr = rv.trace

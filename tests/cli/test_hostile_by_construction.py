@@ -67,18 +67,17 @@ BASE = {
     "report validate": [REPORT],
     "report md": [REPORT],
     "report diff": [REPORT, REPORT],
+    "weights": ["--ref", f"hf:{MODEL}", "--engine", f"hf:{MODEL}", "--trace", TRACE, "-q"],
+    "replay": [REPORT, "-q"],  # no bundle: every case is refused in one line, before anything loads
 }
 # Options that only mean something with another one.
 COMPANIONS = {"floor_file": ["--threshold", "floor"], "capture_dir": ["--capture", "full"]}
 # tui's REPORT.json is the other way in: no live options with it.
 ALONE = {("tui", "report_file")}
 
-# Cases that break today for a reason another branch of issue 29 fixes (items 1-5): they are
-# reported as xfail while they break, and counted as failures by nobody else. Delete an
-# entry once its fix is merged (a case that passes is never excused).
-_ITEM2 = "issue 29 item 2: conditions --log truncates a one-line file that is not a trial log"
-_ITEM4 = "issue 29 item 4: a configuration nested 100k deep is an internal error"
-ELSEWHERE: dict = {}  # (command, option, kind) -> the issue item still open for it; none is
+# Cases excused while an issue that fixes them is open: (command, option, kind) -> why. They are
+# reported as xfail while they break; a case that passes is never excused. None is open.
+ELSEWHERE: dict = {}
 
 UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 CASE_SECONDS = 20

@@ -49,7 +49,6 @@ def plant_fault(engine, fault, ledger: Ledger) -> None:
 
 def _reroute(engine):
     """A transformers router's (logits, weights, ids) chosen again from its (perturbed) logits."""
-
     spec = router_spec(engine.config)
 
     def hook(m, args, out):

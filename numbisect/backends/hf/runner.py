@@ -116,7 +116,6 @@ class HFBackend(Backend):
         installed (a family that needs them is refused by numbisect.live), its training
         flag, `requires_grad` and gradients are the caller's to keep (`forward` runs under
         `torch.inference_mode`). Its dtype is the model's own."""
-
         names = {v: k for k, v in DTYPES.items()}
         dtype = getattr(model, "dtype", None)
         if dtype not in names:

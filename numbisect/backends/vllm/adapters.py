@@ -188,7 +188,6 @@ class VllmLayer(VllmHF):
         """The flags the model reads from its layers (`base.LAYER_FLAGS`: vLLM's Qwen3-Next and
         Qwen3.5 read `use_attn_reduce_scatter_for_moe`), from the replaced layer; a layer
         under sequence-parallel MoE is refused (the adapter has no such path)."""
-
         if getattr(old, "use_attn_reduce_scatter_for_moe", False):
             raise BackendError("cannot swap a whole layer under vLLM's sequence-parallel MoE")
         carry_layer_flags(self, old)

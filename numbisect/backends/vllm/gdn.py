@@ -118,7 +118,6 @@ def _leave(m, args, out):
 def install(model: nn.Module, arch, units) -> None:
     """A `conv` and a `gates` module in each Gated DeltaNet attention with those units, and
     the routing to them (once: a second call changes nothing)."""
-
     parents = {u.parent: u for u in units if u.kind in ("conv", "gates")}
     by_name = {u.name: u for u in units}
     for parent in parents:

@@ -217,7 +217,6 @@ def apply_swap_spec(model: nn.Module, spec, engine_dtype: str) -> list[str]:
     undone). Pass it to `llm.apply_model` as `functools.partial(apply_swap_spec, spec=spec,
     engine_dtype=...)`: it pickles, so it reaches workers of a multi-process engine too.
     Returns the units swapped."""
-
     donor = donor_of(spec.donor_path, spec.donor_dtype)
     undo_swap_spec(model)
     engine = view(model, engine_dtype)
@@ -230,7 +229,6 @@ def apply_swap_spec(model: nn.Module, spec, engine_dtype: str) -> list[str]:
 def donor_of(path: str, dtype: str):
     """The reference as a donor in this process (an engine worker): loaded from its checkpoint
     once per (path, dtype)."""
-
     key = (path, dtype)
     if key not in _DONORS:
         _DONORS[key] = HFBackend(path, dtype)

@@ -176,7 +176,6 @@ class VLLMBackend(VLLMModel):
         running. Prefill mode only (decode needs numbisect's forcing logits processor,
         registered when an engine starts). One 16-token forward checks that every hook
         point fires (`_warm_up`)."""
-
         vllm = import_vllm()
         mc = llm.llm_engine.model_config
         names = {v: k for k, v in DTYPES.items()}

@@ -179,7 +179,6 @@ def worker_whatif(model, whatif: str, unit: str, donor_path: str, donor_dtype: s
     engine's own `install_whatif` (the reference's module in float32, fitted to the shard as a
     swap is; or the experts' sum in float32 in the fused-MoE runner), then the faults it
     plants again on top (`faults`: all the session's, as specs). `worker_unwhatif` undoes it."""
-
     worker_unwhatif(model)
     engine = view(model, engine_dtype)
     ledger = Ledger()
@@ -228,7 +227,6 @@ def worker_unswap(model) -> None:
 def worker_faults(model, specs: list[str], engine_dtype: str) -> int:
     """Plant faults (`numbisect.patching.faults` specs) in this worker's shard; `worker_unfault` undoes them.
     Noise is seeded from the unit name, so every rank draws the same."""
-
     worker_unfault(model)
     model.__dict__["_numbisect_planted"] = apply_faults(view(model, engine_dtype), [parse_fault(s) for s in specs])
     return len(specs)
@@ -322,7 +320,6 @@ def worker_unhook(model) -> None:
 def worker_state_probe(model, engine_dtype: str) -> str:
     """The recurrent-state probe (`recurrent.install_probe`) on this worker's linear units,
     recording into a probe of its own until `worker_state_unprobe`; returns where it reads."""
-
     worker_state_unprobe(model)
     engine = view(model, engine_dtype)
     probe, ledger = StateProbe(engine), Ledger()
@@ -348,7 +345,6 @@ def worker_prefix_begin(model, swapped: list[str], source: list[str] | None, upt
     """Prefix reuse inside this worker (`numbisect.patching.prefix`): replay layers 0..upto-1 from the
     recording of the trial that swapped `source`, record the others. The driver keeps the
     same cache of swapped sets and decides; every worker mirrors its recordings."""
-
     cache = model.__dict__.setdefault("_numbisect_prefix", PrefixCache())
     if clear:
         cache.clear()

@@ -42,7 +42,6 @@ COARSE = ("embed", "norm", "attn", "moe", "mlp", "layer")
 
 def tree_units(model_path: str, model) -> tuple[dict[str, str], list[str]]:
     """({unit: transformers module path}, [units whose path the tree lacks]) of the coarse units."""
-
     cfg = load_config(model_path)
     arch = arch_for(cfg)
     have = dict(model.named_modules())
@@ -71,7 +70,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def capture_tree(job: dict) -> dict:
     """Every coarse unit's input and output on vLLM's transformers backend: {"captures",
     "inputs"} (unit -> per-sample [T, ...] tensors), "paths", "missing", "seconds"."""
-
     vllm = import_vllm()
     kw = llm_kwargs(job["settings"])
     kw.update(model_impl="transformers", enforce_eager=True, enable_prefix_caching=False, logprobs_mode="raw_logprobs")

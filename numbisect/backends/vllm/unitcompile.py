@@ -88,7 +88,6 @@ def eager_and_compiled(backend, samples) -> dict:
     Then the engine run on its own inputs with every leaf compiled (nothing fed): its token
     log-probs ("chained_logprobs") against the eager run's ("eager_logprobs") say how much
     of the compiled path the units compiled alone reproduce; the rest is across them."""
-
     names = [u.name for u in backend.units]
     first = backend.forward(samples, capture=names, capture_inputs=local_feed_names(backend))
     eager = backend.forward(samples, capture=names, feed=first.inputs)

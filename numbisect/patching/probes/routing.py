@@ -67,5 +67,4 @@ class RoutingProbe:
 
     def install(self):
         """Install the probe on its backend; returns the callable that takes it out."""
-
         return installed(lambda ledger: self.backend.install_routing_probe(self, ledger))

@@ -77,5 +77,4 @@ class SelectionProbe:
 
     def install(self):
         """Install the probe on its backend; returns the callable that takes it out."""
-
         return installed(lambda ledger: self.backend.install_selection_probe(self, ledger))

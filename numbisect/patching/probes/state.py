@@ -95,5 +95,4 @@ class StateProbe:
 
     def install(self):
         """Install the probe on its backend; returns the callable that takes it out."""
-
         return installed(lambda ledger: self.backend.install_state_probe(self, ledger))

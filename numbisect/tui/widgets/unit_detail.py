@@ -33,7 +33,6 @@ def _metrics_block(t: Text, title: str, m: dict | None, active: bool) -> None:
 
 def _routing_block(t: Text, report: dict, name: str, flips: int = 8) -> None:
     """Expert-set agreement and flips of the MoE layer a router (or MoE block) belongs to."""
-
     router = name if name.endswith(".moe.router") else (name + ".router" if name.endswith(".moe") else None)
     row = next((r for r in (report_view(report).routing or {}).get("layers") or [] if r["unit"] == router), None)
     if row is None:
@@ -76,7 +75,6 @@ def _state_block(t: Text, report: dict, name: str, cap: int = 8) -> None:
     after the sample on each pass and along the sequence, whether it is the first layer
     above the unit tolerance, and its decode points not read. Read as `report show` reads
     them (numbisect.report.sections.recurrent)."""
-
     rs = report_view(report).recurrent_state
     row = next((x for x in RR.layers(rs) if x.get("unit") == name), None)
     if row is None:
