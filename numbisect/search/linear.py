@@ -9,11 +9,9 @@ class Linear:
     """One unit at a time (mixed into `_Search`)."""
 
     def _linear(self) -> SearchResult:
-        base = self._run((), "baseline").value
-        self.baseline = base
-        if base <= self.thr:
-            reason = f"baseline {self.metric} {base:.3g} is already {'0' if self.thr == 0 else self._under}"
-            return self._result("aligned", [], reason)
+        aligned = self._baseline()
+        if aligned is not None:
+            return aligned
         fixing = []
         for u in sorted(self.units, key=self._order):
             if self._fixes([u]):
@@ -26,14 +24,9 @@ class Linear:
             culprits = [self._culprit(u) for u in found]
             reason = f"swapping {' or '.join(found)} alone brings {self.metric} {self._under}"
             return self._result("culprits", culprits, reason)
-        full = self._run(self.cands, "all-swapped").value
-        self.all_swapped = full
-        if not full <= self.thr:
-            return self._result(
-                "unreachable",
-                [],
-                f"swapping every candidate still leaves {self.metric} at {full:.3g} (threshold {self.thr:g})",
-            )
+        unreachable = self._all_swapped()
+        if unreachable is not None:
+            return unreachable
         reason = (
             f"no single unit brings {self.metric} {self._under} alone; swapping every candidate does"
         )

@@ -274,11 +274,20 @@ class _Search(Bisection, DeltaDebugging, Linear, KindHypotheses, Diffuse):
 
     def _start(self) -> SearchResult | None:
         """Baseline and all-swapped trials; the result if they settle it."""
+        aligned = self._baseline()
+        return aligned if aligned is not None else self._all_swapped()
+
+    def _baseline(self) -> SearchResult | None:
+        """The baseline trial (nothing swapped); "aligned" when it is already under the threshold."""
         base = self._run((), "baseline").value
         self.baseline = base
         if base <= self.thr:
             reason = f"baseline {self.metric} {base:.3g} is already {'0' if self.thr == 0 else self._under}"
             return self._result("aligned", [], reason)
+        return None
+
+    def _all_swapped(self) -> SearchResult | None:
+        """Every candidate swapped; "unreachable" when that still does not fix it."""
         full = self._run(self.cands, "all-swapped").value
         self.all_swapped = full
         if not full <= self.thr:
