@@ -583,7 +583,6 @@ def run(**kw):
     _emit(report, kw)
     stopped = body.get("run_error") or (body.get("search") or {}).get("not_run")
     if stopped:  # the report holds what finished; the error line says why the rest did not
-
         where = f"; the report is in {kw['out']}" if kw.get("out") else ""
         print(printable(f"bisect: error: {body['search']['stop_reason']}{where}"), file=sys.stderr)
     return code

@@ -22,7 +22,7 @@ import stat
 import traceback
 from dataclasses import dataclass, field
 
-from numbisect.common.errors import BackendError, ExitCode, InputError
+from numbisect.common.errors import BackendError, ExitCode, InputError, NumbisectError
 from numbisect.common.formatting import fmt
 from numbisect.common.safeio import check_input, loads_json, read_bytes, same_file
 from numbisect.common.textsafe import printable
@@ -365,7 +365,9 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
             result.search = {"verdict": "unreachable", "strategy": "swap" if kinds else strategy,
                              "trials_used": len(result.trials), "baseline": compared["baseline"]["value"],
                              "threshold": session.settings.threshold,
-                             "stop_reason": f"the run stopped: its {step.replace('_', '-')} failed ({result.run_error['error']})"}
+                             "stop_reason": (f"{e.message} (the run stopped in its {step.replace('_', '-')})"
+                                             if isinstance(e, NumbisectError)  # the tool's own one-line error, as it was
+                                             else f"the run stopped: its {step.replace('_', '-')} failed ({result.run_error['error']})")}
         progress(result.search["stop_reason"])
         return run_body(result), result.run_error["exit_code"]
     finally:
