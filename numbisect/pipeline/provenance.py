@@ -14,8 +14,6 @@ import os
 import platform
 from importlib import metadata
 
-import torch
-
 from numbisect import __version__
 from numbisect.common.jsonsafe import sanitize
 from numbisect.report.document import SCHEMA_VERSION
@@ -34,6 +32,8 @@ def _version(dist: str) -> str | None:
 
 
 def environment(seed: int = 0) -> dict:
+    import torch
+
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),

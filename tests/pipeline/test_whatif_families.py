@@ -98,12 +98,12 @@ def test_a_failing_whatif_keeps_the_search_its_report_and_its_exit_code(tmp_path
 
 
 def test_a_summary_that_cannot_be_rendered_keeps_the_report_and_the_exit_code(tmp_path, monkeypatch, capsys):
-    import numbisect.report.summary as R
+    import numbisect.cli
 
     def broken(report):
         raise KeyError("culprits")
 
-    monkeypatch.setattr(R, "render", broken)
+    monkeypatch.setattr(numbisect.cli, "render", broken)  # the summary the command prints
     out = tmp_path / "r.json"
     code = main(run_cli("--out", str(out)))
     cap = capsys.readouterr()
