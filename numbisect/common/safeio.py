@@ -30,6 +30,7 @@ No torch here: `bisect report ...` imports this.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import stat
@@ -162,6 +163,15 @@ def read_input(path: str | os.PathLike, option: str, fmt: str = "json", *, limit
     if depth_over(obj, max_depth):
         raise InputError(f"{name}: nested deeper than {max_depth} levels")
     return obj
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes, read in 1 MB blocks (a checkpoint's weights, a bundle's parts)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:

@@ -31,7 +31,6 @@ frozen into `engine/`, so replaying needs neither the trainer nor the live engin
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ import torch
 
 from numbisect import __version__
 from numbisect.common.errors import InputError
+from numbisect.common.safeio import file_sha256
 from numbisect.live.probe import LiveReport, random_samples, samples_trace
 from numbisect.live.weights import digest
 from numbisect.model import engine_config as E
@@ -74,14 +74,6 @@ class Bundle:
 # -- writing ----------------------------------------------------------------------------------------
 def _json(path: str, obj) -> None:
     write_json_atomic(path, obj)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_trace(trace, path: str) -> None:
@@ -197,7 +189,7 @@ def write(probe, out_dir: str | os.PathLike, samples=None, *, weights: bool = Tr
         "fire": fire.to_dict() if fire is not None else None,
         "finding": finding,
         "parts": parts,
-        "sha256": {rel: _sha256(os.path.join(out, rel)) for rel in _files(out, parts)},
+        "sha256": {rel: file_sha256(os.path.join(out, rel)) for rel in _files(out, parts)},
         "replay": f"bisect replay {out}",
     }
     _json(os.path.join(out, "manifest.json"), manifest)
@@ -264,7 +256,7 @@ def load(path: str | os.PathLike) -> Bundle:
         p = os.path.join(path, rel)
         if not os.path.isfile(p):
             raise InputError(f"{where}: {rel} is missing")
-        if _sha256(p) != want:
+        if file_sha256(p) != want:
             raise InputError(f"{where}: {rel} is not the file the bundle was written with (SHA-256 differs)")
     return Bundle(path, m)
 

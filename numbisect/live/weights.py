@@ -36,7 +36,16 @@ from dataclasses import dataclass, field
 import torch
 
 from numbisect.backends.vllm.model import _gemm_weight
-from numbisect.model.ckptdiff import _explain, _pair_label, _short, _unit_summary, apply_renames, unit_of, unit_prefixes
+from numbisect.model.ckptdiff import (
+    DIGEST_BYTES,
+    _explain,
+    _pair_label,
+    _short,
+    _unit_summary,
+    apply_renames,
+    unit_of,
+    unit_prefixes,
+)
 
 OK, UNWRITTEN, STALE, CORRUPTED, BUFFER, MISSING = "ok", "unwritten", "stale", "corrupted", "buffer differs", "missing"
 ORDER = (OK, BUFFER, UNWRITTEN, STALE, CORRUPTED, MISSING)  # worst last
@@ -56,7 +65,7 @@ EXPERTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
 def digest(t: torch.Tensor) -> str:
     """BLAKE2b of a tensor's bytes (on the CPU, contiguous)."""
     b = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    return hashlib.blake2b(b, digest_size=16).hexdigest()
+    return hashlib.blake2b(b, digest_size=DIGEST_BYTES).hexdigest()  # as the checkpoint diff's
 
 
 # -- reading both sides in the checkpoint's names ---------------------------------------------

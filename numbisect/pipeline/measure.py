@@ -25,6 +25,7 @@ from numbisect.backends.base import Backend, ForwardResult, check_checkpoint
 from numbisect.backends.options import HF_OPTS, VLLM_INTS, VLLM_RESERVED, parse_opts  # noqa: F401  (re-exported)
 from numbisect.common.errors import InputError
 from numbisect.common.jsonsafe import sanitize  # noqa: F401  (re-exported: numbisect.pipeline.measure.sanitize)
+from numbisect.common.safeio import file_sha256
 from numbisect.model.arch import arch_for
 from numbisect.model.trace import Sample, Trace
 from numbisect.model.units import INNER_KINDS, capture_names, local_feed_names  # noqa: F401 (read as measure.*)
@@ -104,11 +105,7 @@ def checkpoint_digest(path: str) -> dict:
     out = {}
     for f in sorted(Path(path).iterdir()):
         if f.suffix == ".safetensors" or f.name == "config.json":
-            h = hashlib.sha256()
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-            out[f.name] = h.hexdigest()
+            out[f.name] = file_sha256(f)
     return out
 
 
