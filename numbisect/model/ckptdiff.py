@@ -145,8 +145,14 @@ class _Checkpoint:
                 self.notes.append(f"{shard} holds {key}, which {INDEX} does not name (the loader reads it)")
         self._digests: dict[str, str] = {}
 
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
     def meta(self, name: str) -> dict:
         return self.tensors[name][2]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.meta(name).get("shape", []))
 
     def raw(self, name: str) -> bytes:
         f, start, meta, _ = self.tensors[name]
@@ -166,6 +172,36 @@ class _Checkpoint:
         f, _, _, key = self.tensors[name]
         with safe_open(str(f), "pt") as fh:
             return fh.get_tensor(key)
+
+
+class TensorDict:
+    """Tensors held in memory, by checkpoint name, read as `explain` reads a checkpoint
+    directory (`in`, `shape`, `tensor`): a trainer's state dict or an engine's weights
+    read back (numbisect.live.weights). `dtype`: the dtype `tensor` returns them in (the
+    engine's, so a reference is compared after the same rounding), or as held."""
+
+    def __init__(self, tensors: dict, dtype=None):
+        self._t = tensors
+        self._dtype = dtype
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._t
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._t[name].shape)
+
+    def tensor(self, name: str):
+        t = self._t[name]
+        return t if self._dtype is None else t.to(self._dtype)
+
+
+def head_counts(config) -> dict:
+    """The head counts `explain` may call row blocks heads by (`head_sizes`), from a
+    transformers config: query, key/value and linear-attention heads."""
+    text = config.get_text_config()
+    return {"q": getattr(text, "num_attention_heads", None), "kv": getattr(text, "num_key_value_heads", None),
+            "linear": [c for c in (getattr(text, "linear_num_key_heads", None),
+                                   getattr(text, "linear_num_value_heads", None)) if c]}
 
 
 def unit_of(name: str, prefixes: list[tuple[str, str]]) -> str | None:
@@ -191,7 +227,7 @@ def unit_prefixes(arch, config) -> list[tuple[str, str]]:
     return sorted(out, key=lambda pu: len(pu[0]), reverse=True)
 
 
-def _pair_label(a: str, b: str) -> str:
+def pair_label(a: str, b: str) -> str:
     """What differs between two tensor names: `experts.3 <-> experts.5`, `gate_proj <-> up_proj`."""
     pa, pb = a.split("."), b.split(".")
     if len(pa) != len(pb):
@@ -208,8 +244,9 @@ def _pair_label(a: str, b: str) -> str:
     return f"{x} <-> {y}"
 
 
-def _explain(name: str, ref_ck: _Checkpoint, eng_ck: _Checkpoint, heads: dict) -> dict:
-    """How tensor `name` of the engine differs from the reference's (same shape and dtype):
+def explain(name: str, ref_ck: _Checkpoint | TensorDict, eng_ck: _Checkpoint | TensorDict, heads: dict) -> dict:
+    """How tensor `name` of the engine differs from the reference's (same shape and dtype;
+    both sides a checkpoint directory or a `TensorDict`; `heads`: `head_counts`):
     `explain_tensors` on the two, then, failing that, rows taken from the same tensor of
     other layers (`_across_layers`)."""
     r, e = ref_ck.tensor(name).float(), eng_ck.tensor(name).float()
@@ -412,7 +449,7 @@ def explain_tensors(r, e, name: str = "", heads: dict | None = None) -> dict:
             "rel_norm": float(torch.linalg.vector_norm(diff) / max(float(torch.linalg.vector_norm(r)), 1e-30))}
 
 
-def _across_layers(name: str, r, e, ref_ck: _Checkpoint) -> dict | None:
+def _across_layers(name: str, r, e, ref_ck: _Checkpoint | TensorDict) -> dict | None:
     """The engine's tensor made of rows of the same tensor in other layers of the reference
     (a layer index shifted in a conversion): which layers its rows come from."""
     m = re.search(r"\.layers\.(\d+)\.", name)
@@ -424,12 +461,12 @@ def _across_layers(name: str, r, e, ref_ck: _Checkpoint) -> dict | None:
     j = 0
     while True:
         other = pattern.format(j)
-        if other not in ref_ck.tensors:
+        if other not in ref_ck:
             if j > here:
                 break
             j += 1
             continue
-        if ref_ck.meta(other).get("shape") == list(r.shape):
+        if ref_ck.shape(other) == list(r.shape):
             t = r if j == here else ref_ck.tensor(other).float()
             rows = t.reshape(t.shape[0], -1).contiguous()
             for i in range(rows.shape[0]):
@@ -510,9 +547,7 @@ def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict,
     arch = arch_for(config)
     ref_ck, eng_ck = _Checkpoint(ref_path, arch.ckpt_renames), _Checkpoint(eng_path, arch.ckpt_renames)
     prefixes = unit_prefixes(arch, config)
-    text = config.get_text_config()
-    heads = {"q": getattr(text, "num_attention_heads", None), "kv": getattr(text, "num_key_value_heads", None),
-             "linear": [c for c in (getattr(text, "linear_num_key_heads", None), getattr(text, "linear_num_value_heads", None)) if c]}
+    heads = head_counts(config)
     findings: dict[str, list[dict]] = {}
     unmapped: list[dict] = []
 
@@ -552,12 +587,12 @@ def diff_checkpoints(ref_path: str, eng_path: str, ref_cfg: dict, eng_cfg: dict,
         src = holds.get(name)
         if src is not None:
             how = "swapped" if holds.get(src) == name else "moved"
-            note(name, {"how": how, "holds": src, "pair": _pair_label(name, src)})
+            note(name, {"how": how, "holds": src, "pair": pair_label(name, src)})
         else:
-            note(name, _explain(name, ref_ck, eng_ck, heads))
+            note(name, explain(name, ref_ck, eng_ck, heads))
     units = {}
     for unit, items in findings.items():
-        units[unit] = {"tensors": items, "summary": _unit_summary(items)}
+        units[unit] = {"tensors": items, "summary": unit_summary(items)}
     order = {u.name: u.order for u in arch.units(config)}
     units = dict(sorted(units.items(), key=lambda kv: order.get(kv[0], 1 << 30)))
     cfg, meta, compared = diff_configs(ref_cfg, eng_cfg, _readers(arch, config) if ref_cfg != eng_cfg else None)
@@ -582,7 +617,7 @@ def apply_renames(key: str, renames: dict[str, str]) -> str:
     return key
 
 
-def _unit_summary(items: list[dict]) -> str:
+def unit_summary(items: list[dict]) -> str:
     """One phrase per kind of difference in a unit, e.g. `gate_proj <-> up_proj swapped (8 tensors)`."""
     groups: dict[str, int] = {}
     for it in items:
@@ -591,18 +626,18 @@ def _unit_summary(items: list[dict]) -> str:
             key = f"{it['pair']} {how}"
             groups[key] = groups.get(key, 0) + (1 if how == "moved" else 0.5)  # a swap is seen from both sides
         elif how == "scaled":
-            key = f"{_short(it['tensor'])} scaled by {it['factor']:g}"
+            key = f"{short_name(it['tensor'])} scaled by {it['factor']:g}"
             groups[key] = groups.get(key, 0) + 1
         elif it.get("phrase"):
-            key = f"{_short(it['tensor'])} {it['phrase']}"
+            key = f"{short_name(it['tensor'])} {it['phrase']}"
             groups[key] = groups.get(key, 0) + 1
         elif how == "rows permuted":
             order = it.get("order")
             shown = f" (order {','.join(map(str, order))})" if order and len(order) <= 16 else ""
-            key = f"{_short(it['tensor'])} {it['block']} permuted{shown}"
+            key = f"{short_name(it['tensor'])} {it['block']} permuted{shown}"
             groups[key] = groups.get(key, 0) + 1
         else:
-            key = f"{how}: {_short(it['tensor'])}"
+            key = f"{how}: {short_name(it['tensor'])}"
             groups[key] = groups.get(key, 0) + 1
     parts = []
     for key, n in groups.items():
@@ -611,7 +646,7 @@ def _unit_summary(items: list[dict]) -> str:
     return "; ".join(parts)
 
 
-def _short(name: str) -> str:
+def short_name(name: str) -> str:
     """A tensor name without the model prefix and layer: `self_attn.q_proj.weight`."""
     parts = name.split(".")
     if "layers" in parts:

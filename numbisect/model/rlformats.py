@@ -30,7 +30,7 @@ import os
 
 from numbisect.common.errors import InputError
 from numbisect.common.safeio import check_input
-from numbisect.model.trace import Trace, _sample, load_trace, read_trace_bytes, show
+from numbisect.model.trace import Trace, sample_from_json, load_trace, read_trace_bytes, show
 
 # Where each preset's names come from (field names in the frameworks' own code):
 # - verl: the DataProto batch keys its trainer keeps per rollout: `prompts` and
@@ -261,7 +261,7 @@ def load_rollouts(path: str, fmt: str | None = None, fields_text: str | None = N
         try:
             native = to_native(rec, fields)
             source = native.pop("__source__", None)
-            samples.append(_sample(native, where, os.path.dirname(os.path.abspath(path))))
+            samples.append(sample_from_json(native, where, os.path.dirname(os.path.abspath(path))))
             samples[-1].source = source
         except ValueError as e:
             raise InputError(f"{path}:{where}: {_rename(str(e), fields)}") from None

@@ -235,7 +235,9 @@ def _images(obj: dict, base: str) -> Images | None:
     return out
 
 
-def _sample(obj: object, line: int, base: str = ".") -> Sample:
+def sample_from_json(obj: object, line: int, base: str = ".") -> Sample:
+    """One sample from its parsed JSON object (`line`: where it was read, for messages; `base`:
+    the folder image paths are relative to); ValueError naming what is wrong."""
     if not isinstance(obj, dict):
         kind = "array" if isinstance(obj, list) else type(obj).__name__
         raise ValueError(f"expected a JSON object, got {kind}")
@@ -295,7 +297,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
         except RecursionError:
             raise InputError(f"{path}:{line}: invalid JSON: nested too deeply") from None
         try:
-            samples.append(_sample(obj, line, os.path.dirname(os.path.abspath(path))))
+            samples.append(sample_from_json(obj, line, os.path.dirname(os.path.abspath(path))))
         except ValueError as e:
             raise InputError(f"{path}:{line}: {e}") from None
     if not samples:

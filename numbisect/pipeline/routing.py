@@ -38,7 +38,7 @@ from numbisect.model.router import (  # noqa: F401 (this module's readers use th
     select,
     weights_for,
 )
-from numbisect.patching.probes.routing import RoutingProbe, _differ  # noqa: F401
+from numbisect.patching.probes.routing import RoutingProbe, experts_differ  # noqa: F401
 from numbisect.pipeline import measure as C
 from numbisect.pipeline import metrics as M
 
@@ -130,7 +130,7 @@ def _biases(backend, units) -> dict:
 
 
 def _flips(a: dict, b: dict, units) -> dict:
-    return {u: int(_differ(torch.cat(a[u]), torch.cat(b[u])).sum()) if a.get(u) and b.get(u) else None for u in units}
+    return {u: int(experts_differ(torch.cat(a[u]), torch.cat(b[u])).sum()) if a.get(u) and b.get(u) else None for u in units}
 
 
 def _replay_trial(sides, direction: str, replay: dict, eng_prop):

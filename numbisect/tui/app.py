@@ -71,7 +71,7 @@ from numbisect.tui.widgets.overview import OverviewPanel, overview_text
 from numbisect.tui.widgets.token_view import TokenView, strips_text, worst_text
 from numbisect.tui.widgets.trials import (
     TrialsPanel,
-    _log,
+    log10_floor,
     condition_trial_text,
     role,
     trial_text,
@@ -119,7 +119,7 @@ def _draw_all(r: dict, report_path: str | None) -> None:
         role(t)
         M.abbreviate(t["swapped"], universe, width=60)
         M.value_mark(t["value"], th)
-        _log(t["value"], -12.0)
+        log10_floor(t["value"], -12.0)
 
 
 def preflight(report: dict, report_path: str | None) -> None:

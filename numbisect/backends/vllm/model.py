@@ -44,7 +44,7 @@ def _inside(name: str, unit: str) -> bool:
     return name == unit or name.startswith(unit + ".")
 
 
-def _gemm_weight(lin: nn.Module) -> torch.Tensor:
+def gemm_weight(lin: nn.Module) -> torch.Tensor:
     """The [N, K] weight a vLLM-CPU linear layer multiplies by. vLLM's CPU linear methods
     (`dispatch_cpu_unquantized_gemm`, vllm/model_executor/layers/utils.py) hand it to a GEMM
     kernel in `lin.cpu_linear` (oneDNN, the SGL kernel, zentorch) that keeps a packed copy
@@ -70,7 +70,7 @@ def _plain_linear(weight: torch.Tensor):
 def plant_weight_noise_cpu(mod: nn.Module, fault, ledger: Ledger) -> None:
     """`weight_noise` on a vLLM module: every float parameter times (1 + value * N(0, 1)),
     seeded by the unit (as `base.plant_weight_noise`), where a linear layer's weight is the
-    one its GEMM kernel reads (`_gemm_weight`): the noisy weight goes to the kernel through a
+    one its GEMM kernel reads (`gemm_weight`): the noisy weight goes to the kernel through a
     `cpu_linear` of its own, and into `.weight` too where that holds one (an embedding's
     lookup reads it). Noise written into `.weight` alone would not reach a packed GEMM."""
     gemm = {id(m.weight): m for m in mod.modules() if hasattr(m, "cpu_linear") and isinstance(getattr(m, "weight", None), torch.Tensor)}
@@ -84,7 +84,7 @@ def plant_weight_noise_cpu(mod: nn.Module, fault, ledger: Ledger) -> None:
                 ledger.save(p)
                 p.data.mul_(1 + fault.value * torch.randn(p.shape, generator=g))
             continue
-        w = _gemm_weight(lin)
+        w = gemm_weight(lin)
         noisy = w * (1 + fault.value * torch.randn(w.shape, generator=g))
         noisy = noisy.to(w.dtype)
         if p.numel():

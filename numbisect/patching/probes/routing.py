@@ -12,7 +12,7 @@ from numbisect.model.router import router_units, weights_for
 from numbisect.patching.ledger import installed
 
 
-def _differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def experts_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[T] bool: rows whose expert sets differ (order ignored)."""
     return (a.long().sort(dim=1).values != b.long().sort(dim=1).values).any(dim=1)
 
@@ -55,7 +55,7 @@ class RoutingProbe:
             want = ids.clone()
             for j, (s, n) in enumerate(zip(idx, lens)):
                 want[j * width : j * width + n] = self.replay[unit][s].to(ids.dtype)
-            diff = _differ(want, ids)
+            diff = experts_differ(want, ids)
             if bool(diff.any()):
                 new_ids = torch.where(diff[:, None], want, ids)
                 new_w = weights_for(logits, new_ids, self.spec).to(w.dtype)

@@ -23,7 +23,7 @@ def role(t: dict) -> str:
     return str(t.get("role") or "-")
 
 
-def _log(v, floor: float) -> float:
+def log10_floor(v, floor: float) -> float:
     """log10 of a value, floored (0 and 1000x under the threshold draw the same)."""
     x = num(v)
     if x is None or math.isnan(x) or x <= 0:
@@ -152,7 +152,7 @@ class TrialsPanel(Vertical):
         spark = self.query_one(Sparkline)
         spark.styles.width = max(12, 4 * len(self.trials))
         floor = math.log10(self.threshold) - 3 if 0 < self.threshold < math.inf else -12.0
-        spark.data = [_log(t["value"], floor) for t in self.trials]
+        spark.data = [log10_floor(t["value"], floor) for t in self.trials]
         spark.display = bool(self.trials)
         n_fixed = sum(1 for t in self.trials if M.value_mark(t["value"], self.threshold) == "fixed")
         what = "k3 vs the known-good" if self.conditions else self.metric

@@ -90,11 +90,11 @@ def test_routing_spec_reproduces_the_transformers_router_with_bias_and_groups():
         x = torch.randn(300, b.config.hidden_size, generator=g)
         with torch.no_grad():
             logits, w, ids = b.module(u)(x)
-        assert not bool(R._differ(R.select(logits, spec, bias), ids).any())
+        assert not bool(R.experts_differ(R.select(logits, spec, bias), ids).any())
         # without the bias (or the groups) the choice differs for some tokens: both are used
-        assert bool(R._differ(R.select(logits, spec, None), ids).any())
+        assert bool(R.experts_differ(R.select(logits, spec, None), ids).any())
         flat = R.RouterSpec(3, 8, "sigmoid", True, scaling=2.5, biased=True)
-        assert bool(R._differ(R.select(logits, flat, bias), ids).any())
+        assert bool(R.experts_differ(R.select(logits, flat, bias), ids).any())
         assert torch.allclose(R.weights_for(logits, ids, spec), w.float(), atol=1e-6)
 
 
@@ -194,7 +194,7 @@ def test_vllm_recorded_expert_ids_are_those_its_logits_give_with_bias_and_groups
         bias = R.router_bias(eng, u)
         assert bias is not None and float(bias.abs().max()) > 0
         logits, ids = torch.cat(res.captures[u]), torch.cat(probe.ids[u])
-        differ = R._differ(R.select(logits, spec, bias), ids)
+        differ = R.experts_differ(R.select(logits, spec, bias), ids)
         m = R.margins(logits.float(), spec, bias)
         tie = m < 1e-2 * m.median()
         assert not bool((differ & ~tie).any())

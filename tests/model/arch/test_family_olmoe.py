@@ -52,7 +52,7 @@ def test_select_and_weights_reproduce_the_transformers_router():
         x = torch.randn(200, b.config.hidden_size, generator=g)
         with torch.no_grad():
             logits, w, ids = b.module(u)(x)
-        assert not bool(R._differ(R.select(logits, spec), ids).any())
+        assert not bool(R.experts_differ(R.select(logits, spec), ids).any())
         assert torch.allclose(R.weights_for(logits, ids, spec), w.float(), atol=1e-6)
         assert float(w.sum(-1).max()) < 0.999  # not renormalised: the top-4 share is below 1
 
@@ -203,6 +203,6 @@ def test_vllm_recorded_expert_ids_are_the_top4_of_its_logits():
     for u in R.router_units(eng):
         logits, ids = torch.cat(res.captures[u]), torch.cat(probe.ids[u])
         assert ids.shape[1] == 4
-        differ = R._differ(R.select(logits, spec), ids)
+        differ = R.experts_differ(R.select(logits, spec), ids)
         m = R.margins(logits.float(), spec)
         assert not bool((differ & ~(m < 1e-2 * m.median())).any())
