@@ -40,7 +40,7 @@ from pathlib import Path
 import tomllib
 
 from numbisect.common.errors import InputError
-from numbisect.common.textsafe import clip, printable
+from numbisect.common.textsafe import clip, path_text, printable
 
 MB = 2**20
 JSON_LIMIT = 512 * MB  # a report, a trace line, a config: far above any real one
@@ -62,17 +62,21 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _size(n: int) -> str:
+    return f"{n // MB} MB" if n >= MB else f"{n} bytes"
+
+
 def check_input(path: str | os.PathLike, what: str) -> Path:
     """The path as a Path if it is an existing regular file (links followed); else InputError."""
-    p = Path(path)
+    p, shown = Path(path), path_text(path)
     try:
         st = os.stat(p)
     except FileNotFoundError:
-        raise InputError(f"{what} not found: {path}") from None
+        raise InputError(f"{what} not found: {shown}") from None
     except OSError as e:
-        raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
+        raise InputError(f"cannot read {what} {path_text(path)}: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise InputError(f"{what} {path} is {_kind(st.st_mode)}, not a regular file")
+        raise InputError(f"{what} {shown} is {_kind(st.st_mode)}, not a regular file")
     return p
 
 
@@ -83,9 +87,9 @@ def read_bytes(path: str | os.PathLike, what: str, limit: int = JSON_LIMIT) -> b
         with open(p, "rb") as fh:
             data = fh.read(limit + 1)
     except OSError as e:
-        raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
+        raise InputError(f"cannot read {what} {path_text(path)}: {e.strerror or e}") from None
     if len(data) > limit:
-        raise InputError(f"{what} {path} is larger than {limit // MB} MB; not read")
+        raise InputError(f"{what} {path_text(path)} is larger than {_size(limit)}; not read")
     return data
 
 
@@ -94,7 +98,7 @@ def read_text(path: str | os.PathLike, what: str, limit: int = JSON_LIMIT, encod
     try:
         return data.decode(encoding)
     except UnicodeDecodeError as e:
-        raise InputError(f"cannot read {what} {path}: not {encoding.split('-sig')[0].upper()} text (byte {e.start})") from None
+        raise InputError(f"cannot read {what} {path_text(path)}: not {encoding.split('-sig')[0].upper()} text (byte {e.start})") from None
 
 
 def loads_json(text: str | bytes, where: str):

@@ -30,7 +30,8 @@ import os
 
 from numbisect.common.errors import InputError
 from numbisect.common.safeio import check_input
-from numbisect.model.trace import Trace, sample_from_json, load_trace, read_trace_bytes, show
+from numbisect.common.textsafe import path_text
+from numbisect.model.trace import Trace, load_trace, read_trace_bytes, sample_from_json, show
 
 # Where each preset's names come from (field names in the frameworks' own code):
 # - verl: the DataProto batch keys its trainer keeps per rollout: `prompts` and
@@ -127,15 +128,15 @@ def read_records(path: str) -> tuple[list[dict], bytes]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise InputError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+            raise InputError(f"{path_text(path)}: reading parquet needs pyarrow (pip install pyarrow)") from None
         try:
             return pq.read_table(path).to_pylist(), data
         except Exception as e:
-            raise InputError(f"{path}: not a readable parquet file: {str(e).splitlines()[0]}") from None
+            raise InputError(f"{path_text(path)}: not a readable parquet file: {str(e).splitlines()[0]}") from None
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
-        raise InputError(f"{path}: neither parquet nor UTF-8 JSONL") from None
+        raise InputError(f"{path_text(path)}: neither parquet nor UTF-8 JSONL") from None
     rows = []
     for line, raw in enumerate(text.split("\n"), start=1):
         if not raw.strip():
@@ -143,9 +144,9 @@ def read_records(path: str) -> tuple[list[dict], bytes]:
         try:
             obj = json.loads(raw)
         except (ValueError, RecursionError) as e:
-            raise InputError(f"{path}:{line}: invalid JSON: {getattr(e, 'msg', e)}") from None
+            raise InputError(f"{path_text(path)}:{line}: invalid JSON: {getattr(e, 'msg', e)}") from None
         if not isinstance(obj, dict):
-            raise InputError(f"{path}:{line}: expected a JSON object")
+            raise InputError(f"{path_text(path)}:{line}: expected a JSON object")
         obj["__line__"] = line
         rows.append(obj)
     return rows, data
@@ -161,7 +162,7 @@ def _found(rows: list[dict]) -> list[str]:
 def detect(path: str, rows: list[dict]) -> tuple[str, dict[str, str]]:
     """The first preset whose required fields the first record has, or a one-line error."""
     if not rows:
-        raise InputError(f"{path}: no samples (the file is empty)")
+        raise InputError(f"{path_text(path)}: no samples (the file is empty)")
     for with_logprobs in (True, False):  # prefer the preset whose log-prob field is there too
         for name, fields in PRESETS.items():
             need = _required(fields) + ([fields["logprobs"]] if with_logprobs else [])
@@ -170,7 +171,7 @@ def detect(path: str, rows: list[dict]) -> tuple[str, dict[str, str]]:
     found = ", ".join(_found(rows)) or "(none)"
     known = "; ".join(f"{n}: {', '.join(_required(f) + [f['logprobs']])}" for n, f in PRESETS.items())
     raise InputError(
-        f"{path}: no known rollout fields; found: {found}",
+        f"{path_text(path)}: no known rollout fields; found: {found}",
         hint=f"presets: {known}; or name them with --trace-fields prompt=...,completion=...,logprobs=...",
     )
 
@@ -242,15 +243,15 @@ def load_rollouts(path: str, fmt: str | None = None, fields_text: str | None = N
             raise InputError(f"give --trace-format {fmt} or --trace-fields, not both (--trace-fields names every field)")
         fields, fmt = parse_fields(fields_text), None
         if not rows:
-            raise InputError(f"{path}: no samples (the file is empty)")
+            raise InputError(f"{path_text(path)}: no samples (the file is empty)")
         missing = [f for f in fields.values() if f not in rows[0]]  # every field named must be there
         if missing:
-            raise InputError(f"{path}: no field {', '.join(missing)}; found: {', '.join(_found(rows)) or '(none)'}")
+            raise InputError(f"{path_text(path)}: no field {', '.join(missing)}; found: {', '.join(_found(rows)) or '(none)'}")
     elif fmt:
         fields = PRESETS[fmt]
         if rows and not all(f in rows[0] for f in _required(fields)):
             raise InputError(
-                f"{path}: not a {fmt} dump: it lacks {', '.join(f for f in _required(fields) if f not in rows[0])}; "
+                f"{path_text(path)}: not a {fmt} dump: it lacks {', '.join(f for f in _required(fields) if f not in rows[0])}; "
                 f"found: {', '.join(_found(rows)) or '(none)'}"
             )
     else:
@@ -264,9 +265,9 @@ def load_rollouts(path: str, fmt: str | None = None, fields_text: str | None = N
             samples.append(sample_from_json(native, where, os.path.dirname(os.path.abspath(path))))
             samples[-1].source = source
         except ValueError as e:
-            raise InputError(f"{path}:{where}: {_rename(str(e), fields)}") from None
+            raise InputError(f"{path_text(path)}:{where}: {_rename(str(e), fields)}") from None
     if not samples:
-        raise InputError(f"{path}: no samples (the file is empty)")
+        raise InputError(f"{path_text(path)}: no samples (the file is empty)")
     return Trace(samples=samples, path=path, sha256=hashlib.sha256(data).hexdigest(), format=fmt or "fields")
 
 

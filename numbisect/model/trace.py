@@ -37,10 +37,16 @@ from dataclasses import dataclass, field
 import torch
 
 from numbisect.common.errors import InputError
-from numbisect.common.safeio import check_input
+from numbisect.common.safeio import MB, read_bytes
+from numbisect.common.textsafe import printable
 
 BUILTIN_GROUPS = ("completion", "prompt", "all")
 LOGPROB_SLACK = 1e-4  # rollout log-probs up to this far above 0 are taken as rounding
+
+
+# A trace larger than this is refused before it is read: token ids of ~100M tokens as JSON
+# (images are files of their own).
+TRACE_LIMIT = 1024 * MB
 
 
 @dataclass
@@ -254,19 +260,14 @@ def sample_from_json(obj: object, line: int, base: str = ".") -> Sample:
 
 
 def read_trace_bytes(path: str, what: str = "a JSONL trace file") -> bytes:
-    """The bytes of a trace file, refused in one line where it cannot be read (a FIFO would
-    hang and a device never end)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        check_input(path, "trace")
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such trace file") from None
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a directory, expected {what}") from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+    """The bytes of a trace file through the one reader of inputs (common.safeio: a regular
+    file, at most TRACE_LIMIT bytes), refused in one line where it cannot be read (a FIFO
+    would hang and a device never end)."""
+    if os.path.isdir(path):
+        raise InputError(f"{printable(path)}: is a directory, expected {what}")
+    if not os.path.lexists(path):
+        raise InputError(f"{printable(path)}: no such trace file")
+    return read_bytes(path, "trace", TRACE_LIMIT)
 
 
 def load_trace(path: str | os.PathLike) -> Trace:
@@ -276,11 +277,12 @@ def load_trace(path: str | os.PathLike) -> Trace:
     """
     path = os.fspath(path)
     data = read_trace_bytes(path)
+    shown = printable(path)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise InputError(f"{path}:{line}: not valid UTF-8") from None
+        raise InputError(f"{shown}:{line}: not valid UTF-8") from None
 
     samples = []
     for line, raw in enumerate(text.split("\n"), start=1):
@@ -290,18 +292,18 @@ def load_trace(path: str | os.PathLike) -> Trace:
             obj = json.loads(raw)
         except json.JSONDecodeError as e:
             raise InputError(
-                f"{path}:{line}: invalid JSON: {e.msg} (column {e.colno})"
+                f"{shown}:{line}: invalid JSON: {e.msg} (column {e.colno})"
             ) from None
         except ValueError as e:  # e.g. an integer with too many digits
-            raise InputError(f"{path}:{line}: invalid JSON: {e}") from None
+            raise InputError(f"{shown}:{line}: invalid JSON: {e}") from None
         except RecursionError:
-            raise InputError(f"{path}:{line}: invalid JSON: nested too deeply") from None
+            raise InputError(f"{shown}:{line}: invalid JSON: nested too deeply") from None
         try:
             samples.append(sample_from_json(obj, line, os.path.dirname(os.path.abspath(path))))
         except ValueError as e:
-            raise InputError(f"{path}:{line}: {e}") from None
+            raise InputError(f"{shown}:{line}: {e}") from None
     if not samples:
-        raise InputError(f"{path}: no samples (the file is empty)")
+        raise InputError(f"{shown}: no samples (the file is empty)")
 
     trace = Trace(samples=samples, path=path, sha256=hashlib.sha256(data).hexdigest())
     for name in trace.group_names():

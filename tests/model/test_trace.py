@@ -101,6 +101,18 @@ def test_missing_and_empty_files(tmp_path):
         load_trace(empty)
 
 
+def test_a_trace_over_the_limit_is_refused_unread_and_its_name_escaped(tmp_path, monkeypatch):
+    from numbisect.model import trace as T
+
+    path = write(tmp_path, [GOOD] * 50, name="t\x1b[31m.jsonl")
+    monkeypatch.setattr(T, "TRACE_LIMIT", 100)
+    with pytest.raises(InputError) as e:
+        load_trace(path)
+    assert "larger than" in e.value.message and "\x1b" not in e.value.message
+    monkeypatch.setattr(T, "TRACE_LIMIT", 10**6)
+    assert len(load_trace(path).samples) == 50
+
+
 def test_invalid_utf8_names_line(tmp_path):
     path = tmp_path / "bin.jsonl"
     path.write_bytes(json.dumps(GOOD).encode() + b"\n\xff\xfe\n")
