@@ -36,9 +36,12 @@ import torch
 from numbisect.backends.hf import HFBackend
 from numbisect.backends.vllm import VLLMBackend
 from numbisect.common.errors import BackendError, InputError
+from numbisect.live import poison as X
 from numbisect.live import weights as W
 from numbisect.live.engine import check_engine, hooks_problem
-from numbisect.live.errors import EngineSettingError, HookNotFiredError, ReferenceModelError
+from numbisect.live.errors import EngineClosedError, EngineSettingError, HookNotFiredError, ReferenceModelError
+from numbisect.live.poison import PoisonError
+from numbisect.live.sync import push
 from numbisect.model.arch import arch_for
 from numbisect.model.rlformats import load_any
 from numbisect.model.trace import Sample, Trace, check_vocab, sample_from_json
@@ -245,6 +248,10 @@ class Probe:
         the engine's forwards can be hooked; True on one that cannot is refused, naming
         why); False: the per-tensor digests only. Each check's reference digests join the
         history that tells `unwritten` and `stale` apart."""
+        return self._check(samples, functional, step)[0]
+
+    def _check(self, samples, functional, step) -> tuple[W.WeightCheck, dict[str, torch.Tensor]]:
+        """`check_weights`, and the engine's tensors it read back."""
         if functional is None:
             functional = self.problem is None
         t0 = time.perf_counter()
@@ -259,7 +266,90 @@ class Probe:
         ref = self._ref_tensors()
         eng = self._engine_tensors({n: tuple(t.shape) for n, t in ref.items()})
         tied = bool(getattr(self.engine.config.get_text_config(), "tie_word_embeddings", False))
-        return W.check(ref, eng, self.history, self.ref.arch, self.ref.config, step=step, local=local, tied=tied, t0=t0)
+        check = W.check(ref, eng, self.history, self.ref.arch, self.ref.config, step=step, local=local, tied=tied, t0=t0)
+        return check, eng
+
+    # -- poison control -----------------------------------------------------------------------
+    def _llm(self):
+        """The `vllm.LLM` weights are pushed into; refused (EngineClosedError) when this probe
+        or the engine was closed."""
+        llm = None if self.engine is None else (self.llm if self.llm is not None else getattr(self.engine, "llm", None))
+        if llm is None:
+            raise EngineClosedError("the probe or its engine was closed: attach again to a running engine")
+        check_engine(llm)  # a shut-down engine raises EngineClosedError here, before anything is pushed
+        return llm
+
+    def _push(self, llm, tensors: dict[str, torch.Tensor], what: str) -> None:
+        try:
+            push(llm, list(tensors.items()), repack=True)
+        except Exception as e:
+            line = (str(e).strip().splitlines() or [""])[0]
+            raise PoisonError(f"{what}: vLLM's reload_weights failed ({type(e).__name__}: {line})") from None
+
+    @contextlib.contextmanager
+    def poisoned(self, seed: int = 0, samples=None, functional: bool | None = None, step: str | None = None):
+        """Poison control (numbisect.live.poison): the engine's weights overwritten with
+        seeded random values, the block (the user's sync) run, then the weight check, in
+        which a tensor the sync never wrote is `unwritten` ("still the weights of poison
+        (seed N)"). Yields a `Poisoned`; its `check` is the WeightCheck once the block
+        ends. The tensors the sync left poisoned are put back to what they held before
+        (`Poisoned.left`, `restored`); a block that raises puts every tensor back.
+        Raises EngineClosedError (closed engine or probe), PoisonError (the poison did not
+        reach a tensor, or vLLM's reload failed; the engine put back first)."""
+        llm = self._llm()
+        t0 = time.perf_counter()
+        ref = self._ref_tensors()
+        shapes = {n: tuple(t.shape) for n, t in ref.items()}
+        saved = {n: t for n, t in self._engine_tensors(shapes).items() if n in ref}
+        target = W.reference_digests({n: ref[n] for n in saved}, next(iter(saved.values())).dtype)
+        del ref
+        held = {n: W.digest(t) for n, t in saved.items()}
+        p = X.Poisoned(seed=seed, label=X.POISON_LABEL.format(seed=seed), tensors=len(saved))
+        poison = X.poison_values(saved, {n: {target[n], held[n]} for n in saved}, seed, W.digest)
+        self._push(llm, poison, "poisoning the engine")
+        del poison
+        after = self._engine_tensors(shapes)
+        p.digests = {n: W.digest(t) for n, t in after.items() if n in saved}
+        missed = sorted(n for n in saved if p.digests.get(n) in (None, target[n], held[n]))
+        del after
+        if missed:
+            self._push(llm, saved, "putting the engine back")
+            raise PoisonError(f"the poison did not reach {len(missed)} engine tensor(s) ({', '.join(missed[:4])}"
+                              f"{', ...' if len(missed) > 4 else ''}): a sync that skips them could not be told; "
+                              "the engine was put back as found")
+        p.seconds = X.timed(t0)
+        try:
+            yield p
+        except BaseException:
+            self._push(llm, saved, "putting the engine back after the sync raised")
+            raise
+        entry = (p.label, p.digests)
+        self.history.steps.append(entry)  # the step before the check: what an unwritten tensor holds
+        now = None
+        try:
+            p.check, now = self._check(samples, functional, step)
+        finally:
+            self.history.steps = [s for s in self.history.steps if s is not entry]
+            t1 = time.perf_counter()
+            if now is None:  # the check failed: read back what the sync left
+                now = self._engine_tensors(shapes)
+            p.left = X.still_poisoned(now, p, W.digest)
+            if p.left:
+                self._push(llm, X.put_back(now, saved, p.left), "putting back the tensors the sync left poisoned")
+                p.restored = True
+            p.restore_seconds = X.timed(t1)
+
+    def check_sync(self, sync, *, poison: bool = True, seed: int = 0, samples=None, functional: bool | None = None,
+                   step: str | None = None) -> W.WeightCheck:
+        """Run `sync()` (the user's weight push, no arguments) and check the weights after
+        it; `poison`: with poison control (`poisoned`): a tensor the sync never wrote is
+        `unwritten` even where the engine held the reference's value before."""
+        if not poison:
+            sync()
+            return self.check_weights(samples, functional, step)
+        with self.poisoned(seed, samples, functional, step) as p:
+            sync()
+        return p.check
 
     def weights_report(self, check: W.WeightCheck, argv: list[str] | None = None) -> LiveReport:
         """The report of a functional weight check: the comparison it ran (`bisect compare`'s

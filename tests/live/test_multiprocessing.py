@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import model_dir
 
-from numbisect.live import EngineSettingError, ReferenceModelError, attach
+from numbisect.live import EngineClosedError, EngineSettingError, ReferenceModelError, attach
 
 
 def test_objects_that_are_neither_an_engine_nor_a_model_are_refused_in_one_line():
@@ -81,3 +81,15 @@ def test_weights_of_an_engine_in_another_process(mp_engine):
     check = probe.check_weights()
     print("\n".join(check.lines()))
     assert {u.unit: u.status for u in check.differing()} == {"layers.0.mlp": "unwritten"}
+    # poison control through the worker (functions and tensors pickled to it): the skipped
+    # tensor is named even though the engine held its value before the sync
+    trainer.step()
+    items = trainer.tensors()
+    push(llm, items)
+    check = probe.check_sync(lambda: push(llm, [(n, t) for n, t in items if n != skip]))
+    print("\n".join(check.lines()))
+    assert {u.unit: u.status for u in check.differing()} == {"layers.0.mlp": "unwritten"}
+    assert probe.check_weights()  # the skipped tensor put back: the engine holds what it held
+    llm.llm_engine.engine_core.shutdown()
+    with pytest.raises(EngineClosedError, match="cannot be reached"):
+        probe.check_sync(lambda: None)
