@@ -41,7 +41,7 @@ from numbisect import __version__
 from numbisect.common.errors import InputError
 from numbisect.common.safeio import file_sha256
 from numbisect.live.probe import LiveReport, random_samples, samples_trace
-from numbisect.live.weights import digest
+from numbisect.live.weights import digest, write_checkpoint
 from numbisect.model import engine_config as E
 from numbisect.model.trace import BUILTIN_GROUPS
 from numbisect.pipeline import comparison as P
@@ -96,16 +96,6 @@ def engine_settings(live: dict) -> dict:
     return out
 
 
-def _checkpoint(dest: str, config, tensors: dict[str, torch.Tensor]) -> None:
-    """config.json + model.safetensors in `dest` (a transformers checkpoint)."""
-    from safetensors.torch import save_file
-
-    os.makedirs(dest, exist_ok=True)
-    config.to_json_file(os.path.join(dest, "config.json"))
-    save_file({n: t.detach().to("cpu").contiguous().clone() for n, t in tensors.items()},
-              os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
-
-
 def _ids(x):
     """Expert ids (tensors, nested) as lists."""
     if isinstance(x, torch.Tensor):
@@ -149,9 +139,9 @@ def write(probe, out_dir: str | os.PathLike, samples=None, *, weights: bool = Tr
     parts["reference"] = parts["engine"] = None
     if weights:
         config = probe.ref.config
-        _checkpoint(os.path.join(out, "reference"), config, ref)
+        write_checkpoint(os.path.join(out, "reference"), config, ref)
         eng = probe._engine_tensors({n: tuple(t.shape) for n, t in ref.items()})
-        _checkpoint(os.path.join(out, "engine"), config, eng)
+        write_checkpoint(os.path.join(out, "engine"), config, eng)
         parts["reference"], parts["engine"] = "reference", "engine"
     del ref
 

@@ -28,6 +28,8 @@ import functools
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -35,11 +37,13 @@ import torch
 
 from numbisect.backends.hf import HFBackend
 from numbisect.backends.vllm import VLLMBackend
+from numbisect.backends.vllm.condition_worker import run_child
 from numbisect.common.errors import BackendError, InputError
+from numbisect.live import cold as K
 from numbisect.live import poison as X
 from numbisect.live import weights as W
 from numbisect.live.engine import check_engine, hooks_problem
-from numbisect.live.errors import EngineClosedError, EngineSettingError, HookNotFiredError, ReferenceModelError
+from numbisect.live.errors import EngineClosedError, EngineSettingError, HookNotFiredError, LiveError, ReferenceModelError
 from numbisect.live.poison import PoisonError
 from numbisect.live.sync import push
 from numbisect.model.arch import arch_for
@@ -350,6 +354,69 @@ class Probe:
         with self.poisoned(seed, samples, functional, step) as p:
             sync()
         return p.check
+
+    # -- the warm-vs-cold oracle ---------------------------------------------------------------
+    def warm_vs_cold(self, samples=None, functional: bool | None = None, cold: K.ColdLoad | None = None,
+                     timeout: float | None = 900) -> K.WarmCold:
+        """The reference's weights loaded cold into a fresh engine (a child process) against
+        the live engine they were pushed into (numbisect.live.cold): per unit, `ok` or
+        `differs from cold`, with the tensors read back and the parameters' bytes that
+        differ and, `functional` (default: where the engine can be hooked), the distance
+        of the unit's local outputs fed the reference's inputs on `samples` (default: a
+        few random ones). `cold`: an earlier result's `.cold` for the same reference
+        weights, reused (no child started); refused when the reference changed since."""
+        llm = self._llm()
+        if functional is None:
+            functional = self.problem is None
+        elif functional and self.problem:
+            raise EngineSettingError(self.problem)
+        t0 = time.perf_counter()
+        ref = self._ref_tensors()
+        ref_digests = {n: W.digest(t) for n, t in ref.items()}
+        shapes = {n: tuple(t.shape) for n, t in ref.items()}
+        if cold is not None and cold.ref != ref_digests:
+            raise LiveError("warm_vs_cold(cold=...): the reference's weights changed since that cold load; load it cold again")
+        if cold is None or (functional and cold.captures is None):
+            cold = self._cold_load(ref, ref_digests, samples, functional, timeout)
+        del ref
+        names = [u.name for u in self.engine.units] if functional else []
+        warm_captures = None
+        if functional:
+            trace = samples_trace([{"prompt_ids": ids[:p], "completion_ids": ids[p:]} for ids, p in cold.samples])
+            warm_captures = self.engine.forward(trace.samples, capture=names, feed=cold.feed).captures
+        warm = {n: W.digest(t) for n, t in self._engine_tensors(shapes).items()}
+        raw = llm.apply_model(K.raw_digests)[0]
+        raw_names = llm.apply_model(functools.partial(K.param_names, shapes=shapes))[0]
+        return K.compare(warm, raw, warm_captures, cold, raw_names, self.ref.arch, self.ref.config, time.perf_counter() - t0)
+
+    def _cold_load(self, ref: dict[str, torch.Tensor], ref_digests: dict[str, str], samples, functional: bool,
+                   timeout: float | None) -> K.ColdLoad:
+        """Write the reference's weights to a checkpoint directory and load them cold in a
+        child process (numbisect.live.cold)."""
+        tmp = tempfile.mkdtemp(prefix="numbisect-cold-")
+        try:
+            W.write_checkpoint(os.path.join(tmp, "model"), self.ref.config, ref)
+            job = {"job": "cold", "answer": "torch", "model": os.path.join(tmp, "model"),
+                   "dtype": str(self.engine.dtype).removeprefix("torch."),
+                   "max_model_len": int(self.engine_settings.get("max_model_len") or self.engine.max_model_len),
+                   "shapes": {n: list(t.shape) for n, t in ref.items()}}
+            feed = pairs = None
+            if functional:
+                trace = samples_trace(samples if samples is not None else random_samples(self.ref.vocab_size))
+                self._sides(trace, C.Settings())  # the samples checked against the reference (vocabulary, positions)
+                feed_names = C.local_feed_names(self.engine)
+                with eval_mode(self.ref_model):
+                    r = self.ref.forward(trace.samples, capture=[], capture_inputs=feed_names)
+                feed = {n: r.inputs[n] for n in feed_names if r.inputs.get(n)}
+                pairs = [(list(s.ids), len(s.prompt_ids)) for s in trace.samples]
+                torch.save(feed, os.path.join(tmp, "feed.pt"))
+                job.update(feed=os.path.join(tmp, "feed.pt"), samples=pairs, units=[u.name for u in self.engine.units])
+            t0 = time.perf_counter()
+            answer = run_child(job, "the cold engine", timeout=timeout, module="numbisect.live.cold")
+            return K.ColdLoad(ref_digests, answer["digests"], answer["raw"], answer.get("captures"), pairs, feed,
+                              time.perf_counter() - t0)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def weights_report(self, check: W.WeightCheck, argv: list[str] | None = None) -> LiveReport:
         """The report of a functional weight check: the comparison it ran (`bisect compare`'s

