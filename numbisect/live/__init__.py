@@ -6,13 +6,20 @@
   could not give a right answer), never changed;
 - `weights.py`: per unit, is the engine computing with the reference's weights
   (ok, unwritten, stale, corrupted, buffer differs, missing);
+- `poison.py`: poison control (`Probe.poisoned`, `Probe.check_sync`): the engine's weights
+  overwritten with seeded random values before the user's sync, so a tensor it never
+  wrote is `unwritten` whatever the engine held before;
+- `cold.py`: the warm-vs-cold oracle (`Probe.warm_vs_cold`): the same weights loaded cold
+  by a fresh engine in a child process, compared per unit with the live one;
 - `sync.py`: a weight push as RL frameworks make it (vLLM's own `load_weights`);
 - `errors.py`: the typed errors, each one line.
 """
 
 from numbisect.live.errors import EngineClosedError, EngineSettingError, HookNotFiredError, LiveError, ReferenceModelError
+from numbisect.live.cold import WarmCold
+from numbisect.live.poison import PoisonError, Poisoned
 from numbisect.live.probe import LiveReport, Probe, attach
 from numbisect.live.weights import WeightCheck
 
 __all__ = ["attach", "Probe", "LiveReport", "WeightCheck", "LiveError", "EngineSettingError", "EngineClosedError",
-           "HookNotFiredError", "ReferenceModelError"]
+           "HookNotFiredError", "ReferenceModelError", "PoisonError", "Poisoned", "WarmCold"]

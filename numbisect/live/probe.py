@@ -11,6 +11,11 @@
 3. `Probe.check_weights(samples=None)`: per unit, whether the engine computes with the
    reference's weights (numbisect.live.weights), tensor by tensor and, with samples (a
    few random ones by default), functionally by each unit's local error.
+4. `Probe.poisoned(seed)` / `Probe.check_sync(sync)`: the same check with poison control
+   (numbisect.live.poison): the only calls that write the engine's weights, each put back
+   as the user's sync alone would have left them.
+5. `Probe.warm_vs_cold()`: the same weights loaded cold by a fresh engine in a child
+   process, compared per unit with the live one (numbisect.live.cold).
 
 Around every call the trainer's model is put in eval mode and each module's training
 flag restored afterwards (`eval_mode`); its parameters, `requires_grad` and gradients
@@ -283,12 +288,14 @@ class Probe:
         check_engine(llm)  # a shut-down engine raises EngineClosedError here, before anything is pushed
         return llm
 
-    def _push(self, llm, tensors: dict[str, torch.Tensor], what: str) -> None:
+    def _push(self, llm, tensors: dict[str, torch.Tensor], what: str, after: str) -> None:
+        """vLLM's reload of `tensors` (MoE experts prepacked again); a failure is a
+        PoisonError saying `what` failed and what the engine holds `after` it."""
         try:
             push(llm, list(tensors.items()), repack=True)
         except Exception as e:
             line = (str(e).strip().splitlines() or [""])[0]
-            raise PoisonError(f"{what}: vLLM's reload_weights failed ({type(e).__name__}: {line})") from None
+            raise PoisonError(f"{what}: vLLM's reload_weights failed ({type(e).__name__}: {line}); {after}") from None
 
     @contextlib.contextmanager
     def poisoned(self, seed: int = 0, samples=None, functional: bool | None = None, step: str | None = None):
@@ -310,14 +317,18 @@ class Probe:
         held = {n: W.digest(t) for n, t in saved.items()}
         p = X.Poisoned(seed=seed, label=X.POISON_LABEL.format(seed=seed), tensors=len(saved))
         poison = X.poison_values(saved, {n: {target[n], held[n]} for n in saved}, seed, W.digest)
-        self._push(llm, poison, "poisoning the engine")
+        try:
+            self._push(llm, poison, "poisoning the engine", "the engine may hold poisoned weights: push your weights again")
+        except PoisonError as e:  # a reload that stopped part way: what the engine held, pushed back once more
+            self._push(llm, saved, e.message.rsplit(";", 1)[0], "putting the engine back failed too: push your weights again")
+            raise PoisonError(e.message.rsplit(";", 1)[0] + "; the engine was put back as found") from None
         del poison
         after = self._engine_tensors(shapes)
         p.digests = {n: W.digest(t) for n, t in after.items() if n in saved}
         missed = sorted(n for n in saved if p.digests.get(n) in (None, target[n], held[n]))
         del after
         if missed:
-            self._push(llm, saved, "putting the engine back")
+            self._push(llm, saved, "putting the engine back", "the engine holds the poison: push your weights again")
             raise PoisonError(f"the poison did not reach {len(missed)} engine tensor(s) ({', '.join(missed[:4])}"
                               f"{', ...' if len(missed) > 4 else ''}): a sync that skips them could not be told; "
                               "the engine was put back as found")
@@ -325,7 +336,8 @@ class Probe:
         try:
             yield p
         except BaseException:
-            self._push(llm, saved, "putting the engine back after the sync raised")
+            self._push(llm, saved, "putting the engine back after the sync raised",
+                       "the engine may hold poisoned weights: push your weights again")
             raise
         entry = (p.label, p.digests)
         self.history.steps.append(entry)  # the step before the check: what an unwritten tensor holds
@@ -339,7 +351,8 @@ class Probe:
                 now = self._engine_tensors(shapes)
             p.left = X.still_poisoned(now, p, W.digest)
             if p.left:
-                self._push(llm, X.put_back(now, saved, p.left), "putting back the tensors the sync left poisoned")
+                self._push(llm, X.put_back(now, saved, p.left), "putting back the tensors the sync left poisoned",
+                           f"{len(p.left)} tensor(s) may hold the poison: push your weights again")
                 p.restored = True
             p.restore_seconds = X.timed(t1)
 

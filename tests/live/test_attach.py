@@ -350,3 +350,8 @@ def test_poison_control_names_what_a_dense_sync_never_wrote(dense):
     trainer.step()
     push(llm, trainer.tensors())
     poisoned_syncs(probe, llm, trainer.tensors())
+    before = engine_logprobs(llm)
+    with pytest.raises(RuntimeError, match="the sync failed"), probe.poisoned(seed=3):  # noqa: PT012
+        push(llm, trainer.tensors()[:5])
+        raise RuntimeError("the sync failed")
+    assert engine_logprobs(llm) == before  # every tensor put back as found
