@@ -6,13 +6,16 @@
   could not give a right answer), never changed;
 - `weights.py`: per unit, is the engine computing with the reference's weights
   (ok, unwritten, stale, corrupted, buffer differs, missing);
+- `prefix.py`: right after a sync, whether the engine's prefix cache holds KV the old
+  weights computed (`Probe.check_prefix_cache`);
 - `sync.py`: a weight push as RL frameworks make it (vLLM's own `load_weights`);
 - `errors.py`: the typed errors, each one line.
 """
 
 from numbisect.live.errors import EngineClosedError, EngineSettingError, HookNotFiredError, LiveError, ReferenceModelError
+from numbisect.live.prefix import PrefixCacheCheck
 from numbisect.live.probe import LiveReport, Probe, attach
 from numbisect.live.weights import WeightCheck
 
-__all__ = ["attach", "Probe", "LiveReport", "WeightCheck", "LiveError", "EngineSettingError", "EngineClosedError",
+__all__ = ["attach", "Probe", "LiveReport", "WeightCheck", "PrefixCacheCheck", "LiveError", "EngineSettingError", "EngineClosedError",
            "HookNotFiredError", "ReferenceModelError"]
