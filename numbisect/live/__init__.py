@@ -17,5 +17,5 @@ from numbisect.live.prefix import PrefixCacheCheck
 from numbisect.live.probe import LiveReport, Probe, attach
 from numbisect.live.weights import WeightCheck
 
-__all__ = ["attach", "Probe", "LiveReport", "WeightCheck", "PrefixCacheCheck", "LiveError", "EngineSettingError", "EngineClosedError",
-           "HookNotFiredError", "ReferenceModelError"]
+__all__ = ["attach", "Probe", "LiveReport", "WeightCheck", "PrefixCacheCheck", "LiveError", "EngineSettingError",
+           "EngineClosedError", "HookNotFiredError", "ReferenceModelError"]
