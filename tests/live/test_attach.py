@@ -195,6 +195,8 @@ def test_compare_and_weight_check_leave_the_engine_and_the_trainer_as_found(dens
     # a correct sync of one optimizer step: every unit ok, functionally too
     assert check, check.lines()
     assert check.functional and max(u.local_rel_l2 or 0 for u in check.units) < check.functional_tol
+    cache = probe.check_prefix_cache(SAMPLES)  # a hookable engine has prefix caching off: no KV outlives a sync
+    assert cache and cache.status == "prefix caching off" and not cache.prompts
     print("\n".join(check.lines()), "| worst local", max(u.local_rel_l2 or 0 for u in check.units))
 
 
