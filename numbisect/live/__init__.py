@@ -11,6 +11,8 @@
   wrote is `unwritten` whatever the engine held before;
 - `cold.py`: the warm-vs-cold oracle (`Probe.warm_vs_cold`): the same weights loaded cold
   by a fresh engine in a child process, compared per unit with the live one;
+- `prefix.py`: right after a sync, whether the engine's prefix cache holds KV the old
+  weights computed (`Probe.check_prefix_cache`);
 - `sync.py`: a weight push as RL frameworks make it (vLLM's own `load_weights`);
 - `errors.py`: the typed errors, each one line.
 """
@@ -18,8 +20,9 @@
 from numbisect.live.errors import EngineClosedError, EngineSettingError, HookNotFiredError, LiveError, ReferenceModelError
 from numbisect.live.cold import WarmCold
 from numbisect.live.poison import PoisonError, Poisoned
+from numbisect.live.prefix import PrefixCacheCheck
 from numbisect.live.probe import LiveReport, Probe, attach
 from numbisect.live.weights import WeightCheck
 
-__all__ = ["attach", "Probe", "LiveReport", "WeightCheck", "LiveError", "EngineSettingError", "EngineClosedError",
-           "HookNotFiredError", "ReferenceModelError", "PoisonError", "Poisoned", "WarmCold"]
+__all__ = ["attach", "Probe", "LiveReport", "WeightCheck", "PrefixCacheCheck", "LiveError", "EngineSettingError",
+           "EngineClosedError", "HookNotFiredError", "ReferenceModelError", "PoisonError", "Poisoned", "WarmCold"]

