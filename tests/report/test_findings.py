@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROOT, damaged_copy, model_dir, short_trace
+from conftest import ROOT, damaged_copy, model_dir, permute_heads, short_trace, vllm
 
 from numbisect.cli import main
 from numbisect.common.errors import ExitCode
@@ -92,6 +92,35 @@ def test_run_on_a_tiny_weight_change_exits_5_with_the_difference(tmp_path, capsy
     r = load_report(str(out))
     assert r["verdict"] == "aligned" and code == ExitCode.CHECKPOINT_DIFFERS, r["search"]
     assert "OK ALIGNED" not in text and "layers.2.post_attn_norm" in text
+
+
+def test_a_difference_the_vllm_bf16_floor_hides_is_localised_in_transformers_fp32(tmp_path, capsys):
+    """Qwen3's two query heads exchanged in layer 1 between the trainer's checkpoint (the
+    copy) and the engine's (the fixture, the suite's shared vLLM-CPU bf16 engine): the tokens
+    stay within the threshold (the bf16 floor is about 5e-5 here; TOO WEAK in the
+    checkpoint-fault tables), the diff names the heads, and the command the tool prints for it
+    (both checkpoints in transformers fp32, floor 0) finds layers.1.attn."""
+    import shlex
+
+    from numbisect.backends.hf import HFBackend
+    from numbisect.pipeline.measure import Settings
+    from numbisect.session.session import Session, Spec
+
+    copy = damaged_copy("qwen3", tmp_path, permute_heads(1, 64, [1, 0]))
+    trace = short_trace("qwen3", 4)
+    spec = Spec(ref=f"hf:{copy}", engine=f"vllm:{model_dir('qwen3')}", trace=trace, ref_dtype="bfloat16",
+                engine_dtype="bfloat16")
+    s = Session(spec, Settings(), backends={"ref": HFBackend(copy, "bfloat16"), "engine": vllm("qwen3")})
+    body = s.compare(local=False)
+    assert body["verdict"] == "aligned" and F.exit_code(body["verdict"], s.checkpoint_diff) == ExitCode.CHECKPOINT_DIFFERS
+    assert "heads permuted" in s.checkpoint_diff["units"]["layers.1.attn"]["summary"]
+    hint = F.localise_command(copy, model_dir("qwen3"), trace)  # what compare and run print under the verdict
+    out = tmp_path / "fp32.json"
+    assert main([*shlex.split(hint)[1:], "--out", str(out), "-q", "--no-whatif"]) == ExitCode.DIVERGED
+    r = load_report(str(out))
+    assert [c["unit"] for c in r["culprits"]] == ["layers.1.attn"], r["search"]
+    print(f"vLLM bf16 k3 {body['baseline']['value']:.3g}; hf fp32 k3 {r['baseline']['value']:.3g}, "
+          f"{r['search']['trials_used']} trials")
 
 
 def test_help_documents_exit_code_5(capsys):
