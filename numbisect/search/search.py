@@ -23,6 +23,11 @@ The hierarchical strategy (the default):
    in turn with it held swapped (several culprits; group testing as in ddmin /
    QuickXplain). Under a monotone metric the result is 1-minimal: leaving any one
    culprit in the engine breaks the fix.
+   Before the descent, a set the evidence points at is tried as one hypothesis
+   (`Bisection._hypothesis`): the units the checkpoint diff found holding another layer's
+   weights (`moved`), or, after kind-level hypotheses that fixed but were not kind-wide,
+   their units in the layers not ruled out (`narrowed`); when it fixes, the culprits are a
+   1-minimal subset of it.
 4. Sub-units: a parent all of whose (two or more) children were found is named
    instead of them; a parent found whole is replaced by a proper subset of its
    children that fixes in its place, if one does (usually settled by trials already
