@@ -32,6 +32,7 @@ from numbisect.pipeline import decode as D
 from numbisect.pipeline import whatif as W
 from numbisect.report import findings as F
 from numbisect.search import search as S
+from numbisect.search.kinds import KIND_WIDE
 from numbisect.session.environment import conditions, differences
 
 
@@ -495,14 +496,24 @@ def _swap_run(session, kinds: list[str], runner: S.TrialRunner, result: RunResul
 def _search_run(session, strategy: str, runner: S.TrialRunner, result: RunResult) -> int:
     g = unit_graph(session.engine.units)
     cands = D.decode_candidates(S.default_candidates(g), session.engine, session.mode)
+    diff = getattr(session, "checkpoint_diff", None) or {}
     found = S.search(
         g, cands, runner, session.settings.threshold, strategy,
         local_rank=result.compared.get("local_ranking"), metric=session.settings.metric,
-        suspects=list(((getattr(session, "checkpoint_diff", None) or {}).get("units") or {})),
-        suspect_kinds=[k for c in (getattr(session, "checkpoint_diff", None) or {}).get("config") or [] for k in c.get("read_by") or []],
+        suspects=list(diff.get("units") or {}),
+        suspect_kinds=[k for c in diff.get("config") or [] for k in c.get("read_by") or []],
+        moved=F.moved_units(diff),
     )
     result.search = found.to_dict()
     result.search.pop("culprits", None)
+    if found.verdict == "culprits":  # the narrative agrees with the checkpoint diff
+        said = F.search_explained(diff, [c.to_dict() for c in found.culprits], found.systematic)
+        if said:
+            reason = result.search["stop_reason"]
+            if said.startswith(F.EXCHANGED) and KIND_WIDE in reason:
+                reason = reason.replace(f" ({KIND_WIDE})", "")
+            result.search["stop_reason"] = f"{reason}; {said}"
+            result.search["explained_by_diff"] = said
     left = D.not_swappable(session.engine.units, session.mode)
     if left and found.verdict == "unreachable":
         result.search["stop_reason"] += f" (decode mode: {len(left)} attention/layer units are not swappable and stay the engine's)"

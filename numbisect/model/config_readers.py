@@ -9,7 +9,12 @@ the readers are derived from the transformers code the reference runs:
    family's arch map), so each module has a unit kind, or `model` when no unit holds it (the
    model-level mask, the decoder stack itself). The model-level rotary embedding counts as
    `attn`: a swapped attention or layer recomputes its cos/sin with the donor's
-   (`backends/hf/swap.py`), so a swap carries what it reads.
+   (`backends/hf/swap.py`), so a swap carries what it reads. So does the model-level
+   attention mask: what the model reads to build it (`MASK_FIELDS`: the fields transformers'
+   `masking_utils` helpers read, such as `sliding_window`, and `layer_types`, by which the
+   model picks each layer's mask) counts as `attn`, since a swapped attention or layer is
+   handed the mask its donor's config gives (`backends/hf/swap.py`'s `MaskSwap`; vLLM's
+   adapters build it from the donor's config too).
 2. Each module's class source (and its bases in the same family's modeling file) is parsed:
    `config.F`, `self.config.F`, `text_config.F` and `getattr(config, "F")` are reads of F.
    A read inside `self.X = Cls(..., config.F)` is the child X's (`eps=config.rms_norm_eps`
@@ -32,6 +37,7 @@ import types
 from functools import lru_cache
 
 OUTSIDE = "model"  # the kind given to a module no unit holds (numbisect.report.findings.OUTSIDE)
+MASK_HELPERS = "transformers.masking_utils"  # the module whose functions build the attention masks
 _DEPTH = 2  # how many calls deep a helper function's reads count
 
 
@@ -135,6 +141,19 @@ def _class_reads(cls) -> tuple[frozenset[str], tuple[tuple[str, frozenset[str]],
     return frozenset(own), tuple((k, frozenset(v)) for k, v in child.items())
 
 
+@lru_cache(maxsize=None)
+def mask_fields() -> frozenset[str]:
+    """The config fields the model-level attention mask depends on: those the mask builders of
+    transformers' `masking_utils` read (two calls deep: `sliding_window`,
+    `attention_chunk_size`, ...), and `layer_types` (each layer's mask is picked by it)."""
+    from transformers import masking_utils as helpers
+    out = {"layer_types"}
+    for f in vars(helpers).values():
+        if isinstance(f, types.FunctionType) and f.__module__ == MASK_HELPERS and f.__name__.startswith("create_"):
+            out |= _function_reads(f, _DEPTH)
+    return frozenset(out)
+
+
 def _meta_model(arch, config):
     import torch
     import transformers
@@ -177,6 +196,7 @@ def readers(arch, config, prefixes: list[tuple[str, str]]) -> dict[str, list[str
     spaces = {id(v): k for k, v in vars(config).items() if isinstance(v, PretrainedConfig)}  # text_config, vision_config
     space: dict[str, str] = {}
     out: dict[str, set[str]] = {}
+    carried = mask_fields()  # read outside every unit to build the mask, which swaps carry
     for path, module in modules.items():  # parents before children
         own_cfg = getattr(module, "config", None)
         ns = spaces.get(id(own_cfg), "") if isinstance(own_cfg, PretrainedConfig) else space.get(path.rpartition(".")[0], "")
@@ -184,9 +204,10 @@ def readers(arch, config, prefixes: list[tuple[str, str]]) -> dict[str, list[str
         own, children = _class_reads(type(module))
         k = kind_of(path)
         for f in own:
-            out.setdefault(f, set()).add(k)
+            fk = "attn" if k == OUTSIDE and f in carried else k
+            out.setdefault(f, set()).add(fk)
             if ns:
-                out.setdefault(f"{ns}.{f}", set()).add(k)
+                out.setdefault(f"{ns}.{f}", set()).add(fk)
         for attr, fields in children:
             sub = f"{path}.{attr}" if path else attr
             # a child that is a module (or a list of them): its kind; else the builder's own

@@ -7,7 +7,11 @@ a checkpoint difference adds to it.
    `inputs.checkpoint_diff`) names weight or config differences. A difference is a finding at
    any threshold: a small model, a bf16 noise floor or a lenient threshold can keep its effect
    on the tokens under the threshold, and the diff is then the only signal.
-3. `summary(diff)`: the report's `checkpoint_differs` section (units, tensors without a
+3. `moved_units(diff)` and `search_explained(diff, culprits, systematic)`: the units whose
+   weights came from another layer, and the sentence that ties a search's result to what the
+   diff found, so the narrative agrees with the diff (two layers' blocks exchanged is that
+   exchange, not "a kernel or a config value").
+4. `summary(diff)`: the report's `checkpoint_differs` section (units, tensors without a
    unit, config fields, one line); `mark(aligned, differs)` the verdict's words;
    `exit_code(verdict, diff)`: 0 only when the tokens are aligned AND nothing differs,
    `ExitCode.CHECKPOINT_DIFFERS` (5) when the tokens are aligned but the checkpoints differ.
@@ -17,6 +21,7 @@ Torch-free: renderers and `bisect report` read it.
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from numbisect.common.errors import ExitCode
@@ -129,3 +134,78 @@ def localise_command(ref_path, eng_path, trace_path) -> str:
     where the floor is 0, so the search can judge against a tiny threshold."""
     return (f"bisect run --ref hf:{shlex.quote(str(ref_path))} --engine hf:{shlex.quote(str(eng_path))} "
             f"--trace {shlex.quote(str(trace_path))} --ref-dtype float32 --engine-dtype float32 --threshold 1e-10")
+
+
+# -- the search's narrative agrees with the checkpoint diff ---------------------------------
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layer_of(name) -> int | None:
+    m = _LAYER.search(str(name))
+    return int(m.group(1)) if m else None
+
+
+def _from_other_layers(t: dict) -> str | None:
+    """What a differing tensor of the diff holds from another layer, in the diff's words
+    (`layers.1 <-> layers.2 swapped`, `... rows hold layer 2's (a layer index shifted)`), or None."""
+    how = t.get("how")
+    if how in ("swapped", "moved"):
+        here, there = _layer_of(t.get("tensor")), _layer_of(t.get("holds"))
+        if here is not None and there is not None and here != there:
+            return f"{t.get('pair')} {how}"
+    if how == "rows from other layers":
+        return str(t.get("phrase") or how)
+    return None
+
+
+def moved_units(diff: dict | None) -> list[str]:
+    """Units whose weights the checkpoint diff found in another layer: a tensor swapped with
+    or moved from the same tensor of another layer, or rows taken from other layers."""
+    return [u for u, e in _units(diff or {}).items()
+            if isinstance(e, dict) and any(_from_other_layers(t) for t in e.get("tensors") or [] if isinstance(t, dict))]
+
+
+def _covers(a: str, b: str) -> bool:
+    """Unit `a` is `b`, inside it, or holds it."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+EXCHANGED = "the checkpoint diff explains it"  # how the weights-from-another-layer clause starts
+
+
+def search_explained(diff: dict | None, culprits: list[dict], systematic: dict | None = None) -> str | None:
+    """What the checkpoint diff says about the search's result, in one clause (None when it
+    says nothing about it):
+
+    - every culprit holds weights from another layer: that is the finding (`layers.1 <->
+      layers.2 swapped in layers.1.moe, layers.2.moe: two layers' weights exchanged in the
+      conversion`), whether the search named the units or, misled, a kind-wide culprit;
+    - every culprit's weights differ: the diff names them (shown under each culprit);
+    - a config field that differs is read by every culprit's kind (or the systematic kinds):
+      `the engine's config differs in sliding_window (16 -> 8), read by attn`."""
+    if not checkpoint_differs(diff):
+        return None
+    units = _units(diff)
+    names = [str(c.get("unit")) for c in culprits if isinstance(c, dict) and c.get("unit")]
+    kinds = {str(c.get("kind")) for c in culprits if isinstance(c, dict) and c.get("kind")}
+    if isinstance(systematic, dict):
+        kinds |= {str(k) for k in systematic.get("kinds") or []}
+    moved = {u: sorted({w for t in e.get("tensors") or [] if isinstance(t, dict) and (w := _from_other_layers(t))})
+             for u, e in units.items() if isinstance(e, dict)}
+    moved = {u: ws for u, ws in moved.items() if ws}
+    if moved and (names and all(any(_covers(u, c) for u in moved) for c in names)
+                  or not names and isinstance(systematic, dict) and kinds):
+        held = [u for u in moved if not names or any(_covers(u, c) for c in names)]
+        what = sorted({w for u in held for w in moved[u]})
+        exchanged = any(w.endswith(" swapped") for w in what)
+        return (f"{EXCHANGED}: {'; '.join(what)} in {', '.join(names or held)}: "
+                + ("two layers' weights exchanged in the conversion" if exchanged else "weights taken from another layer in the conversion")
+                + ", not a kernel or a config value")
+    if names and all(any(_covers(u, c) for u in units) for c in names):
+        return "the checkpoint diff names " + ("its" if len(names) == 1 else "their") + " weights as different (below)"
+    fields = [c for c in _list(diff or {}, "config") if kinds and kinds <= set(c.get("read_by") or [])]
+    if fields:
+        parts = [f"{c.get('field')} ({fmt(c.get('ref'))} -> {fmt(c.get('engine'))})" for c in fields[:4]]
+        return (f"the engine's config differs in {', '.join(parts)}, read by {', '.join(sorted(kinds))}: "
+                "the checkpoint diff names the value")
+    return None

@@ -22,7 +22,12 @@ class Bisection:
             if systematic is not None:
                 return systematic
         try:
-            if self.strategy == "ddmin":
+            found = self._hypothesis(self.moved, "checkpoint diff")
+            if found is None and self.narrowed:
+                found = self._hypothesis(self.narrowed, "kinds narrowed")
+            if found is not None:
+                pass
+            elif self.strategy == "ddmin":
                 found = self._ddmin(self.units)
             else:
                 found = self._minimise(self.units, frozenset(), top=True)
@@ -51,6 +56,20 @@ class Bisection:
                 "leaving any one of them in the engine does not"
             )
         return self._result("culprits", culprits, reason)
+
+    def _hypothesis(self, units, role: str) -> list[str] | None:
+        """Before the descent, a set the evidence already points at, swapped together: the
+        units the checkpoint diff found holding weights of another layer (`moved`: two layers'
+        blocks exchanged, a layer index shifted), or the units of the kinds tried first in the
+        layers whose share was not ruled out (`narrowed`: a config value only some layers
+        read, such as a sliding window); merged into their parent where every child is one.
+        When that fixes, the culprits are a 1-minimal subset of them. One trial more than the
+        descent when it does not fix; far fewer when it does (every sub-unit of an exchanged
+        block differs, which the descent finds one by one)."""
+        units = self._merge([u for u in units if u in self.pos])
+        if not units or len(units) >= len(self.cands) or not self._fixes(units, role):
+            return None
+        return self._minimise(tuple(sorted(units, key=self.pos.__getitem__)), frozenset())
 
     def _minimise(self, items: tuple, held: frozenset, top: bool = False) -> list[str]:
         """A 1-minimal subset M of `items` such that held + M fixes.
@@ -156,6 +175,8 @@ class Bisection:
         while todo:
             c = todo.pop(0)
             kids = children(self.g, c)
+            if all(k in self.moved for k in kids):  # each child holds another layer's weights: all differ
+                continue
             held = frozenset(out) - {c}
             if all(self._known_to_fail(held | (set(kids) - {k})) for k in kids):
                 continue

@@ -6,6 +6,10 @@ from __future__ import annotations
 from numbisect.model.units import children
 from numbisect.search.trials import SearchResult, _json_float
 
+# What a systematic culprit is in the search's own words; a caller that knows better (the
+# checkpoint diff found the units' weights in other layers) replaces it.
+KIND_WIDE = "a kernel or a config value those units all read"
+
 
 class KindHypotheses:
     """Step 7: kind-level hypotheses (mixed into `_Search`)."""
@@ -14,13 +18,15 @@ class KindHypotheses:
         """Kinds to try before the descent, from what is known before any trial: kinds
         that read a config value that differs (`suspect_kinds`), else kinds whose units'
         weights differ (`suspects`) in two or more layers and more than half of that
-        kind's; None when there are none (one damaged unit is searched as usual)."""
+        kind's, not counting units whose weights came from another layer (`moved`: an
+        exchange of two layers' blocks is two culprits, not a kind-wide difference); None
+        when there are none (one damaged unit is searched as usual)."""
         kinds = [k for k in self.suspect_kinds if k in self.kinds]
         if kinds:
             return kinds, f"the engine's config differs in a value every {', '.join(kinds)} unit reads"
         spread = []
         for k in self.kinds:
-            hit = self._layers(u for u in self.suspect_units if self._kind(u) == k)
+            hit = self._layers(u for u in self.suspect_units if self._kind(u) == k and u not in self.moved)
             if len(hit) >= 2 and 2 * len(hit) > len(self._layers(self.by_kind[k])):
                 spread.append(k)
         if spread:
@@ -130,6 +136,7 @@ class KindHypotheses:
         value = self._run(units, "kinds").value
         shares: dict[str, dict[str, float | None]] = {}
         needed: dict[str, list[int]] = {}
+        ruled: set[tuple[str, int]] = set()  # (kind, layer) whose share showed it is not needed
         for k in chosen:
             layers = sorted(self._layers(self.by_kind[k]))
             shares[k], needed[k] = {}, []
@@ -139,15 +146,19 @@ class KindHypotheses:
                 shares[k][f"layers.{layer}"] = _json_float(v)
                 if not v <= self.thr:
                     needed[k].append(layer)
+                else:
+                    ruled.add((k, layer))
                 can_be = len(layers) - (done - len(needed[k]))  # layers not yet ruled out
                 if can_be < 2 or 2 * can_be <= len(layers) or (need_all and can_be < len(layers)):
+                    # not kind-wide; the units not ruled out are where to look first
+                    self.narrowed = [u for u in units if (self._kind(u), self.g.nodes[u]["layer"]) not in ruled]
                     return None
         shares = {k: dict(sorted(d.items(), key=lambda kv: int(kv[0].rpartition(".")[2]))) for k, d in shares.items()}
         layers = sorted({layer for k in chosen for layer in needed[k]})
         reason = (
             f"swapping every {', '.join(chosen)} unit ({len(units)} units) brings {self.metric} {self._under}, "
             f"and each layer's is needed in {len(layers)} of {len(self._layers(self.cands))} layers: a systematic "
-            "culprit, the same difference in every layer (a kernel or a config value those units all read)"
+            f"culprit, the same difference in every layer ({KIND_WIDE})"
         )
         info = {"kinds": list(chosen), "units": len(units), "layers": len(layers), "value": _json_float(value),
                 "per_kind": {k: _json_float(v) for k, v in tried.items()}, "per_layer": shares, "trigger": trigger}

@@ -23,6 +23,11 @@ The hierarchical strategy (the default):
    in turn with it held swapped (several culprits; group testing as in ddmin /
    QuickXplain). Under a monotone metric the result is 1-minimal: leaving any one
    culprit in the engine breaks the fix.
+   Before the descent, a set the evidence points at is tried as one hypothesis
+   (`Bisection._hypothesis`): the units the checkpoint diff found holding another layer's
+   weights (`moved`), or, after kind-level hypotheses that fixed but were not kind-wide,
+   their units in the layers not ruled out (`narrowed`); when it fixes, the culprits are a
+   1-minimal subset of it.
 4. Sub-units: a parent all of whose (two or more) children were found is named
    instead of them; a parent found whole is replaced by a proper subset of its
    children that fixes in its place, if one does (usually settled by trials already
@@ -106,6 +111,7 @@ def search(
     metric: str = "k3-mean",
     suspects=(),
     suspect_kinds=(),
+    moved=(),
 ) -> SearchResult:
     """Find the smallest set of units whose swap brings the metric under `threshold`.
 
@@ -117,6 +123,10 @@ def search(
     more than half of the layers of a kind, the kind-level hypotheses come first (see
     `_Search._kinds_first`). `suspect_kinds`: kinds that read a config value that differs
     (every unit of them does): the kind-level hypotheses come first, those kinds first.
+    `moved`: suspects whose weights the checkpoint diff found in another layer (two layers'
+    blocks exchanged, a layer index shifted): each differs on its own, so their spread over
+    the layers of a kind is no sign of a kind-wide difference (they never put the kind-level
+    hypotheses first).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -126,7 +136,7 @@ def search(
     if missing:
         raise ValueError(f"candidates not in the unit graph: {', '.join(missing)}")
     return _Search(graph, list(candidates), runner, threshold, strategy, local_rank, metric, suspects,
-                   suspect_kinds).run()
+                   suspect_kinds, moved).run()
 
 
 def _plan_lengths(n_max: int, alone_singles: bool) -> dict[bool, list[list[tuple[int, int, int]]]]:
@@ -162,9 +172,11 @@ class _Search(Bisection, DeltaDebugging, Linear, KindHypotheses, Diffuse):
     diffuse)."""
 
     def __init__(self, graph, candidates, runner, threshold, strategy, local_rank, metric, suspects=(),
-                 suspect_kinds=()):
+                 suspect_kinds=(), moved=()):
         self.g = graph
         self.suspect_units = [s for s in suspects if s in graph]
+        self.moved = {s for s in moved if s in graph}
+        self.narrowed: list[str] = []  # kind-level hypotheses that failed: their units in the layers not ruled out
         self.suspect_kinds = list(dict.fromkeys(suspect_kinds))
         # A suspect's ancestors are suspects too: the half holding its block goes first.
         self.suspects = {a for s in suspects if s in graph for a in (s, *self._ancestors(s))}
