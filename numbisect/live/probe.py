@@ -46,6 +46,7 @@ from numbisect.backends.vllm.condition_worker import run_child
 from numbisect.common.errors import BackendError, InputError
 from numbisect.live import cold as K
 from numbisect.live import poison as X
+from numbisect.live import run as R
 from numbisect.live import weights as W
 from numbisect.live.engine import check_engine, hooks_problem
 from numbisect.live.errors import EngineClosedError, EngineSettingError, HookNotFiredError, LiveError, ReferenceModelError
@@ -86,6 +87,7 @@ class LiveReport:
     """What `bisect compare` writes, as an object: the report dict and its parts."""
 
     report: dict
+    code: int | None = None  # a run's exit code, as `bisect run` exits (0 aligned, 1 culprits named, ...)
 
     @property
     def verdict(self) -> str:
@@ -99,6 +101,18 @@ class LiveReport:
     @property
     def units(self) -> list[dict]:
         return self.report["units"]
+
+    @property
+    def culprits(self) -> list[dict]:
+        """A run's culprits (`bisect run`'s): each a dict with its `unit`, `alone`,
+        `complement` and, where the what-ifs ran, `precision`; [] for a compare."""
+        return self.report.get("culprits") or []
+
+    @property
+    def search(self) -> dict:
+        """A run's search section: its `verdict` (aligned, culprits, diffuse, unreachable),
+        `trials_used`, `stop_reason`; {} for a compare."""
+        return self.report.get("search") or {}
 
     def __bool__(self) -> bool:
         return self.verdict == "aligned"
@@ -229,6 +243,40 @@ class Probe:
         body = P.report_body(c)
         return LiveReport(new_report("compare", ["numbisect.live.attach(...).compare"], self.inputs(trace),
                                      settings.to_dict(), body))
+
+    def run(self, samples, *, swap: list[str] | str | None = None, faults: list[str] | tuple = (), strategy: str = "hierarchical",
+            max_trials: int | None = None, settings: C.Settings | None = None, whatif: bool = True,
+            prefix_reuse: bool = True, progress=None) -> LiveReport:
+        """`bisect run` over the live objects (numbisect.live.run): the comparison, the swap
+        self-check, then `swap` (unit kinds: one trial with every unit of those kinds
+        swapped for the reference's, as `--swap moe`) or the culprit search (`strategy`,
+        at most `max_trials` trials), and the precision what-ifs of each culprit (`whatif`).
+        `faults`: planted in the engine for every trial, as `--engine-fault` does (the
+        engine is left without them). A LiveReport of kind "run" (its `culprits`, `search`,
+        `code`: the exit code `bisect run` would give). The engine is left as found, the
+        trainer's model untouched (module doc). Refused in one line (EngineSettingError)
+        on an engine whose forwards cannot be hooked, naming what would work."""
+        if self.problem:
+            raise EngineSettingError(self.problem)
+        settings = settings or C.Settings()
+        trace = samples_trace(samples)
+        self._sides(trace, settings)  # the samples against the reference (vocabulary, positions)
+        session = R.LiveSession(self.ref, self.engine, trace, settings, list(faults), progress=progress,
+                                prefix_reuse=prefix_reuse)
+        swap = [swap] if isinstance(swap, str) else list(swap or [])
+        with eval_mode(self.ref_model):
+            try:
+                body, code = R.run(session, swap=swap, strategy=strategy, max_trials=max_trials, whatif=whatif,
+                                   progress=progress or (lambda m: None))
+            except Exception as e:
+                if "did not fire" in str(e):
+                    raise HookNotFiredError(str(getattr(e, "message", e))) from None
+                raise
+        error = (body.get("run_error") or {}).get("error") or ""
+        if "did not fire" in error:  # a trial whose hooks never fired: its numbers would be wrong
+            raise HookNotFiredError(error.partition(": ")[2] or error)
+        inputs = {**self.inputs(trace), "faults": [f.to_dict() for f in session.faults]}
+        return LiveReport(new_report("run", ["numbisect.live.attach(...).run"], inputs, settings.to_dict(), body), code)
 
     def inputs(self, trace: Trace) -> dict:
         eng = {**self.engine.describe(), "sha256": {}, "mode": "prefill", "settings": self.engine_settings}
