@@ -29,6 +29,7 @@ CLI does), closed again by `Probe.close()`; the user's objects are never closed.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -43,6 +44,7 @@ import torch
 from numbisect.backends.hf import HFBackend
 from numbisect.backends.vllm import VLLMBackend
 from numbisect.backends.vllm.condition_worker import run_child
+from numbisect.backends.vllm.tp import VLLMTPBackend
 from numbisect.common.errors import BackendError, InputError
 from numbisect.live import cold as K
 from numbisect.live import poison as X
@@ -188,7 +190,7 @@ class RemoteEngine:
         self.settings = settings
 
     def tensors(self, shapes: dict) -> dict[str, torch.Tensor]:
-        return self.llm.apply_model(functools.partial(W.engine_tensors, shapes=shapes))[0]
+        return W.remote_tensors(self.llm, shapes)
 
     def describe(self) -> dict:
         return {"backend": "vllm", "path": "live:vllm", "dtype": str(self.dtype).removeprefix("torch."), "arch": self.arch.name,
@@ -261,17 +263,27 @@ class Probe:
         settings = settings or C.Settings()
         trace = samples_trace(samples)
         self._sides(trace, settings)  # the samples against the reference (vocabulary, positions)
-        session = R.LiveSession(self.ref, self.engine, trace, settings, list(faults), progress=progress,
-                                prefix_reuse=prefix_reuse)
         swap = [swap] if isinstance(swap, str) else list(swap or [])
-        with eval_mode(self.ref_model):
-            try:
+        donor, tmp = self.ref, None
+        if getattr(self.engine, "remote", False):  # its workers load the trainer's modules from a checkpoint
+            tmp = tempfile.mkdtemp(prefix="numbisect-donor-")
+            W.write_checkpoint(tmp, self.ref.config, self._ref_tensors())
+            donor = copy.copy(self.ref)
+            donor.path = tmp
+        session = R.LiveSession(donor, self.engine, trace, settings, list(faults), progress=progress,
+                                prefix_reuse=prefix_reuse)
+        try:
+            with eval_mode(self.ref_model):
                 body, code = R.run(session, swap=swap, strategy=strategy, max_trials=max_trials, whatif=whatif,
                                    progress=progress or (lambda m: None))
-            except Exception as e:
-                if "did not fire" in str(e):
-                    raise HookNotFiredError(str(getattr(e, "message", e))) from None
-                raise
+        except Exception as e:
+            if "did not fire" in str(e):
+                raise HookNotFiredError(str(getattr(e, "message", e))) from None
+            raise
+        finally:
+            if tmp is not None:
+                self.engine.forget(tmp)  # the donor, its swaps, the prefix recordings: out of the workers
+                shutil.rmtree(tmp, ignore_errors=True)
         error = (body.get("run_error") or {}).get("error") or ""
         if "did not fire" in error:  # a trial whose hooks never fired: its numbers would be wrong
             raise HookNotFiredError(error.partition(": ")[2] or error)
@@ -294,8 +306,8 @@ class Probe:
         return W.reference_tensors(self.ref.model)
 
     def _engine_tensors(self, shapes: dict) -> dict[str, torch.Tensor]:
-        if isinstance(self.engine, RemoteEngine):
-            return self.engine.tensors(shapes)
+        if getattr(self.engine, "remote", False):  # the model in worker processes (one, or one per rank)
+            return W.remote_tensors(self.engine.llm, shapes)
         return W.engine_tensors(self.engine.model, shapes)
 
     def check_weights(self, samples=None, functional: bool | None = None, step: str | None = None) -> W.WeightCheck:
@@ -493,6 +505,8 @@ class Probe:
         """Close what this probe opened from directories; the user's objects stay as they are."""
         for b in self._owned:
             b.close()
+        if self.engine is not None and self.engine not in self._owned and hasattr(self.engine, "forget"):
+            self.engine.close()  # the user's engine in worker processes: what numbisect kept there taken back
         self._owned = []
         self.engine = self.ref = None
 
@@ -529,6 +543,11 @@ def _engine(engine, dtype: str | None):
     settings = check_engine(engine)
     if hooks_problem(settings):
         return RemoteEngine(engine, settings), engine, [], settings
+    if not settings["in_process"]:  # worker processes (V1 multiprocessing, tensor parallel): hooked there
+        try:
+            return VLLMTPBackend.of(engine), engine, [], settings
+        except BackendError as e:
+            raise HookNotFiredError(f"{e.message}: {hooks_problem({**settings, 'enforce_eager': False})}") from None
     try:
         return VLLMBackend.of(engine), engine, [], settings
     except BackendError as e:
