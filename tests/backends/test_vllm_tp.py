@@ -76,9 +76,13 @@ def test_live_api_on_a_tensor_parallel_engine_checks_a_sync_and_names_a_layer_le
     together (fused, row- and column-parallel, replicated key head, experts), functionally
     too. A correct sync of a real optimizer step is all ok; a sync that leaves layer 2 out
     names each of its units unwritten. Then the engine gets its weights back and gives its
-    first log-probs again, bit for bit."""
+    first log-probs again, bit for bit. `probe.run` through the workers (the trainer's weights
+    as a temporary checkpoint they load their donor modules from) names the unit a sync
+    corrupted."""
     import sys
     import time
+
+    import torch
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "live"))
     from test_attach import SAMPLES, Trainer, engine_logprobs, fixture_tensors, layer_units
@@ -110,6 +114,17 @@ def test_live_api_on_a_tensor_parallel_engine_checks_a_sync_and_names_a_layer_le
         print(f"TP=2, layer 2 not synced: {time.perf_counter() - t0:.2f} s: " + " | ".join(check.lines()))
         assert {u.unit: u.status for u in check.differing()} == dict.fromkeys(layer_units(check, 2), "unwritten")
         assert {"layers.2.attn", "layers.2.moe.experts", "layers.2.moe.router"} <= layer_units(check, 2)
+        # probe.run through the workers: a sync that wrote noise into layers.1's o_proj (row-parallel)
+        bad = "model.layers.1.self_attn.o_proj.weight"
+        g = torch.Generator().manual_seed(0)
+        push(llm, [(n, t + 3 * t.std() * torch.randn(t.shape, generator=g) if n == bad else t) for n, t in trainer.tensors()],
+             repack=True)
+        held = engine_logprobs(llm)
+        t0 = time.perf_counter()
+        run = probe.run(SAMPLES, whatif=False)
+        print(f"TP=2 probe.run: {time.perf_counter() - t0:.2f} s, {run.search['trials_used']} trials: {run.search['stop_reason']}")
+        assert [c["unit"] for c in run.culprits] == ["layers.1.attn"] and run.code == 1
+        assert engine_logprobs(llm) == held  # swaps, the donor and the prefix recordings gone from the workers
     finally:
         probe.close()
         push(llm, fixture_tensors("qwen3_moe"), repack=True)
