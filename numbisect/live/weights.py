@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import math
 import os
 import time
@@ -221,38 +222,50 @@ def _layout(mod, leaf: str, t: torch.Tensor, rank: int, world: int):
     return None
 
 
-def engine_shards(model, shapes: dict[str, tuple]):
-    """Run in each of an engine's workers: (rank, world size, tensors). One rank: its
-    tensors in checkpoint names (`engine_tensors`). Several: each float parameter as this
-    rank holds it, with its `_layout`, for `gather` to put the shards together."""
+def _rank(model) -> tuple[int, int]:
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    if world == 1:
-        return rank, world, engine_tensors(model, shapes)
-    return rank, world, {pname: (t.detach().to("cpu", copy=True), _layout(mod, leaf, t, rank, world))
-                         for pname, mod, leaf, t in _parameters(model)}
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
-def gather(answers: list, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """The whole engine's tensors in checkpoint names from every worker's `engine_shards`
-    answer: each parameter's shards put together (`_layout`), then split as in-process."""
-    by_rank = [a[2] for a in sorted(answers, key=lambda a: a[0])]
-    if answers[0][1] == 1:
-        return by_rank[0]
+def shard_layouts(model) -> str:
+    """Run in each of an engine's workers: its rank, the world size and each float
+    parameter's `_layout`, as JSON (what crosses vLLM's engine-core boundary intact)."""
+    rank, world = _rank(model)
+    layouts = {} if world == 1 else {pname: _layout(mod, leaf, t, rank, world) for pname, mod, leaf, t in _parameters(model)}
+    return json.dumps({"rank": rank, "world": world, "layouts": layouts})
+
+
+def engine_shards(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Run in each of an engine's workers: one rank, its tensors in checkpoint names
+    (`engine_tensors`); several, each float parameter as this rank holds it (a flat dict
+    of tensors: nested containers come back from an engine-core process as lists)."""
+    if _rank(model)[1] == 1:
+        return engine_tensors(model, shapes)
+    return {pname: t.detach().to("cpu", copy=True) for pname, _, _, t in _parameters(model)}
+
+
+def gather(infos: list[dict], tensors: list[dict], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """The whole engine's tensors in checkpoint names from every worker's `shard_layouts`
+    and `engine_shards` answers: each parameter's shards put together (`_layout`), then
+    split as in-process."""
+    order = sorted(range(len(infos)), key=lambda i: infos[i]["rank"])
+    if infos[0]["world"] == 1:
+        return tensors[order[0]]
+    by_rank = [(tensors[i], infos[i]["layouts"]) for i in order]
     out = {}
-    for pname, (first, layout) in by_rank[0].items():
-        whole = first
+    for pname, first in by_rank[0][0].items():
+        whole, layout = first, by_rank[0][1].get(pname)
         if layout is not None:
-            dim, parts = layout
+            dim = layout[0]
             cols = []
-            for j in range(len(parts)):
+            for j in range(len(layout[1])):
                 pieces = {}
-                for r in by_rank:
-                    t, (_, own) = r[pname]
+                for ts, layouts in by_rank:
+                    own = layouts[pname][1]
                     index = own[j][1]
                     if index is not None and index not in pieces:
-                        pieces[index] = t.split([n for n, _ in own], dim=dim)[j]
+                        pieces[index] = ts[pname].split([n for n, _ in own], dim=dim)[j]
                 if pieces:
                     cols.append(torch.cat([pieces[k] for k in sorted(pieces)], dim=dim))
             whole = torch.cat(cols, dim=dim)
@@ -264,7 +277,8 @@ def gather(answers: list, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
 def remote_tensors(llm, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
     """The tensors of an engine whose model lives in worker processes (one, or one per
     tensor-parallel rank), read there and put together here, in checkpoint names."""
-    return gather(llm.apply_model(functools.partial(engine_shards, shapes=shapes)), shapes)
+    infos = [json.loads(x) for x in llm.apply_model(shard_layouts)]
+    return gather(infos, llm.apply_model(functools.partial(engine_shards, shapes=shapes)), shapes)
 
 
 def write_checkpoint(dest: str, config, tensors: dict[str, torch.Tensor]) -> None:
