@@ -31,9 +31,10 @@ PKG = ROOT / "numbisect"
 # Top to bottom. Each entry is a layer: the packages (or modules) under numbisect in it.
 LAYERS = (
     ("__main__", "cli", "tui"),  # the UI: the `bisect` command and the Textual app
+    ("live",),  # the Python API over live objects (a trainer's model, a running engine): the verbs
+    # (compare, run, the weight check) on them, as the CLI runs them on directories
     ("commands",),  # one module per verb's orchestration
-    ("session", "live"),  # one trace, one reference, one engine (from disk, or live objects: a trainer's
-    # model and a running engine), the trials run on them
+    ("session",),  # one trace, one reference, one engine, the trials run on them
     ("search",),  # the culprit search: pure, torch-free
     ("pipeline",),  # one comparison and the analysis done at comparison time
     ("backends",),  # one folder per engine, the registry, the interface

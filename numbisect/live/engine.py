@@ -1,17 +1,21 @@
 """The user's running vLLM engine: its settings checked, read, never changed.
 
 `check_engine(llm)` reads the settings numbisect depends on and refuses an engine it
-cannot reach (`EngineClosedError`: shut down already; not a `vllm.LLM`; tensor parallel,
-not yet). `hooks_problem(settings)` says, in one line naming the setting and what would
-work, why forward hooks cannot give a right answer on it, or None when they can:
+cannot reach (`EngineClosedError`: shut down already; not a `vllm.LLM`; an engine in
+worker processes without VLLM_ALLOW_INSECURE_SERIALIZATION=1). `hooks_problem(settings)`
+says, in one line naming the setting and what would work, why forward hooks cannot give a
+right answer on it, or None when they can:
 
-1. the model in another process (V1 multiprocessing, vLLM's default): the hooks run in
-   this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` before `import vllm`);
-2. compiled (CUDA graphs or torch.compile): forward hooks never fire (`enforce_eager=True`);
-3. prefix caching on: a sample whose prefix was cached runs only its tail, so captures are
-   partial (`enable_prefix_caching=False`); what such an engine reuses after a weight sync is
+1. compiled (CUDA graphs or torch.compile): forward hooks never fire (`enforce_eager=True`);
+2. prefix caching on: a sample whose prefix was cached runs only its tail, so captures are
+   partial, and a swap trial's keys and values would stay cached for the user's requests
+   (`enable_prefix_caching=False`); what such an engine reuses after a weight sync is
    checked without hooks (numbisect.live.prefix);
-4. log-probs other than raw (`logprobs_mode="raw_logprobs"`).
+3. log-probs other than raw (`logprobs_mode="raw_logprobs"`).
+
+An engine whose model lives in worker processes (V1 multiprocessing, vLLM's default, or
+tensor parallel) is hooked there, through `apply_model` with functions its workers
+import (numbisect.backends.vllm.tp, `VLLMTPBackend.of`).
 
 Such an engine can still have its weights checked tensor by tensor (numbisect.live.weights,
 through `apply_model` with functions its workers import); a comparison on it is refused
@@ -24,7 +28,7 @@ import torch
 
 from numbisect.live.errors import EngineClosedError, EngineSettingError
 
-WHAT_WORKS = "start it with LLM(..., enforce_eager=True, enable_prefix_caching=False) in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+WHAT_WORKS = "start it with LLM(..., enforce_eager=True, enable_prefix_caching=False)"
 
 
 def settings(llm) -> dict:
@@ -56,7 +60,8 @@ def check_engine(llm) -> dict:
         raise EngineSettingError(f"the engine must be a vllm.LLM, not {type(llm).__name__}")
     try:
         s = settings(llm)
-        models = llm.apply_model(lambda m: m) if _in_process_client(llm) else llm.apply_model(_is_module)
+        here = _in_process_client(llm) and s["tensor_parallel_size"] == 1  # else in workers (functions pickled)
+        models = llm.apply_model(lambda m: m) if here else llm.apply_model(_is_module)
     except EngineSettingError:
         raise
     except Exception as e:  # a closed engine core raises on any call
@@ -66,9 +71,6 @@ def check_engine(llm) -> dict:
                                      "pickled to them: set VLLM_ALLOW_INSECURE_SERIALIZATION=1 (in the engine's environment "
                                      "and this process's)") from None
         raise EngineClosedError(f"the engine cannot be reached (shut down already?): {type(e).__name__}: {line}") from None
-    if s["tensor_parallel_size"] != 1:
-        raise EngineSettingError(f"the engine runs tensor_parallel_size={s['tensor_parallel_size']}: attach works on a "
-                                 f"single-worker engine so far; {WHAT_WORKS}")
     if not models:
         raise EngineSettingError("the engine has no model workers to reach")
     s["in_process"] = _here(models[0])
@@ -84,9 +86,6 @@ def _in_process_client(llm) -> bool:
 def hooks_problem(s: dict) -> str | None:
     """Why forward hooks cannot give a right answer on an engine with settings `s` (one
     line naming the setting and what would work), or None when they can (module doc)."""
-    if not s["in_process"]:
-        return ("the engine runs its model in another process (V1 multiprocessing, vLLM's default): numbisect's hooks "
-                f"need it here; {WHAT_WORKS}")
     if not s["enforce_eager"]:
         return f"the engine is compiled (enforce_eager=False): forward hooks never fire in a compiled model; {WHAT_WORKS}"
     if s["enable_prefix_caching"]:

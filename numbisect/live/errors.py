@@ -16,7 +16,7 @@ class LiveError(InputError):
 
 class EngineSettingError(LiveError):
     """The engine was started with a setting under which numbisect's hooks cannot give a
-    right answer (compiled, prefix caching on, processed log-probs, another process)."""
+    right answer (compiled, prefix caching on, processed log-probs)."""
 
 
 class EngineClosedError(LiveError):

@@ -36,6 +36,7 @@ CLI does), closed again by `Probe.close()`; the user's objects are never closed.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -50,10 +51,12 @@ import torch
 from numbisect.backends.hf import HFBackend
 from numbisect.backends.vllm import VLLMBackend
 from numbisect.backends.vllm.condition_worker import run_child
+from numbisect.backends.vllm.tp import VLLMTPBackend
 from numbisect.common.errors import BackendError, InputError
 from numbisect.live import cold as K
 from numbisect.live import poison as X
 from numbisect.live import prefix as PX
+from numbisect.live import run as R
 from numbisect.live import weights as W
 from numbisect.live.engine import check_engine, hooks_problem
 from numbisect.live.errors import EngineClosedError, EngineSettingError, HookNotFiredError, LiveError, ReferenceModelError
@@ -95,6 +98,7 @@ class LiveReport:
     """What `bisect compare` writes, as an object: the report dict and its parts."""
 
     report: dict
+    code: int | None = None  # a run's exit code, as `bisect run` exits (0 aligned, 1 culprits named, ...)
 
     @property
     def verdict(self) -> str:
@@ -108,6 +112,18 @@ class LiveReport:
     @property
     def units(self) -> list[dict]:
         return self.report["units"]
+
+    @property
+    def culprits(self) -> list[dict]:
+        """A run's culprits (`bisect run`'s): each a dict with its `unit`, `alone`,
+        `complement` and, where the what-ifs ran, `precision`; [] for a compare."""
+        return self.report.get("culprits") or []
+
+    @property
+    def search(self) -> dict:
+        """A run's search section: its `verdict` (aligned, culprits, diffuse, unreachable),
+        `trials_used`, `stop_reason`; {} for a compare."""
+        return self.report.get("search") or {}
 
     def __bool__(self) -> bool:
         return self.verdict == "aligned"
@@ -192,7 +208,7 @@ class RemoteEngine:
         self.settings = settings
 
     def tensors(self, shapes: dict) -> dict[str, torch.Tensor]:
-        return self.llm.apply_model(functools.partial(W.engine_tensors, shapes=shapes))[0]
+        return W.remote_tensors(self.llm, shapes)
 
     def describe(self) -> dict:
         return {"backend": "vllm", "path": "live:vllm", "dtype": str(self.dtype).removeprefix("torch."), "arch": self.arch.name,
@@ -252,6 +268,50 @@ class Probe:
         return LiveReport(new_report("compare", ["numbisect.live.attach(...).compare"], self.inputs(trace),
                                      settings.to_dict(), body))
 
+    def run(self, samples, *, swap: list[str] | str | None = None, faults: list[str] | tuple = (), strategy: str = "hierarchical",
+            max_trials: int | None = None, settings: C.Settings | None = None, whatif: bool = True,
+            prefix_reuse: bool = True, progress=None) -> LiveReport:
+        """`bisect run` over the live objects (numbisect.live.run): the comparison, the swap
+        self-check, then `swap` (unit kinds: one trial with every unit of those kinds
+        swapped for the reference's, as `--swap moe`) or the culprit search (`strategy`,
+        at most `max_trials` trials), and the precision what-ifs of each culprit (`whatif`).
+        `faults`: planted in the engine for every trial, as `--engine-fault` does (the
+        engine is left without them). A LiveReport of kind "run" (its `culprits`, `search`,
+        `code`: the exit code `bisect run` would give). The engine is left as found, the
+        trainer's model untouched (module doc). Refused in one line (EngineSettingError)
+        on an engine whose forwards cannot be hooked, naming what would work."""
+        if self.problem:
+            raise EngineSettingError(self.problem)
+        settings = settings or C.Settings()
+        trace = samples_trace(samples)
+        self._sides(trace, settings)  # the samples against the reference (vocabulary, positions)
+        swap = [swap] if isinstance(swap, str) else list(swap or [])
+        donor, tmp = self.ref, None
+        if getattr(self.engine, "remote", False):  # its workers load the trainer's modules from a checkpoint
+            tmp = tempfile.mkdtemp(prefix="numbisect-donor-")
+            W.write_checkpoint(tmp, self.ref.config, self._ref_tensors())
+            donor = copy.copy(self.ref)
+            donor.path = tmp
+        session = R.LiveSession(donor, self.engine, trace, settings, list(faults), progress=progress,
+                                prefix_reuse=prefix_reuse)
+        try:
+            with eval_mode(self.ref_model):
+                body, code = R.run(session, swap=swap, strategy=strategy, max_trials=max_trials, whatif=whatif,
+                                   progress=progress or (lambda m: None))
+        except Exception as e:
+            if "did not fire" in str(e):
+                raise HookNotFiredError(str(getattr(e, "message", e))) from None
+            raise
+        finally:
+            if tmp is not None:
+                self.engine.forget(tmp)  # the donor, its swaps, the prefix recordings: out of the workers
+                shutil.rmtree(tmp, ignore_errors=True)
+        error = (body.get("run_error") or {}).get("error") or ""
+        if "did not fire" in error:  # a trial whose hooks never fired: its numbers would be wrong
+            raise HookNotFiredError(error.partition(": ")[2] or error)
+        inputs = {**self.inputs(trace), "faults": [f.to_dict() for f in session.faults]}
+        return LiveReport(new_report("run", ["numbisect.live.attach(...).run"], inputs, settings.to_dict(), body), code)
+
     def inputs(self, trace: Trace) -> dict:
         eng = {**self.engine.describe(), "sha256": {}, "mode": "prefill", "settings": self.engine_settings}
         return {
@@ -268,8 +328,8 @@ class Probe:
         return W.reference_tensors(self.ref.model)
 
     def _engine_tensors(self, shapes: dict) -> dict[str, torch.Tensor]:
-        if isinstance(self.engine, RemoteEngine):
-            return self.engine.tensors(shapes)
+        if getattr(self.engine, "remote", False):  # the model in worker processes (one, or one per rank)
+            return W.remote_tensors(self.engine.llm, shapes)
         return W.engine_tensors(self.engine.model, shapes)
 
     def _engine_dtypes(self, shapes: dict) -> dict[str, torch.dtype]:
@@ -481,6 +541,8 @@ class Probe:
         """Close what this probe opened from directories; the user's objects stay as they are."""
         for b in self._owned:
             b.close()
+        if self.engine is not None and self.engine not in self._owned and hasattr(self.engine, "forget"):
+            self.engine.close()  # the user's engine in worker processes: what numbisect kept there taken back
         self._owned = []
         self.engine = self.ref = None
 
@@ -525,6 +587,11 @@ def _engine(engine, dtype: str | None):
     settings = check_engine(engine)
     if hooks_problem(settings):
         return RemoteEngine(engine, settings), engine, [], settings
+    if not settings["in_process"]:  # worker processes (V1 multiprocessing, tensor parallel): hooked there
+        try:
+            return VLLMTPBackend.of(engine), engine, [], settings
+        except BackendError as e:
+            raise HookNotFiredError(f"{e.message}: {hooks_problem({**settings, 'enforce_eager': False})}") from None
     try:
         return VLLMBackend.of(engine), engine, [], settings
     except BackendError as e:

@@ -30,7 +30,9 @@ truthy when every unit is ok and gives the report's `weights` section (`to_dict`
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import math
 import os
 import time
@@ -172,14 +174,12 @@ def conv_unpacked(t: torch.Tensor) -> torch.Tensor | None:
     return _unpack(t, _pack_order(("conv",), tuple(t.shape), t.dtype, causal_conv1d_weight_pack))
 
 
-def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """Every float parameter of a vLLM model in the checkpoint's names (`_split`), copied
-    to the CPU; a linear layer whose weight vLLM-CPU packed into its GEMM kernel is read
-    back through the kernel (backends.vllm.model.gemm_weight, exact). `shapes`: the
-    reference tensors' shapes, by checkpoint name (how to split a fused tensor). Runs
-    where the model lives (in-process; a worker through `apply_model`)."""
+def _parameters(model):
+    """(name, owning module, leaf name, tensor as the kernels read it) for every float
+    parameter of a vLLM model: a linear layer whose weight vLLM-CPU packed into its GEMM
+    kernel read back through the kernel (backends.vllm.model.gemm_weight, exact), prepacked
+    MoE experts unpacked (`unpacked`; skipped where the layout cannot be undone)."""
     mods = dict(model.named_modules())
-    out = {}
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if not p.is_floating_point():
@@ -197,8 +197,18 @@ def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
                 t = conv_unpacked(t)  # the conv kernel reads it packed
                 if t is None:
                     continue
-            for name, piece in _split(pname, t, shapes):
-                out[name] = _as_shape(piece, shapes.get(name)).detach().to("cpu", copy=True)
+            yield pname, mod, leaf, t
+
+
+def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Every float parameter of a vLLM model in the checkpoint's names (`_split`), copied
+    to the CPU, as the kernels read it (`_parameters`). `shapes`: the reference tensors'
+    shapes, by checkpoint name (how to split a fused tensor). Runs where the model lives
+    (in-process; a worker through `apply_model`)."""
+    out = {}
+    for pname, _, _, t in _parameters(model):
+        for name, piece in _split(pname, t, shapes):
+            out[name] = _as_shape(piece, shapes.get(name)).detach().to("cpu", copy=True)
     return out
 
 
@@ -224,6 +234,96 @@ def engine_dtypes(model, shapes: dict[str, tuple], dtype: torch.dtype) -> dict[s
             for name, _ in _split(pname, p.data, shapes):
                 out[name] = p.dtype
     return out
+
+
+# -- tensor parallel: each worker holds a shard ----------------------------------------------------
+def _layout(mod, leaf: str, t: torch.Tensor, rank: int, world: int):
+    """How a parameter of this rank is cut from the whole one: None when every rank holds
+    all of it, else (dim, parts): the rank's tensor along `dim` is made of parts, each
+    (size, shard index): the shard index-th piece of that part of the whole tensor (ranks
+    with the same index hold the same piece; None: padding, dropped). vLLM's parallel
+    layers: column-parallel (fused ones part by part; a key/value head replicated on
+    several ranks when there are fewer than ranks), row-parallel, vocabulary-parallel, and
+    fused-MoE experts (their intermediate dimension split)."""
+    names = {c.__name__ for c in type(mod).__mro__}
+    if leaf in EXPERTS and t.dim() == 3:
+        return (1, [(t.shape[1] // 2, rank)] * 2) if leaf == "w13_weight" else (2, [(t.shape[2], rank)])
+    if leaf not in ("weight", "bias"):
+        return None
+    if "QKVParallelLinear" in names:
+        kv = rank // max(1, int(getattr(mod, "num_kv_head_replicas", 1)))
+        hs, vs = mod.head_size, getattr(mod, "v_head_size", mod.head_size)
+        return (0, [(mod.num_heads * hs, rank), (mod.num_kv_heads * hs, kv), (mod.num_kv_heads * vs, kv)])
+    if "MergedColumnParallelLinear" in names:
+        return (0, [(n // world, rank) for n in mod.output_sizes])
+    if "ColumnParallelLinear" in names:
+        return (0, [(t.shape[0], rank)])
+    if "RowParallelLinear" in names:
+        return (1, [(t.shape[1], rank)]) if leaf == "weight" else None
+    if "VocabParallelEmbedding" in names and leaf == "weight":
+        si = mod.shard_indices
+        n = si.org_vocab_end_index - si.org_vocab_start_index
+        return (0, [(n, rank), (t.shape[0] - n, None)])
+    return None
+
+
+def _rank(model) -> tuple[int, int]:
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def shard_layouts(model) -> str:
+    """Run in each of an engine's workers: its rank, the world size and each float
+    parameter's `_layout`, as JSON (what crosses vLLM's engine-core boundary intact)."""
+    rank, world = _rank(model)
+    layouts = {} if world == 1 else {pname: _layout(mod, leaf, t, rank, world) for pname, mod, leaf, t in _parameters(model)}
+    return json.dumps({"rank": rank, "world": world, "layouts": layouts})
+
+
+def engine_shards(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Run in each of an engine's workers: one rank, its tensors in checkpoint names
+    (`engine_tensors`); several, each float parameter as this rank holds it (a flat dict
+    of tensors: nested containers come back from an engine-core process as lists)."""
+    if _rank(model)[1] == 1:
+        return engine_tensors(model, shapes)
+    return {pname: t.detach().to("cpu", copy=True) for pname, _, _, t in _parameters(model)}
+
+
+def gather(infos: list[dict], tensors: list[dict], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """The whole engine's tensors in checkpoint names from every worker's `shard_layouts`
+    and `engine_shards` answers: each parameter's shards put together (`_layout`), then
+    split as in-process."""
+    order = sorted(range(len(infos)), key=lambda i: infos[i]["rank"])
+    if infos[0]["world"] == 1:
+        return tensors[order[0]]
+    by_rank = [(tensors[i], infos[i]["layouts"]) for i in order]
+    out = {}
+    for pname, first in by_rank[0][0].items():
+        whole, layout = first, by_rank[0][1].get(pname)
+        if layout is not None:
+            dim = layout[0]
+            cols = []
+            for j in range(len(layout[1])):
+                pieces = {}
+                for ts, layouts in by_rank:
+                    own = layouts[pname][1]
+                    index = own[j][1]
+                    if index is not None and index not in pieces:
+                        pieces[index] = ts[pname].split([n for n, _ in own], dim=dim)[j]
+                if pieces:
+                    cols.append(torch.cat([pieces[k] for k in sorted(pieces)], dim=dim))
+            whole = torch.cat(cols, dim=dim)
+        for name, piece in _split(pname, whole, shapes):
+            out[name] = piece
+    return out
+
+
+def remote_tensors(llm, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """The tensors of an engine whose model lives in worker processes (one, or one per
+    tensor-parallel rank), read there and put together here, in checkpoint names."""
+    infos = [json.loads(x) for x in llm.apply_model(shard_layouts)]
+    return gather(infos, llm.apply_model(functools.partial(engine_shards, shapes=shapes)), shapes)
 
 
 def write_checkpoint(dest: str, config, tensors: dict[str, torch.Tensor]) -> None:

@@ -69,6 +69,68 @@ def _tp_session(eng, capture="stats", samples=6):
     return s
 
 
+def test_live_api_on_a_tensor_parallel_engine_checks_a_sync_and_names_a_layer_left_out(tp_engine):
+    """numbisect.live at tensor_parallel_size=2, on an engine started as a user starts one
+    (`vllm.LLM(..., tensor_parallel_size=2)`: the module's, taken as the user's): attach,
+    compare through both workers, the weight check with every shard read back and put
+    together (fused, row- and column-parallel, replicated key head, experts), functionally
+    too. A correct sync of a real optimizer step is all ok; a sync that leaves layer 2 out
+    names each of its units unwritten. Then the engine gets its weights back and gives its
+    first log-probs again, bit for bit. `probe.run` through the workers (the trainer's weights
+    as a temporary checkpoint they load their donor modules from) names the unit a sync
+    corrupted."""
+    import sys
+    import time
+
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "live"))
+    from test_attach import SAMPLES, Trainer, engine_logprobs, fixture_tensors, layer_units
+
+    from numbisect.live import attach
+    from numbisect.live.sync import push
+
+    llm = tp_engine.llm
+    before = engine_logprobs(llm)
+    trainer = Trainer("qwen3_moe")
+    probe = attach(reference=trainer.model, engine=llm)
+    try:
+        assert probe.problem is None and probe.engine_settings["tensor_parallel_size"] == 2
+        assert probe.check_weights(functional=False)  # the checkpoint's weights, shards put together
+        trainer.step()
+        push(llm, trainer.tensors(), repack=True)
+        t0 = time.perf_counter()
+        check = probe.check_weights()
+        print(f"TP=2 weight check, functional pass included: {time.perf_counter() - t0:.2f} s: {check.lines()[0]}")
+        assert check and check.functional, check.lines()
+        report = probe.compare(SAMPLES)
+        assert report.report["inputs"]["engine"]["options"]["tensor_parallel_size"] == 2
+        assert {r["name"] for r in report.units} >= {"layers.0.attn", "layers.3.moe.experts", "lm_head"}
+        assert report.metrics["groups"]["completion"]["k3"]["mean"] < 1e-3
+        trainer.step()
+        push(llm, [(n, t) for n, t in trainer.tensors() if ".layers.2." not in n], repack=True)
+        t0 = time.perf_counter()
+        check = probe.check_weights()
+        print(f"TP=2, layer 2 not synced: {time.perf_counter() - t0:.2f} s: " + " | ".join(check.lines()))
+        assert {u.unit: u.status for u in check.differing()} == dict.fromkeys(layer_units(check, 2), "unwritten")
+        assert {"layers.2.attn", "layers.2.moe.experts", "layers.2.moe.router"} <= layer_units(check, 2)
+        # probe.run through the workers: a sync that wrote noise into layers.1's o_proj (row-parallel)
+        bad = "model.layers.1.self_attn.o_proj.weight"
+        g = torch.Generator().manual_seed(0)
+        push(llm, [(n, t + 3 * t.std() * torch.randn(t.shape, generator=g) if n == bad else t) for n, t in trainer.tensors()],
+             repack=True)
+        held = engine_logprobs(llm)
+        t0 = time.perf_counter()
+        run = probe.run(SAMPLES, whatif=False)
+        print(f"TP=2 probe.run: {time.perf_counter() - t0:.2f} s, {run.search['trials_used']} trials: {run.search['stop_reason']}")
+        assert [c["unit"] for c in run.culprits] == ["layers.1.attn"] and run.code == 1
+        assert engine_logprobs(llm) == held  # swaps, the donor and the prefix recordings gone from the workers
+    finally:
+        probe.close()
+        push(llm, fixture_tensors("qwen3_moe"), repack=True)
+    assert engine_logprobs(llm) == before
+
+
 def test_prefix_reuse_in_the_workers_equals_full_recomputation(tp_engine):
     """Each worker records and replays its own layers; faults in the prefix included."""
     import torch

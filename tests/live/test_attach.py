@@ -467,3 +467,41 @@ def test_poison_control_names_what_a_dense_sync_never_wrote(dense):
         push(llm, trainer.tensors()[:5])
         raise RuntimeError("the sync failed")
     assert engine_logprobs(llm) == before  # every tensor put back as found
+
+
+def test_run_names_the_unit_a_sync_corrupted_and_leaves_both_sides_as_found(dense, tmp_path):
+    """`probe.run`: `bisect run`'s search swapping the trainer's modules into the running
+    engine. A sync bug that wrote noise into one tensor (layers.1.mlp's down_proj) is named
+    as the one culprit; afterwards the engine gives its log-probs of before the run, bit for
+    bit, and the trainer's model is as it was (training flags, parameters, grads). Then a
+    planted fault (`--engine-fault`'s) with `swap=` (`--swap KIND`'s one trial): fixed by
+    swapping the mlps, and gone from the engine after the run."""
+    from numbisect.live.sync import push
+    from numbisect.report.document import load_report
+
+    trainer, probe, llm = dense
+    trainer.step()
+    bad = "model.layers.1.mlp.down_proj.weight"
+    g = torch.Generator().manual_seed(0)
+    push(llm, [(n, t + 3 * t.std() * torch.randn(t.shape, generator=g) if n == bad else t) for n, t in trainer.tensors()])
+    before_engine, before_model = engine_logprobs(llm), state(trainer.model)
+    t0 = time.perf_counter()
+    report = probe.run(SAMPLES)
+    print(f"probe.run, qwen3, one corrupted tensor: {time.perf_counter() - t0:.2f} s, {report.search['trials_used']} trials: "
+          f"{report.search['stop_reason']}")
+    assert engine_logprobs(llm) == before_engine  # bit for bit
+    assert same_state(state(trainer.model), before_model)
+    assert report.verdict == "diverged" and report.code == 1
+    assert [c["unit"] for c in report.culprits] == ["layers.1.mlp"]
+    assert report.culprits[0]["alone"] <= 1e-3 < report.culprits[0]["complement"]
+    assert report.culprits[0]["precision"]["whatifs"]  # the what-ifs ran on the live engine too
+    report.save(tmp_path / "run.json")
+    assert load_report(tmp_path / "run.json")["culprits"][0]["unit"] == "layers.1.mlp"  # the schema validates it
+    assert report.markdown().startswith("### numbisect run: qwen3") and "culprit `layers.1.mlp`" in report.markdown()
+    restore(probe, llm, trainer)
+    before_engine = engine_logprobs(llm)
+    swapped = probe.run(SAMPLES, swap="mlp", faults=["output_noise=1@layers.2.mlp"], whatif=False)
+    print(" | ".join(swapped.report["swap"]["lines"]))
+    assert swapped.report["swap"]["fixed"] and swapped.search["verdict"] == "culprits" and swapped.code == 1
+    assert swapped.report["inputs"]["faults"][0]["unit"] == "layers.2.mlp"
+    assert engine_logprobs(llm) == before_engine  # the planted fault and the swaps undone

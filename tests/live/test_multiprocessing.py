@@ -1,8 +1,9 @@
 """numbisect.live on vLLM's default engine: V1 multiprocessing, the model in a worker process.
 
 The weights are read there by a function the worker imports (`apply_model`), so the
-check works tensor by tensor; a comparison, which needs hooks in this process, is
-refused in one line naming the setting and what would work. Also the refusals that need
+check works tensor by tensor; a comparison or a run, whose hooks cannot give a right
+answer with vLLM's default prefix caching on, is refused in one line naming the setting
+and what would work. Also the refusals that need
 no engine: objects that are not an engine or a model.
 """
 
@@ -66,10 +67,13 @@ def test_weights_of_an_engine_in_another_process(mp_engine):
     with pytest.raises(EngineSettingError, match="not a vllm.LLM|must be a vllm.LLM"):
         attach(reference=trainer.model, engine=object())
     probe = attach(reference=trainer.model, engine=llm)
-    assert "another process" in probe.problem
-    with pytest.raises(EngineSettingError, match=r"another process .*VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+    assert "prefix caching on" in probe.problem
+    with pytest.raises(EngineSettingError, match=r"prefix caching on .*enable_prefix_caching=False"):
         probe.compare([list(range(1, 17))])
-    with pytest.raises(EngineSettingError, match="another process"):
+    with pytest.raises(EngineSettingError, match=r"prefix caching on .*enable_prefix_caching=False") as e:
+        probe.run([list(range(1, 17))])  # a swap trial's keys and values would stay cached for the user's requests
+    assert "\n" not in str(e.value)
+    with pytest.raises(EngineSettingError, match="prefix caching"):
         probe.check_weights(functional=True)
     trainer.step()
     push(llm, trainer.tensors())

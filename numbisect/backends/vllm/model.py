@@ -200,7 +200,7 @@ class VLLMModel(Backend):
 
 # -- a swap rebuilt from data, where the engine's model lives ---------------------------------
 _DONORS: dict = {}
-_VIEW = "_numbisect_engine"  # model.__dict__ key: the VLLMModel view of a worker's model
+_VIEW = VIEW_KEY = "_numbisect_engine"  # model.__dict__ key: the VLLMModel view of a worker's model
 _SWAPS = "_numbisect_swaps"  # model.__dict__ key: the ledger of the swaps in force
 
 
@@ -233,6 +233,12 @@ def donor_of(path: str, dtype: str):
     if key not in _DONORS:
         _DONORS[key] = HFBackend(path, dtype)
     return _DONORS[key]
+
+
+def forget_donor(path: str) -> None:
+    """Drop the donors `donor_of` loaded from `path` in this process (a temporary checkpoint)."""
+    for key in [k for k in _DONORS if k[0] == path]:
+        del _DONORS[key]
 
 
 def swap_ledger(model: nn.Module) -> Ledger | None:

@@ -46,13 +46,15 @@ import os
 
 import torch
 
-from numbisect.backends.base import WHATIF_UNIT, Backend, ForwardResult, fail
+from numbisect.backends.base import DTYPES, WHATIF_UNIT, Backend, ForwardResult, fail
 from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.vllm import hookpoints, moe
 from numbisect.backends.vllm.model import (
+    VIEW_KEY,
     VLLMModel,
     apply_swap_spec,
     donor_of,
+    forget_donor,
     swap_ledger,
     undo_swap_spec,
     view,
@@ -218,6 +220,18 @@ def _by_parts(forward, sizes: list[int], rank: int, world: int):
         return shard(out, sizes, rank, world)
 
     return whole
+
+
+def worker_forget(model, donor_path: str | None = None) -> None:
+    """Everything numbisect keeps in this worker taken back (an engine numbisect did not
+    start is left as found): swaps, faults, hooks, feeds, what-ifs undone, the prefix
+    recordings and the view of the model dropped, the donor loaded from `donor_path` too."""
+    for undo in (worker_unwhatif, worker_unswap, worker_unfault, worker_unhook, worker_unfeed, worker_state_unprobe):
+        undo(model)
+    model.__dict__.pop("_numbisect_prefix", None)
+    model.__dict__.pop(VIEW_KEY, None)
+    if donor_path is not None:
+        forget_donor(donor_path)
 
 
 def worker_unswap(model) -> None:
@@ -458,6 +472,42 @@ class VLLMTPBackend(Backend):
         self.whatif: str | None = None  # the precision what-if in the workers
         self.state_probe = None  # a numbisect.patching.probes.state.StateProbe while one is installed
 
+    @classmethod
+    def of(cls, llm, label: str = "live:vllm") -> VLLMTPBackend:
+        """A backend on a `vllm.LLM` the user started whose model lives in worker processes
+        (V1 multiprocessing, tensor parallel; numbisect.live): reached through `apply_model`
+        only, its settings the user's (numbisect.live.engine checked them), `close()` leaves
+        it running and takes back what numbisect kept in its workers (`worker_forget`).
+        Prefill mode only."""
+        vllm = import_vllm()
+        mc = llm.llm_engine.model_config
+        names = {v: k for k, v in DTYPES.items()}
+        if mc.dtype not in names:
+            raise InputError(f"the engine computes in {mc.dtype}; numbisect compares {', '.join(DTYPES)} engines")
+        self = cls.__new__(cls)
+        self.adopt(label, names[mc.dtype], mc.hf_config)
+        self.llm = llm
+        self.attached = True
+        self.tp = int(llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
+        self.options = {"attached": True, "max_model_len": int(mc.max_model_len), "tensor_parallel_size": self.tp}
+        self.max_model_len = int(mc.max_model_len)
+        ranks = llm.apply_model(worker_rank)
+        self.ranks = [r for r, _ in ranks]
+        hookpoints.check_version()
+        hookpoints.report_absent(llm.apply_model(hookpoints.worker_absent))
+        self._sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+        self._prompt = vllm.inputs.TokensPrompt
+        self.swapped = []
+        self.whatif = None
+        self.state_probe = None
+        return self
+
+    def forget(self, donor_path: str | None = None) -> None:
+        """Take back what numbisect kept in the workers (its view of the model, prefix
+        recordings, the donor loaded from `donor_path`): the user's engine as found."""
+        if self.llm is not None:
+            self.llm.apply_model(functools.partial(worker_forget, donor_path=donor_path))
+
     def describe(self) -> dict:
         return {**super().describe(), "options": self.options}
 
@@ -466,6 +516,10 @@ class VLLMTPBackend(Backend):
         raise BackendError("a tensor-parallel vLLM engine has no model in this process; its units are reached through apply_model")
 
     def close(self) -> None:
+        if getattr(self, "attached", False):  # the user's engine: left running, as found
+            self.forget()
+            self.llm = None
+            return
         shutdown(self)
 
     def swap(self, units, donor_path: str, donor_dtype: str) -> list[str]:
