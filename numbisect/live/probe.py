@@ -333,7 +333,7 @@ class Probe:
         return W.engine_tensors(self.engine.model, shapes)
 
     def _engine_dtypes(self, shapes: dict) -> dict[str, torch.dtype]:
-        if isinstance(self.engine, RemoteEngine):
+        if getattr(self.engine, "remote", False):  # the same on every rank: rank 0's answer
             return self.engine.llm.apply_model(functools.partial(W.engine_dtypes, shapes=shapes, dtype=self.engine.dtype))[0]
         return W.engine_dtypes(self.engine.model, shapes, self.engine.dtype)
 
