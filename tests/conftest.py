@@ -137,9 +137,16 @@ def short_trace(name: str, n: int) -> str:
     return _SHORT[key]
 
 
-def session(name: str, engine: str = "vllm", ref_dtype="bfloat16", engine_dtype="bfloat16", faults=(), samples=None,
+# The samples a test session runs unless it asks for more: the fixture traces hold 20, and a
+# search's trials run every sample through the engine; 8 keep each trial cheap (the suite's
+# time budget) while a planted fault still shows in every sample. `samples=None`: all 20.
+SAMPLES = 8
+
+
+def session(name: str, engine: str = "vllm", ref_dtype="bfloat16", engine_dtype="bfloat16", faults=(), samples=SAMPLES,
             engine_mode="prefill", **settings):
-    """A Session on a fixture whose backends are the shared ones (`samples`: the first n)."""
+    """A Session on a fixture whose backends are the shared ones (`samples`: the first n,
+    SAMPLES unless asked; None: the whole trace)."""
     from numbisect.pipeline.measure import Settings
     from numbisect.session.session import Session, Spec
 
