@@ -129,8 +129,11 @@ def short_trace(name: str, n: int) -> str:
 
     key = (name, n)
     if key not in _SHORT:
-        lines = Path(trace_path(name)).read_text().splitlines()[:n]
+        src = Path(trace_path(name))
+        lines = src.read_text().splitlines()[:n]
         d = Path(tempfile.mkdtemp(prefix="numbisect-trace-"))
+        for f in src.parent.glob(f"{name}.*.safetensors"):  # image pixels, named relative to the trace
+            (d / f.name).symlink_to(f)
         p = d / f"{name}_{n}.jsonl"
         p.write_text("\n".join(lines) + "\n")
         _SHORT[key] = str(p)

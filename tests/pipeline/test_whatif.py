@@ -126,8 +126,8 @@ def test_fp32_weighted_sum_on_real_vllm_removes_a_planted_low_precision_sum():
     # the fp32 sum of vLLM's own per-slot expert outputs replaces exactly that arithmetic.
     from numbisect.pipeline.whatif import run_whatifs
 
-    s = session("qwen3_moe", "vllm", faults=["moe_combine_fp8@layers.0.moe"])
-    natural = session("qwen3_moe", "vllm")
+    s = session("qwen3_moe", "vllm", faults=["moe_combine_fp8@layers.0.moe"], samples=None)
+    natural = session("qwen3_moe", "vllm", samples=None)
     clean = natural.trial([])[0]
     culprits = [{"unit": "layers.0.moe.experts", "kind": "experts"}]
     run_whatifs(s, culprits, None)

@@ -158,7 +158,7 @@ def test_compare_and_run_through_the_cli_on_an_hf_engine(tmp_path, capsys):
 # divergence are not a ground truth; the swaps still must reproduce the reference.
 @pytest.mark.vllm
 def test_vllm_natural_pair_names_the_mla_rope_and_the_self_check_passes():
-    s = session(NAME, "vllm")
+    s = session(NAME, "vllm", samples=None)
     body, code = search(s)
     assert code == ExitCode.DIVERGED and body["baseline"]["value"] > 1
     names = [c["unit"] for c in body["culprits"]]

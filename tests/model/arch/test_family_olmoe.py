@@ -183,8 +183,8 @@ def test_planted_fault_is_named_on_vllm_within_the_bound(fault, unit):
 
 @pytest.mark.vllm
 def test_router_fault_on_vllm_flips_layer_1_and_replay_removes_it():
-    floor = session(NAME, "vllm").compare(local=False)["baseline"]["value"]
-    s = session(NAME, "vllm", faults=[ROUTER_FAULT])
+    floor = session(NAME, "vllm", samples=None).compare(local=False)["baseline"]["value"]
+    s = session(NAME, "vllm", faults=[ROUTER_FAULT], samples=None)
     s.spec.replay_routing = "ref"
     body = s.compare()
     print(f"floor {floor:.3g}; router fault {body['routing_replay']['baseline']:.3g} -> replayed "

@@ -70,7 +70,7 @@ VLLM_CASES = [
 
 @pytest.mark.parametrize("fault,unit", VLLM_CASES)
 def test_planted_fault_is_named_on_vllm_within_the_bound(fault, unit):
-    s = session(NAME, "vllm", faults=[fault])
+    s = session(NAME, "vllm", faults=[fault], samples=None)
     body, code = search(s)
     print(f"{fault}: baseline {body['baseline']['value']:.3g}, {body['search']['trials_used']}/{bound(s)} trials")
     assert body["baseline"]["value"] > 1e-3, "the planted fault must stand above bf16 noise"
