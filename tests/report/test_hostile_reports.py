@@ -122,8 +122,8 @@ def _diffuse_run() -> dict:
 
 BASE.update(every_section=_every_section(), swap=_swap_run(), diffuse=_diffuse_run())
 OTHER = BASES["run"]  # the other side of `report diff`
-CASES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], database=None)
-TUI_CASES = settings(CASES, max_examples=8)
+CASES = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], database=None)
+TUI_CASES = settings(CASES, max_examples=4)
 RAN = {"report": 0, "shown": 0, "refused": 0, "tui": 0}
 
 # What must never reach a terminal raw: C0 but newline and tab, DEL, C1, separators, bidi controls.
@@ -379,8 +379,8 @@ def test_hostile_reports_are_refused_in_one_line_or_shown_safely(case):
 def test_hostile_report_case_count():
     """Runs after the generated cases above (file order): they really ran, both ways."""
     print(f"hostile report cases run: {RAN['report']} ({RAN['shown']} shown, {RAN['refused']} refused)")
-    assert RAN["report"] >= 120
-    assert RAN["shown"] >= 30 and RAN["refused"] >= 10
+    assert RAN["report"] >= 80
+    assert RAN["shown"] >= 20 and RAN["refused"] >= 7
 
 
 KEYS = ("2", "down", "down", "l", "enter", "slash", "a", "escape", "3", "g", "g", "4", "down", "down", "1", "question_mark", "escape")
