@@ -113,7 +113,7 @@ class UnitCold:
 
 
 @dataclass
-class WarmCold:
+class WarmCold(W.ByUnit):
     """Per unit, whether the live engine (weights pushed warm) holds and computes what a
     fresh engine loaded cold from the same weights does. Truthy when every unit is ok."""
 
@@ -122,19 +122,6 @@ class WarmCold:
     cold: ColdLoad
     functional: bool
     cold_tol: float = COLD_TOL
-
-    def __bool__(self) -> bool:
-        return all(u.status == OK for u in self.units)
-
-    @property
-    def ok(self) -> bool:
-        return bool(self)
-
-    def differing(self) -> list[UnitCold]:
-        return [u for u in self.units if u.status != OK]
-
-    def status(self, unit: str) -> str:
-        return next(u.status for u in self.units if u.unit == unit)
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "seconds": round(self.seconds, 4), "cold_seconds": round(self.cold.seconds, 4),

@@ -378,8 +378,28 @@ class UnitWeights:
                 "local_rel_l2": self.local_rel_l2, "summary": self.summary}
 
 
+class ByUnit:
+    """What a per-unit result offers (`WeightCheck`, numbisect.live.cold's `WarmCold`): true
+    when every unit of `units` is ok, the ones that are not, one unit's status."""
+
+    units: list
+
+    def __bool__(self) -> bool:
+        return all(u.status == OK for u in self.units)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self)
+
+    def differing(self) -> list:
+        return [u for u in self.units if u.status != OK]
+
+    def status(self, unit: str) -> str:
+        return next(u.status for u in self.units if u.unit == unit)
+
+
 @dataclass
-class WeightCheck:
+class WeightCheck(ByUnit):
     """Per unit, whether the engine computes with the reference's weights (module doc).
     Truthy when every unit is ok."""
 
@@ -390,19 +410,6 @@ class WeightCheck:
     functional: bool  # whether a local-error pass judged the units too
     functional_tol: float = FUNCTIONAL_TOL
     unmapped: list[str] = field(default_factory=list)  # engine tensors of no reference name (extra)
-
-    def __bool__(self) -> bool:
-        return all(u.status == OK for u in self.units)
-
-    @property
-    def ok(self) -> bool:
-        return bool(self)
-
-    def differing(self) -> list[UnitWeights]:
-        return [u for u in self.units if u.status != OK]
-
-    def status(self, unit: str) -> str:
-        return next(u.status for u in self.units if u.unit == unit)
 
     def to_dict(self) -> dict:
         counts = {s: sum(u.status == s for u in self.units) for s in ORDER}

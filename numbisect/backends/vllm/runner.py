@@ -115,6 +115,21 @@ def shutdown(backend) -> bool:
     return True
 
 
+def adopted(cls, llm, label: str):
+    """(a new `cls` backend over the user's `vllm.LLM`, its model config): the engine's
+    dtype checked, the backend adopted under `label`, marked attached (numbisect.live:
+    `VLLMBackend.of`, `VLLMTPBackend.of`)."""
+    mc = llm.llm_engine.model_config
+    names = {v: k for k, v in DTYPES.items()}
+    if mc.dtype not in names:
+        raise InputError(f"the engine computes in {mc.dtype}; numbisect compares {', '.join(DTYPES)} engines")
+    self = cls.__new__(cls)
+    self.adopt(label, names[mc.dtype], mc.hf_config)
+    self.llm = llm
+    self.attached = True
+    return self, mc
+
+
 class VLLMBackend(VLLMModel):
     """The in-process engine; its swaps, faults, probes and what-ifs are `VLLMModel`'s."""
 
@@ -177,14 +192,7 @@ class VLLMBackend(VLLMModel):
         registered when an engine starts). One 16-token forward checks that every hook
         point fires (`_warm_up`)."""
         vllm = import_vllm()
-        mc = llm.llm_engine.model_config
-        names = {v: k for k, v in DTYPES.items()}
-        if mc.dtype not in names:
-            raise InputError(f"the engine computes in {mc.dtype}; numbisect compares {', '.join(DTYPES)} engines")
-        self = cls.__new__(cls)
-        self.adopt(label, names[mc.dtype], mc.hf_config)
-        self.llm = llm
-        self.attached = True
+        self, mc = adopted(cls, llm, label)
         self.modes = ("prefill",)
         self.options = {"attached": True, "max_model_len": int(mc.max_model_len)}
         self.model = in_process_model(llm)

@@ -46,7 +46,7 @@ import os
 
 import torch
 
-from numbisect.backends.base import DTYPES, WHATIF_UNIT, Backend, ForwardResult, fail
+from numbisect.backends.base import WHATIF_UNIT, Backend, ForwardResult, fail
 from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.vllm import hookpoints, moe
 from numbisect.backends.vllm.model import (
@@ -63,6 +63,7 @@ from numbisect.backends.vllm.recurrent import install_probe
 from numbisect.backends.vllm.runner import (
     _canonical_output,
     _feed,
+    adopted,
     bad_input,
     import_vllm,
     quiet_stderr,
@@ -480,14 +481,7 @@ class VLLMTPBackend(Backend):
         it running and takes back what numbisect kept in its workers (`worker_forget`).
         Prefill mode only."""
         vllm = import_vllm()
-        mc = llm.llm_engine.model_config
-        names = {v: k for k, v in DTYPES.items()}
-        if mc.dtype not in names:
-            raise InputError(f"the engine computes in {mc.dtype}; numbisect compares {', '.join(DTYPES)} engines")
-        self = cls.__new__(cls)
-        self.adopt(label, names[mc.dtype], mc.hf_config)
-        self.llm = llm
-        self.attached = True
+        self, mc = adopted(cls, llm, label)
         self.tp = int(llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
         self.options = {"attached": True, "max_model_len": int(mc.max_model_len), "tensor_parallel_size": self.tp}
         self.max_model_len = int(mc.max_model_len)
