@@ -360,11 +360,12 @@ class Probe:
         t0 = time.perf_counter()
         self.checks += 1
         step = step or f"check {self.checks}"
-        local = None
+        local = flips = None
         self.last_comparison = None
         if functional:
             c, trace, settings = self._comparison(samples if samples is not None else random_samples(self.ref.vocab_size))
             local = {r["name"]: r["local"]["rel_l2"] for r in c.units if r.get("local")}
+            flips = W.routing_flips(c.routing)
             self.last_comparison = (c, trace, settings)
         ref = self._ref_tensors()
         try:
@@ -373,7 +374,8 @@ class Probe:
             self._readable()
             raise
         tied = bool(getattr(self.engine.config.get_text_config(), "tie_word_embeddings", False))
-        check = W.check(ref, eng, self.history, self.ref.arch, self.ref.config, step=step, local=local, tied=tied, t0=t0)
+        check = W.check(ref, eng, self.history, self.ref.arch, self.ref.config, step=step, local=local, tied=tied, t0=t0,
+                        flips=flips)
         return check, eng
 
     def _readable(self) -> None:
