@@ -363,6 +363,7 @@ class Probe:
         local = flips = None
         self.last_comparison = None
         if functional:
+            self._readable()  # before any forward: one on modules a reload left unfinished never returned here (measured)
             c, trace, settings = self._comparison(samples if samples is not None else random_samples(self.ref.vocab_size))
             local = {r["name"]: r["local"]["rel_l2"] for r in c.units if r.get("local")}
             flips = W.routing_flips(c.routing)
@@ -379,9 +380,9 @@ class Probe:
         return check, eng
 
     def _readable(self) -> None:
-        """Why the engine's weights could not be read, in one line, where numbisect can tell:
-        a closed engine (EngineClosedError), modules a reload left unfinished (LiveError);
-        else nothing (the caller raises what it caught)."""
+        """Why the engine's weights cannot be read or run, in one line, where numbisect can
+        tell: a closed engine (EngineClosedError), modules a reload left unfinished
+        (LiveError); else nothing."""
         llm = self._llm()
         n = unfinished(llm)
         if n:

@@ -650,3 +650,15 @@ def test_a_sync_that_raises_part_way_is_one_line_and_the_engine_usable_as_found(
     assert engine_logprobs(llm) == before_engine
     assert same_state(state(trainer.model), before_model)
     assert probe.check_weights(functional=False)
+    if not poison:  # the same sync outside check_sync: the weight check says what the engine is left in
+        from numbisect.live import LiveError
+        from numbisect.live.sync import undo_unfinished
+
+        with pytest.raises(AssertionError):
+            push(llm, sync)
+        for functional in (True, False):
+            with pytest.raises(LiveError, match=r"^the engine has 38 module\(s\) a weight reload left unfinished .*"
+                                                r"numbisect.live.sync.undo_unfinished\(llm\)"):
+                probe.check_weights(functional=functional)
+        assert undo_unfinished(llm) == 38
+        assert engine_logprobs(llm) == before_engine
