@@ -455,7 +455,7 @@ def weights(**kw):
     random sequences). Statuses: ok, corrupted, missing, buffer differs (and, in the
     training loop, numbisect.live's unwritten and stale)."""
     from numbisect.live import attach  # lazy: keeps torch out of importing numbisect.cli
-    from numbisect.pipeline.measure import parse_spec  # lazy: keeps torch out of importing numbisect.cli
+    from numbisect.pipeline.measure import check_configs, parse_spec  # lazy: keeps torch out of importing numbisect.cli
 
     _check_out(kw)
     ref_kind, ref_path = parse_spec(kw["ref"], "--ref")
@@ -468,8 +468,12 @@ def weights(**kw):
     from numbisect.live.probe import samples_trace  # lazy: keeps torch out of importing numbisect.cli
 
     trace = samples_trace(kw["trace"]) if kw.get("trace") else None  # bad input refused before anything loads
-    for path in (ref_path, eng_path):
-        load_config(path)
+    from numbisect.model.arch import arch_for  # lazy: keeps torch out of importing numbisect.cli
+
+    configs = [load_config(path) for path in (ref_path, eng_path)]
+    for config in configs:  # a family numbisect does not know, named before the two disagree on sizes
+        arch_for(config)
+    check_configs(*configs)  # before anything loads
     with Progress(kw["quiet"]) as say:
         say(f"loading reference hf:{ref_path} and starting engine vllm:{eng_path}")
         probe = attach(reference=ref_path, engine=eng_path, ref_dtype=kw["ref_dtype"], engine_dtype=kw["engine_dtype"])

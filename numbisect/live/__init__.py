@@ -17,7 +17,14 @@
 - `errors.py`: the typed errors, each one line.
 """
 
-from numbisect.live.errors import EngineClosedError, EngineSettingError, HookNotFiredError, LiveError, ReferenceModelError
+from numbisect.live.errors import (
+    EngineClosedError,
+    EngineSettingError,
+    HookNotFiredError,
+    LiveError,
+    ReferenceModelError,
+    SyncError,
+)
 from numbisect.live.cold import WarmCold
 from numbisect.live.poison import PoisonError, Poisoned
 from numbisect.live.prefix import PrefixCacheCheck
@@ -25,4 +32,4 @@ from numbisect.live.probe import LiveReport, Probe, attach
 from numbisect.live.weights import WeightCheck
 
 __all__ = ["attach", "Probe", "LiveReport", "WeightCheck", "PrefixCacheCheck", "LiveError", "EngineSettingError",
-           "EngineClosedError", "HookNotFiredError", "ReferenceModelError", "PoisonError", "Poisoned", "WarmCold"]
+           "EngineClosedError", "HookNotFiredError", "ReferenceModelError", "SyncError", "PoisonError", "Poisoned", "WarmCold"]

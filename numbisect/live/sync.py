@@ -24,6 +24,15 @@ reads plain weights as prepacked ones. numbisect's weight check names it: each
 `layers.{i}.moe.experts` corrupted (tests/live). `repack_cpu_moe` is the fix a framework
 would apply after its reload.
 
+And a reload that raises part way (a tensor of the wrong shape, measured here: vLLM's loader
+asserts the shapes) leaves the engine unusable: vLLM rebuilds each module on the meta device
+before loading it and puts its own tensors back only once every tensor of the module has
+arrived, so the modules not finished yet stay on meta (a forward raises "Cannot copy out of
+meta tensor"), and keep the tensors buffered so far, so every later reload raises again on
+the same bad tensor. `undo_unfinished_reload` puts those modules' own tensors back (the
+weights they held before the reload): the engine then holds what the reload finished and,
+elsewhere, what it held before.
+
 `trainer_tensors` gives a transformers model's weights in the checkpoint's names vLLM's
 loader takes (numbisect.live.weights.reference_tensors).
 """
@@ -64,6 +73,53 @@ def repack_cpu_moe(model, names=None) -> int:
         mod.quant_method.moe_kernel.fused_experts.process_weights_after_loading(mod)
         n += 1
     return n
+
+
+def undo_unfinished_reload(model) -> int:
+    """Run where the engine's model lives (`apply_model`): after a `reload_weights` that
+    raised part way, put back, in every module it left unfinished, the tensors the module
+    held before the reload, and forget what the reload buffered for it (module doc); how
+    many modules. 0 on an engine with no reload under way."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise as L
+    except ImportError:  # another vLLM: no layerwise reload
+        return 0
+    n = 0
+    for layer in model.modules():
+        info = L.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue  # no reload under way in this module
+        if info.kernel_tensors is not None:
+            L._place_kernel_tensors(layer, info)
+            for t in L.get_layer_tensors(layer).values():  # the loaders as the engine holds them
+                if hasattr(t, "weight_loader"):
+                    t.weight_loader = L._get_original_loader(t)
+            n += 1
+        info.reset()
+    L.LOADING_LAYERS.clear()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    return n
+
+
+def unfinished_reload(model) -> int:
+    """Run where the engine's model lives: how many modules a reload left unfinished (0 on
+    an engine with no reload under way)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return 0
+    return sum(1 for layer in model.modules() if (info := LAYERWISE_INFO.get(layer)) is not None and info.can_load())
+
+
+def unfinished(llm) -> int:
+    """`unfinished_reload` over every copy of the engine's model."""
+    return sum(llm.apply_model(unfinished_reload))
+
+
+def undo_unfinished(llm) -> int:
+    """`undo_unfinished_reload` in every copy of the engine's model; how many modules in all."""
+    return sum(llm.apply_model(undo_unfinished_reload))
 
 
 def reload_in_worker(worker, items, repack: bool = False) -> None:

@@ -13,6 +13,7 @@ reproduces the cold load).
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -232,10 +233,19 @@ def state(model) -> dict:
     }
 
 
+def same_tensor(x, y) -> bool:
+    """Equal, bit for bit; tensors on the meta device (no values) by their device, shape and dtype."""
+    if x is None or y is None:
+        return x is None and y is None
+    if x.is_meta or y.is_meta:
+        return (x.device, x.shape, x.dtype) == (y.device, y.shape, y.dtype)
+    return torch.equal(x, y)
+
+
 def same_state(a: dict, b: dict) -> bool:
-    return (a["training"] == b["training"] and a["requires_grad"] == b["requires_grad"]
-            and all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
-            and all((x is None and b["grads"][n] is None) or torch.equal(x, b["grads"][n]) for n, x in a["grads"].items()))
+    return (a["training"] == b["training"] and a["requires_grad"] == b["requires_grad"] and a["params"].keys() == b["params"].keys()
+            and all(same_tensor(a["params"][n], b["params"][n]) for n in a["params"])
+            and all(same_tensor(x, b["grads"][n]) for n, x in a["grads"].items()))
 
 
 def test_compare_and_weight_check_leave_the_engine_and_the_trainer_as_found(dense, tmp_path):
@@ -392,25 +402,66 @@ def test_a_runtime_buffer_left_out_of_the_sync_is_named(live, family):
     restore(probe, llm, trainer)
 
 
-def test_q_and_k_exchanged_in_the_fused_qkv_is_corrupted_attention(dense):
-    trainer, probe, llm = dense
+# q_proj and k_proj exchanged by a sync, or each family's nearest analogue: two tensors of one
+# shape that vLLM loads into one fused attention parameter (an exchange of tensors of different
+# shapes is refused by vLLM's loader: no silent bug to name). deepseek_v3 has none: MLA's
+# fused_qkv_a_proj holds q_a_proj [q_lora_rank, hidden] and kv_a_proj_with_mqa [kv_lora_rank +
+# rope dim, hidden] (here 64 and 576 rows; in DeepSeek-V3 itself 1536 and 576), and its other
+# attention tensors are not fused.
+FUSED_ATTENTION = [
+    ("qwen3", "model.layers.1.self_attn.", "q_proj", "k_proj", "layers.1.attn"),  # qkv_proj: q, k, v all [128, 128]
+    # qkv_proj with one key/value head: q [128, 128], k and v [64, 128]
+    ("qwen3_moe", "model.layers.1.self_attn.", "k_proj", "v_proj", "layers.1.attn"),
+    # a full-attention layer's qkv_proj: q_proj holds the output gate too ([256, 128]), k and v [64, 128]
+    ("qwen3_5_moe", "model.layers.3.self_attn.", "k_proj", "v_proj", "layers.3.attn"),
+    # Gated DeltaNet's in_proj_ba (beta and the decay's input, [2, 128] each); in_proj_qkvz's parts
+    # differ in shape (in_proj_qkv [512, 128], in_proj_z [256, 128])
+    ("qwen3_5_moe", "model.layers.0.linear_attn.", "in_proj_b", "in_proj_a", "layers.0.attn"),
+]
+
+
+@pytest.mark.parametrize("family, prefix, a, b, unit", FUSED_ATTENTION)
+def test_q_and_k_exchanged_in_the_fused_qkv_is_corrupted_attention(live, family, prefix, a, b, unit):
+    trainer, probe, llm = live(family)
     trainer.step()
-    p = "model.layers.1.self_attn."
-    check, bad = planted(probe, llm, trainer, exchanged(trainer.tensors(), p + "q_proj.weight", p + "k_proj.weight"))
-    assert bad == {"layers.1.attn": "corrupted"}
-    unit = check.differing()[0]
-    assert "k_proj <-> q_proj swapped" in unit.summary
-    assert unit.local_rel_l2 > check.functional_tol  # the unit fed the reference's input computes otherwise
+    check, bad = planted(probe, llm, trainer, exchanged(trainer.tensors(), f"{prefix}{a}.weight", f"{prefix}{b}.weight"),
+                         repack=True)
+    assert bad == {unit: "corrupted"}
+    named = check.differing()[0]
+    assert f"{min(a, b)} <-> {max(a, b)} swapped" in named.summary
+    if check.functional:  # the unit fed the reference's input computes otherwise
+        assert named.local_rel_l2 > check.functional_tol
     restore(probe, llm, trainer)
 
 
-def test_gate_and_up_exchanged_is_corrupted_mlp(dense):
-    trainer, probe, llm = dense
+# gate_proj and up_proj exchanged by a sync, wherever vLLM fuses them: a dense MLP's
+# gate_up_proj, a shared expert's gate_up_proj, one routed expert's rows of the stacked w13
+# (qwen3_moe has no dense MLP: mlp_only_layers is empty).
+FUSED_MLP = [
+    ("qwen3", "model.layers.0.mlp.", "layers.0.mlp"),
+    ("qwen3_moe", "model.layers.1.mlp.experts.3.", "layers.1.moe.experts"),
+    ("deepseek_v3", "model.layers.0.mlp.", "layers.0.mlp"),  # the dense MLP of layer 0 (first_k_dense_replace=1)
+    ("deepseek_v3", "model.layers.1.mlp.shared_experts.", "layers.1.moe.shared_expert"),
+    ("deepseek_v3", "model.layers.2.mlp.experts.3.", "layers.2.moe.experts"),
+    ("qwen3_5_moe", "model.layers.0.mlp.shared_expert.", "layers.0.moe.shared_expert"),
+    ("qwen3_5_moe", "model.layers.1.mlp.experts.3.", "layers.1.moe.experts"),
+]
+
+
+@pytest.mark.parametrize("family, prefix, unit", FUSED_MLP)
+def test_gate_and_up_exchanged_is_corrupted_mlp(live, family, prefix, unit):
+    trainer, probe, llm = live(family)
     trainer.step()
-    p = "model.layers.0.mlp."
-    check, bad = planted(probe, llm, trainer, exchanged(trainer.tensors(), p + "gate_proj.weight", p + "up_proj.weight"))
-    assert bad == {"layers.0.mlp": "corrupted"}
-    assert "gate_proj <-> up_proj swapped" in check.differing()[0].summary
+    items = exchanged(trainer.tensors(), prefix + "gate_proj.weight", prefix + "up_proj.weight")
+    check, bad = planted(probe, llm, trainer, items, repack=True)
+    assert bad == {unit: "corrupted"}
+    named = check.differing()[0]
+    assert "gate_proj <-> up_proj swapped" in named.summary
+    # one expert of eight sees a fraction of the tokens (top-2 routing): its swap moved the
+    # experts' local output by 1.3e-2 on qwen3_moe, under the functional tolerance; the
+    # per-tensor digests name it all the same
+    if check.functional and not unit.endswith(".experts"):
+        assert named.local_rel_l2 > check.functional_tol
     restore(probe, llm, trainer)
 
 
@@ -496,3 +547,118 @@ def test_run_names_the_unit_a_sync_corrupted_and_leaves_both_sides_as_found(dens
     assert swapped.report["swap"]["fixed"] and swapped.search["verdict"] == "culprits" and swapped.code == 1
     assert swapped.report["inputs"]["faults"][0]["unit"] == "layers.2.mlp"
     assert engine_logprobs(llm) == before_engine  # the planted fault and the swaps undone
+
+
+def llama(hidden: int = 128) -> torch.nn.Module:
+    """A transformers model of a family numbisect does not know (Llama), built from its
+    config: its config names no architecture, its class does."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=256, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512))
+
+
+def tp_shard(model) -> torch.nn.Module:
+    """What rank 0 of a trainer at tensor-parallel degree 2 holds: a copy whose q/k/v and
+    gate/up projections keep their first half of rows, o/down their first half of columns."""
+    shard = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in shard.named_parameters():
+            if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")):
+                p.data = p.data[: p.shape[0] // 2].clone()
+            elif n.endswith(("o_proj.weight", "down_proj.weight")):
+                p.data = p.data[:, : p.shape[1] // 2].clone()
+    return shard
+
+
+def on_meta(model) -> torch.nn.Module:
+    """A copy with one parameter on another device than the CPU (meta: the only other
+    device this machine has)."""
+    other = copy.deepcopy(model)
+    other.lm_head.weight = torch.nn.Parameter(other.lm_head.weight.detach().to("meta"))
+    return other
+
+
+BAD_REFERENCES = {
+    "unknown family": (lambda m: llama(), ("the reference model (LlamaForCausalLM): unsupported architecture "
+                                           "LlamaForCausalLM; supported: DeepseekV3ForCausalLM")),
+    "float64": (lambda m: copy.deepcopy(m).to(torch.float64),
+                "the reference model is torch.float64; numbisect compares float32, bfloat16, float16 models"),
+    "another device": (on_meta, "the reference model is on cpu, meta: attach compares a model on the CPU"),
+    "a tensor-parallel shard": (tp_shard, ("the reference's model.layers.0.self_attn.q_proj.weight is [64, 128] where its "
+                                           "config gives [128, 128] (1/2 along dim 0: a tensor-parallel shard of degree 2? "
+                                           "28 of 47 tensors differ); the engine (tensor_parallel_size=1) is compared with "
+                                           "whole tensors")),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REFERENCES)
+def test_a_reference_numbisect_cannot_use_is_refused_in_one_line_and_left_as_found(dense, case):
+    """A model of a family numbisect does not know, in a dtype it does not compute in, on
+    another device, or holding one tensor-parallel rank's shards (their shapes say so, though
+    the engine runs at tensor_parallel_size=1): ReferenceModelError at attach, one line; the
+    engine gives its log-probs of before, bit for bit, and the model keeps its training
+    flags, parameters, requires_grad and gradients."""
+    from numbisect.live import ReferenceModelError, attach
+
+    trainer, _, llm = dense
+    make, message = BAD_REFERENCES[case]
+    trainer.step()  # gradients to keep
+    model = make(trainer.model)
+    if case == "unknown family":
+        model.train()
+        model(input_ids=torch.arange(8)[None], labels=torch.arange(8)[None]).loss.backward()
+    before_engine, before_model = engine_logprobs(llm), state(model)
+    with pytest.raises(ReferenceModelError) as e:
+        attach(reference=model, engine=llm)
+    print(e.value)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    assert engine_logprobs(llm) == before_engine
+    assert same_state(state(model), before_model)
+
+
+@pytest.mark.parametrize("poison", [True, False])
+def test_a_sync_that_raises_part_way_is_one_line_and_the_engine_usable_as_found(dense, poison):
+    """A real sync failing half way: vLLM's reload given layer 2's o_proj in the wrong shape
+    raises (its loader asserts the shapes) after layers 0 and 1 were written, leaving the
+    modules it had not finished on the meta device (numbisect.live.sync). `check_sync`
+    raises SyncError in one line saying what the engine holds, the sync's error as its
+    cause. Under poison control the sync wrote layer 0 changed and the engine is put back
+    as found; without, the sync's weights were the engine's own and the engine, its
+    unfinished modules put back, gives the same log-probs as before. The trainer as found."""
+    from numbisect.live import SyncError
+    from numbisect.live.sync import push
+
+    trainer, probe, llm = dense
+    trainer.step()
+    items = trainer.tensors()
+    push(llm, items)
+    before_engine, before_model = engine_logprobs(llm), state(trainer.model)
+    bad = "model.layers.2.self_attn.o_proj.weight"
+    scale = 1.5 if poison else 1.0  # under poison control, a sync that changed what it wrote before failing
+    sync = [(n, t[: t.shape[0] // 2] if n == bad else t * scale if ".layers.0." in n else t) for n, t in items]
+    t0 = time.perf_counter()
+    with pytest.raises(SyncError) as e:
+        probe.check_sync(lambda: push(llm, sync), poison=poison)
+    print(f"{time.perf_counter() - t0:.2f} s: {e.value}")
+    assert isinstance(e.value.__cause__, AssertionError) and "\n" not in str(e.value)
+    if poison:
+        assert str(e.value) == "the sync raised AssertionError: the engine was put back as found (poison control)"
+    else:
+        assert str(e.value).startswith("the sync raised AssertionError: the engine holds what it wrote before that (vLLM's "
+                                       "reload left ") and str(e.value).endswith("push your weights again")
+    assert engine_logprobs(llm) == before_engine
+    assert same_state(state(trainer.model), before_model)
+    assert probe.check_weights(functional=False)
+    if not poison:  # the same sync outside check_sync: the weight check says what the engine is left in
+        from numbisect.live import LiveError
+        from numbisect.live.sync import undo_unfinished
+
+        with pytest.raises(AssertionError):
+            push(llm, sync)
+        for functional in (True, False):
+            with pytest.raises(LiveError, match=r"^the engine has 38 module\(s\) a weight reload left unfinished .*"
+                                                r"numbisect.live.sync.undo_unfinished\(llm\)"):
+                probe.check_weights(functional=functional)
+        assert undo_unfinished(llm) == 38
+        assert engine_logprobs(llm) == before_engine

@@ -153,14 +153,28 @@ def test_kv_cached_before_a_sync_is_stale_and_a_reset_after_the_sync_clears_it(m
 
 @pytest.mark.vllm
 def test_an_engine_shut_down_is_refused_in_one_line(mp_engine):
-    """Last in this module: it shuts the shared engine down."""
+    """Last in this module: it shuts the shared engine down. Poison control, a plain sync
+    check, the weight check and attach itself: EngineClosedError in one line, the trainer's
+    model as found."""
     import sys
+    import time
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_attach import Trainer
+    from test_attach import Trainer, same_state, state
 
     llm = mp_engine
-    probe = attach(reference=Trainer("qwen3").model, engine=llm)
+    trainer = Trainer("qwen3")
+    trainer.step()
+    probe = attach(reference=trainer.model, engine=llm)
+    t0 = time.perf_counter()
     llm.llm_engine.engine_core.shutdown()
-    with pytest.raises(EngineClosedError, match="cannot be reached"):
-        probe.check_sync(lambda: None)
+    print(f"shutdown: {time.perf_counter() - t0:.2f} s")
+    before = state(trainer.model)
+    t0 = time.perf_counter()
+    for call in (lambda: probe.check_sync(lambda: None), lambda: probe.check_sync(lambda: None, poison=False),
+                 probe.check_weights, lambda: attach(reference=trainer.model, engine=llm)):
+        with pytest.raises(EngineClosedError, match="^the engine cannot be reached \\(shut down already\\?\\)") as e:
+            call()
+        assert "\n" not in str(e.value)
+    print(f"four refusals: {time.perf_counter() - t0:.2f} s")
+    assert same_state(state(trainer.model), before)  # training flags, parameters, requires_grad, gradients

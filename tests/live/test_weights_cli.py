@@ -21,6 +21,37 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert code == 2 and len(err) == 1 and err[0].startswith("bisect: error: ") and message in err[0], err
 
 
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> str:
+    """A checkpoint of a family numbisect does not know (a tiny Llama)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("side, message", [
+    ("ref", "unsupported architecture LlamaForCausalLM; supported: DeepseekV3ForCausalLM"),
+    ("engine", "unsupported architecture LlamaForCausalLM; supported: DeepseekV3ForCausalLM"),
+    ("moe", "ref and engine architectures differ: qwen3 vs qwen3_moe"),
+])
+def test_a_model_numbisect_does_not_know_is_one_line_and_exit_2_before_anything_loads(side, message, llama_dir, capsys):
+    """Refused from the configs alone: no engine started, no weights loaded (so no `vllm` mark)."""
+    import time
+
+    ref, eng = {"ref": (llama_dir, model_dir("qwen3")), "engine": (model_dir("qwen3"), llama_dir),
+                "moe": (model_dir("qwen3"), model_dir("qwen3_moe"))}[side]
+    t0 = time.perf_counter()
+    code = main(["weights", "--ref", f"hf:{ref}", "--engine", f"vllm:{eng}", "-q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("bisect: error: ") and message in err[0], err
+    assert time.perf_counter() - t0 < 5  # an engine start alone takes longer
+
+
 @pytest.mark.vllm
 def test_a_converted_checkpoint_with_gate_and_up_swapped_is_named(tmp_path, capsys):
     from numbisect.report.document import load_report

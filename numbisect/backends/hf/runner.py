@@ -13,6 +13,7 @@ token with `past_key_values`; per-step captures are stitched back in token order
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -120,8 +121,12 @@ class HFBackend(Backend):
         dtype = getattr(model, "dtype", None)
         if dtype not in names:
             raise InputError(f"the reference model is {dtype}; numbisect compares {', '.join(DTYPES)} models")
+        config = model.config
+        if not getattr(config, "architectures", None):  # built from its config, not loaded: its class names it
+            config = copy.copy(config)  # the user's config is left as it is
+            config.architectures = [type(model).__name__]
         self = cls.__new__(cls)
-        self.adopt(label, names[dtype], model.config)
+        self.adopt(label, names[dtype], config)
         self.model = model
         self.options = {"attn_implementation": None, "experts_implementation": None, "batch_size": 1}
         self.batch_size = 1
