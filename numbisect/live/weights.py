@@ -604,32 +604,35 @@ def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: t
         return unit_of(apply_renames(name, renames), prefixes) or "(no unit)"
 
     ref_view = ref.in_dtype(dtype)
-    for _, tensors in eng:
+    def judge(name: str, t: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """One engine tensor against the reference's (a function: nothing of a unit outlives it)."""
+        eng_digest[name] = digest(t)
+        if name not in cur:
+            return
+        if t.dtype != dtypes.get(name, dtype):  # held in a dtype engine_dtypes did not name: compared in it
+            dtypes[name] = t.dtype
+            cur[name] = digest(ref.tensor(name).to(t.dtype))
+        row = {"tensor": name}
+        if tuple(t.shape) != ref.shapes[name]:
+            row.update(status=MISSING, how="reshaped", engine_shape=list(t.shape), ref_shape=list(ref.shapes[name]))
+        elif eng_digest[name] == cur[name]:
+            return
+        elif prev is not None and prev[1].get(name) == eng_digest[name]:
+            row.update(status=UNWRITTEN, how="unwritten", holds=prev[0])
+        elif any(h.get(name) == eng_digest[name] for _, h in earlier):
+            label = next(lb for lb, h in reversed(earlier) if h.get(name) == eng_digest[name])
+            row.update(status=STALE, how="stale", holds=label)
+        else:
+            others = [m for m in by_digest.get(eng_digest[name], []) if m != name]
+            if others:
+                moved.append((row, name, others[0]))
+            else:  # the whole reference, in the engine's dtype, a layer at a time: rows taken from another layer are found too
+                row.update(status=CORRUPTED, **explain(name, ref_view, TensorDict(tensors), heads))
+        per_unit.setdefault(unit(name), []).append(row)
+
+    for _, tensors in eng:  # emptied by the reader before the next unit is read
         for name in sorted(tensors):
-            t = tensors[name]
-            eng_digest[name] = digest(t)
-            if name not in cur:
-                continue
-            if t.dtype != dtypes.get(name, dtype):  # held in a dtype engine_dtypes did not name: compared in it
-                dtypes[name] = t.dtype
-                cur[name] = digest(ref.tensor(name).to(t.dtype))
-            row = {"tensor": name}
-            if tuple(t.shape) != ref.shapes[name]:
-                row.update(status=MISSING, how="reshaped", engine_shape=list(t.shape), ref_shape=list(ref.shapes[name]))
-            elif eng_digest[name] == cur[name]:
-                continue
-            elif prev is not None and prev[1].get(name) == eng_digest[name]:
-                row.update(status=UNWRITTEN, how="unwritten", holds=prev[0])
-            elif any(h.get(name) == eng_digest[name] for _, h in earlier):
-                label = next(lb for lb, h in reversed(earlier) if h.get(name) == eng_digest[name])
-                row.update(status=STALE, how="stale", holds=label)
-            else:
-                others = [m for m in by_digest.get(eng_digest[name], []) if m != name]
-                if others:
-                    moved.append((row, name, others[0]))
-                else:  # the whole reference, in the engine's dtype, a layer at a time: rows taken from another layer are found too
-                    row.update(status=CORRUPTED, **explain(name, ref_view, TensorDict(tensors), heads))
-            per_unit.setdefault(unit(name), []).append(row)
+            judge(name, tensors[name], tensors)
     ref_view.release()
     for row, name, m in moved:
         back = eng_digest.get(m) == cur[name]
