@@ -347,7 +347,7 @@ class Probe:
             return W.UnitReader(lambda only: read(only=only), W.unit_groups(names, self.ref.arch, self.ref.config))
         model = self.engine.model
         groups = W.unit_groups(W.parameter_names(model, shapes), self.ref.arch, self.ref.config)
-        return W.UnitReader(functools.partial(W.engine_tensors, model, shapes), groups)
+        return W.UnitReader(functools.partial(W.engine_tensors, model, shapes, copy=False), groups)  # read, never kept
 
     def _engine_dtypes(self, shapes: dict) -> dict[str, torch.dtype]:
         if getattr(self.engine, "remote", False):  # the same on every rank: rank 0's answer

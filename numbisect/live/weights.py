@@ -283,15 +283,18 @@ def _parameters(model, only: list[str] | None = None):
             yield pname, mod, leaf, t
 
 
-def engine_tensors(model, shapes: dict[str, tuple], only: list[str] | None = None) -> dict[str, torch.Tensor]:
+def engine_tensors(model, shapes: dict[str, tuple], only: list[str] | None = None, copy: bool = True) -> dict[str, torch.Tensor]:
     """Every float parameter of a vLLM model (`only`: these) in the checkpoint's names
     (`_split`), copied to the CPU, as the kernels read it (`_parameters`). `shapes`: the
     reference tensors' shapes, by checkpoint name (how to split a fused tensor). Runs where
-    the model lives (in-process; a worker through `apply_model`)."""
+    the model lives (in-process; a worker through `apply_model`). `copy=False`: views of the
+    engine's parameters where they live on the CPU (for a reader that only reads them before
+    the engine changes: the weight check; a packed weight read through its kernel is a
+    tensor of its own either way), no second copy of a unit."""
     out = {}
     for pname, _, _, t in _parameters(model, only):
         for name, piece in _split(pname, t, shapes):
-            out[name] = _as_shape(piece, shapes.get(name)).detach().to("cpu", copy=True)
+            out[name] = _as_shape(piece, shapes.get(name)).detach().to("cpu", copy=copy)
     return out
 
 
