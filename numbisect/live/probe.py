@@ -333,21 +333,14 @@ class Probe:
 
     def _engine_digests(self, shapes: dict) -> dict[str, str]:
         """The digest of every engine tensor in checkpoint names, read unit by unit."""
-        return {n: W.digest(t) for _, tensors in self._engine_units(shapes) for n, t in tensors.items()}
+        return W.reader_digests(self._engine_units(shapes))
 
     def _engine_units(self, shapes: dict) -> W.UnitReader:
-        """The engine's tensors in checkpoint names, read unit by unit (`weights.UnitReader`):
-        in-process, from the model; in worker processes, one `apply_model` call per unit
-        bringing back that unit's tensors (every rank's shards, put together here)."""
+        """The engine's tensors in checkpoint names, read unit by unit (`weights.unit_reader`):
+        in-process from the model, or from its worker processes (every rank's shards)."""
         if getattr(self.engine, "remote", False):
-            llm = self.engine.llm
-            names = llm.apply_model(functools.partial(W.parameter_names, shapes=shapes))[0]
-            infos = [json.loads(x) for x in llm.apply_model(W.shard_layouts)]
-            read = functools.partial(W.remote_tensors, llm, shapes, infos=infos)
-            return W.UnitReader(lambda only: read(only=only), W.unit_groups(names, self.ref.arch, self.ref.config))
-        model = self.engine.model
-        groups = W.unit_groups(W.parameter_names(model, shapes), self.ref.arch, self.ref.config)
-        return W.UnitReader(functools.partial(W.engine_tensors, model, shapes, copy=False), groups)  # read, never kept
+            return W.unit_reader(shapes, self.ref.arch, self.ref.config, llm=self.engine.llm)
+        return W.unit_reader(shapes, self.ref.arch, self.ref.config, model=self.engine.model)
 
     def _engine_dtypes(self, shapes: dict) -> dict[str, torch.dtype]:
         if getattr(self.engine, "remote", False):  # the same on every rank: rank 0's answer
@@ -502,8 +495,8 @@ class Probe:
             trace = samples_trace([{"prompt_ids": ids[:p], "completion_ids": ids[p:]} for ids, p in cold.samples])
             warm_captures = self.engine.forward(trace.samples, capture=names, feed=cold.feed).captures
         warm = self._engine_digests(shapes)
-        raw = llm.apply_model(K.raw_digests)[0]
-        raw_names = llm.apply_model(functools.partial(K.param_names, shapes=shapes))[0]
+        raw = K.merge_raw(llm.apply_model(K.rank_raw_digests))  # every rank's parameters
+        raw_names = K.rank_names(raw, llm.apply_model(functools.partial(K.param_names, shapes=shapes))[0])
         return K.compare(warm, raw, warm_captures, cold, raw_names, self.ref.arch, self.ref.config, time.perf_counter() - t0)
 
     def _cold_load(self, ref: dict[str, torch.Tensor], ref_digests: dict[str, str], samples, functional: bool,
@@ -516,6 +509,7 @@ class Probe:
             job = {"job": "cold", "answer": "torch", "model": os.path.join(tmp, "model"),
                    "dtype": str(self.engine.dtype).removeprefix("torch."),
                    "max_model_len": int(self.engine_settings.get("max_model_len") or self.engine.max_model_len),
+                   "tensor_parallel_size": int(self.engine_settings.get("tensor_parallel_size") or 1),
                    "shapes": {n: list(t.shape) for n, t in ref.items()}}
             feed = pairs = None
             if functional:

@@ -469,6 +469,24 @@ def unit_groups(names: dict[str, list[str]], arch, config) -> list[tuple[str, li
     return list(out.items())
 
 
+def unit_reader(shapes: dict[str, tuple], arch, config, *, model=None, llm=None) -> UnitReader:
+    """An engine's tensors in checkpoint names, read unit by unit (`UnitReader`): `model`
+    in this process (its parameters read as views: a reader reads before the engine
+    changes), or `llm`'s model in worker processes (one `apply_model` call per unit,
+    bringing back that unit's tensors, every rank's shards put together here)."""
+    if model is not None:
+        groups = unit_groups(parameter_names(model, shapes), arch, config)
+        return UnitReader(functools.partial(engine_tensors, model, shapes, copy=False), groups)
+    names = llm.apply_model(functools.partial(parameter_names, shapes=shapes))[0]
+    infos = [json.loads(x) for x in llm.apply_model(shard_layouts)]
+    return UnitReader(lambda only: remote_tensors(llm, shapes, only, infos), unit_groups(names, arch, config))
+
+
+def reader_digests(reader: UnitReader) -> dict[str, str]:
+    """The digest of every tensor a `UnitReader` reads, one unit at a time."""
+    return {n: digest(t) for _, tensors in reader for n, t in tensors.items()}
+
+
 def write_checkpoint(dest: str, config, tensors: dict[str, torch.Tensor]) -> None:
     """config.json + model.safetensors in `dest` (a transformers checkpoint)."""
     from safetensors.torch import save_file
