@@ -26,6 +26,16 @@ the engine computing with other weights, and nothing fails. `check(...)` says, p
 
 A unit's status is the worst of its tensors' (`ORDER`). The result, `WeightCheck`, is
 truthy when every unit is ok and gives the report's `weights` section (`to_dict`).
+
+The check streams: peak memory beyond the two models is about one unit's weights on each
+side. The reference is reverted to checkpoint names one layer at a time
+(`ReferenceReader`: its digests first, then any tensor an explanation asks for, with its
+layer alone); the engine's tensors are read back one unit at a time (`UnitReader`,
+`unit_reader`: in-process as views of its parameters; from worker processes one
+`apply_model` call per unit, each rank's shards put together here), each digested,
+judged and explained while held, then let go. Only digests outlive a unit: a tensor
+holding another reference tensor's weights is told `swapped` from `moved` by them once
+every unit was read (benchmarks/live_cost.py measures the peak).
 """
 
 from __future__ import annotations
