@@ -3,7 +3,9 @@ both workers (`numbisect.backends.vllm.tp`).
 
 Starting two workers takes 20-50 s here and the module 115-160 s in all (five TP
 engine starts: qwen3_moe twice, an even-headed Qwen3.5-MoE twice, deepseek_v3 once; the
-class-scoped ones closed after their class, so at most two run at once), so it runs with the other vLLM tests;
+class-scoped ones closed after their class, so at most two run at once), plus two for
+numbisect.live at TP=2 (the cold oracle's child, ~35 s; the replay of a bundle, ~25 s;
+measured with the machine shared, load average 10-20), so it runs with the other vLLM tests;
 `NUMBISECT_TP_TESTS=0` leaves it out (it binds both cores).
 """
 
