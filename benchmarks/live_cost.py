@@ -11,8 +11,20 @@ vLLM's own reload (numbisect.live.sync.push). Measured in this run, medians of -
   forward plus one sync;
 - the trigger's idle cost (`Trigger.feed` on a batch that does not fire), against one
   training step;
-- the peak resident memory a weight check adds (sampled every 2 ms), against one unit's
-  weights and the whole model's (both sides).
+- the peak resident memory a weight check adds (the kernel's high-water mark, VmHWM, reset
+  before the check, over the resident set before it, freed heap given back first), against
+  the largest unit's weights as the engine holds them and the whole model's (both sides).
+  The check streams (numbisect.live.weights: one unit of the engine's tensors read back at
+  a time, the reference reverted one layer at a time): the figure to read is on a model big
+  enough that a unit dwarfs the allocator's noise, `--hidden 1024 --layers 8` (a random-weight
+  copy of the fixture's config with those sizes, ~400 MB in float32, written to a temporary
+  directory and deleted after; `--memory-only` skips the timings). Measured here
+  (2026-12-05, qwen3 at hidden 1024, 8 layers: the engine 193 MB in bf16, its largest unit
+  an MLP of 18 MB): before streaming 304.6 MB (16.9x the largest unit, 1.58x the model);
+  streaming 44.5 MB (2.47x the largest unit, 0.23x the model; the reader's own account:
+  18.0 MB of engine tensors alive at once); at 16 layers 42.5 MB (0.11x the model): it
+  does not grow with the model. What is above one unit: a packed weight read back through
+  its kernel (the identity's answer, a block at a time) and the allocator's own.
 
 Prints a table and, with --json FILE, the figures.
 """
@@ -20,11 +32,14 @@ Prints a table and, with --json FILE, the figures.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
+import shutil
 import statistics
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,31 +49,63 @@ from _setup import quiet_env  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 class Peak:
-    """The largest RSS seen while the block runs, sampled in a thread."""
+    """The most resident memory the block adds: the kernel's high-water mark (VmHWM), reset
+    when the block starts (/proc/self/clear_refs), over the resident set then; freed heap
+    handed back to the system first (malloc_trim), so memory freed by earlier work and
+    reused by the block does not hide what it needs."""
 
     def __enter__(self):
-        self.base = rss_mb()
-        self.peak = self.base
-        self.done = False
-        self.t = threading.Thread(target=self._watch, daemon=True)
-        self.t.start()
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base = _status_kb("VmRSS") / 1024
         return self
 
-    def _watch(self):
-        while not self.done:
-            self.peak = max(self.peak, rss_mb())
-            time.sleep(0.002)
-
     def __exit__(self, *exc):
-        self.done = True
-        self.t.join()
-        self.peak = max(self.peak, rss_mb())
+        self.peak = _status_kb("VmHWM") / 1024
+
+
+def bigger_copy(fixture_dir: str, dest: str, hidden: int, layers: int) -> str:
+    """A random-weight checkpoint of the fixture's family with `hidden` and `layers` (the
+    intermediate size 3x hidden, 64-wide heads, half as many key/value heads), in bf16:
+    big enough that one unit's weights dwarf the allocator's noise. Seed 0."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(fixture_dir)
+    heads = hidden // 64
+    cfg.update({"hidden_size": hidden, "intermediate_size": 3 * hidden, "num_hidden_layers": layers, "head_dim": 64,
+                "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2),
+                "layer_types": [cfg.layer_types[0]] * layers if getattr(cfg, "layer_types", None) else None})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(dest)
+    return dest
+
+
+def unit_mb(model) -> tuple[float, float]:
+    """(the largest unit's weights, the whole model's) in MB as the engine holds them (bf16),
+    the reference's checkpoint tensors grouped by numbisect's units."""
+    from numbisect.live.weights import reference_tensors
+    from numbisect.model.arch import arch_for
+    from numbisect.model.ckptdiff import unit_of, unit_prefixes
+
+    arch = arch_for(model.config)
+    prefixes = unit_prefixes(arch, model.config)
+    sizes: dict[str, int] = {}
+    for n, t in reference_tensors(model).items():
+        u = unit_of(n, prefixes) or "(no unit)"
+        sizes[u] = sizes.get(u, 0) + t.numel() * 2
+    return max(sizes.values()) / 2**20, sum(sizes.values()) / 2**20
 
 
 def median_time(fn, repeats: int) -> float:
@@ -76,10 +123,25 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--samples", type=int, default=4, help="sequences of 32 random tokens per forward")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--hidden", type=int, help="a random-weight copy of the fixture this wide (with --layers)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--memory-only", action="store_true", help="the check's peak memory alone, no timings")
     args = ap.parse_args(argv)
     quiet_env()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    model_dir = str(ROOT / "fixtures" / "models" / args.fixture)
+    tmp = None
+    if args.hidden:
+        tmp = tempfile.mkdtemp(prefix="numbisect-bench-")
+        model_dir = bigger_copy(model_dir, os.path.join(tmp, "model"), args.hidden, args.layers)
+    try:
+        return measure(args, model_dir)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
+
+def measure(args, model_dir: str) -> int:
     import torch
     import vllm
     from transformers import AutoModelForCausalLM
@@ -90,7 +152,6 @@ def main(argv=None) -> int:
     from numbisect.live.sync import push, trainer_tensors
     from numbisect.live.trigger import Trigger
 
-    model_dir = str(ROOT / "fixtures" / "models" / args.fixture)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
@@ -118,7 +179,31 @@ def main(argv=None) -> int:
     sync()
     probe = attach(reference=model, engine=llm)
     forward()  # warm
-    fig = {"fixture": args.fixture, "samples": args.samples, "repeats": args.repeats}
+    fig = {"fixture": args.fixture, "samples": args.samples, "repeats": args.repeats,
+           "hidden": model.config.hidden_size, "layers": model.config.num_hidden_layers}
+    probe.check_weights(functional=False)  # once before: what a first call sets up is not the check's own
+    fig["largest_unit_mb"], fig["model_mb"] = unit_mb(model)
+    fig["reference_mb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    with Peak() as pk:
+        check = probe.check_weights(functional=False)
+    assert check.ok, check.lines()
+    fig["check_peak_extra_mb"] = pk.peak - pk.base
+    fig["check_extra_vs_unit"] = fig["check_peak_extra_mb"] / fig["largest_unit_mb"]
+    fig["check_extra_vs_model"] = fig["check_peak_extra_mb"] / fig["model_mb"]
+    peak = getattr(check, "peak_bytes", None)  # the reader's own account (numbisect with the streaming check)
+    fig["engine_tensors_alive_mb"] = None if peak is None else peak / 2**20
+    mem = (f"{fig['check_peak_extra_mb']:.1f} MB: {fig['check_extra_vs_unit']:.2f}x the largest unit "
+           f"({fig['largest_unit_mb']:.1f} MB in bf16), {fig['check_extra_vs_model']:.3f}x the model "
+           f"({fig['model_mb']:.1f} MB in bf16; the reference {fig['reference_mb']:.1f} MB in fp32)")
+    if args.memory_only:
+        print(f"numbisect.live on {args.fixture} (hidden {fig['hidden']}, {fig['layers']} layers)")
+        print(f"  peak memory a check adds  {mem}")
+        if peak is not None:
+            print(f"  engine tensors alive at once (the reader's account)  {peak / 2**20:.1f} MB")
+        if args.json:
+            Path(args.json).write_text(json.dumps(fig, indent=1) + "\n")
+        probe.close()
+        return 0
     fig["forward_s"] = median_time(forward, args.repeats)
     fig["sync_s"] = median_time(sync, args.repeats)
     fig["train_step_s"] = median_time(step, args.repeats)
@@ -135,16 +220,6 @@ def main(argv=None) -> int:
         trig.feed(lp, lp + 1e-4)
     fig["trigger_idle_s"] = (time.perf_counter() - t0) / n
     fig["trigger_vs_train_step"] = fig["trigger_idle_s"] / fig["train_step_s"]
-    unit_bytes = {}
-    for name, p in model.named_parameters():
-        key = ".".join(name.split(".")[:4]) if ".layers." in name else name
-        unit_bytes[key] = unit_bytes.get(key, 0) + p.numel() * p.element_size()
-    fig["model_mb"] = sum(unit_bytes.values()) / 2**20
-    fig["largest_unit_mb"] = max(unit_bytes.values()) / 2**20
-    with Peak() as pk:
-        probe.check_weights(functional=False)
-    fig["check_peak_extra_mb"] = pk.peak - pk.base
-    fig["check_extra_vs_model"] = fig["check_peak_extra_mb"] / fig["model_mb"]
     rows = [
         ("one engine forward", f"{fig['forward_s'] * 1e3:.1f} ms"),
         ("one sync (vLLM reload)", f"{fig['sync_s'] * 1e3:.1f} ms"),
@@ -155,11 +230,11 @@ def main(argv=None) -> int:
                                  f"({fig['poison_vs_forward_plus_sync']:.2f}x forward + sync)"),
         ("trigger, a batch that does not fire", f"{fig['trigger_idle_s'] * 1e6:.0f} us "
                                                 f"({fig['trigger_vs_train_step'] * 100:.3f}% of a training step)"),
-        ("peak memory a check adds", f"{fig['check_peak_extra_mb']:.1f} MB (model {fig['model_mb']:.1f} MB in fp32, "
-                                     f"largest unit {fig['largest_unit_mb']:.1f} MB)"),
+        ("peak memory a check adds", mem),
     ]
     w = max(len(a) for a, _ in rows)
-    print(f"numbisect.live on {args.fixture}, {args.samples} samples, medians of {args.repeats}")
+    print(f"numbisect.live on {args.fixture} (hidden {fig['hidden']}, {fig['layers']} layers), {args.samples} samples, "
+          f"medians of {args.repeats}")
     for a, b in rows:
         print(f"  {a:<{w}}  {b}")
     if args.json:

@@ -11,7 +11,8 @@ neither: `Probe.warm_vs_cold()`
 2. starts numbisect's eager vLLM engine on it in a child process (`python -P -m
    numbisect.live.cold IN OUT`, through backends.vllm.condition_worker's `run_child`: a
    second engine in the trainer's process would share vLLM's global state and its thread
-   settings with the user's engine), in the live engine's dtype and max_model_len; the
+   settings with the user's engine), in the live engine's dtype, max_model_len and
+   tensor-parallel size (each rank's parameters compared with the same rank's); the
    child answers, per tensor, the digest of each engine tensor read back in the checkpoint's
    names (numbisect.live.weights.engine_tensors) and of each parameter's bytes as the
    engine holds them (`raw_digests`: prepacked, by vLLM's name; no layout knowledge), and,
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from numbisect.backends.vllm import VLLMBackend
+from numbisect.backends.vllm.tp import VLLMTPBackend
 from numbisect.live import weights as W
 from numbisect.model.ckptdiff import apply_renames, short_name, unit_of, unit_prefixes
 from numbisect.model.trace import Sample
@@ -53,6 +55,31 @@ def raw_digests(model) -> dict[str, str]:
     """Each non-empty float parameter's bytes as the engine holds them (a kernel's layout,
     not read back), by vLLM's name. Runs where the model lives (`apply_model`)."""
     return {n: W.digest(p.data) for n, p in model.named_parameters() if p.is_floating_point() and p.numel()}
+
+
+def rank_raw_digests(model) -> str:
+    """Run in each of an engine's workers: its rank, the world size and `raw_digests`, as
+    JSON (what crosses vLLM's engine-core boundary intact)."""
+    try:
+        rank, world = W._rank(model)
+    except (AssertionError, RuntimeError):  # no distributed state: one process, one rank
+        rank, world = 0, 1
+    return json.dumps({"rank": rank, "world": world, "digests": raw_digests(model)})
+
+
+def merge_raw(answers: list[str]) -> dict[str, str]:
+    """Every worker's `rank_raw_digests` in one table: by vLLM's name on one rank; with
+    several, `name@rank` (each rank holds its own shard, in its kernel's layout: compared
+    with the same rank's of an engine loaded cold at the same tensor-parallel size)."""
+    ranks = [json.loads(a) for a in answers]
+    if len(ranks) == 1 and ranks[0]["world"] == 1:
+        return ranks[0]["digests"]
+    return {f"{n}@{r['rank']}": d for r in ranks for n, d in r["digests"].items()}
+
+
+def rank_names(raw: dict[str, str], names: dict[str, list[str]]) -> dict[str, list[str]]:
+    """`param_names` (by vLLM's name) for the keys of `merge_raw`'s table (`name@rank`)."""
+    return {k: names.get(k.partition("@")[0], [k.partition("@")[0]]) for k in raw}
 
 
 def rel_l2(a, b) -> float:
@@ -170,18 +197,29 @@ def compare(warm_digests: dict[str, str], warm_raw: dict[str, str], warm_capture
     return WarmCold(out, seconds, cold, warm_captures is not None)
 
 
-__all__ = ["COLD_TOL", "DIFFERS", "OK", "ColdLoad", "UnitCold", "WarmCold", "compare", "param_names", "raw_digests", "rel_l2"]
+__all__ = ["COLD_TOL", "DIFFERS", "OK", "ColdLoad", "UnitCold", "WarmCold", "compare", "merge_raw", "param_names", "rank_names",
+           "rank_raw_digests", "raw_digests", "rel_l2"]
 
 
 # -- the child process ---------------------------------------------------------------------------
 def cold_job(job: dict) -> dict:
-    """In the child: numbisect's eager engine on the written directory; the digests of its
-    tensors read back and of its parameters' bytes, and its units' local outputs when fed."""
-    eng = VLLMBackend(job["model"], job["dtype"], max_model_len=int(job["max_model_len"]))
+    """In the child: numbisect's eager engine on the written directory, at the live engine's
+    tensor-parallel size (a rank's bytes compare with the same rank's only); the digests of
+    its tensors read back (every rank's put together) and of its parameters' bytes (each
+    rank's), and its units' local outputs when fed."""
+    tp = int(job.get("tensor_parallel_size") or 1)
+    if tp > 1:
+        eng = VLLMTPBackend(job["model"], job["dtype"], tensor_parallel_size=tp, max_model_len=int(job["max_model_len"]))
+    else:
+        eng = VLLMBackend(job["model"], job["dtype"], max_model_len=int(job["max_model_len"]))
     try:
         shapes = {n: tuple(s) for n, s in job["shapes"].items()}
-        digests = {n: W.digest(t) for n, t in W.engine_tensors(eng.model, shapes).items()}
-        raw = raw_digests(eng.model)
+        if tp > 1:
+            digests = W.reader_digests(W.unit_reader(shapes, eng.arch, eng.config, llm=eng.llm))
+            raw = merge_raw(eng.llm.apply_model(rank_raw_digests))
+        else:
+            digests = W.reader_digests(W.unit_reader(shapes, eng.arch, eng.config, model=eng.model))
+            raw = raw_digests(eng.model)
         captures = None
         if job.get("feed"):
             samples = [Sample(line=i + 1, prompt_ids=list(ids[:p]), completion_ids=list(ids[p:]))

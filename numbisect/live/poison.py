@@ -85,9 +85,9 @@ class Poisoned:
                 "left": self.left, "restored": self.restored, "restore_seconds": round(self.restore_seconds, 4)}
 
 
-def still_poisoned(now: dict[str, torch.Tensor], poisoned: Poisoned, digest) -> list[str]:
-    """The tensors of `now` (read back) that hold the poison still."""
-    return sorted(n for n, t in now.items() if poisoned.digests.get(n) == digest(t))
+def still_poisoned(now: dict[str, str], poisoned: Poisoned) -> list[str]:
+    """The tensors whose digests `now` (the engine's, read back) are the poison's still."""
+    return sorted(n for n, d in now.items() if poisoned.digests.get(n) == d)
 
 
 def put_back(now: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:

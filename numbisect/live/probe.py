@@ -241,9 +241,8 @@ class Probe:
         self.problem = (hooks_problem(settings) if "in_process" in settings else None) or self.reference_problem
         self._owned = owned
         self.history = W.History()
-        ref_tensors = self._ref_tensors()
-        dtypes = self._engine_dtypes({n: tuple(t.shape) for n, t in ref_tensors.items()})
-        self.history.add("attach", W.reference_digests(ref_tensors, engine.dtype, dtypes))
+        reader = W.ReferenceReader(ref.model)
+        self.history.add("attach", reader.digests(engine.dtype, self._engine_dtypes(reader.shapes)))
         self.checks = 0
         self.last_comparison = None  # (Comparison, Trace, Settings) of the last functional check
 
@@ -339,6 +338,17 @@ class Probe:
             return W.remote_tensors(self.engine.llm, shapes)
         return W.engine_tensors(self.engine.model, shapes)
 
+    def _engine_digests(self, shapes: dict) -> dict[str, str]:
+        """The digest of every engine tensor in checkpoint names, read unit by unit."""
+        return W.reader_digests(self._engine_units(shapes))
+
+    def _engine_units(self, shapes: dict) -> W.UnitReader:
+        """The engine's tensors in checkpoint names, read unit by unit (`weights.unit_reader`):
+        in-process from the model, or from its worker processes (every rank's shards)."""
+        if getattr(self.engine, "remote", False):
+            return W.unit_reader(shapes, self.ref.arch, self.ref.config, llm=self.engine.llm)
+        return W.unit_reader(shapes, self.ref.arch, self.ref.config, model=self.engine.model)
+
     def _engine_dtypes(self, shapes: dict) -> dict[str, torch.dtype]:
         if getattr(self.engine, "remote", False):  # the same on every rank: rank 0's answer
             return self.engine.llm.apply_model(functools.partial(W.engine_dtypes, shapes=shapes, dtype=self.engine.dtype))[0]
@@ -351,10 +361,10 @@ class Probe:
         the engine's forwards can be hooked; True on one that cannot is refused, naming
         why); False: the per-tensor digests only. Each check's reference digests join the
         history that tells `unwritten` and `stale` apart."""
-        return self._check(samples, functional, step)[0]
+        return self._check(samples, functional, step)
 
-    def _check(self, samples, functional, step) -> tuple[W.WeightCheck, dict[str, torch.Tensor]]:
-        """`check_weights`, and the engine's tensors it read back."""
+    def _check(self, samples, functional, step) -> W.WeightCheck:
+        """`check_weights`; its `engine_digests`: the engine's tensors' digests it read back."""
         if functional is None:
             functional = self.problem is None
         t0 = time.perf_counter()
@@ -368,16 +378,15 @@ class Probe:
             local = {r["name"]: r["local"]["rel_l2"] for r in c.units if r.get("local")}
             flips = W.routing_flips(c.routing)
             self.last_comparison = (c, trace, settings)
-        ref = self._ref_tensors()
-        try:
-            eng = self._engine_tensors({n: tuple(t.shape) for n, t in ref.items()})
-        except Exception:
-            self._readable()
-            raise
+        ref = W.ReferenceReader(self.ref.model)  # both sides streamed: one layer, one unit at a time
         tied = bool(getattr(self.engine.config.get_text_config(), "tie_word_embeddings", False))
-        check = W.check(ref, eng, self.history, self.ref.arch, self.ref.config, step=step, local=local, tied=tied, t0=t0,
-                        flips=flips)
-        return check, eng
+        try:
+            return W.check(ref, self._engine_units(ref.shapes), self.history, self.ref.arch, self.ref.config,
+                           dtype=self.engine.dtype, dtypes=self._engine_dtypes(ref.shapes), step=step, local=local,
+                           tied=tied, t0=t0, flips=flips)
+        except Exception:
+            self._readable()  # a closed engine or one a reload left unfinished: said in one line
+            raise
 
     def _readable(self) -> None:
         """Why the engine's weights cannot be read or run, in one line, where numbisect can
@@ -444,10 +453,8 @@ class Probe:
             self._push(llm, saved, e.message.rsplit(";", 1)[0], "putting the engine back failed too: push your weights again")
             raise PoisonError(e.message.rsplit(";", 1)[0] + "; the engine was put back as found") from None
         del poison
-        after = self._engine_tensors(shapes)
-        p.digests = {n: W.digest(t) for n, t in after.items() if n in saved}
+        p.digests = {n: d for n, d in self._engine_digests(shapes).items() if n in saved}
         missed = sorted(n for n in saved if p.digests.get(n) in (None, target[n], held[n]))
-        del after
         if missed:
             self._push(llm, saved, "putting the engine back", "the engine holds the poison: push your weights again")
             raise PoisonError(f"the poison did not reach {len(missed)} engine tensor(s) ({', '.join(missed[:4])}"
@@ -465,15 +472,17 @@ class Probe:
         self.history.steps.append(entry)  # the step before the check: what an unwritten tensor holds
         now = None
         try:
-            p.check, now = self._check(samples, functional, step)
+            p.check = self._check(samples, functional, step)
+            now = p.check.engine_digests
         finally:
             self.history.steps = [s for s in self.history.steps if s is not entry]
             t1 = time.perf_counter()
             if now is None:  # the check failed: read back what the sync left
-                now = self._engine_tensors(shapes)
-            p.left = X.still_poisoned(now, p, W.digest)
-            if p.left:
-                self._push(llm, X.put_back(now, saved, p.left), "putting back the tensors the sync left poisoned",
+                now = {n: W.digest(t) for n, t in self._engine_tensors(shapes).items()}
+            p.left = X.still_poisoned(now, p)
+            if p.left:  # read back once more, to push the sync's tensors as it wrote them with the others
+                self._push(llm, X.put_back(self._engine_tensors(shapes), saved, p.left),
+                           "putting back the tensors the sync left poisoned",
                            f"{len(p.left)} tensor(s) may hold the poison: push your weights again")
                 p.restored = True
             p.restore_seconds = X.timed(t1)
@@ -538,9 +547,9 @@ class Probe:
         if functional:
             trace = samples_trace([{"prompt_ids": ids[:p], "completion_ids": ids[p:]} for ids, p in cold.samples])
             warm_captures = self.engine.forward(trace.samples, capture=names, feed=cold.feed).captures
-        warm = {n: W.digest(t) for n, t in self._engine_tensors(shapes).items()}
-        raw = llm.apply_model(K.raw_digests)[0]
-        raw_names = llm.apply_model(functools.partial(K.param_names, shapes=shapes))[0]
+        warm = self._engine_digests(shapes)
+        raw = K.merge_raw(llm.apply_model(K.rank_raw_digests))  # every rank's parameters
+        raw_names = K.rank_names(raw, llm.apply_model(functools.partial(K.param_names, shapes=shapes))[0])
         return K.compare(warm, raw, warm_captures, cold, raw_names, self.ref.arch, self.ref.config, time.perf_counter() - t0)
 
     def _cold_load(self, ref: dict[str, torch.Tensor], ref_digests: dict[str, str], samples, functional: bool,
@@ -553,6 +562,7 @@ class Probe:
             job = {"job": "cold", "answer": "torch", "model": os.path.join(tmp, "model"),
                    "dtype": str(self.engine.dtype).removeprefix("torch."),
                    "max_model_len": int(self.engine_settings.get("max_model_len") or self.engine.max_model_len),
+                   "tensor_parallel_size": int(self.engine_settings.get("tensor_parallel_size") or 1),
                    "shapes": {n: list(t.shape) for n, t in ref.items()}}
             feed = pairs = None
             if functional:

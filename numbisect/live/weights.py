@@ -31,16 +31,29 @@ the engine computing with other weights, and nothing fails. `check(...)` says, p
 
 A unit's status is the worst of its tensors' (`ORDER`). The result, `WeightCheck`, is
 truthy when every unit is ok and gives the report's `weights` section (`to_dict`).
+
+The check streams: peak memory beyond the two models is about one unit's weights on each
+side. The reference is reverted to checkpoint names one layer at a time
+(`ReferenceReader`: its digests first, then any tensor an explanation asks for, with its
+layer alone); the engine's tensors are read back one unit at a time (`UnitReader`,
+`unit_reader`: in-process as views of its parameters; from worker processes one
+`apply_model` call per unit, each rank's shards put together here), each digested,
+judged and explained while held, then let go. Only digests outlive a unit: a tensor
+holding another reference tensor's weights is told `swapped` from `moved` by them once
+every unit was read (benchmarks/live_cost.py measures the peak).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
 import math
 import os
+import re
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +94,7 @@ EXPERTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
 
 def digest(t: torch.Tensor) -> str:
     """BLAKE2b of a tensor's bytes (on the CPU, contiguous)."""
-    b = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    b = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()  # hashed in place: no copy of the bytes
     return hashlib.blake2b(b, digest_size=DIGEST_BYTES).hexdigest()  # as the checkpoint diff's
 
 
@@ -96,6 +109,84 @@ def reference_tensors(model) -> dict[str, torch.Tensor]:
         sd = {k: v.detach() for k, v in model.state_dict().items()}
         out = revert_weight_conversion(model, sd)
     return {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def layer_key(name: str) -> str:
+    """The layer a state-dict or checkpoint name belongs to (`...layers.N`), "" outside the
+    layers: transformers' weight conversion never mixes tensors of two layers, so each
+    layer's tensors can be reverted to checkpoint names on their own."""
+    m = _LAYER.match(name)
+    return m.group(1) if m else ""
+
+
+class ReferenceReader:
+    """A transformers model's float tensors in checkpoint names (`reference_tensors`), one
+    layer at a time: the weight conversion's copies (per-expert tensors split off a fused
+    one) exist for one layer at once, and a tensor asked for by name (`tensor`) is reverted
+    with its layer alone. Read as `explain` reads a checkpoint (`in`, `shape`, `tensor`),
+    in `dtype` when given."""
+
+    def __init__(self, model, dtype: torch.dtype | None = None):
+        self.model = model
+        self.dtype = dtype
+        self._groups: dict[str, list[str]] = {}  # layer -> its state-dict keys
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                self._groups.setdefault(layer_key(k), []).append(k)
+        self.shapes: dict[str, tuple] = {}
+        self.layer_of: dict[str, str] = {}  # checkpoint name -> its layer
+        self._cached: tuple[str, dict] | None = None
+        for key, tensors in self.layers():
+            for n, t in tensors.items():
+                self.shapes[n], self.layer_of[n] = tuple(t.shape), key
+
+    def _revert(self, key: str) -> dict[str, torch.Tensor]:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        with torch.no_grad():
+            sd = self.model.state_dict()
+            out = revert_weight_conversion(self.model, {k: sd[k].detach() for k in self._groups[key]})
+        return {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+    def layers(self):
+        """(layer, its tensors in checkpoint names), layer by layer (the first: outside any)."""
+        for key in self._groups:
+            yield key, self._revert(key)
+
+    def digests(self, dtype: torch.dtype, dtypes: dict | None = None) -> dict[str, str]:
+        """`reference_digests` of every tensor, read layer by layer."""
+        out = {}
+        for _, tensors in self.layers():
+            out.update(reference_digests(tensors, dtype, dtypes))
+        return out
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.shapes[name])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, its layer reverted (the last layer asked for kept: a tensor's
+        neighbours are asked for together)."""
+        key = self.layer_of[name]
+        if self._cached is None or self._cached[0] != key:
+            self._cached = None  # the previous layer's copies released first
+            self._cached = (key, self._revert(key))
+        t = self._cached[1][name]
+        return t if self.dtype is None else t.to(self.dtype)
+
+    def release(self) -> None:
+        self._cached = None
+
+    def in_dtype(self, dtype: torch.dtype) -> ReferenceReader:
+        """The same reader, its tensors given in `dtype` (the engine's: compared after the same rounding)."""
+        out = copy.copy(self)
+        out.dtype, out._cached = dtype, None
+        return out
 
 
 def _split(pname: str, t: torch.Tensor, shapes: dict[str, tuple]) -> list[tuple[str, torch.Tensor]]:
@@ -182,15 +273,17 @@ def conv_unpacked(t: torch.Tensor) -> torch.Tensor | None:
     return _unpack(t, _pack_order(("conv",), tuple(t.shape), t.dtype, causal_conv1d_weight_pack))
 
 
-def _parameters(model):
+def _parameters(model, only: list[str] | None = None):
     """(name, owning module, leaf name, tensor as the kernels read it) for every float
     parameter of a vLLM model: a linear layer whose weight vLLM-CPU packed into its GEMM
     kernel read back through the kernel (backends.vllm.model.gemm_weight, exact), prepacked
-    MoE experts unpacked (`unpacked`; skipped where the layout cannot be undone)."""
+    MoE experts unpacked (`unpacked`; skipped where the layout cannot be undone). `only`:
+    these parameters alone (none of the others read back)."""
     mods = dict(model.named_modules())
+    keep = None if only is None else set(only)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if not p.is_floating_point():
+            if not p.is_floating_point() or (keep is not None and pname not in keep):
                 continue
             owner, _, leaf = pname.rpartition(".")
             mod = mods.get(owner)
@@ -208,15 +301,18 @@ def _parameters(model):
             yield pname, mod, leaf, t
 
 
-def engine_tensors(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """Every float parameter of a vLLM model in the checkpoint's names (`_split`), copied
-    to the CPU, as the kernels read it (`_parameters`). `shapes`: the reference tensors'
-    shapes, by checkpoint name (how to split a fused tensor). Runs where the model lives
-    (in-process; a worker through `apply_model`)."""
+def engine_tensors(model, shapes: dict[str, tuple], only: list[str] | None = None, copy: bool = True) -> dict[str, torch.Tensor]:
+    """Every float parameter of a vLLM model (`only`: these) in the checkpoint's names
+    (`_split`), copied to the CPU, as the kernels read it (`_parameters`). `shapes`: the
+    reference tensors' shapes, by checkpoint name (how to split a fused tensor). Runs where
+    the model lives (in-process; a worker through `apply_model`). `copy=False`: views of the
+    engine's parameters where they live on the CPU (for a reader that only reads them before
+    the engine changes: the weight check; a packed weight read through its kernel is a
+    tensor of its own either way), no second copy of a unit."""
     out = {}
-    for pname, _, _, t in _parameters(model):
+    for pname, _, _, t in _parameters(model, only):
         for name, piece in _split(pname, t, shapes):
-            out[name] = _as_shape(piece, shapes.get(name)).detach().to("cpu", copy=True)
+            out[name] = _as_shape(piece, shapes.get(name)).detach().to("cpu", copy=copy)
     return out
 
 
@@ -289,13 +385,22 @@ def shard_layouts(model) -> str:
     return json.dumps({"rank": rank, "world": world, "layouts": layouts})
 
 
-def engine_shards(model, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+def engine_shards(model, shapes: dict[str, tuple], only: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Run in each of an engine's workers: one rank, its tensors in checkpoint names
     (`engine_tensors`); several, each float parameter as this rank holds it (a flat dict
-    of tensors: nested containers come back from an engine-core process as lists)."""
+    of tensors: nested containers come back from an engine-core process as lists).
+    `only`: these parameters."""
     if _rank(model)[1] == 1:
-        return engine_tensors(model, shapes)
-    return {pname: t.detach().to("cpu", copy=True) for pname, _, _, t in _parameters(model)}
+        return engine_tensors(model, shapes, only)
+    return {pname: t.detach().to("cpu", copy=True) for pname, _, _, t in _parameters(model, only)}
+
+
+def parameter_names(model, shapes: dict[str, tuple]) -> dict[str, list[str]]:
+    """Every float parameter of a vLLM model -> the checkpoint names its split gives
+    (its own name where a rank's shard cannot be split), in the model's order, nothing
+    read back: what the engine's tensors are grouped into units by. Runs where the model lives."""
+    return {pname: [n for n, _ in _split(pname, p.data, shapes)]
+            for pname, p in model.named_parameters() if p.is_floating_point()}
 
 
 def gather(infos: list[dict], tensors: list[dict], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
@@ -327,11 +432,77 @@ def gather(infos: list[dict], tensors: list[dict], shapes: dict[str, tuple]) -> 
     return out
 
 
-def remote_tensors(llm, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+def remote_tensors(llm, shapes: dict[str, tuple], only: list[str] | None = None,
+                   infos: list[dict] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of an engine whose model lives in worker processes (one, or one per
-    tensor-parallel rank), read there and put together here, in checkpoint names."""
+    tensor-parallel rank), read there and put together here, in checkpoint names.
+    `only`: these parameters; `infos`: the workers' `shard_layouts`, read once already."""
+    if infos is None:
+        infos = [json.loads(x) for x in llm.apply_model(shard_layouts)]
+    return gather(infos, llm.apply_model(functools.partial(engine_shards, shapes=shapes, only=only)), shapes)
+
+
+class UnitReader:
+    """An engine's tensors in checkpoint names, one unit's at a time: `read(parameters)`
+    reads some of its parameters back (in-process, or in its workers: one call each),
+    `groups` the parameters of each unit, in the model's order. Iterating yields (unit,
+    tensors); a unit's tensors are valid until the next unit is read (the dict is emptied
+    first), so at most one unit's copies are alive at once. Keeps its own account of that
+    (`peak_bytes`: the most bytes of tensors it handed out alive at once, seen through
+    weak references when each unit is read; `reads`: the units read, in order)."""
+
+    def __init__(self, read, groups: list[tuple[str, list[str]]]):
+        self.read = read
+        self.groups = groups
+        self.reads: list[str] = []
+        self.unit_bytes: dict[str, int] = {}
+        self.peak_bytes = 0
+        self._handed: list[tuple[weakref.ref, int]] = []
+
+    def __iter__(self):
+        for unit, pnames in self.groups:
+            tensors = self.read(pnames)
+            self._account(unit, tensors)
+            yield unit, tensors
+            tensors.clear()  # the caller's view of this unit emptied: its copies go before the next unit's come
+
+    def _account(self, unit: str, tensors: dict[str, torch.Tensor]) -> None:
+        size = sum(t.nbytes for t in tensors.values())
+        alive = [(r, n) for r, n in self._handed if r() is not None]
+        self.peak_bytes = max(self.peak_bytes, size + sum(n for _, n in alive))
+        self._handed = alive + [(weakref.ref(t), t.nbytes) for t in tensors.values()]
+        self.reads.append(unit)
+        self.unit_bytes[unit] = self.unit_bytes.get(unit, 0) + size
+
+
+def unit_groups(names: dict[str, list[str]], arch, config) -> list[tuple[str, list[str]]]:
+    """The engine's parameters (`parameter_names`) grouped by the unit their first
+    checkpoint name belongs to, in the model's order."""
+    prefixes = unit_prefixes(arch, config)
+    renames = getattr(arch, "ckpt_renames", {}) or {}
+    out: dict[str, list[str]] = {}
+    for pname, parts in names.items():
+        unit = unit_of(apply_renames((parts or [pname])[0], renames), prefixes) or "(no unit)"
+        out.setdefault(unit, []).append(pname)
+    return list(out.items())
+
+
+def unit_reader(shapes: dict[str, tuple], arch, config, *, model=None, llm=None) -> UnitReader:
+    """An engine's tensors in checkpoint names, read unit by unit (`UnitReader`): `model`
+    in this process (its parameters read as views: a reader reads before the engine
+    changes), or `llm`'s model in worker processes (one `apply_model` call per unit,
+    bringing back that unit's tensors, every rank's shards put together here)."""
+    if model is not None:
+        groups = unit_groups(parameter_names(model, shapes), arch, config)
+        return UnitReader(functools.partial(engine_tensors, model, shapes, copy=False), groups)
+    names = llm.apply_model(functools.partial(parameter_names, shapes=shapes))[0]
     infos = [json.loads(x) for x in llm.apply_model(shard_layouts)]
-    return gather(infos, llm.apply_model(functools.partial(engine_shards, shapes=shapes)), shapes)
+    return UnitReader(lambda only: remote_tensors(llm, shapes, only, infos), unit_groups(names, arch, config))
+
+
+def reader_digests(reader: UnitReader) -> dict[str, str]:
+    """The digest of every tensor a `UnitReader` reads, one unit at a time."""
+    return {n: digest(t) for _, tensors in reader for n, t in tensors.items()}
 
 
 def write_checkpoint(dest: str, config, tensors: dict[str, torch.Tensor]) -> None:
@@ -418,6 +589,9 @@ class WeightCheck(ByUnit):
     functional: bool  # whether a local-error pass judged the units too
     functional_tol: float = FUNCTIONAL_TOL
     unmapped: list[str] = field(default_factory=list)  # engine tensors of no reference name (extra)
+    engine_digests: dict[str, str] = field(default_factory=dict, repr=False)  # checkpoint name -> the engine tensor's digest
+    peak_bytes: int | None = None  # the most bytes of engine tensors read back alive at once (UnitReader's account)
+    unit_bytes: int | None = None  # the largest unit's engine tensors, in bytes
 
     def to_dict(self) -> dict:
         counts = {s: sum(u.status == s for u in self.units) for s in ORDER}
@@ -457,17 +631,22 @@ def _worst(statuses) -> str:
     return max(statuses, key=ORDER.index, default=OK)
 
 
-def check(ref: dict[str, torch.Tensor], eng: dict[str, torch.Tensor], history: History, arch, config, *,
-          step: str, local: dict[str, float] | None = None, tied: bool = False, t0: float | None = None,
-          flips: dict[str, tuple[int, int]] | None = None) -> WeightCheck:
-    """Judge every unit (module doc). `ref`/`eng`: both sides' tensors in checkpoint names
-    (`reference_tensors`, `engine_tensors`); `history`: the reference's earlier digests
-    (this check's are added to it); `local`: unit -> local relative L2 error of a
-    comparison, or None; `flips`: its routing flips (`routing_flips`); `tied`: the engine ties lm_head to the embedding (no lm_head tensor)."""
+def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: torch.dtype,
+          dtypes: dict[str, torch.dtype] | None = None, step: str, local: dict[str, float] | None = None,
+          tied: bool = False, t0: float | None = None, flips: dict[str, tuple[int, int]] | None = None) -> WeightCheck:
+    """Judge every unit (module doc), streaming: `ref` read layer by layer (`ReferenceReader`),
+    `eng` an iterable of (unit, the engine's tensors of that unit in checkpoint names)
+    (`UnitReader`), each unit's tensors digested, compared and explained while they are
+    read, then let go; only digests are kept (a tensor holding another reference tensor's
+    weights is told `swapped` from `moved` by the digests, after every unit was read).
+    `dtype`: the engine's; `dtypes`: the tensors it holds in another (`engine_dtypes`);
+    `history`: the reference's earlier digests (this check's are added to it); `local`:
+    unit -> local relative L2 error of a comparison, or None; `flips`: its routing flips (`routing_flips`); `tied`: the engine ties
+    lm_head to the embedding (no lm_head tensor). The engine's digests, by checkpoint
+    name, are the result's `engine_digests`."""
     t0 = time.perf_counter() if t0 is None else t0
-    dtype = torch.bfloat16 if not eng else max(
-        {t.dtype for t in eng.values()}, key=lambda d: sum(t.dtype == d for t in eng.values()))  # the engine's own
-    cur = reference_digests(ref, dtype, {n: t.dtype for n, t in eng.items()})
+    dtypes = dict(dtypes or {})
+    cur = ref.digests(dtype, dtypes)
     by_digest: dict[str, list[str]] = {}
     for n, d in cur.items():
         by_digest.setdefault(d, []).append(n)
@@ -477,28 +656,56 @@ def check(ref: dict[str, torch.Tensor], eng: dict[str, torch.Tensor], history: H
     prefixes = unit_prefixes(arch, config)
     renames = getattr(arch, "ckpt_renames", {}) or {}
     per_unit: dict[str, list[dict]] = {}
-    counts: dict[str, int] = {}
-    eng_digest = {n: digest(t) for n, t in eng.items()}
-    for name in sorted(ref):
-        if tied and name.endswith("lm_head.weight") and name not in eng:
-            continue
-        unit = unit_of(apply_renames(name, renames), prefixes) or "(no unit)"
-        counts[unit] = counts.get(unit, 0) + 1
+    eng_digest: dict[str, str] = {}
+    moved: list[tuple[dict, str, str]] = []  # (row, name, the reference tensor it holds): swapped or moved, decided last
+
+    def unit(name: str) -> str:
+        return unit_of(apply_renames(name, renames), prefixes) or "(no unit)"
+
+    ref_view = ref.in_dtype(dtype)
+    def judge(name: str, t: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """One engine tensor against the reference's (a function: nothing of a unit outlives it)."""
+        eng_digest[name] = digest(t)
+        if name not in cur:
+            return
+        if t.dtype != dtypes.get(name, dtype):  # held in a dtype engine_dtypes did not name: compared in it
+            dtypes[name] = t.dtype
+            cur[name] = digest(ref.tensor(name).to(t.dtype))
         row = {"tensor": name}
-        if name not in eng:
-            row.update(status=MISSING, how="missing")
-        elif tuple(eng[name].shape) != tuple(ref[name].shape):
-            row.update(status=MISSING, how="reshaped", engine_shape=list(eng[name].shape), ref_shape=list(ref[name].shape))
+        if tuple(t.shape) != ref.shapes[name]:
+            row.update(status=MISSING, how="reshaped", engine_shape=list(t.shape), ref_shape=list(ref.shapes[name]))
         elif eng_digest[name] == cur[name]:
-            continue
+            return
         elif prev is not None and prev[1].get(name) == eng_digest[name]:
             row.update(status=UNWRITTEN, how="unwritten", holds=prev[0])
         elif any(h.get(name) == eng_digest[name] for _, h in earlier):
             label = next(lb for lb, h in reversed(earlier) if h.get(name) == eng_digest[name])
             row.update(status=STALE, how="stale", holds=label)
         else:
-            row.update(status=CORRUPTED, **_explain_tensor(name, ref, eng, eng_digest, cur, by_digest, dtype, heads))
-        per_unit.setdefault(unit, []).append(row)
+            others = [m for m in by_digest.get(eng_digest[name], []) if m != name]
+            if others:
+                moved.append((row, name, others[0]))
+            else:  # the whole reference, in the engine's dtype, a layer at a time: rows taken from another layer are found too
+                row.update(status=CORRUPTED, **explain(name, ref_view, TensorDict(tensors), heads))
+        per_unit.setdefault(unit(name), []).append(row)
+
+    for _, tensors in eng:  # emptied by the reader before the next unit is read
+        for name in sorted(tensors):
+            judge(name, tensors[name], tensors)
+    ref_view.release()
+    for row, name, m in moved:
+        back = eng_digest.get(m) == cur[name]
+        row.update(status=CORRUPTED, how="swapped" if back else "moved", pair=pair_label(name, m), holds=m)
+    counts: dict[str, int] = {}
+    for name in sorted(cur):
+        if tied and name.endswith("lm_head.weight") and name not in eng_digest:
+            continue
+        u = unit(name)
+        counts[u] = counts.get(u, 0) + 1
+        if name not in eng_digest:
+            per_unit.setdefault(u, []).append({"tensor": name, "status": MISSING, "how": "missing"})
+    for rows in per_unit.values():
+        rows.sort(key=lambda r: r["tensor"])  # as the reference's names are sorted
     units = []
     for u in [u.name for u in arch.units(config)] + (["(no unit)"] if "(no unit)" in counts else []):
         rows = per_unit.get(u, [])
@@ -517,26 +724,15 @@ def check(ref: dict[str, torch.Tensor], eng: dict[str, torch.Tensor], history: H
         summary = _summary(rows) if rows else (f"weights read back are the reference's, local error {err:.3g}" if status == BUFFER else note)
         units.append(UnitWeights(u, status, rows, counts.get(u, 0), err, summary))
     history.add(step, cur)
-    extra = sorted(set(eng) - set(ref))
+    extra = sorted(set(eng_digest) - set(cur))
     return WeightCheck(units, step, [lb for lb, _ in history.steps[:-1]], time.perf_counter() - t0, local is not None,
-                       unmapped=extra)
+                       unmapped=extra, engine_digests=eng_digest, peak_bytes=getattr(eng, "peak_bytes", None),
+                       unit_bytes=max(getattr(eng, "unit_bytes", {}).values(), default=None))
 
 
 def _explained(unit: str, per_unit: dict) -> bool:
     """Whether a tensor of `unit` or of a unit inside it differs already."""
     return any(k == unit or k.startswith(unit + ".") for k, rows in per_unit.items() if rows)
-
-
-def _explain_tensor(name, ref, eng, eng_digest, cur, by_digest, dtype, heads) -> dict:
-    """How a corrupted engine tensor differs: it holds another reference tensor's weights
-    (swapped when that one holds this one's), or ckptdiff's explanation."""
-    others = [m for m in by_digest.get(eng_digest[name], []) if m != name]
-    if others:
-        m = others[0]
-        back = eng_digest.get(m) == cur[name]
-        return {"how": "swapped" if back else "moved", "pair": pair_label(name, m), "holds": m}
-    # the whole reference, in the engine's dtype: rows taken from another layer are found too
-    return explain(name, TensorDict(ref, dtype), TensorDict(eng), heads)
 
 
 def _corrupt_summary(rows: list[dict]) -> str:

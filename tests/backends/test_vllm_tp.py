@@ -3,7 +3,9 @@ both workers (`numbisect.backends.vllm.tp`).
 
 Starting two workers takes 20-50 s here and the module 115-160 s in all (five TP
 engine starts: qwen3_moe twice, an even-headed Qwen3.5-MoE twice, deepseek_v3 once; the
-class-scoped ones closed after their class, so at most two run at once), so it runs with the other vLLM tests;
+class-scoped ones closed after their class, so at most two run at once), plus two for
+numbisect.live at TP=2 (the cold oracle's child, ~35 s; the replay of a bundle, ~25 s;
+measured with the machine shared, load average 10-20), so it runs with the other vLLM tests;
 `NUMBISECT_TP_TESTS=0` leaves it out (it binds both cores).
 """
 
@@ -129,6 +131,105 @@ def test_live_api_on_a_tensor_parallel_engine_checks_a_sync_and_names_a_layer_le
         probe.close()
         push(llm, fixture_tensors("qwen3_moe"), repack=True)
     assert engine_logprobs(llm) == before
+
+
+def _live_helpers():
+    """tests/live's trainer and engine helpers (imported from there: one definition)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "live"))
+    import test_attach
+    import test_bundle
+
+    return test_attach, test_bundle
+
+
+def test_warm_vs_cold_under_tensor_parallel_compares_every_rank(tp_engine):
+    """The cold oracle at tensor_parallel_size=2: the cold engine (a child process) started
+    at TP=2 too, the tensors read back gathered from both ranks on both sides, each rank's
+    parameter bytes compared with the same rank's. vLLM's reload without the fix leaves every
+    MoE layer's experts unpacked in both workers: named, with parameters of both ranks and the
+    local output off; prepacked again, every unit is as cold (the child's answer reused)."""
+    import time
+
+    from numbisect.live import attach
+    from numbisect.live.sync import push
+
+    ta, _ = _live_helpers()
+    llm = tp_engine.llm
+    trainer = ta.Trainer("qwen3_moe")
+    probe = attach(reference=trainer.model, engine=llm)
+    try:
+        trainer.step()
+        items = trainer.tensors()
+        push(llm, items)  # vLLM's own reload, no fix
+        t0 = time.perf_counter()
+        oracle = probe.warm_vs_cold()
+        print(f"TP=2 warm vs cold: {time.perf_counter() - t0:.2f} s, the child {oracle.cold.seconds:.2f} s: "
+              + " | ".join(oracle.lines()))
+        assert {k.rpartition("@")[2] for k in oracle.cold.raw} == {"0", "1"}  # each rank's bytes, cold too
+        experts = {u.name for u in probe.ref.units if u.name.endswith(".moe.experts")}
+        assert experts and {u.unit: u.status for u in oracle.differing()} == dict.fromkeys(experts, "differs from cold")
+        for u in oracle.differing():
+            assert {p.rpartition("@")[2] for p in u.params} == {"0", "1"}, u.params  # both workers' experts
+            assert u.tensors and u.local_rel_l2 > oracle.cold_tol
+        push(llm, items, repack=True)
+        again = probe.warm_vs_cold(cold=oracle.cold)
+        assert again and again.functional, again.lines()
+    finally:
+        probe.close()
+        push(llm, ta.fixture_tensors("qwen3_moe"), repack=True)
+
+
+def test_the_trigger_fires_on_a_tensor_parallel_engine_and_its_bundle_replays_offline(tp_engine, tmp_path):
+    """The trigger and the replay bundle at tensor_parallel_size=2: a correct sync does not
+    fire; one that leaves layer 2 out does, and its bundle (the engine's weights gathered
+    from both ranks, its settings at TP=2) names layer 2's units unwritten; `bisect replay` (a
+    fresh TP=2 engine on the bundle's weights, the live one no part of it) names the first
+    divergence the live comparison named and exits 1, the units left out the worst locally."""
+    import json
+
+    from numbisect.live import attach
+    from numbisect.live.bundle import bundle_action, load
+    from numbisect.live.sync import push
+    from numbisect.live.trigger import Trigger
+    from numbisect.report.document import load_report
+
+    ta, tb = _live_helpers()  # the batch, the trainer, both sides' log-probs
+    llm = tp_engine.llm
+    batch = tb.BATCH
+    trainer = ta.Trainer("qwen3_moe")
+    trainer.opt.param_groups[0]["lr"] = 1e-2  # a layer one step behind: k3 well above the threshold
+    probe = attach(reference=trainer.model, engine=llm)
+    trigger = Trigger(threshold=1e-3, cooldown=0, max_fires=1, on_fire=bundle_action(probe, tmp_path / "bundles"))
+    try:
+        values = []
+        for n, skip in enumerate([None, ".layers.2."]):
+            trainer.step()
+            push(llm, [(k, t) for k, t in trainer.tensors() if skip is None or skip not in k], repack=True)
+            fire = trigger.feed(tb.trainer_logprobs(trainer.model, batch), tb.engine_logprobs(llm, batch),
+                                tb.completion_mask(batch), samples=batch)
+            values.append(trigger.values[-1])
+            assert (fire is not None) == (skip is not None), f"batch {n}: mismatch {trigger.values[-1]:.3g}"
+            if fire is None:  # the loop's per-tensor check after each sync: what tells unwritten from corrupted
+                assert probe.check_weights(functional=False)
+        print(f"TP=2 batch mismatch (mean k3): correct sync {values[0]:.3g}, layer 2 left out {values[1]:.3g}")
+    finally:
+        probe.close()
+        push(llm, ta.fixture_tensors("qwen3_moe"), repack=True)
+    b = load(fire.results["bundle"])
+    assert json.loads((tmp_path / "bundles" / "fire-1" / "engine.json").read_text())["tensor_parallel_size"] == 2
+    assert b.finding["weights_differ"] and set(b.finding["weights_differ"].values()) == {"unwritten"}
+    assert all(u.startswith("layers.2.") for u in b.finding["weights_differ"])
+    assert b.finding["verdict"] == "diverged"  # (its first divergence above tolerance: layer 0's experts, bf16 at TP=2)
+    out = tmp_path / "replay.json"
+    assert main(["replay", b.path, "--out", str(out), "-q"]) == 1  # in this process: a second TP=2 engine, closed after
+    replayed = load_report(out)
+    assert replayed["inputs"]["engine"]["options"]["tensor_parallel_size"] == 2
+    assert replayed["first_divergence"] == b.finding["first_divergence"]
+    assert replayed["replay"]["reproduced"] is True
+    worst = max((u for u in replayed["units"] if u.get("local")), key=lambda u: u["local"]["rel_l2"])
+    assert worst["name"].startswith("layers.2."), worst["name"]  # the units left one step behind, replayed offline
 
 
 def test_prefix_reuse_in_the_workers_equals_full_recomputation(tp_engine):

@@ -465,6 +465,34 @@ def test_gate_and_up_exchanged_is_corrupted_mlp(live, family, prefix, unit):
     restore(probe, llm, trainer)
 
 
+def test_the_weight_check_streams_one_unit_at_a_time_and_still_pairs_tensors_across_units(dense):
+    """The check reads the engine unit by unit (weights.UnitReader): each unit read once, in
+    the model's order, and the engine tensors it handed out alive at once (weak references,
+    counted as each unit is read) never more than the largest unit's, a small part of the
+    model's. A consumer that kept every unit is caught by the same account. Two layers'
+    o_proj exchanged by a sync (two units, read apart) are still named swapped, each with
+    the other, from the digests kept."""
+    from numbisect.live import weights as W
+
+    trainer, probe, llm = dense
+    trainer.step()
+    a, b = (f"model.layers.{i}.self_attn.o_proj.weight" for i in (1, 2))
+    check, bad = planted(probe, llm, trainer, exchanged(trainer.tensors(), a, b))
+    assert bad == {"layers.1.attn": "corrupted", "layers.2.attn": "corrupted"}
+    for u in check.differing():
+        assert [r["how"] for r in u.tensors] == ["swapped"] and "layers.1 <-> layers.2 swapped" in u.summary, u.summary
+    total = sum(t.numel() * 2 for t in W.reference_tensors(trainer.model).values())  # bf16 in the engine
+    print(f"engine tensors alive at once: {check.peak_bytes} B; largest unit {check.unit_bytes} B; model {total} B")
+    assert 0 < check.peak_bytes <= check.unit_bytes < total / 4
+    reader = probe._engine_units(W.ReferenceReader(trainer.model).shapes)
+    assert [u for u, _ in reader] == [u for u, _ in reader.groups] and len(set(reader.reads)) == len(reader.reads) > 8
+    kept = probe._engine_units(W.ReferenceReader(trainer.model).shapes)
+    held = [dict(t) for _, t in kept]  # each unit's tensors kept past the next read
+    assert kept.peak_bytes == sum(kept.unit_bytes.values()) > 4 * check.unit_bytes
+    del held
+    restore(probe, llm, trainer)
+
+
 def test_the_trigger_runs_the_weight_check_and_a_compare_on_the_batch_it_fired_on(dense, tmp_path):
     from numbisect.live.trigger import Trigger, probe_action
     from numbisect.report.document import load_report

@@ -85,6 +85,7 @@ def test_weights_of_an_engine_in_another_process(mp_engine):
     check = probe.check_weights()
     print("\n".join(check.lines()))
     assert {u.unit: u.status for u in check.differing()} == {"layers.0.mlp": "unwritten"}
+    assert 0 < check.peak_bytes <= check.unit_bytes  # brought back from the worker one unit at a time
     # poison control through the worker (functions and tensors pickled to it): the skipped
     # tensor is named even though the engine held its value before the sync
     trainer.step()

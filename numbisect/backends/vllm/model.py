@@ -44,18 +44,28 @@ def _inside(name: str, unit: str) -> bool:
     return name == unit or name.startswith(unit + ".")
 
 
-def gemm_weight(lin: nn.Module) -> torch.Tensor:
+def gemm_weight(lin: nn.Module, block: int = 256) -> torch.Tensor:
     """The [N, K] weight a vLLM-CPU linear layer multiplies by. vLLM's CPU linear methods
     (`dispatch_cpu_unquantized_gemm`, vllm/model_executor/layers/utils.py) hand it to a GEMM
     kernel in `lin.cpu_linear` (oneDNN, the SGL kernel, zentorch) that keeps a packed copy
     and, for a `LinearBase`, leave `.weight` empty; where no such kernel runs (this CPU lacks
     a bf16 one) `cpu_linear` is `F.linear` over `.weight` itself. The packed weight is read
-    back through the kernel on the identity: each output is one weight times 1, exact."""
+    back through the kernel on the identity: each output is one weight times 1, exact; the
+    identity fed `block` rows at a time, so reading a weight back needs little beyond the
+    weight itself (a whole [K, K] identity and its [K, N] answer, transposed, were ~3x it)."""
     w = lin.weight
     if w.numel():
         return w.data
     k = getattr(lin, "input_size_per_partition", None) or lin.input_size
-    return lin.cpu_linear(torch.eye(k, dtype=w.dtype), w, None).t().contiguous()
+    out = None
+    for i in range(0, k, block):
+        eye = torch.zeros(min(block, k - i), k, dtype=w.dtype)
+        eye[:, i:i + eye.shape[0]].fill_diagonal_(1)
+        cols = lin.cpu_linear(eye, w, None)  # [rows of the identity, N]: columns i.. of the weight
+        if out is None:
+            out = torch.empty(cols.shape[1], k, dtype=cols.dtype)
+        out[:, i:i + eye.shape[0]] = cols.t()
+    return out
 
 
 def _plain_linear(weight: torch.Tensor):
