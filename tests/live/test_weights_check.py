@@ -14,16 +14,18 @@ from conftest import model_dir
     ({"layers.1.moe": (1, 48)}, "buffer differs"),  # another layer's flips explain nothing here
 ])
 def test_a_moe_block_whose_router_flipped_a_few_tokens_is_not_a_buffer_that_differs(flips, status):
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
+    import torch
+    from transformers import AutoModelForCausalLM
 
     from numbisect.live import weights as W
     from numbisect.model.arch import arch_for
 
-    config = AutoConfig.from_pretrained(model_dir("qwen3_moe"))
-    tensors = load_file(f"{model_dir('qwen3_moe')}/model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(model_dir("qwen3_moe"), dtype=torch.bfloat16)
+    config = model.config
+    engine = [("whole model", W.reference_tensors(model))]  # an engine holding the reference's weights
     local = {"layers.2.moe": 0.073, "layers.2.moe.experts": 0.073, "layers.2.attn": 0.004}
-    check = W.check(tensors, dict(tensors), W.History(), arch_for(config), config, step="check", local=local, flips=flips)
+    check = W.check(W.ReferenceReader(model), engine, W.History(), arch_for(config), config, dtype=torch.bfloat16,
+                    step="check", local=local, flips=flips)
     assert check.status("layers.2.moe.experts") == status
     if status == "ok":
         assert check and "1 of 48 tokens routed to other experts" in next(
