@@ -176,6 +176,91 @@ def pytest_runtest_teardown(item, nextitem):
         close_engines()
 
 
+_SHORT: dict = {}
+
+
+def short_trace(name: str, n: int) -> str:
+    """The fixture's trace cut to its first n samples (a file of its own, made once)."""
+    import tempfile
+
+    key = (name, n)
+    if key not in _SHORT:
+        src = Path(trace_path(name))
+        lines = src.read_text().splitlines()[:n]
+        d = Path(tempfile.mkdtemp(prefix="numbisect-trace-"))
+        for f in src.parent.glob(f"{name}.*.safetensors"):  # image pixels, named relative to the trace
+            (d / f.name).symlink_to(f)
+        p = d / f"{name}_{n}.jsonl"
+        p.write_text("\n".join(lines) + "\n")
+        _SHORT[key] = str(p)
+    return _SHORT[key]
+
+
+# The samples a test session runs unless it asks for more: the fixture traces hold 20, and a
+# search's trials run every sample through the engine; 8 keep each trial cheap (the suite's
+# time budget) while a planted fault still shows in every sample. `samples=None`: all 20.
+SAMPLES = 8
+
+
+def session(name: str, engine: str = "vllm", ref_dtype="bfloat16", engine_dtype="bfloat16", faults=(), samples=SAMPLES,
+            engine_mode="prefill", **settings):
+    """A Session on a fixture whose backends are the shared ones (`samples`: the first n,
+    SAMPLES unless asked; None: the whole trace)."""
+    from numbisect.pipeline.measure import Settings
+    from numbisect.session.session import Session, Spec
+
+    spec = Spec(
+        ref=f"hf:{model_dir(name)}",
+        engine=f"{engine}:{model_dir(name)}" if engine != "rollout" else "rollout",
+        trace=short_trace(name, samples) if samples else trace_path(name),
+        ref_dtype=ref_dtype,
+        engine_dtype=engine_dtype,
+        faults=list(faults),
+        engine_mode=engine_mode,
+    )
+    backends = {"ref": hf(name, ref_dtype)}
+    if engine == "vllm":
+        backends["engine"] = vllm(name)
+    elif engine == "hf":
+        backends["engine"] = _fresh_hf(name, engine_dtype)
+    return Session(spec, Settings(**settings), backends=backends)
+
+
+def bound(s) -> int:
+    """The single-fault trial bound of a session's engine: ceil(log2 n) + 4, n the units the
+    search can name (the default candidates and their children)."""
+    import math
+
+    from numbisect.model.units import children, unit_graph
+    from numbisect.search.search import default_candidates
+
+    g = unit_graph(s.engine.units)
+    cands = default_candidates(g)
+    n = len(cands) + sum(len(children(g, c)) for c in cands)
+    return math.ceil(math.log2(n)) + 4
+
+
+def search(s, **kw):
+    """`bisect run` as a search (no --swap) on session `s`: (report body, exit code)."""
+    from numbisect.commands.run import run
+
+    return run(s, swap=None, strategy=kw.pop("strategy", "hierarchical"), max_trials=kw.pop("max_trials", None),
+               log=kw.pop("log", None), resume=kw.pop("resume", None))
+
+
+_HF_ENGINE: dict = {}
+
+
+def _fresh_hf(name: str, dtype: str):
+    """An hf engine distinct from the reference object (swaps must not alias the donor)."""
+    from numbisect.backends.hf import HFBackend
+
+    key = (name, dtype)
+    if key not in _HF_ENGINE:
+        _HF_ENGINE[key] = HFBackend(model_dir(name), dtype)
+    return _HF_ENGINE[key]
+
+
 def pytest_sessionfinish(session, exitstatus):
     close_engines()
 
