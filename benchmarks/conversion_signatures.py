@@ -230,14 +230,15 @@ def one_run(ref, ref_spec: str, engine: str, copy: str, trace: str, dtype: str, 
     units = diff.get("units") or {}
     said = " ".join(str((units.get(u) or {}).get("summary") or "") for u in sig.units)
     said += " ".join(str(c.get("field")) for c in diff.get("config") or [])
-    verdict_line = next((ln for ln in header(report) if ln.startswith("verdict:")), "")
+    printed = header(report)  # what `bisect run` prints first: the checkpoint diff, then the verdict
+    verdict_line = next((ln for ln in printed if ln.startswith("verdict:")), "")
     found = (search.get("verdict") == "culprits" and bool(culprits)
              and all(any(_covers(c, u) for c in culprits) for u in sig.units)
              and all(any(_covers(c, u) for u in sig.units) for c in culprits))
     named = bool(culprits) and all(any(_covers(c, u) for c in culprits) for u in sig.units)
     return {
         "k3": body["baseline"]["value"], "culprits": culprits, "named_among_others": named and not found, "systematic": (search.get("systematic") or {}).get("kinds"),
-        "found": found, "explained": sig.words in said, "diff_units": list(units), "diff_summary": said,
+        "found": found, "explained": sig.words in said, "printed_names_it": sig.words in "\n".join(printed), "diff_units": list(units), "diff_summary": said,
         "trials": search.get("trials_used"), "search_verdict": search.get("verdict"), "exit": int(code),
         "verdict_line": verdict_line.split("  ")[0].removeprefix("verdict: "),
         "explained_by_run": search.get("explained_by_diff"), "stop_reason": search.get("stop_reason"),
@@ -318,6 +319,7 @@ def main(argv=None) -> int:
                     print(f"{family:<12} {sig.label:<40} {fmt(r['k3']):>9} {found:<6} {'yes' if r['explained'] else 'NO':<9} "
                           f"{r['trials'] if r['trials'] is not None else '-':>6}  {r['exit']:>4}  {verdict}"
                           + ("" if r["report_valid"] else "  REPORT INVALID")
+                          + ("" if r["printed_names_it"] else "  (the printed summary does not name it)")
                           + ("" if r["found"] or r["search_verdict"] == "aligned" else f"  named {r['culprits'] or r['systematic']}"),
                           flush=True)
             finally:
