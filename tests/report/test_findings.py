@@ -224,6 +224,12 @@ def test_the_narrative_clause_follows_the_diff():
     assert F.search_explained(cfg, [{"unit": "layers.0.attn", "kind": "attn"}]).startswith(
         "the engine's config differs in sliding_window (16 -> 8), read by attn")
     assert F.search_explained(cfg, culprits) is None  # mlp does not read it: the diff says nothing about them
+    # the diff's weights in other units than the culprit: the two findings are not left side by side unremarked
+    attn = {**diff, "units": {"layers.1.attn": {"tensors": [{"tensor": "model.layers.1.self_attn.q_proj.weight",
+                                                             "how": "rows permuted"}]}}}
+    said = F.search_explained(attn, [{"unit": "final_norm", "kind": "norm"}])
+    assert said.startswith(F.DISAGREES) and "in layers.1.attn, not in final_norm" in said
+    assert "weights as different" in F.search_explained(attn, [{"unit": "layers.1.attn.rope", "kind": "rope"}])
 
 
 def test_a_step_that_fails_mid_search_keeps_the_comparison_and_the_trials(tmp_path, monkeypatch):
