@@ -70,10 +70,13 @@ def summary(diff: dict | None) -> dict | None:
             "line": "the engine's checkpoint differs from the reference's: " + "; ".join(parts)}
 
 
-def mark(aligned: bool, differs: bool) -> str:
-    """The verdict's words: never a bare OK ALIGNED when the checkpoints differ."""
+def mark(aligned: bool, differs: bool, weights: bool = False) -> str:
+    """The verdict's words: never a bare OK ALIGNED when the checkpoints differ, or when a
+    weight check found engine weights that are not the reference's (`weights`)."""
     if not aligned:
         return "!! DIVERGED"
+    if weights:
+        return "~~ TOKENS ALIGNED, ENGINE WEIGHTS DIFFER"
     return "~~ TOKENS ALIGNED, CHECKPOINTS DIFFER" if differs else "OK ALIGNED"
 
 

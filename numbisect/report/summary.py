@@ -22,6 +22,8 @@ from numbisect.report.sections.decode import render_lines as decode_lines
 from numbisect.report.sections.recurrent import state_lines
 from numbisect.report.sections.routing import routing_lines
 from numbisect.report.sections.selection import selection_lines
+from numbisect.report.sections.weights import render_lines as weights_lines
+from numbisect.report.sections.weights import weights_differ
 from numbisect.report.view import ReportView, view
 
 
@@ -38,8 +40,13 @@ def header(r: dict | ReportView) -> list[str]:
     lines += checkpoint_lines(v)
     differs = checkpoint_differs(v.checkpoint_diff)
     cmp_ = "<=" if v.aligned else ">"
-    lines.append(f"verdict: {mark(v.aligned, differs)}  {v.metric} {fmt(v.value)} {cmp_} threshold {fmt(v.threshold)} (group {v.group})")
-    if v.aligned and differs:  # a checkpoint difference is a finding at any threshold
+    held = weights_differ(v)
+    lines.append(f"verdict: {mark(v.aligned, differs, held)}  {v.metric} {fmt(v.value)} {cmp_} threshold {fmt(v.threshold)} "
+                 f"(group {v.group})")
+    if v.aligned and held:  # a weight check's finding, whatever the tokens show
+        lines.append("   the tokens are within the threshold, but the engine computes with other weights than the "
+                     "reference's in some units (below)")
+    elif v.aligned and differs:  # a checkpoint difference is a finding at any threshold
         lines.append("   the tokens are within the threshold, but the engine's checkpoint differs from the reference's "
                      "(above): not the same model")
         lines.append("   to localise it below the noise floor (both checkpoints in transformers fp32, floor 0): "
@@ -238,7 +245,11 @@ def _group_evidence(v: ReportView, unit: str) -> str | None:
 def render(r: dict | ReportView) -> str:
     """The plain-text summary of report `r`; every character printable (newlines aside)."""
     v = view(r)
-    parts = header(v) + engine_config_lines(v) + [""] + token_table(v) + rl_lines(v)
+    parts = header(v) + engine_config_lines(v)
+    wl = weights_lines(v)  # a weight check's report: the finding, before the tokens it was run on
+    if wl:
+        parts += [""] + wl
+    parts += [""] + token_table(v) + rl_lines(v)
     for section in (unit_table(v), state_lines(v), routing_lines(v), selection_lines(v)):
         if section:
             parts += [""] + section

@@ -36,6 +36,8 @@ from numbisect.report.sections.conditions import (
 )
 from numbisect.report.sections.decode import markdown_lines as decode_md
 from numbisect.report.sections.recurrent import markdown_lines as state_md
+from numbisect.report.sections.weights import markdown_lines as weights_md
+from numbisect.report.sections.weights import weights_differ
 from numbisect.report.summary import checkpoint_lines, contract_lines, systematic_lines
 from numbisect.report.view import ReportView, bitwise, get, rel, view
 
@@ -473,7 +475,9 @@ def markdown(r: dict | ReportView) -> str:
     show as escaped text or code spans (no markup, no control characters of their own)."""
     v = view(r)
     differs = checkpoint_differs(v.checkpoint_diff)
-    word = ("tokens aligned, checkpoints DIFFER" if differs else "aligned") if v.aligned else "DIVERGED"
+    held = weights_differ(v)
+    word = (("tokens aligned, engine weights DIFFER" if held else "tokens aligned, checkpoints DIFFER" if differs else "aligned")
+            if v.aligned else "DIVERGED")
     verdict = (
         f"**Verdict: {word}.** {_md(v.metric)} over {_md(v.group)} tokens is "
         f"{fmt(num(v.value))}, {'at or under' if v.aligned else 'above'} the threshold {fmt(num(v.threshold))}."
@@ -488,6 +492,7 @@ def markdown(r: dict | ReportView) -> str:
     elif cl:
         parts += ["", _md(cl[0])]
     parts += _engine_config_md(v)
+    parts += weights_md(v, code=_code, text=_md)  # a weight check's report: which units hold other weights
     sl = _search_lines(v)
     if sl:
         parts += [""] + sl

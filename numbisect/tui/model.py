@@ -40,6 +40,7 @@ from numbisect.common.textsafe import printable
 from numbisect.model.units import Unit, children, unit_graph
 from numbisect.report.findings import checkpoint_differs
 from numbisect.report.findings import mark as verdict_mark
+from numbisect.report.sections.weights import weights_differ
 from numbisect.report.sections.conditions import engine_config_finding as engine_config_finding_of
 from numbisect.report.sections.conditions import localisations_of
 from numbisect.report.view import ReportView, typed_trials, view
@@ -77,8 +78,10 @@ def unit_tol(r: dict | ReportView) -> float:
 def verdict_line(r: dict | ReportView) -> tuple[str, str, str]:
     """(mark, style, text): the verdict with the judged value against the threshold."""
     rv = view(r)
-    differs = checkpoint_differs(rv.checkpoint_diff)
-    mark, style = (verdict_mark(True, differs), "bold yellow" if differs else "bold green") if rv.aligned else ("!! DIVERGED", "bold red")
+    held = weights_differ(rv)
+    differs = checkpoint_differs(rv.checkpoint_diff) or held
+    mark, style = ((verdict_mark(True, differs, held), "bold yellow" if differs else "bold green") if rv.aligned
+                   else ("!! DIVERGED", "bold red"))
     ratio = ""
     t, v = num(rv.threshold), num(rv.value)
     if t and v is not None and math.isfinite(t) and math.isfinite(v):

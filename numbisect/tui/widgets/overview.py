@@ -3,7 +3,8 @@ cost, the token groups and the first divergence (of a linear-attention layer's r
 state too); for a conditions report, its settings, atoms, cost against the
 reference and localisation (`widgets/conditions.py`) in place of the RL cost; for a report
 of `compare` / `run --engine-config`, where each part ran and whether the module search saw
-your numbers (`widgets/engine_config.py`), before the RL cost."""
+your numbers (`widgets/engine_config.py`), before the RL cost; for a weight check's report,
+the units whose engine weights differ (`report.sections.weights`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from textual.widgets import Static
 
 from numbisect.common.formatting import fmt, num, pct
 from numbisect.report.sections.recurrent import first_lines
+from numbisect.report.sections.weights import render_lines as weights_lines
 from numbisect.report.summary import header, search_lines, token_table
 from numbisect.report.view import ReportView, view
 from numbisect.tui import model as M
@@ -46,6 +48,12 @@ def overview_text(r: dict | ReportView) -> Text:
     if M.engine_config_of(rv) is not None:
         t.append("\n")
         t.append(engine_config_text(rv))
+    wl = weights_lines(rv)  # a weight check's report (`bisect weights`, numbisect.live)
+    if wl:
+        ok = len(wl) == 1 and ": all ok" in wl[0]
+        t.append("\n" + wl[0] + "\n", style="green" if ok else "bold red")
+        for line in wl[1:]:
+            t.append(line + "\n")
     c = rv.rl_cost
     if cond:  # a conditions report: its own sections; the tokens below are yours vs the known-good
         t.append("\n")
