@@ -3,7 +3,7 @@
 The weights are read there by a function the worker imports (`apply_model`), so the
 check works tensor by tensor; a comparison or a run, whose hooks cannot give a right
 answer with vLLM's default prefix caching on, is refused in one line naming the setting
-and what would work. Also the refusals that need
+and what would work, and runs on an engine started with prefix caching off. Also the refusals that need
 no engine: objects that are not an engine or a model.
 """
 
@@ -25,10 +25,9 @@ def test_objects_that_are_neither_an_engine_nor_a_model_are_refused_in_one_line(
         attach(reference=torch.nn.Linear(2, 2), engine=model_dir("qwen3"))
 
 
-@pytest.fixture(scope="module")
-def mp_engine():
-    """A vLLM engine as vLLM starts it by default (V1 multiprocessing, prefix caching on),
-    eager only to keep the start-up short."""
+def start_mp(**opts):
+    """A vLLM engine as vLLM starts it by default (V1 multiprocessing), eager only to keep
+    the start-up short; `opts` on top. Shut down and vLLM's environment read afresh after."""
     import vllm
 
     saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
@@ -39,7 +38,7 @@ def mp_engine():
     llm = None
     try:
         llm = vllm.LLM(model=model_dir("qwen3"), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-                       max_model_len=256, seed=0)
+                       max_model_len=256, seed=0, **opts)
         assert type(llm.llm_engine.engine_core).__name__ != "InprocClient"
         yield llm  # (functions go to its worker pickled: the variable stays set while it is used)
     finally:
@@ -51,6 +50,12 @@ def mp_engine():
             else:
                 os.environ[k] = v
         vllm.envs.disable_envs_cache()
+
+
+@pytest.fixture(scope="module")
+def mp_engine():
+    """vLLM's defaults: prefix caching on."""
+    yield from start_mp()
 
 
 @pytest.mark.vllm
@@ -150,6 +155,46 @@ def test_kv_cached_before_a_sync_is_stale_and_a_reset_after_the_sync_clears_it(m
     assert check and check.status == "fresh", check.to_dict()
     push(llm, trainer.tensors())  # a sync of unchanged weights, no reset: the KV cached is still right
     assert probe.check_prefix_cache(prompts).status == "fresh"
+
+
+@pytest.mark.vllm
+def test_compare_and_run_on_an_engine_in_another_process():
+    """With prefix caching off, `compare` and `run` reach the model in the engine-core
+    process (hooks and swaps installed there through `apply_model`, the trainer's modules
+    loaded in the worker from a checkpoint of its weights): a sync that wrote noise into
+    layers.1.mlp's down_proj is named as the one culprit; afterwards the engine gives its
+    log-probs of before, bit for bit, and the trainer's model is as it was."""
+    import sys
+    import time
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_attach import SAMPLES, Trainer, engine_logprobs, same_state, state
+
+    from numbisect.live.sync import push
+
+    engine = start_mp(enable_prefix_caching=False)
+    llm = next(engine)
+    try:
+        trainer = Trainer("qwen3")
+        trainer.step()
+        bad = "model.layers.1.mlp.down_proj.weight"
+        g = torch.Generator().manual_seed(0)
+        push(llm, [(n, t + 3 * t.std() * torch.randn(t.shape, generator=g) if n == bad else t) for n, t in trainer.tensors()])
+        probe = attach(reference=trainer.model, engine=llm)
+        assert probe.problem is None, probe.problem
+        before_engine, before_model = engine_logprobs(llm), state(trainer.model)
+        t0 = time.perf_counter()
+        compared = probe.compare(SAMPLES)
+        assert compared.verdict == "diverged" and compared.report["kind"] == "compare"
+        report = probe.run(SAMPLES, whatif=False)
+        print(f"compare and run, qwen3 in another process: {time.perf_counter() - t0:.2f} s, "
+              f"{report.search['trials_used']} trials: {report.search['stop_reason']}")
+        assert report.code == 1 and [c["unit"] for c in report.culprits] == ["layers.1.mlp"]
+        probe.close()
+        assert engine_logprobs(llm) == before_engine  # bit for bit
+        assert same_state(state(trainer.model), before_model)
+    finally:
+        engine.close()
 
 
 @pytest.mark.vllm
