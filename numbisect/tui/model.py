@@ -147,6 +147,9 @@ def _answer_lines(rv: ReportView) -> list[tuple[str, str]]:
     words = metric_words(rv.metric)
     s = rv.search
     if not s:
+        if rv.aligned and weights_differ(rv):  # a weight check's finding: the tokens of one batch need not move
+            return [("bold yellow", "tokens aligned, but some units of the engine compute with other weights than the "
+                                    "reference's: the Overview names them")]
         if rv.aligned:
             return [("green", "aligned: the engine agrees with the reference; nothing to bisect")]
         rank = rv.local_ranking

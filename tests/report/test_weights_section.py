@@ -50,6 +50,10 @@ def test_show_md_and_the_tui_name_the_units_whose_weights_differ():
     tui = overview_text(r).plain
     assert "weights (check 2): 1 of 2 units differ" in tui and "layers.2.mlp" in tui
     assert "~~ TOKENS ALIGNED, ENGINE WEIGHTS DIFFER" in tui
+    from numbisect.tui.model import culprit_lines
+
+    banner = " ".join(text for _, text in culprit_lines(r))  # the TUI's line under the verdict
+    assert "nothing to bisect" not in banner and "compute with other weights" in banner
     ok = weights_report({**WEIGHTS, "ok": True, "unmapped": [], "units": WEIGHTS["units"][:1]})
     assert "weights (check 2): all ok, checked by digest and by local error" in render(ok)
     assert "verdict: OK ALIGNED" in render(ok)
