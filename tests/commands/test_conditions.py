@@ -310,6 +310,8 @@ def test_a_child_leaves_no_temporary_files_however_it_ends(tmp_path, monkeypatch
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("NUMBISECT_DEBUG", raising=False)
+    if how == "timeout":  # a new Python, whose import outlasts 0.2 s (a forked child's: test_forkserver.py)
+        monkeypatch.setenv("NUMBISECT_FORKSERVER", "0")
     job = {"job": "no-such-job"}
     with pytest.raises(BackendError, match="ran past" if how == "timeout" else "child process failed"):
         run_child(job, "trial", timeout=0.2 if how == "timeout" else 120)

@@ -3,7 +3,8 @@
 `python -P -m numbisect.backends.vllm.condition_worker IN.json OUT` reads a job and writes
 its answer (`-P` and PYTHONSAFEPATH: nothing imported from the working directory). One child per configuration keeps engines isolated (two vLLM engines started
 one after another in one process are fragile) and threads honest (torch.set_num_threads
-is a no-op once vLLM started). `run_child` (in the parent) starts it and reads the answer.
+is a no-op once vLLM started). `run_child` (in the parent) starts it and reads the answer;
+the child is forked from a process that imported vLLM once (`forkserver`), not a new Python.
 
 Jobs (IN.json: {"job", "model", "dtype", "settings", "samples": [[ids], ...], ...}):
 
@@ -42,12 +43,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 
+from numbisect.backends.vllm import forkserver
 from numbisect.common.errors import BackendError
 from numbisect.model.engine_config import LOCALISABLE, llm_kwargs
 from numbisect.model.units import local_feed_names
@@ -238,9 +239,11 @@ def run_child(job: dict, what: str, timeout: float | None = None, module: str = 
     `"answer": "torch"`, read with torch.load). `module`: the child's main (`python -P -m
     MODULE IN OUT`; this one, or another that answers the same way: OUT, or OUT.err with
     {"error": one line}). Its temporary files are removed however it ends (an answer, a failure, a
-    timeout, Ctrl-C or SIGTERM in this process, which `subprocess.run` passes on by killing
-    the child), except a failure's under NUMBISECT_DEBUG. A child that fails raises
-    BackendError with one line (its stderr tail too under NUMBISECT_DEBUG)."""
+    timeout, Ctrl-C or SIGTERM in this process, which kills the child), except a failure's
+    under NUMBISECT_DEBUG. A child that fails raises
+    BackendError with one line (its stderr tail too under NUMBISECT_DEBUG). The child is
+    forked from this process's fork server (`forkserver`: vLLM imported once, saving a
+    new Python's import of about 6 s per child); NUMBISECT_FORKSERVER=0 starts a new Python."""
     tmp = tempfile.mkdtemp(prefix="numbisect-cond-")
     keep = False
     try:
@@ -251,12 +254,9 @@ def run_child(job: dict, what: str, timeout: float | None = None, module: str = 
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(os.path.dirname(
             os.path.dirname(os.path.abspath(__file__))))), env.get("PYTHONPATH", "")] if p)
-        with open(err_path, "wb") as err:
-            try:
-                rc = subprocess.run([sys.executable, "-P", "-m", module, in_path, out_path],
-                                    stdout=subprocess.DEVNULL, stderr=err, env=env, timeout=timeout).returncode
-            except subprocess.TimeoutExpired:
-                raise BackendError(f"{what}: the vLLM child process ran past {timeout:g} s") from None
+        rc = forkserver.run(module, [in_path, out_path], err_path, env, timeout)
+        if rc is None:
+            raise BackendError(f"{what}: the vLLM child process ran past {timeout:g} s")
         why = None
         for p in (out_path + ".err", out_path):
             if os.path.exists(p) and p.endswith(".err") or (rc != 0 and os.path.exists(p)):
