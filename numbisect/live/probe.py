@@ -49,8 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from numbisect.backends.hf import HFBackend
-from numbisect.backends.vllm import VLLMBackend
-from numbisect.backends.vllm import forkserver
+from numbisect.backends.vllm import VLLMBackend, forkserver
 from numbisect.backends.vllm.condition_worker import run_child
 from numbisect.backends.vllm.tp import VLLMTPBackend
 from numbisect.common.errors import BackendError, InputError

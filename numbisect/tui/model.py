@@ -150,6 +150,9 @@ def _answer_lines(rv: ReportView) -> list[tuple[str, str]]:
         if rv.aligned and weights_differ(rv):  # a weight check's finding: the tokens of one batch need not move
             return [("bold yellow", "tokens aligned, but some units of the engine compute with other weights than the "
                                     "reference's: the Overview names them")]
+        if rv.aligned and checkpoint_differs(rv.checkpoint_diff):  # exit 5: the diff's finding, not the tokens'
+            return [("bold yellow", "tokens aligned, but the engine's checkpoint differs from the reference's: "
+                                    "the Overview names what differs")]
         if rv.aligned:
             return [("green", "aligned: the engine agrees with the reference; nothing to bisect")]
         rank = rv.local_ranking

@@ -1,9 +1,10 @@
 """vLLM with tensor_parallel_size=2 on this machine: faults, swaps and captures go into
 both workers (`numbisect.backends.vllm.tp`).
 
-Starting two workers takes 20-50 s here and the module 115-160 s in all (five TP
-engine starts: qwen3_moe twice, an even-headed Qwen3.5-MoE twice, deepseek_v3 once; the
-class-scoped ones closed after their class, so at most two run at once), plus two for
+Starting two workers takes 9-50 s here and the module 125-165 s in all (five TP
+engine starts: qwen3_moe twice, one for the CLI's search, an even-headed Qwen3.5-MoE, an
+even-headed Qwen3-Next, deepseek_v3; the class-scoped ones closed after their class, so at
+most two run at once), plus two for
 numbisect.live at TP=2 (the cold oracle's child, ~35 s; the replay of a bundle, ~25 s;
 measured with the machine shared, load average 10-20), so it runs with the other vLLM tests;
 `NUMBISECT_TP_TESTS=0` leaves it out (it binds both cores).
@@ -367,30 +368,6 @@ def _bound(path: str) -> int:
     return bound(SimpleNamespace(engine=SimpleNamespace(units=arch_for(config).units(config))))
 
 
-def test_search_under_tensor_parallel_names_a_fault_planted_in_a_gated_deltanet_layer(qwen3_5_tp, tmp_path):
-    m = qwen3_5_tp
-    out = tmp_path / "tp.json"
-    code = main(["run", "--ref", f"hf:{m}", "--engine", f"vllm:{m}", "--trace", trace_path("qwen3_5_moe"),
-                 "--engine-opt", "tensor_parallel_size=2", "--engine-fault", "output_noise=3@layers.1.attn",
-                 "-q", "--out", str(out)])
-    r = load_report(out)
-    assert code == 1
-    assert r["inputs"]["engine"]["options"]["tensor_parallel_size"] == 2
-    assert r["baseline"]["value"] > 1e-2  # measured 2.4e-2 (2.7e-4 without the fault)
-    assert r["self_check"]["passed"] and r["self_check"]["k3_mean"] == 0.0
-    assert [c["unit"] for c in r["culprits"]] == ["layers.1.attn"]
-    assert r["search"]["trials_used"] <= _bound(m)
-    # The recurrent states, each rank's heads put together: the whole layer's [heads, k, v],
-    # within bf16 rounding of transformers' upstream of the fault (heads out of order would be
-    # off by ~100%); the noise on layer 1's output reaches layer 2's state first.
-    rs = {x["unit"]: x for x in r["recurrent_state"]["layers"]}
-    assert rs["layers.0.attn"]["state_shape"] == [4, 128, 128]
-    assert "ranks" in r["recurrent_state"]["source"]["engine"]
-    assert rs["layers.0.attn"]["propagated"]["final"]["rel_l2"] < 2e-2
-    assert rs["layers.1.attn"]["propagated"]["final"]["rel_l2"] < 2e-2
-    assert rs["layers.2.attn"]["propagated"]["final"]["rel_l2"] > 0.1
-
-
 class TestQwen3_5Sessions:
     """One TP=2 engine on the even-headed Qwen3.5-MoE for these tests (closed after them)."""
 
@@ -446,6 +423,32 @@ class TestQwen3_5Sessions:
             assert value < (CONV_SWAP_SLACK if "conv" in kinds else 2) * floor, kinds
         value, _ = s.trial([u.name for u in s.engine.units if u.kind == "layer"])
         assert value == 0.0
+
+    def test_search_under_tensor_parallel_names_a_fault_planted_in_a_gated_deltanet_layer(self, q35):
+        """`bisect run`'s search on the whole trace at TP=2 (the CLI's tensor-parallel path is
+        the qwen3_moe test's): the faulty layer named, and the recurrent states put together."""
+        from conftest import search
+
+        from numbisect.pipeline.measure import Settings
+        from numbisect.session.session import Session, Spec
+
+        m, ref, eng = q35
+        spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=trace_path("qwen3_5_moe"), faults=["output_noise=3@layers.1.attn"])
+        r, code = search(Session(spec, Settings(threshold=1e-3), backends={"ref": ref, "engine": eng}))
+        assert code == 1
+        assert r["baseline"]["value"] > 1e-2  # measured 2.4e-2 (2.7e-4 without the fault)
+        assert r["self_check"]["passed"] and r["self_check"]["k3_mean"] == 0.0
+        assert [c["unit"] for c in r["culprits"]] == ["layers.1.attn"]
+        assert r["search"]["trials_used"] <= _bound(m)
+        # The recurrent states, each rank's heads put together: the whole layer's [heads, k, v],
+        # within bf16 rounding of transformers' upstream of the fault (heads out of order would be
+        # off by ~100%); the noise on layer 1's output reaches layer 2's state first.
+        rs = {x["unit"]: x for x in r["recurrent_state"]["layers"]}
+        assert rs["layers.0.attn"]["state_shape"] == [4, 128, 128]
+        assert "ranks" in r["recurrent_state"]["source"]["engine"]
+        assert rs["layers.0.attn"]["propagated"]["final"]["rel_l2"] < 2e-2
+        assert rs["layers.1.attn"]["propagated"]["final"]["rel_l2"] < 2e-2
+        assert rs["layers.2.attn"]["propagated"]["final"]["rel_l2"] > 0.1
 
     def test_a_fault_on_the_output_gate_is_named_under_tensor_parallel(self, q35):
         from conftest import search

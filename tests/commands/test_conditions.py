@@ -16,6 +16,7 @@ import sys
 import pytest
 from conftest import ROOT, fp8_kv_cache_runs, model_dir, short_trace, trace_path
 
+from numbisect.cli import main
 from numbisect.common.errors import InputError
 from numbisect.model import engine_config as E
 
@@ -231,7 +232,7 @@ def test_condition_on_real_engine(real, change, bitwise):
 
 
 @pytest.mark.vllm
-def test_conditions_name_an_fp8_kv_cache_and_localise_it_to_the_attention(real, tmp_path):
+def test_conditions_name_an_fp8_kv_cache_and_localise_it_to_the_attention(real, tmp_path, capsys):
     """A setting hooks run in (`engine_config.LOCALISABLE`): your engine is the known-good one
     but for an fp8 KV cache; the search names `kv_cache_dtype` within the bound, and the
     localisation (every unit captured with each side's cache, fed the same inputs) names the
@@ -241,13 +242,13 @@ def test_conditions_name_an_fp8_kv_cache_and_localise_it_to_the_attention(real, 
     cfg = tmp_path / "user.json"
     cfg.write_text(json.dumps({**E.GOOD, "kv_cache_dtype": "fp8"}))
     out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, "-m", "numbisect", "conditions", "-q", "--ref", f"hf:{model_dir(FIX)}",
-                        "--engine", f"vllm:{model_dir(FIX)}", "--trace", trace, "--engine-config", str(cfg), "-o", str(out)],
-                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = main(["conditions", "-q", "--ref", f"hf:{model_dir(FIX)}", "--engine", f"vllm:{model_dir(FIX)}",
+                 "--trace", trace, "--engine-config", str(cfg), "-o", str(out)])
+    err = capsys.readouterr().err
     if not fp8_kv_cache_runs():
-        assert r.returncode != 0 and not out.exists() and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert code != 0 and not out.exists() and len(err.strip().splitlines()) == 1, err
         return
-    assert r.returncode == 1, r.stderr
+    assert code == 1, err
     c = json.loads(out.read_text())["conditions"]
     assert [a["atom"] for a in c["atoms"]] == ["kv_cache_dtype"] and c["culprits"] == ["kv_cache_dtype"]
     assert len([t for t in c["trials"] if t["role"] != "invariance"]) <= 4  # ceil(log2 1) + 4
@@ -257,7 +258,7 @@ def test_conditions_name_an_fp8_kv_cache_and_localise_it_to_the_attention(real, 
 
 
 @pytest.mark.vllm
-def test_conditions_name_the_cpu_rope_kernel_that_breaks_mla(tmp_path):
+def test_conditions_name_the_cpu_rope_kernel_that_breaks_mla(tmp_path, capsys):
     """DeepSeek-V3 (MLA) on vLLM-CPU with its rotary custom op is far from transformers
     (vLLM-CPU's rotary kernel rotates MLA's 3-D multi-head query at the wrong positions; see
     docs/how-to/engine-conditions.md). The user's engine runs two custom ops (rotary and
@@ -273,11 +274,10 @@ def test_conditions_name_the_cpu_rope_kernel_that_breaks_mla(tmp_path):
     user.write_text(json.dumps({"enforce_eager": True, "enable_prefix_caching": False,
                                 "compilation_config": {"custom_ops": ["none", "+rotary_embedding", "+rms_norm"]}}))
     out, log = tmp_path / "r.json", tmp_path / "t.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "numbisect", "conditions", "-q", "--ref", f"hf:{model_dir(fam)}",
-                        "--engine", f"vllm:{model_dir(fam)}", "--trace", short_trace(fam, 4), "--engine-config", str(user),
-                        "--log", str(log), "-o", str(out)], capture_output=True, text=True, cwd=ROOT, env=env)
-    assert r.returncode == 1, r.stderr
+    code = main(["conditions", "-q", "--ref", f"hf:{model_dir(fam)}", "--engine", f"vllm:{model_dir(fam)}",
+                 "--trace", short_trace(fam, 4), "--engine-config", str(user), "--log", str(log), "-o", str(out)])
+    r = capsys.readouterr()
+    assert code == 1, r.err
     c = json.loads(out.read_text())["conditions"]
     assert c["culprits"] == ["custom_op:rotary_embedding"]
     atoms = {a["atom"]: a for a in c["atoms"]}
@@ -289,12 +289,12 @@ def test_conditions_name_the_cpu_rope_kernel_that_breaks_mla(tmp_path):
     ref = c["vs_reference"]
     assert ref["good"]["value"] < 1e-3 < 0.1 < ref["user"]["value"]  # the floor, and far over it (0.55 measured)
     assert ref["user"]["rl_cost"]["seq_frac_rejected"] > ref["good"]["rl_cost"]["seq_frac_rejected"]
-    assert "custom_op:rotary_embedding" in r.stdout and "layers.*.attn.rope" in r.stdout
+    assert "custom_op:rotary_embedding" in r.out and "layers.*.attn.rope" in r.out
     logged = [json.loads(x) for x in log.read_text().splitlines()[1:] if x.strip()]
     assert len(logged) == len(c["trials"])  # every trial the report names is in the log
-    show = subprocess.run([sys.executable, "-m", "numbisect", "report", "show", str(out)], capture_output=True, text=True,
-                          cwd=ROOT, env=env)
-    assert show.returncode == 1 and "CULPRIT" in show.stdout and "custom_op:rotary_embedding" in show.stdout
+    assert main(["report", "show", str(out)]) == 1
+    show = capsys.readouterr().out
+    assert "CULPRIT" in show and "custom_op:rotary_embedding" in show
 
 
 @pytest.mark.slow  # a child process starts

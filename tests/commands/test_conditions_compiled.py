@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from conftest import ROOT, model_dir, trace_path
 
+from numbisect.cli import main
 from numbisect.model import engine_config as E
 
 FIX = "qwen3_moe"
@@ -89,7 +88,7 @@ def test_several_localisations_are_all_rendered_and_typed():
 
 
 @pytest.mark.vllm
-def test_conditions_localise_a_guilty_compiled_path(tmp_path):
+def test_conditions_localise_a_guilty_compiled_path(tmp_path, capsys):
     """Compiled, every custom op native as in the known-good configuration, prefix caching
     off: `compiled` is the only atom and the culprit, and the localisation names the units
     whose code compiled alone gives other numbers than eager (attention, norms, experts:
@@ -103,11 +102,11 @@ def test_conditions_localise_a_guilty_compiled_path(tmp_path):
     user.write_text(json.dumps({"enforce_eager": False, "enable_prefix_caching": False,
                                 "compilation_config": {"custom_ops": ["none"]}}))
     out = tmp_path / "r.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    r = subprocess.run([sys.executable, "-m", "numbisect", "conditions", "-q", "--ref", f"hf:{model_dir(FIX)}",
-                        "--engine", f"vllm:{model_dir(FIX)}", "--trace", str(trace), "--engine-config", str(user),
-                        "-o", str(out)], capture_output=True, text=True, cwd=ROOT, env=env)
-    assert r.returncode == 1, r.stderr
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    code = main(["conditions", "-q", "--ref", f"hf:{model_dir(FIX)}", "--engine", f"vllm:{model_dir(FIX)}",
+                 "--trace", str(trace), "--engine-config", str(user), "-o", str(out)])
+    r = capsys.readouterr()
+    assert code == 1, r.err
     rep = json.loads(out.read_text())
     assert validate(rep) == []
     c = rep["conditions"]
@@ -120,7 +119,7 @@ def test_conditions_localise_a_guilty_compiled_path(tmp_path):
     assert "layers.0.moe.router" in loc["compiled_units"] and rows["layers.0.moe.router"]["bitwise_equal"]
     assert not any("router" in n for n in loc["named"]) and "lm_head" not in loc["named"]
     assert all(0 < rows[u]["rel_l2"] < 1e-2 for u in loc["differ"])  # bf16 rounding, not a broken unit
-    assert "whose code compiled alone differs" in r.stdout and "layers.*.attn" in r.stdout
+    assert "whose code compiled alone differs" in r.out and "layers.*.attn" in r.out
     # how much of the compiled path the units compiled alone reproduce, chained on the
     # engine's own inputs, beside the compiled path's own k3 (the search's trial); measured:
     # 3.9e-5 against 2.5e-5 (ratio 1.6: the units alone account for it)
@@ -128,7 +127,7 @@ def test_conditions_localise_a_guilty_compiled_path(tmp_path):
     alone = next(a["alone"] for a in c["atoms"] if a["atom"] == E.COMPILED)
     assert ch["compiled_path_k3"] == alone and alone > 0
     assert ch["k3"] > 0 and not ch["bitwise_equal"] and ch["ratio"] == pytest.approx(ch["k3"] / alone)
-    assert "compiled alone, chained on the engine's own inputs" in r.stdout
+    assert "compiled alone, chained on the engine's own inputs" in r.out
 
 
 def test_an_attention_with_sub_units_is_compiled_whole():

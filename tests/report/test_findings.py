@@ -61,6 +61,10 @@ def test_compare_says_a_tiny_weight_change_under_the_threshold_is_still_a_differ
     assert "TOKENS ALIGNED, CHECKPOINTS DIFFER" in capsys.readouterr().out
     main(["report", "md", str(out)])
     assert "**Verdict: tokens aligned, checkpoints DIFFER.**" in capsys.readouterr().out
+    from numbisect.tui.model import culprit_lines
+
+    banner = " ".join(text for _, text in culprit_lines(r))  # the TUI's line under the verdict
+    assert "nothing to bisect" not in banner and "checkpoint differs" in banner
 
 
 def test_compare_says_a_config_difference_under_the_threshold_is_a_difference(tmp_path, capsys):
