@@ -88,7 +88,7 @@ def main() -> None:
     times: dict = {True: [], False: []}
     same = True
     for _ in range(a.repeats):
-        for name, ops in OPS.items():
+        for ops in OPS.values():
             answers = {}
             for server in (False, True):
                 s, out = timed_child(job(model, a.dtype, ops), server)

@@ -63,8 +63,7 @@ def test_a_forked_child_answers_what_a_new_python_answers_and_leaves_nothing_to_
     the second child's log-probs and enabled ops are the new Python's bit for bit, and not
     the first's (its engine, compilation config and parallel groups died with its process)."""
     monkeypatch.setenv("NUMBISECT_FORKSERVER", "1")
-    forkserver.shutdown()
-    off = run_child(_job(["none"]), "rope off")
+    off = run_child(_job(["none"]), "rope off")  # in this worker's server, started here if none runs
     server = forkserver._server
     on = run_child(_job(["none", "+rotary_embedding"]), "rope on")
     assert server is not None and forkserver._server is server and server.alive()  # one server, two jobs
@@ -111,6 +110,29 @@ def test_a_server_that_cannot_start_costs_no_job(monkeypatch, tmp_path):
     assert forkserver._server is None and forkserver._failed == forkserver._key(env)
     monkeypatch.setattr(forkserver, "Server", None)  # a second job tries no server
     assert forkserver.run("json.tool", [str(tmp_path / "in.json")], str(err), env, None) == rc
+
+
+@pytest.mark.slow  # two servers start (vLLM imported twice)
+def test_a_server_that_learned_a_thread_is_replaced_by_one_that_learns_nothing(monkeypatch, tmp_path):
+    """A child imports a module that starts a thread when imported; the server imports it in
+    turn (it learns its children's modules), so it now has a thread it did not have when it
+    was ready, and would fork with it: it says so and ends, and the job runs in a new server
+    that learns nothing."""
+    (tmp_path / "starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n")
+    (tmp_path / "job.py").write_text("import starts_a_thread  # noqa: F401\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "NUMBISECT_FORKSERVER": "1"}
+    monkeypatch.setenv("NUMBISECT_FORKSERVER", "1")
+    monkeypatch.setattr(forkserver, "_learn", True)
+    forkserver.shutdown()
+    err = str(tmp_path / "err")
+    assert forkserver.run("job", [], err, env, 60) == 0
+    first = forkserver._server
+    assert forkserver.run("job", [], err, env, 60) == 0  # the first server said "stale": a second ran it
+    second = forkserver._server
+    assert second is not first and not first.alive() and second.alive() and forkserver._learn is False
+    assert forkserver.run("job", [], err, env, 60) == 0 and forkserver._server is second  # no longer learns: stays
+    forkserver.shutdown()
 
 
 PARENT = textwrap.dedent("""

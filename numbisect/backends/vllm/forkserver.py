@@ -1,21 +1,28 @@
 """One process that has imported vLLM once, forking a fresh child per job (`run_child`).
 
 Every vLLM child numbisect starts (a `bisect conditions` trial, a localisation capture, the
-user's engine configuration, the live check's cold engine) used to be a new Python that
-spent about 6 s importing torch and vLLM before its engine took 2 s to start. The fork
-server pays the import once per numbisect process: it imports vLLM the way a child would
-(`runner.import_vllm`), then waits for jobs; each job runs in a child forked from it, with
-that process's state as it was after the import and nothing else. So each configuration
-still has a process of its own, as the conditions search needs: no engine, no OpenMP thread
-pool, no compilation config and no vLLM parallel group outlives its job (the server runs no
-torch op and starts no engine; its only other thread is OpenBLAS's, which re-creates itself
-in a forked child).
+user's engine configuration, the live check's cold engine) used to be a new Python: about
+6 s importing torch and vLLM, 4 s starting the engine (most of it importing more of vLLM)
+and 2 s tearing the interpreter down at exit, around the job itself. The fork server pays
+the first import once per numbisect process: it imports vLLM the way a child would
+(`runner.import_vllm`), then waits for jobs; each job runs in a child forked from it. So
+each configuration still has a process of its own, as the conditions search needs: no
+engine, no OpenMP thread pool, no compilation config and no vLLM parallel group outlives its
+job, because the server runs no torch op and starts no engine. Its threads besides its own
+are native pools that stop before a fork and start again after it (numpy's OpenBLAS); a
+server whose learned imports started a thread ends ("stale") and a new one, which learns
+nothing, takes its place. Between jobs the server imports the modules its last child
+imported (`serve`), so the next child finds vLLM's engine, worker and model code imported.
+A child ends as the interpreter would, less the teardown: its threads joined, its atexit
+handlers run (vLLM's shutdowns among them), stdio flushed, then `os._exit`.
 
-Protocol, one JSON line each way on the server's stdin/stdout:
-  parent -> server: {"module", "argv", "err", "cwd"}   a job: run `python -m MODULE ARGV...`
-  server -> parent: {"pid": N}, then {"rc": code}     the child started, then its exit status
-The child writes its stderr to "err", its stdout to /dev/null, and ends the way a Python
-process ends (atexit handlers, then exit with the module's status).
+Protocol, one JSON line each way on the server's stdin and stdout:
+  server -> parent: {"ready": true}                        once vLLM is imported
+  parent -> server: {"module", "argv", "err", "cwd", "env"} a job: `python -m MODULE ARGV...`
+  server -> parent: {"pid": N}, then {"rc": code}          the child started, its exit status
+                    or {"stale": true}                     (then the server ends)
+The child runs with the job's environment and directory, stdin and stdout on /dev/null and
+stderr on "err".
 
 The server is started on the first job, with the environment the child would get, and is
 replaced when that environment changes (variables read at import time, like
@@ -53,7 +60,7 @@ def enabled() -> bool:
 
 
 class Stale(OSError):
-    """The server would fork with threads it did not have when it started: it ends instead."""
+    """The server's learned imports started a thread: it ends rather than fork with it."""
 
 
 class Server:
@@ -103,7 +110,7 @@ class Server:
             self.proc.stdin.flush()
             started = self._line(None)
             if started and started.get("stale"):
-                raise Stale("the fork server runs threads it did not run when it started")
+                raise Stale("the fork server's learned imports started a thread")
             if not started or "pid" not in started:
                 raise OSError("the fork server ended")
             pid = started["pid"]
@@ -298,8 +305,10 @@ def serve(learn: bool = True) -> int:
     """Import vLLM, say "ready", then fork a child per job line until stdin ends. With
     `learn`, after each job import what its child imported (a child's engine start imports
     vLLM's engine, worker and model modules, about 2.7 s of a 4.3 s start on DeepSeek-V3
-    here), so the next child finds them imported. A server that would fork with more threads
-    than it had when ready (a module that started one) says "stale" and ends instead."""
+    here), so the next child finds them imported. A server whose learned imports started a
+    thread says "stale" at the next job and ends instead of forking with it. (Its thread count
+    is compared around those imports, not with its start: OpenBLAS stops its own pool before
+    each fork and starts it again when next used.)"""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it kills the child
     _die_with_parent()
     if os.getppid() == 1:  # the parent is gone already
@@ -314,7 +323,7 @@ def serve(learn: bool = True) -> int:
         import_vllm()
     except BaseException:  # no server: the parent starts a new Python per job, which says why
         return 1
-    threads = _threads()
+    stale = False
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
     for line in sys.stdin:
@@ -322,7 +331,7 @@ def serve(learn: bool = True) -> int:
             req = json.loads(line)
         except ValueError:
             return 1
-        if _threads() > threads:
+        if stale:
             out.write(json.dumps({"stale": True}) + "\n")
             out.flush()
             return 0
@@ -340,7 +349,10 @@ def serve(learn: bool = True) -> int:
         names = _learn_from(req["learn"]) if learn else []
         out.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
         out.flush()
-        _import_quietly(names)  # while the parent reads the answer
+        if names:  # while the parent reads the answer
+            before = _threads()
+            _import_quietly(names)
+            stale = _threads() > before  # a module that started a thread: no more forks from here
     return 0
 
 
