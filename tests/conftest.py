@@ -183,7 +183,21 @@ def vllm(name: str):
                 raise
             close_engines()
             _VLLM[name] = VLLMBackend(model_dir(fixture), "bfloat16", **opts)
+        log_paths(name, _VLLM[name])
     return _VLLM[name]
+
+
+def log_paths(name: str, eng) -> None:
+    """The CPU-dependent paths the engine took (numbisect.backends.vllm.cpu_paths), one line
+    appended to $NUMBISECT_ENGINE_PATHS when set: scripts/test.sh prints them after the run."""
+    out = os.environ.get("NUMBISECT_ENGINE_PATHS")
+    if not out:
+        return
+    from numbisect.backends.vllm.cpu_paths import describe, engine_paths
+
+    line = f"{name}: {describe(eng.llm.apply_model(engine_paths)[0])}\n"
+    with open(out, "a") as f:
+        f.write(line)
 
 
 def close_engines() -> None:

@@ -356,31 +356,37 @@ def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: t
     def unit(name: str) -> str:
         return unit_of(apply_renames(name, renames), prefixes) or "(no unit)"
 
+    # a tied lm_head read back apart from the embedding (its GEMM kernel holds a copy that
+    # differs from the embedding: numbisect.backends.vllm.readback) is judged against the embedding
+    embed = next((n for n in cur if n.endswith("embed_tokens.weight")), None) if tied else None
+    tied_alias = {n: embed for n in ("lm_head.weight",)} if embed else {}
     ref_view = ref.in_dtype(dtype)
+
     def judge(name: str, t: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
         """One engine tensor against the reference's (a function: nothing of a unit outlives it)."""
         eng_digest[name] = digest(t)
-        if name not in cur:
+        key = name if name in cur else tied_alias.get(name)  # the reference tensor it is judged against
+        if key is None:
             return
-        if t.dtype != dtypes.get(name, dtype):  # held in a dtype engine_dtypes did not name: compared in it
-            dtypes[name] = t.dtype
-            cur[name] = digest(ref.tensor(name).to(t.dtype))
+        if t.dtype != dtypes.get(key, dtype):  # held in a dtype engine_dtypes did not name: compared in it
+            dtypes[key] = t.dtype
+            cur[key] = digest(ref.tensor(key).to(t.dtype))
         row = {"tensor": name}
-        if tuple(t.shape) != ref.shapes[name]:
-            row.update(status=MISSING, how="reshaped", engine_shape=list(t.shape), ref_shape=list(ref.shapes[name]))
-        elif eng_digest[name] == cur[name]:
+        if tuple(t.shape) != ref.shapes[key]:
+            row.update(status=MISSING, how="reshaped", engine_shape=list(t.shape), ref_shape=list(ref.shapes[key]))
+        elif eng_digest[name] == cur[key]:
             return
-        elif prev is not None and prev[1].get(name) == eng_digest[name]:
+        elif prev is not None and prev[1].get(key) == eng_digest[name]:
             row.update(status=UNWRITTEN, how="unwritten", holds=prev[0])
-        elif any(h.get(name) == eng_digest[name] for _, h in earlier):
-            label = next(lb for lb, h in reversed(earlier) if h.get(name) == eng_digest[name])
+        elif any(h.get(key) == eng_digest[name] for _, h in earlier):
+            label = next(lb for lb, h in reversed(earlier) if h.get(key) == eng_digest[name])
             row.update(status=STALE, how="stale", holds=label)
         else:
-            others = [m for m in by_digest.get(eng_digest[name], []) if m != name]
+            others = [m for m in by_digest.get(eng_digest[name], []) if m not in (name, key)]
             if others:
                 moved.append((row, name, others[0]))
             else:  # the whole reference, in the engine's dtype, a layer at a time: rows taken from another layer are found too
-                row.update(status=CORRUPTED, **explain(name, ref_view, TensorDict(tensors), heads))
+                row.update(status=CORRUPTED, **explain(key, ref_view, TensorDict(tensors), heads))
         per_unit.setdefault(unit(name), []).append(row)
 
     for _, tensors in eng:  # emptied by the reader before the next unit is read
@@ -388,7 +394,7 @@ def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: t
             judge(name, tensors[name], tensors)
     ref_view.release()
     for row, name, m in moved:
-        back = eng_digest.get(m) == cur[name]
+        back = eng_digest.get(m) == cur.get(name)
         row.update(status=CORRUPTED, how="swapped" if back else "moved", pair=pair_label(name, m), holds=m)
     counts: dict[str, int] = {}
     for name in sorted(cur):

