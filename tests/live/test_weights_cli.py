@@ -91,5 +91,5 @@ def test_mlas_kv_b_proj_is_read_on_the_backend_the_engine_chose(tmp_path, capsys
     assert "kv_b_proj.weight scaled by 2" in text
     # the rest is vLLM-CPU's rotary kernel on MLA (docs/measurements.md, DeepSeek-V3): every
     # weight right, the rope units (and the attention around them) computing otherwise
-    assert set(status.values()) <= {"buffer differs"} and all(".attn" in u for u in status), text
+    assert set(status.values()) <= {"buffer"} and all(".attn" in u for u in status), text  # "buffer differs"
     assert {f"layers.{i}.attn.rope" for i in range(3)} <= set(status), text
