@@ -23,22 +23,30 @@ such as a trace with a BOM). Everything runs in this process, one case after ano
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
 import re
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import click
 import pytest
-from conftest import FIXTURES, model_dir, trace_path
+from conftest import FIXTURES, model_dir, synthetic_bundle, trace_path
 
 from numbisect.cli import cli, main
 
 MODEL = model_dir("qwen3_moe")
 TRACE = trace_path("qwen3_moe")
 REPORT = str(FIXTURES / "reports" / "qwen3_moe_planted_fault.json")
+# A replay bundle the replay takes (written by hand, no engine: conftest.synthetic_bundle); its
+# own files against the hostile set: tests/live/test_bundle_hostile.py.
+_BUNDLE_DIR = tempfile.mkdtemp(prefix="numbisect-bundle-")
+atexit.register(shutil.rmtree, _BUNDLE_DIR, True)
+BUNDLE = synthetic_bundle(Path(_BUNDLE_DIR) / "bundle")
 
 # What names a path: a parameter's name (words joined by _) or its metavar.
 PATH_NAME = re.compile(r"(^|_)(file|dir|out|log|trace|config|floor|resume|report|path|before|after|ref|engine)($|_)")
@@ -68,7 +76,7 @@ BASE = {
     "report md": [REPORT],
     "report diff": [REPORT, REPORT],
     "weights": ["--ref", f"hf:{MODEL}", "--engine", f"hf:{MODEL}", "--trace", TRACE, "-q"],
-    "replay": [REPORT, "-q"],  # no bundle: every case is refused in one line, before anything loads
+    "replay": [BUNDLE, "-q"],
 }
 # Options that only mean something with another one.
 COMPANIONS = {"floor_file": ["--threshold", "floor"], "capture_dir": ["--capture", "full"]}
@@ -164,7 +172,7 @@ def good_value(command: str, param: click.Parameter) -> Path | None:
     """What `param` is given on its command's base line (a spec's directory), or None."""
     base = BASE[command]
     if isinstance(param, click.Argument):
-        return Path(REPORT)
+        return Path(BUNDLE if command == "replay" else REPORT)
     opt = max(param.opts, key=len)
     if opt not in base:
         return None
@@ -213,7 +221,7 @@ def argv(command: str, param: click.Parameter, value: str, trace: str) -> list[s
         return [*command.split(), value]
     if isinstance(param, click.Argument):
         args = list(base)
-        pos = [i for i, a in enumerate(args) if a == REPORT]
+        pos = [i for i, a in enumerate(args) if a in (REPORT, BUNDLE)]
         nth = [q.name for q in _cmd(command).params if isinstance(q, click.Argument)].index(param.name)
         args[pos[nth]] = value
         return [*command.split(), *args]
