@@ -27,6 +27,7 @@ from numbisect.common.errors import ExitCode, InputError, NumbisectError
 from numbisect.common.procenv import no_code_from_cwd, vllm_env_problem
 from numbisect.common.jsonsafe import sanitize
 from numbisect.common.safeio import (
+    JSON_LIMIT,
     check_not_an_input,
     check_output,
     check_output_dir,
@@ -379,6 +380,8 @@ def _check_new_log(log: str, resume: str | None) -> None:
         return  # check_output said what it could; opening it will say the rest
     if not stat.S_ISREG(st.st_mode):
         raise InputError(f"--log {log} is not a regular file (a trial log must be one: it is locked and appended to)")
+    if st.st_size > JSON_LIMIT:  # never read whole (a sparse file of terabytes): no log numbisect wrote
+        raise InputError(f"--log {log} is larger than {JSON_LIMIT // 2**20} MB and not a trial log; choose another path")
     from numbisect.commands.run import (  # lazy: keeps torch out of importing numbisect.cli
         holds_trials,
         log_in_use,
@@ -388,7 +391,7 @@ def _check_new_log(log: str, resume: str | None) -> None:
 
     try:
         with open(log, "rb") as fh:
-            data = fh.read()
+            data = fh.read(JSON_LIMIT + 1)
     except OSError:
         return  # check_output said what it could; opening it will say the rest
     if not_a_log(data):
@@ -870,6 +873,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = _install_signals()
     try:
         args = sys.argv[1:] if argv is None else list(argv)
+        if any("\x00" in str(a) for a in args):  # no command line carries one; a caller's list might
+            raise InputError("an argument holds a NUL character (no path or value can)")
         rv = cli.main(args=args, prog_name="bisect", standalone_mode=False, obj={"argv": ["bisect", *args]})
         return int(rv) if isinstance(rv, int) else 0
     except NumbisectError as e:
