@@ -24,8 +24,10 @@ from numbisect import __version__
 from numbisect.backends import BACKENDS
 from numbisect.backends.options import parse_opts
 from numbisect.common.errors import ExitCode, InputError, NumbisectError
+from numbisect.common.procenv import no_code_from_cwd, vllm_env_problem
 from numbisect.common.jsonsafe import sanitize
 from numbisect.common.safeio import (
+    JSON_LIMIT,
     check_not_an_input,
     check_output,
     check_output_dir,
@@ -336,7 +338,10 @@ def _emit(report: dict, kw) -> None:
 
 
 def _check_out(kw) -> None:
-    """Before any model loads: every output can be written and is none of the inputs."""
+    """Before any model loads: every output can be written and is none of the inputs; a
+    vLLM engine can run in this process (`procenv.vllm_env_problem`)."""
+    if any(str(kw.get(side) or "").startswith("vllm:") for side in ("ref", "engine")) and vllm_env_problem():
+        raise InputError(vllm_env_problem())
     inputs = {"--trace": kw.get("trace"), "--floor": kw.get("floor_file"), "--resume": kw.get("resume"),
               "--engine-config": kw.get("engine_config"), "--good-config": kw.get("good_config")}
     log = kw.get("log_path")
@@ -375,6 +380,8 @@ def _check_new_log(log: str, resume: str | None) -> None:
         return  # check_output said what it could; opening it will say the rest
     if not stat.S_ISREG(st.st_mode):
         raise InputError(f"--log {log} is not a regular file (a trial log must be one: it is locked and appended to)")
+    if st.st_size > JSON_LIMIT:  # never read whole (a sparse file of terabytes): no log numbisect wrote
+        raise InputError(f"--log {log} is larger than {JSON_LIMIT // 2**20} MB and not a trial log; choose another path")
     from numbisect.commands.run import (  # lazy: keeps torch out of importing numbisect.cli
         holds_trials,
         log_in_use,
@@ -384,7 +391,7 @@ def _check_new_log(log: str, resume: str | None) -> None:
 
     try:
         with open(log, "rb") as fh:
-            data = fh.read()
+            data = fh.read(JSON_LIMIT + 1)
     except OSError:
         return  # check_output said what it could; opening it will say the rest
     if not_a_log(data):
@@ -490,7 +497,7 @@ def weights(**kw):
     else:
         sys.stdout.write("\n".join(check.lines()) + "\n")
         if kw.get("out"):
-            sys.stdout.write(f"report: {kw['out']}\n")
+            sys.stdout.write(f"report: {path_text(kw['out'])}\n")
     sys.stdout.flush()
     return ExitCode.ALIGNED if check.ok else ExitCode.DIVERGED
 
@@ -510,6 +517,8 @@ def replay(bundle, **kw):
 
     b = load(bundle)  # a bad bundle: one line, before anything loads
     inp = replay_inputs(b)
+    if kw.get("out"):  # the report never replaces a file of the bundle (its manifest, a part)
+        check_not_an_input(kw["out"], "--out", None, {"BUNDLE": ("replay bundle", b.path)})
     kw.update(ref=inp["ref"], engine=inp["engine"], trace=inp["trace"], ref_dtype=inp["ref_dtype"],
               engine_dtype=inp["engine_dtype"], ref_opt=(), engine_opt=(), engine_fault=(), floor_file=None,
               threshold=inp["threshold"] if inp["threshold"] is not None else 1e-3, metric="k3-mean", group="completion",
@@ -524,10 +533,15 @@ def replay(bundle, **kw):
             report = new_report("compare", command_line(click.get_current_context().obj["argv"]), session.inputs(), settings.to_dict(), body)
         finally:
             session.close()
-    same, line = reproduced(b, report)
+    try:  # the replay ran: a late step that fails is recorded, never loses the report
+        same, line = reproduced(b, report)
+    except Exception as e:
+        if os.environ.get("NUMBISECT_DEBUG"):
+            traceback.print_exc()
+        same, line = None, f"replay: could not be matched with the bundle's finding ({type(e).__name__}: {clip(str(e), 200)})"
     report["replay"] = {"bundle": b.path, "reproduced": same, "bundle_finding": {k: v for k, v in b.finding.items() if k != "weights_summary"}}
     _emit(report, kw)
-    print(line, file=sys.stderr if kw.get("as_json") else sys.stdout)
+    print(printable(line), file=sys.stderr if kw.get("as_json") else sys.stdout)
     return ExitCode.ALIGNED if report["verdict"] == "aligned" else ExitCode.DIVERGED
 
 
@@ -853,11 +867,14 @@ def _install_signals() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    no_code_from_cwd()  # what this process starts imports nothing from the working directory
     _quiet_libraries()
     debug = bool(os.environ.get("NUMBISECT_DEBUG"))
     previous = _install_signals()
     try:
         args = sys.argv[1:] if argv is None else list(argv)
+        if any("\x00" in str(a) for a in args):  # no command line carries one; a caller's list might
+            raise InputError("an argument holds a NUL character (no path or value can)")
         rv = cli.main(args=args, prog_name="bisect", standalone_mode=False, obj={"argv": ["bisect", *args]})
         return int(rv) if isinstance(rv, int) else 0
     except NumbisectError as e:

@@ -84,6 +84,12 @@ def read_bytes(path: str | os.PathLike, what: str, limit: int = JSON_LIMIT) -> b
     """At most `limit` bytes of a regular file; a larger one is refused."""
     p = check_input(path, what)
     try:
+        size = os.stat(p).st_size
+    except OSError:
+        size = 0
+    if size > limit:  # refused before reading (a sparse file of terabytes costs nothing to make)
+        raise InputError(f"{what} {path_text(path)} is larger than {_size(limit)}; not read")
+    try:
         with open(p, "rb") as fh:
             data = fh.read(limit + 1)
     except OSError as e:

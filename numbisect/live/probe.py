@@ -53,12 +53,14 @@ from numbisect.backends.vllm import VLLMBackend, forkserver
 from numbisect.backends.vllm.condition_worker import run_child
 from numbisect.backends.vllm.tp import VLLMTPBackend
 from numbisect.common.errors import BackendError, InputError
+from numbisect.common.procenv import no_code_from_cwd
 from numbisect.live import cold as K
 from numbisect.live import poison as X
 from numbisect.live import prefix as PX
 from numbisect.live import run as R
 from numbisect.live import weights as W
 from numbisect.live.engine import check_engine, hooks_problem
+from numbisect.live.engine import settings as engine_settings
 from numbisect.live.errors import (
     EngineClosedError,
     EngineSettingError,
@@ -700,7 +702,13 @@ def reference_problem(ref) -> str | None:
 def _engine(engine, dtype: str | None):
     if isinstance(engine, (str, os.PathLike)):
         b = VLLMBackend(os.fspath(engine), dtype or "bfloat16")
-        return b, None, [b], {"opened_by": "numbisect"}
+        try:  # the eager engine numbisect started, as a bundle records it (else a replay measures vLLM's defaults)
+            s = engine_settings(b.llm)
+        except BaseException:
+            b.close()
+            raise
+        s.pop("dtype", None)  # a bundle records the dtype apart (`--engine-dtype`)
+        return b, None, [b], {"opened_by": "numbisect", **s}
     settings = check_engine(engine)
     if hooks_problem(settings):
         return RemoteEngine(engine, settings), engine, [], settings
@@ -723,6 +731,7 @@ def attach(reference, engine, *, ref_dtype: str | None = None, engine_dtype: str
     directory): a `Probe` (module doc). `ref_dtype`/`engine_dtype` apply to directories
     only (a live object computes in its own dtype). Raises a `LiveError` naming what
     cannot be used and what would work; nothing is changed then."""
+    no_code_from_cwd()  # the processes it starts (vLLM's, torch's probes, the cold oracle) import nothing from the working directory
     ref, model, owned = _reference(reference, ref_dtype)
     try:
         eng, llm, owned_e, settings = _engine(engine, engine_dtype)

@@ -192,6 +192,22 @@ def search_lines(r: dict | ReportView) -> list[str]:
         out.append("diffuse: no set smaller than every layer reaches the threshold; per-layer contributions:")
         for name, c in v.contributions.items():
             out.append(f"  {name:<12} alone {fmt(c.get('alone'))}  all others swapped {fmt(c.get('complement'))}")
+        out += diffuse_kind_lines(v)
+    return out
+
+
+def diffuse_kind_lines(r: dict | ReportView) -> list[str]:
+    """A diffuse search where only every kind together fixes it: each kind's contribution."""
+    v = view(r)
+    dk = v.diffuse_kinds
+    per_kind = dk.get("per_kind") if isinstance(dk.get("per_kind"), dict) else {}
+    if not per_kind:
+        return []
+    out = [f"only every kind together fixes it ({', '.join(map(str, dk.get('kinds') or []))}: {dk.get('units')} units, "
+           f"needed in {dk.get('layers')} layers); per-kind contributions:"]
+    for k, c in per_kind.items():
+        c = c if isinstance(c, dict) else {}
+        out.append(f"  {str(k):<12} alone {fmt(c.get('alone'))}  all other kinds swapped {fmt(c.get('complement'))}")
     return out
 
 

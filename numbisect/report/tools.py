@@ -426,6 +426,12 @@ def _search_lines(v: ReportView) -> list[str]:
                 "| layer | swapped alone | all others swapped |", "|---|---:|---:|"]
         for name, c in v.contributions.items():
             out.append(f"| {_cell_code(name)} | {fmt(num(get(c, 'alone')))} | {fmt(num(get(c, 'complement')))} |")
+        per_kind = v.diffuse_kinds.get("per_kind")
+        if isinstance(per_kind, dict) and per_kind:
+            out += ["", "Only every kind together fixes it; no proper subset of the kinds does. Per-kind contributions:", "",
+                    "| kind | swapped alone | all other kinds swapped |", "|---|---:|---:|"]
+            for name, c in per_kind.items():
+                out.append(f"| {_cell_code(name)} | {fmt(num(get(c, 'alone')))} | {fmt(num(get(c, 'complement')))} |")
     return out
 
 

@@ -157,6 +157,13 @@ class ReportView:
         return sy if isinstance(sy, dict) else {}
 
     @property
+    def diffuse_kinds(self) -> dict:
+        """A diffuse search where only every kind together fixes it (kinds, per_kind: alone and
+        complement, per_layer); {} if none."""
+        d = (self.search or {}).get("diffuse_kinds")
+        return d if isinstance(d, dict) else {}
+
+    @property
     def checkpoint_diff(self) -> dict:
         """What differs between the two checkpoints (numbisect.model.ckptdiff); {} when not compared."""
         d = self.inputs.get("checkpoint_diff")

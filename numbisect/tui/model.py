@@ -193,6 +193,8 @@ def _answer_lines(rv: ReportView) -> list[tuple[str, str]]:
     if verdict == "aligned":
         return [("green", f"aligned: {words} {fmt(s['baseline'])} <= {fmt(rv.threshold)} before any swap")]
     if verdict == "diffuse":
+        if rv.diffuse_kinds:
+            return [("yellow", "diffuse: only every kind together reaches the threshold; see the per-layer contributions (Trials)")]
         return [("yellow", "diffuse: no set smaller than every layer reaches the threshold; see the per-layer contributions (Trials)")]
     return [("yellow", f"{verdict}: {s['stop_reason']}")]
 

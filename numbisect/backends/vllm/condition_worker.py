@@ -251,7 +251,7 @@ def run_child(job: dict, what: str, timeout: float | None = None, module: str = 
         with open(in_path, "w") as f:
             json.dump(job, f)
         env = safe_child_env()
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # its engine is numbisect's, in-process (a user's live engine may run with 1)
         env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(os.path.dirname(
             os.path.dirname(os.path.abspath(__file__))))), env.get("PYTHONPATH", "")] if p)
         rc = forkserver.run(module, [in_path, out_path], err_path, env, timeout)
