@@ -643,7 +643,7 @@ def conditions(**kw):
     check_opts("hf", spec.ref_opts, "--ref-opt")
     with Progress(kw["quiet"]) as say:
         sess = CondSession(spec, settings, user, good)
-        from numbisect.backends.vllm.condition_worker import (  # lazy: keeps torch out of importing numbisect.cli
+        from numbisect.backends.vllm.child import (  # lazy: keeps torch out of importing numbisect.cli
             run_child,  # lazy: keeps torch out of importing numbisect.cli
         )
 

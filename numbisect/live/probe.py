@@ -50,7 +50,7 @@ import torch
 
 from numbisect.backends.hf import HFBackend
 from numbisect.backends.vllm import VLLMBackend, forkserver
-from numbisect.backends.vllm.condition_worker import run_child
+from numbisect.backends.vllm.child import run_child
 from numbisect.backends.vllm.tp import VLLMTPBackend
 from numbisect.common.errors import BackendError, InputError
 from numbisect.live import cold as K

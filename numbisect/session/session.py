@@ -22,7 +22,7 @@ from numbisect.backends.base import (
     load_config,
 )
 from numbisect.backends.dump import DumpBackend
-from numbisect.backends.vllm.condition_worker import run_child
+from numbisect.backends.vllm.child import run_child
 from numbisect.common.errors import BackendError, InputError
 from numbisect.model import groups as G
 from numbisect.model.arch import arch_for

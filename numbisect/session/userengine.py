@@ -2,7 +2,7 @@
 
 Its place in the layers: held by `numbisect.session.session` (which calls `prepare`, `run` and
 `apply`), over `engine_config` (the settings), `compare` (the metrics), `contract` (the
-log-prob contract) and the vLLM child process (`backends.vllm.condition_worker`).
+log-prob contract) and the vLLM child process (`backends.vllm.child`, job runner `condition_worker`).
 
 Two configurations take part:
 
