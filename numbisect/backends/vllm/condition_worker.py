@@ -42,16 +42,22 @@ import sys
 import time
 
 from numbisect.backends.vllm.child import serve, write_json
+from numbisect.backends.vllm.runner import (
+    VLLMBackend,
+    decoded_logprobs,
+    forced_decode_params,
+    import_vllm,
+    quiet_stderr,
+)
+from numbisect.backends.vllm.treecapture import capture_tree
+from numbisect.backends.vllm.unitcompile import eager_and_compiled
 from numbisect.model.engine_config import LOCALISABLE, llm_kwargs
+from numbisect.model.trace import Sample
 from numbisect.model.units import local_feed_names
 
 
 def _samples(job: dict) -> list:
     """The job's samples as `trace.Sample`s (ids split at each prompt length)."""
-    from numbisect.model.trace import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-        Sample,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-    )
-
     return [Sample(line=i + 1, prompt_ids=list(ids[:p]), completion_ids=list(ids[p:]))
             for i, (ids, p) in enumerate(zip(job["samples"], job["prompt_lens"]))]
 
@@ -76,11 +82,6 @@ def _generate(llm, prompts: list, params: list, batch) -> list:
 
 
 def logprobs_job(job: dict) -> dict:
-    from numbisect.backends.vllm.runner import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-        import_vllm,
-        quiet_stderr,
-    )
-
     vllm = import_vllm()
     settings = dict(job["settings"])
     decode = job["job"] == "decode"
@@ -89,8 +90,8 @@ def logprobs_job(job: dict) -> dict:
     kw.setdefault("seed", 0)
     kw["logprobs_mode"] = settings.get("logprobs_mode", "raw_logprobs")
     if decode:  # the forcing logits processor; requests that do not ask for it are untouched
-        from numbisect.backends.vllm.force import (  # lazy: keeps torch, vllm out of importing numbisect.backends.vllm.condition_worker
-            ForceTokens,  # lazy: keeps torch, vllm out of importing numbisect.backends.vllm.condition_worker
+        from numbisect.backends.vllm.force import (  # lazy: keeps vllm out of importing numbisect.backends.vllm.condition_worker
+            ForceTokens,  # lazy: keeps vllm out of importing numbisect.backends.vllm.condition_worker
         )
 
         kw["logits_processors"] = [*(kw.get("logits_processors") or []), ForceTokens]
@@ -148,11 +149,6 @@ def _forced_decode(llm, vllm, samples: list, batch, full: bool, vocab: int) -> d
     engine: each prompt prefilled, its completion decoded one token per step and forced to the
     trace's, every sample's request in one generate when batch is "all" (they decode side by
     side). {"logprobs": per sample [T-1], "full": per sample [T-1][V] with `full`}."""
-    from numbisect.backends.vllm.runner import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-        decoded_logprobs,
-        forced_decode_params,
-    )
-
     prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(s.prompt_ids)) for s in samples]
     outs = _generate(llm, prompts, [forced_decode_params(vllm.SamplingParams, s, full) for s in samples], batch)
     answer = {"logprobs": [decoded_logprobs(o, s, i).tolist() for i, (o, s) in enumerate(zip(outs, samples))]}
@@ -165,27 +161,15 @@ def _forced_decode(llm, vllm, samples: list, batch, full: bool, vocab: int) -> d
 def capture_job(job: dict, out_path: str) -> None:
     import torch
 
-    from numbisect.backends.vllm.runner import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-        VLLMBackend,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-    )
-
     keep = ("compilation_config", "max_model_len", "seed", *LOCALISABLE)
     opts = {k: v for k, v in llm_kwargs(job["settings"]).items() if k in keep}
     if job.get("tree"):  # model_impl="transformers": the units read by their transformers names
-        from numbisect.backends.vllm.treecapture import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-            capture_tree,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-        )
-
         torch.save(capture_tree(job), out_path)
         return
     eng = VLLMBackend(job["model"], job["dtype"], **opts)
     samples = _samples(job)
     names = [u.name for u in eng.units]
     if job.get("compile"):
-        from numbisect.backends.vllm.unitcompile import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-            eager_and_compiled,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-        )
-
         torch.save(eager_and_compiled(eng, samples), out_path)
     elif job.get("feed"):
         feed = torch.load(job["feed"])
