@@ -141,13 +141,7 @@ def _lazy_imports(pkg, extra=None):
                 reasons = [ln.split("# lazy: ", 1)[1].strip() for ln in lines[node.lineno - 1:node.end_lineno] if "# lazy: " in ln]
                 if not reasons:
                     continue
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                else:
-                    base = node.module or ""
-                    if node.level:
-                        base = ".".join([*here.split(".")[: len(here.split(".")) - node.level + 1], *filter(None, [base])])
-                    names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+                names = test_layering.import_targets(node, here, files)
                 ours = {n for n in names if n.split(".")[0] == pkg.name}
                 theirs = {n.split(".")[0] for n in names} - {pkg.name}
                 p, in_try = parents.get(node), False

@@ -82,6 +82,17 @@ def _import_nodes(tree: ast.AST, annotations: bool = False, top_level: bool = Fa
         stack.extend(ast.iter_child_nodes(node))
 
 
+def import_targets(node: ast.Import | ast.ImportFrom, here: str, files) -> list[str]:
+    """The modules an import statement imports: `from pkg import mod` names the module,
+    `from mod import name` the module; relative imports resolved from package `here`."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        base = ".".join([*here.split(".")[: len(here.split(".")) - node.level + 1], *filter(None, [base])])
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+
+
 @functools.lru_cache(maxsize=None)
 def _tree(path: str, mtime: int, extra: str) -> ast.AST:
     return ast.parse(Path(path).read_text() + extra, path)
@@ -101,14 +112,7 @@ def imports(pkg: Path, extra: dict | None = None, annotations: bool = False,
         here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         tree = _tree(str(path), path.stat().st_mtime_ns, extra.get(str(path), ""))
         for node in _import_nodes(tree, annotations, top_level):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    base = ".".join([*here.split(".")[: len(here.split(".")) - node.level + 1], *filter(None, [base])])
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
-            for t in targets:
+            for t in import_targets(node, here, files):
                 if t.split(".")[0] != pkg.name:
                     outside[mod].add(t.split(".")[0])
                 elif t != mod:
