@@ -37,6 +37,7 @@ from numbisect.common.safeio import (
 from numbisect.common.textsafe import clip, path_text, printable
 from numbisect.common.threshold import parse_threshold
 from numbisect.model import engine_config as E
+from numbisect.model.arch import arch_for
 from numbisect.pipeline.provenance import new_report
 from numbisect.report.document import (
     command_line,
@@ -426,9 +427,6 @@ def _replay_indexer(session, body: dict) -> None:
 @click.option("--local/--no-local", default=True, show_default=True, help="Also feed each engine unit the reference's input (local error).")
 def compare(**kw):
     """Run the trace through both models: k3, KL, RL cost and per-unit divergence."""
-    from numbisect.pipeline.provenance import (  # lazy: keeps torch out of importing numbisect.cli
-        new_report,  # lazy: keeps torch out of importing numbisect.cli
-    )
     from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.cli
         Session,  # lazy: keeps torch out of importing numbisect.cli
     )
@@ -475,7 +473,6 @@ def weights(**kw):
     from numbisect.live.probe import samples_trace  # lazy: keeps torch out of importing numbisect.cli
 
     trace = samples_trace(kw["trace"]) if kw.get("trace") else None  # bad input refused before anything loads
-    from numbisect.model.arch import arch_for  # lazy: keeps torch out of importing numbisect.cli
 
     configs = [load_config(path) for path in (ref_path, eng_path)]
     for config in configs:  # a family numbisect does not know, named before the two disagree on sizes
@@ -561,9 +558,6 @@ def run(**kw):
     from numbisect.commands.run import (  # lazy: keeps torch out of importing numbisect.cli
         run as do_run,  # lazy: keeps torch out of importing numbisect.cli
     )
-    from numbisect.pipeline.provenance import (  # lazy: keeps torch out of importing numbisect.cli
-        new_report,  # lazy: keeps torch out of importing numbisect.cli
-    )
     from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.cli
         Session,  # lazy: keeps torch out of importing numbisect.cli
     )
@@ -634,9 +628,6 @@ def conditions(**kw):
         Settings,
         parse_opts,
     )
-    from numbisect.pipeline.provenance import (  # lazy: keeps torch out of importing numbisect.cli
-        new_report,  # lazy: keeps torch out of importing numbisect.cli
-    )
 
     _check_out(kw)
     user = E.load_settings(kw["engine_config"]) if kw["engine_config"] else {}
@@ -650,14 +641,9 @@ def conditions(**kw):
     spec = CondSpec(ref=kw["ref"], engine=kw["engine"], trace=kw["trace"], ref_dtype=kw["ref_dtype"],
                     engine_dtype=kw["engine_dtype"], ref_opts=parse_opts(kw["ref_opt"], "--ref-opt"),
                     engine_opts={"user": user, "good": good})
-    from numbisect.pipeline.measure import (  # lazy: keeps torch out of importing numbisect.cli
-        check_opts,  # lazy: keeps torch out of importing numbisect.cli
-    )
-
-    check_opts("hf", spec.ref_opts, "--ref-opt")
     with Progress(kw["quiet"]) as say:
         sess = CondSession(spec, settings, user, good)
-        from numbisect.backends.vllm.condition_worker import (  # lazy: keeps torch out of importing numbisect.cli
+        from numbisect.backends.vllm.child import (  # lazy: keeps torch out of importing numbisect.cli
             run_child,  # lazy: keeps torch out of importing numbisect.cli
         )
 

@@ -5,9 +5,9 @@
    (`HFBackend.of`, `VLLMBackend.of`: nothing loaded from disk, nothing installed), and
    records the digests of the reference's weights as the first step of the weight
    history (numbisect.live.weights.History).
-2. `Probe.compare(samples)` builds the pipeline's inputs (`pipeline.Sides`) over the
+2. `Probe.compare(samples)` builds the pipeline's inputs (`numbisect.pipeline.comparison.Sides`) over the
    wrapped backends and runs the same comparison as `bisect compare`
-   (`pipeline.compare`, `pipeline.report_body`, `provenance.new_report`): a `LiveReport`.
+   (`numbisect.pipeline.comparison.compare`, `report_body`, `numbisect.pipeline.provenance.new_report`): a `LiveReport`.
 3. `Probe.check_weights(samples=None)`: per unit, whether the engine computes with the
    reference's weights (numbisect.live.weights), tensor by tensor and, with samples (a
    few random ones by default), functionally by each unit's local error.
@@ -27,7 +27,7 @@ weights are checked tensor by tensor and a comparison is refused in one line nam
 Around every call the trainer's model is put in eval mode and each module's training
 flag restored afterwards (`eval_mode`); its parameters, `requires_grad` and gradients
 are never touched (the forwards run under `torch.inference_mode`). The engine's settings
-are never changed; hooks are removed after each forward (backends.ledger).
+are never changed; hooks are removed after each forward (numbisect.patching.ledger).
 
 A directory is accepted for either side: the backend numbisect opens from disk (as the
 CLI does), closed again by `Probe.close()`; the user's objects are never closed.
@@ -50,7 +50,7 @@ import torch
 
 from numbisect.backends.hf import HFBackend
 from numbisect.backends.vllm import VLLMBackend, forkserver
-from numbisect.backends.vllm.condition_worker import run_child
+from numbisect.backends.vllm.child import run_child
 from numbisect.backends.vllm.tp import VLLMTPBackend
 from numbisect.common.errors import BackendError, InputError
 from numbisect.common.procenv import no_code_from_cwd

@@ -30,7 +30,7 @@ from numbisect.report.view import ReportView, view
 def header(r: dict | ReportView) -> list[str]:
     v = view(r)
     eng, ref, tr = v.engine, v.ref, v.trace
-    eng_s = "rollout log-probs" if eng["backend"] == "rollout" else f"{eng['backend']}:{eng['path']} ({eng['dtype']})"
+    eng_s = f"{eng['backend']} log-probs" if v.engine_recorded else f"{eng['backend']}:{eng['path']} ({eng['dtype']})"
     lines = [
         f"numbisect {v.kind} | {ref.get('arch', '?')} | ref hf:{ref['path']} ({ref['dtype']}) vs engine {eng_s}",
         f"trace {tr['path']}: {tr['samples']} samples, {tr['completion_tokens']} completion tokens",

@@ -2,7 +2,7 @@
 
 `bisect report show` (numbisect.report.summary), `report md` and `report diff`
 (numbisect.report.tools), the routing, decode-mode and recurrent-state lines
-(routing_render, decode_render, recurrent_render) and the TUI (numbisect.tui.model and
+(numbisect.report.sections: routing, decode, recurrent) and the TUI (numbisect.tui.model and
 its widgets) read a report through `ReportView` instead of each walking the dict itself:
 
 1. The report is made printable once (`textsafe.printable_tree`): every string a reader
@@ -136,6 +136,12 @@ class ReportView:
     @property
     def engine(self) -> dict:
         return self.side("engine")
+
+    @property
+    def engine_recorded(self) -> bool:
+        """The engine ran no model: its log-probs are the ones the trace recorded (the
+        `rollout` engine, written with no dtype)."""
+        return self.engine.get("dtype") is None
 
     @property
     def engine_mode(self):

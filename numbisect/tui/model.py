@@ -583,7 +583,7 @@ FINDING_STYLE = {"=": "green", "!!": "bold red", "!": "yellow", "?": "dim"}
 
 def engine_config_finding(r: dict | ReportView) -> tuple[str, str, str]:
     """(mark, style, sentence): whether the module search (run in the hookable configuration)
-    saw the numbers of the user's own configuration (`conditions_render.engine_config_finding`)."""
+    saw the numbers of the user's own configuration (`numbisect.report.sections.conditions.engine_config_finding`)."""
     rv = view(r)
     mark, sentence = engine_config_finding_of(engine_config_of(rv), rv.aligned, rv.value, rv.threshold)
     return mark, FINDING_STYLE[mark], sentence

@@ -198,14 +198,14 @@ class Hung(BaseException):
 @pytest.fixture
 def no_models(monkeypatch):
     from numbisect import backends
-    from numbisect.backends.vllm import condition_worker
+    from numbisect.backends.vllm import child
     from numbisect.tui.app import BisectApp
 
     def stop(*a, **k):
         raise Accepted()
 
     monkeypatch.setattr(backends.Registered, "loader", lambda self: stop)
-    monkeypatch.setattr(condition_worker, "run_child", stop)
+    monkeypatch.setattr(child, "run_child", stop)
     monkeypatch.setattr(BisectApp, "run", stop)
 
 
