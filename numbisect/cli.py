@@ -17,6 +17,7 @@ import sys
 import threading
 import traceback
 import warnings
+from pathlib import Path
 
 import click
 
@@ -42,6 +43,9 @@ from numbisect.report.document import (
     write_json_atomic,
 )
 from numbisect.report.findings import exit_code as verdict_exit_code
+from numbisect.report.plot import plot_format, plot_link
+from numbisect.report.plot import require as require_matplotlib
+from numbisect.report.plot import write as write_plot
 from numbisect.report.summary import render
 from numbisect.report.tools import diff, markdown, render_diff
 from numbisect.tui.live import LiveConfig, check_live, run_argv
@@ -657,7 +661,7 @@ def conditions(**kw):
 
 @cli.group()
 def report():
-    """Work with report files: show, validate, diff, md (no models needed)."""
+    """Work with report files: show, validate, diff, md, plot (no models needed)."""
 
 
 @cli.command(epilog=EPILOG)
@@ -739,9 +743,40 @@ def report_diff(before, after, as_json):
 
 @report.command("md")
 @click.argument("file", type=click.Path())
-def report_md(file):
+@click.option("--plot", "plot_path", type=click.Path(), metavar="PNG|SVG",
+              help="Also draw the report's figure (as `report plot`) into this file and link it from the Markdown (needs matplotlib).")
+def report_md(file, plot_path):
     """Print a Markdown summary of a report, to paste into a GitHub issue."""
-    sys.stdout.write(markdown(load_report(file)))
+    r = load_report(file)
+    text = markdown(r)
+    if plot_path:
+        _write_plot(r, file, plot_path, "--plot")
+        text = plot_link(text, plot_path)
+    sys.stdout.write(text)
+    return ExitCode.ALIGNED
+
+
+def _write_plot(r: dict, file: str, out: str, what: str) -> None:
+    """Check `out` before drawing (a suffix it can tell, writable, not the report), then draw."""
+    plot_format(out)
+    check_output(out, what, {"REPORT": file})
+    write_plot(r, out)
+
+
+@report.command("plot")
+@click.argument("file", type=click.Path())
+@click.option("--out", type=click.Path(), metavar="PNG|SVG",
+              help="Write the figure here (.png or .svg) [default: the report's path with .png].")
+def report_plot(file, out):
+    """Draw a report's figure: the per-unit error along the depth (propagated and local
+    rel-L2, the culprit marked and named) and the search's trials (the judged value per
+    trial, the threshold). Needs matplotlib (pip install 'numbisect[plot]'); exit 2 without it.
+    """
+    require_matplotlib()
+    r = load_report(file)
+    out = out or str(Path(file).with_suffix(".png"))
+    _write_plot(r, file, out, "--out")
+    sys.stdout.write(f"plot: {path_text(out)}\n")
     return ExitCode.ALIGNED
 
 
