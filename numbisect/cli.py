@@ -507,13 +507,22 @@ def replay(bundle, **kw):
 
     BUNDLE is the directory numbisect.live's trigger wrote when it fired: the reference is
     its reference weights, the engine vLLM on the weights the live engine held (read back),
-    in the live engine's settings (engine.json, as --engine-config). The last line says
+    in the live engine's settings (engine.json, as --engine-config), with the faults the
+    live engine had planted for its life (NUMBISECT_ENGINE_FAULT), if any. The last line says
     whether the replay names the bundle's finding (verdict, first divergent unit)."""
     from numbisect.live.bundle import load, replay_inputs, reproduced  # lazy: keeps torch out of importing numbisect.cli
     from numbisect.session.session import Session  # lazy: keeps torch out of importing numbisect.cli
 
     b = load(bundle)  # a bad bundle: one line, before anything loads
     inp = replay_inputs(b)
+    if inp["engine_faults"]:  # planted in the live engine for its life: in every engine of the replay too, before it compiles
+        from numbisect.backends.vllm.enginefault import (  # lazy: keeps torch out of importing numbisect.cli
+            ENV,  # lazy: keeps torch out of importing numbisect.cli
+            env_value,  # lazy: keeps torch out of importing numbisect.cli
+        )
+
+        os.environ[ENV] = env_value(inp["engine_faults"])
+        print(f"replay: the live engine ran with faults planted ({ENV}), planted again here: {os.environ[ENV]}", file=sys.stderr)
     kw.update(ref=inp["ref"], engine=inp["engine"], trace=inp["trace"], ref_dtype=inp["ref_dtype"],
               engine_dtype=inp["engine_dtype"], ref_opt=(), engine_opt=(), engine_fault=(), floor_file=None,
               threshold=inp["threshold"] if inp["threshold"] is not None else 1e-3, metric="k3-mean", group="completion",

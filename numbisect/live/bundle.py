@@ -174,7 +174,8 @@ def write(probe, out_dir: str | os.PathLike, samples=None, *, weights: bool = Tr
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "model": {"arch": probe.ref.arch.name, "model_type": getattr(probe.ref.config, "model_type", None)},
         "reference": {"dtype": str(ref_dtype).removeprefix("torch.")},
-        "engine": {"dtype": str(eng_dtype).removeprefix("torch."), "live_settings": dict(probe.engine_settings)},
+        "engine": {"dtype": str(eng_dtype).removeprefix("torch."), "live_settings": dict(probe.engine_settings),
+                   "faults": probe.engine_faults()},
         "trace": {"samples": len(trace.samples), "completion_tokens": sum(len(s.completion_ids) for s in trace.samples)},
         "fire": fire.to_dict() if fire is not None else None,
         "finding": finding,
@@ -262,7 +263,8 @@ def replay_inputs(b: Bundle) -> dict:
         raise InputError(f"bundle {b.path}: the manifest names no trace or engine settings")
     return {"ref": f"hf:{ref}", "engine": f"vllm:{eng}", "trace": b.part("trace"),
             "ref_dtype": b.manifest["reference"]["dtype"], "engine_dtype": b.manifest["engine"]["dtype"],
-            "engine_config": b.part("engine_settings"), "threshold": b.finding.get("threshold")}
+            "engine_config": b.part("engine_settings"), "threshold": b.finding.get("threshold"),
+            "engine_faults": [f for f in b.manifest["engine"].get("faults") or [] if isinstance(f, str)]}
 
 
 def reproduced(b: Bundle, report: dict) -> tuple[bool, str]:

