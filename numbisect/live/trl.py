@@ -56,14 +56,16 @@ METRICS = {"mismatch": "sampling/sampling_logp_difference/mean", "is_ratio": "sa
            "reward": "reward"}
 
 
-def reload_sync(vg, skip: str | None = None):
+def reload_sync(vg, skip: str | None = None, repack: bool = False):
     """A `sync_weights` for TRL's `VLLMGeneration` in colocate mode on vLLM-CPU: TRL's walk
     (`_iter_named_params`, the same names), pushed with vLLM's `reload_weights`, then the
-    prefix cache reset as TRL does; `skip`: leave out every tensor whose name contains it."""
+    prefix cache reset as TRL does; `skip`: leave out every tensor whose name contains it;
+    `repack`: prepack the MoE experts again after the reload (numbisect.live.sync: without
+    it, vLLM-CPU 0.32's reload leaves every MoE layer computing with scrambled experts)."""
 
     def sync_weights():
         items = [(n, p.detach().clone()) for n, p in vg._iter_named_params() if skip is None or skip not in n]
-        push(vg.llm, items)
+        push(vg.llm, items, repack=repack)
         vg.llm.reset_prefix_cache()
 
     return sync_weights
