@@ -126,6 +126,12 @@ def child(name: str, fault: str | None, a, threshold: float) -> dict:
     if fault:
         env["NUMBISECT_ENGINE_FAULT"] = fault
     res = os.path.join(a.out, f"{name}.json")
+    if a.resume and os.path.exists(res):  # a finished run of an earlier call, same --out
+        with open(res) as f:
+            done = json.load(f)
+        if done["steps"] == a.steps and done["threshold"] == threshold:
+            print(f"[{time.strftime('%H:%M:%S')}] run {name}: reused {res}", flush=True)
+            return done
     cmd = [sys.executable, os.path.abspath(__file__), "--one", name, "--steps", str(a.steps), "--out", a.out,
            "--dtype", a.dtype, "--threshold", repr(threshold), "--result", res,
            *(["--engine-dtype", a.engine_dtype] if a.engine_dtype else [])]
@@ -152,9 +158,12 @@ def find(bundle: str, out: str, quick: bool = False) -> dict:
     """The tool on the planted run's bundle: replay, the search with the what-ifs, the MoE
     swapped (`quick`: the search only)."""
     with open(os.path.join(bundle, "manifest.json")) as f:
-        faults = json.load(f)["engine"].get("faults") or []
+        m = json.load(f)
+    faults = m["engine"].get("faults") or []
+    # the bundle's sides in their own dtypes, judged at the trigger's threshold, the live engine's faults planted per trial
     side = ["--ref", f"hf:{bundle}/reference", "--engine", f"vllm:{bundle}/engine", "--trace", f"{bundle}/trace.jsonl",
-            *[x for s in faults for x in ("--engine-fault", s)], "-q"]
+            "--ref-dtype", m["reference"]["dtype"], "--engine-dtype", m["engine"]["dtype"],
+            "--threshold", repr(m["fire"]["threshold"]), *[x for s in faults for x in ("--engine-fault", s)], "-q"]
     found = {"bundle_faults": faults}
     steps = ("run",) if quick else ("replay", "run", "swap_moe")
     if "replay" in steps:
@@ -235,6 +244,7 @@ def main(argv=None) -> int:
                     help="vLLM's dtype (default: TRL's, which passes none: vLLM's auto, bfloat16 on this CPU)")
     ap.add_argument("--threshold", type=float, default=None, help="the trigger's threshold (default: 10 x the aligned run's largest batch k3)")
     ap.add_argument("--quick", action="store_true", help="the suite's version: a few steps, planted run only")
+    ap.add_argument("--resume", action="store_true", help="reuse the runs already finished under --out (same steps, threshold)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

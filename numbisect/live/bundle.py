@@ -263,7 +263,9 @@ def replay_inputs(b: Bundle) -> dict:
         raise InputError(f"bundle {b.path}: the manifest names no trace or engine settings")
     return {"ref": f"hf:{ref}", "engine": f"vllm:{eng}", "trace": b.part("trace"),
             "ref_dtype": b.manifest["reference"]["dtype"], "engine_dtype": b.manifest["engine"]["dtype"],
-            "engine_config": b.part("engine_settings"), "threshold": b.finding.get("threshold"),
+            "engine_config": b.part("engine_settings"),
+            # the live comparison's threshold; without one (a compiled engine), the trigger's: the fired batch was judged at it
+            "threshold": b.finding.get("threshold", (b.manifest.get("fire") or {}).get("threshold")),
             "engine_faults": [f for f in b.manifest["engine"].get("faults") or [] if isinstance(f, str)]}
 
 
