@@ -107,6 +107,7 @@ def one_run(name: str, steps: int, out: str, dtype: str, threshold: float, engin
         cb = NumbisectCallback(trainer, os.path.join(out, name), trigger=Trigger(threshold=threshold, cooldown=10_000, max_fires=1))
         trainer.add_callback(cb)
         faults = cb.probe.engine_faults()
+        engine_dtype = str(cb.probe.engine.dtype).removeprefix("torch.")  # the callback closes the probe when training ends
         t0 = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - t0
@@ -114,15 +115,24 @@ def one_run(name: str, steps: int, out: str, dtype: str, threshold: float, engin
         shutil.rmtree(work, ignore_errors=True)
     fires = [{"step": b["step"] + 1, "k3": b["k3"], **(b["results"] or {})} for b in cb.batches if b["fired"]]
     return {"name": name, "engine_faults": faults, "steps": steps, "dtype": dtype, "threshold": threshold,
-            "engine_dtype": str(cb.probe.engine.dtype).removeprefix("torch."),
+            "engine_dtype": engine_dtype,
             "seconds_per_step": seconds / steps, "rows": cb.rows, "fires": fires,
             "checks_ok": sum(1 for c in cb.checks if c["ok"]), "checks": len(cb.checks)}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def child(name: str, fault: str | None, a, threshold: float) -> dict:
     """`one_run` in a fresh process, the fault in its environment only."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("NUMBISECT_ENGINE_FAULT", None)
+    env["MASTER_PORT"] = str(free_port())  # TRL's engine sets up torch.distributed: not the default 29500 another job holds
     if fault:
         env["NUMBISECT_ENGINE_FAULT"] = fault
     res = os.path.join(a.out, f"{name}.json")

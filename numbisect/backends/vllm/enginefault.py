@@ -14,6 +14,9 @@ module plants it while the engine loads, before anything compiles:
    planting as `--engine-fault` (numbisect.patching.faults, `VLLMModel.plant_fault`), and a
    `*` in the unit names every unit it matches (`moe_combine_bf16@layers.*.moe`: every MoE
    block). Separators: comma, semicolon or white space.
+   With faults to plant it also sets Inductor's `emulate_precision_casts` for the process
+   (`keep_precision_casts`): without it the compiled graph drops a fault's low-precision
+   roundings.
 3. The faults stay for the engine's life; `planted(model)` says which, `take_out(model)`
    undoes them (an eager engine then runs without them; a compiled graph keeps what it
    traced: start the engine again without the variable). Through a `vllm.LLM`:
@@ -97,6 +100,18 @@ def take_out(model) -> list[str]:
     return list(entry[0])
 
 
+def keep_precision_casts() -> None:
+    """Make torch.compile keep the low-precision roundings a precision fault writes: Inductor
+    elides a downcast-upcast pair between two fused operators by default
+    (`emulate_precision_casts=False`), so a `moe_combine_bf16` compiled into vLLM's graph
+    summed in fp32 after all (measured: TRL's compiled fp32 engine with the fault planted gave
+    the aligned run's mismatch, 4e-7). Set for this process, before the engine compiles; the
+    eager numerics it emulates are the ones `--engine-fault` measures."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = True
+
+
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -114,6 +129,7 @@ def install() -> bool:
         model = inner(self, vllm_config, model_config, *args, **kwargs)
         specs = env_specs()
         if specs:
+            keep_precision_casts()
             done = plant(model, _dtype_name(model_config.dtype), specs)
             print(f"numbisect: {ENV}: planted {len(done)} fault(s) in the engine before it compiles: {', '.join(done)}",
                   file=sys.stderr)
