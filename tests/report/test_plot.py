@@ -78,14 +78,16 @@ def test_the_culprit_is_marked_and_named():
     assert f"culprit: {culprit} (experts)" in text
 
 
-def test_a_systematic_culprit_marks_its_units():
+def test_a_systematic_culprit_marks_every_unit_of_its_kind():
+    """The search's systematic section as `bisect run` writes it (kinds, a count of units; no
+    culprit entries), e.g. the story's bf16 expert sum planted in every layer."""
     r = load_report(PLANTED)
-    kind_units = [u["name"] for u in r["units"] if u["kind"] == "moe"]
-    r["culprits"] = [{"unit": u, "kind": "moe"} for u in kind_units]
-    r["search"]["systematic"] = {"kinds": ["moe"], "units": kind_units}
+    r["culprits"] = []
+    r["search"]["systematic"] = {"kinds": ["experts"], "units": 4, "layers": 4, "value": 8.2e-14,
+                                 "per_kind": {"experts": 8.2e-14, "attn": 1.6e-7}}
     d = plot.depth_series(r)
-    assert [d["names"][i] for i in d["marked"]] == kind_units and len(kind_units) == 4
-    assert "systematic culprit: kind moe (4 units)" in _texts(plot.figure(r))
+    assert [d["names"][i] for i in d["marked"]] == [f"layers.{i}.moe.experts" for i in range(4)]
+    assert "systematic culprit: kind experts (4 units)" in _texts(plot.figure(r))
 
 
 def test_conditions_report_names_its_setting():
