@@ -419,7 +419,10 @@ class Probe:
         llm = None if self.engine is None else (self.llm if self.llm is not None else getattr(self.engine, "llm", None))
         if llm is None or not hasattr(llm, "apply_model"):
             return []
-        per_worker = llm.apply_model(enginefault.planted)
+        try:
+            per_worker = llm.apply_model(enginefault.planted)
+        except Exception:  # workers that refuse a pickled function (V1 multiprocessing without VLLM_ALLOW_INSECURE_SERIALIZATION): unknown, reported as none
+            return []
         return sorted({s for specs in per_worker or [] for s in (specs or [])})
 
     # -- poison control -----------------------------------------------------------------------
