@@ -17,6 +17,7 @@ import sys
 import threading
 import traceback
 import warnings
+from pathlib import Path
 
 import click
 
@@ -45,6 +46,9 @@ from numbisect.report.document import (
     write_json_atomic,
 )
 from numbisect.report.findings import exit_code as verdict_exit_code
+from numbisect.report.plot import plot_format, plot_link
+from numbisect.report.plot import require as require_matplotlib
+from numbisect.report.plot import write as write_plot
 from numbisect.report.summary import render
 from numbisect.report.tools import diff, markdown, render_diff
 from numbisect.tui.live import LiveConfig, check_live, run_argv
@@ -507,7 +511,8 @@ def replay(bundle, **kw):
 
     BUNDLE is the directory numbisect.live's trigger wrote when it fired: the reference is
     its reference weights, the engine vLLM on the weights the live engine held (read back),
-    in the live engine's settings (engine.json, as --engine-config). The last line says
+    in the live engine's settings (engine.json, as --engine-config), with the faults the
+    live engine had planted for its life (NUMBISECT_ENGINE_FAULT), if any. The last line says
     whether the replay names the bundle's finding (verdict, first divergent unit)."""
     from numbisect.live.bundle import load, replay_inputs, reproduced  # lazy: keeps torch out of importing numbisect.cli
     from numbisect.session.session import Session  # lazy: keeps torch out of importing numbisect.cli
@@ -516,6 +521,14 @@ def replay(bundle, **kw):
     inp = replay_inputs(b)
     if kw.get("out"):  # the report never replaces a file of the bundle (its manifest, a part)
         check_not_an_input(kw["out"], "--out", None, {"BUNDLE": ("replay bundle", b.path)})
+    if inp["engine_faults"]:  # planted in the live engine for its life: in every engine of the replay too, before it compiles
+        from numbisect.backends.vllm.enginefault import (  # lazy: keeps torch out of importing numbisect.cli
+            ENV,  # lazy: keeps torch out of importing numbisect.cli
+            env_value,  # lazy: keeps torch out of importing numbisect.cli
+        )
+
+        os.environ[ENV] = env_value(inp["engine_faults"])
+        print(f"replay: the live engine ran with faults planted ({ENV}), planted again here: {os.environ[ENV]}", file=sys.stderr)
     kw.update(ref=inp["ref"], engine=inp["engine"], trace=inp["trace"], ref_dtype=inp["ref_dtype"],
               engine_dtype=inp["engine_dtype"], ref_opt=(), engine_opt=(), engine_fault=(), floor_file=None,
               threshold=inp["threshold"] if inp["threshold"] is not None else 1e-3, metric="k3-mean", group="completion",
@@ -657,7 +670,7 @@ def conditions(**kw):
 
 @cli.group()
 def report():
-    """Work with report files: show, validate, diff, md (no models needed)."""
+    """Work with report files: show, validate, diff, md, plot (no models needed)."""
 
 
 @cli.command(epilog=EPILOG)
@@ -739,9 +752,40 @@ def report_diff(before, after, as_json):
 
 @report.command("md")
 @click.argument("file", type=click.Path())
-def report_md(file):
+@click.option("--plot", "plot_path", type=click.Path(), metavar="PNG|SVG",
+              help="Also draw the report's figure (as `report plot`) into this file and link it from the Markdown (needs matplotlib).")
+def report_md(file, plot_path):
     """Print a Markdown summary of a report, to paste into a GitHub issue."""
-    sys.stdout.write(markdown(load_report(file)))
+    r = load_report(file)
+    text = markdown(r)
+    if plot_path:
+        _write_plot(r, file, plot_path, "--plot")
+        text = plot_link(text, plot_path)
+    sys.stdout.write(text)
+    return ExitCode.ALIGNED
+
+
+def _write_plot(r: dict, file: str, out: str, what: str) -> None:
+    """Check `out` before drawing (a suffix it can tell, writable, not the report), then draw."""
+    plot_format(out)
+    check_output(out, what, {"REPORT": file})
+    write_plot(r, out)
+
+
+@report.command("plot")
+@click.argument("file", type=click.Path())
+@click.option("--out", type=click.Path(), metavar="PNG|SVG",
+              help="Write the figure here (.png or .svg) [default: the report's path with .png].")
+def report_plot(file, out):
+    """Draw a report's figure: the per-unit error along the depth (propagated and local
+    rel-L2, the culprit marked and named) and the search's trials (the judged value per
+    trial, the threshold). Needs matplotlib (pip install 'numbisect[plot]'); exit 2 without it.
+    """
+    require_matplotlib()
+    r = load_report(file)
+    out = out or str(Path(file).with_suffix(".png"))
+    _write_plot(r, file, out, "--out")
+    sys.stdout.write(f"plot: {path_text(out)}\n")
     return ExitCode.ALIGNED
 
 

@@ -215,11 +215,12 @@ REPORTS = ROOT / "fixtures" / "reports"
 @pytest.mark.parametrize(
     "argv",
     [["show", "qwen3_moe_planted_fault.json"], ["validate", "qwen3_moe_planted_fault.json"],
-     ["md", "qwen3_moe_compare_vllm.json"], ["diff", "qwen3_moe_planted_fault.json", "qwen3_moe_compare_vllm.json", "--json"]],
+     ["md", "qwen3_moe_compare_vllm.json"], ["diff", "qwen3_moe_planted_fault.json", "qwen3_moe_compare_vllm.json", "--json"],
+     ["plot", "qwen3_moe_planted_fault.json", "--out", "{tmp}/plot.svg"]],
 )
-def test_report_commands_load_no_torch(argv):
+def test_report_commands_load_no_torch(argv, tmp_path):
     """harlequin's check: run the command in a fresh interpreter, then look at sys.modules."""
-    args = ["report", argv[0], *(str(REPORTS / a) if a.endswith(".json") else a for a in argv[1:])]
+    args = ["report", argv[0], *(str(REPORTS / a) if a.endswith(".json") else a.format(tmp=tmp_path) for a in argv[1:])]
     code = (
         "import contextlib, io, sys\n"
         "from numbisect.cli import main\n"

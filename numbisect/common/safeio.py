@@ -314,6 +314,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     written in place; a symbolic link to a regular file keeps being a link (its target is
     replaced).
     """
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """`write_text_atomic` for bytes (an image)."""
     p = Path(path)
     try:
         st = os.stat(p)
@@ -329,8 +334,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
                 raise InputError(f"cannot write {path}: it is a FIFO that no process is reading") from None
             raise
         os.set_blocking(fd, True)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
         return
     real = Path(os.path.realpath(p)) if p.is_symlink() else p
     parent = real.parent
@@ -341,8 +346,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, (st.st_mode & 0o777) if st is not None else (0o666 & ~umask))
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, real)

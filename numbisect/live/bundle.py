@@ -49,6 +49,7 @@ from numbisect.live.probe import LiveReport, random_samples, samples_trace
 from numbisect.live.weights import digest, write_checkpoint
 from numbisect.model import engine_config as E
 from numbisect.model.trace import BUILTIN_GROUPS
+from numbisect.patching.faults import parse_fault
 from numbisect.pipeline import comparison as P
 from numbisect.pipeline.provenance import new_report
 from numbisect.report.document import write_json_atomic
@@ -184,7 +185,8 @@ def write(probe, out_dir: str | os.PathLike, samples=None, *, weights: bool = Tr
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "model": {"arch": probe.ref.arch.name, "model_type": getattr(probe.ref.config, "model_type", None)},
         "reference": {"dtype": str(ref_dtype).removeprefix("torch.")},
-        "engine": {"dtype": str(eng_dtype).removeprefix("torch."), "live_settings": dict(probe.engine_settings)},
+        "engine": {"dtype": str(eng_dtype).removeprefix("torch."), "live_settings": dict(probe.engine_settings),
+                   "faults": probe.engine_faults()},
         "trace": {"samples": len(trace.samples), "completion_tokens": sum(len(s.completion_ids) for s in trace.samples)},
         "fire": fire.to_dict() if fire is not None else None,
         "finding": finding,
@@ -325,6 +327,15 @@ def _check_manifest(path: str, m: dict, where: str) -> None:
     engine = c.obj(m.get("engine"), "engine")
     c.dtype(engine.get("dtype"), "engine.dtype")
     c.obj(engine.get("live_settings"), "engine.live_settings", optional=True)
+    faults = engine.get("faults") or []
+    if not isinstance(faults, list):
+        c.fail("engine.faults", f"must be a list of fault specs, not {_shown(faults)}")
+    for i, spec in enumerate(faults):  # planted again in the replay's engines: each a fault numbisect knows
+        c.string(spec, f"engine.faults[{i}]")
+        try:
+            parse_fault(spec)
+        except InputError as e:
+            c.fail(f"engine.faults[{i}]", e.message)
     trace = c.obj(m.get("trace"), "trace", optional=True)
     for key in ("samples", "completion_tokens"):
         if key in trace:
@@ -446,7 +457,10 @@ def replay_inputs(b: Bundle) -> dict:
         raise InputError(f"bundle {path_text(b.path)}: the manifest names no trace or engine settings")
     return {"ref": f"hf:{ref}", "engine": f"vllm:{eng}", "trace": b.part("trace"),
             "ref_dtype": b.manifest["reference"]["dtype"], "engine_dtype": b.manifest["engine"]["dtype"],
-            "engine_config": b.part("engine_settings"), "threshold": b.finding.get("threshold")}
+            "engine_config": b.part("engine_settings"),
+            # the live comparison's threshold; without one (a compiled engine), the trigger's: the fired batch was judged at it
+            "threshold": b.finding.get("threshold", (b.manifest.get("fire") or {}).get("threshold")),
+            "engine_faults": list(b.manifest["engine"].get("faults") or [])}  # checked by _check_manifest
 
 
 def reproduced(b: Bundle, report: dict) -> tuple[bool, str]:

@@ -419,6 +419,23 @@ class Probe:
             return ""
         return f"{why}; " if why else ""
 
+    def engine_faults(self) -> list[str]:
+        """The faults planted in the running engine for its life through NUMBISECT_ENGINE_FAULT
+        (numbisect.backends.vllm.enginefault), read from its model (every worker's); [] when
+        none (or when this engine is not a vLLM one)."""
+        from numbisect.backends.vllm import (  # lazy: keeps vLLM's modules out of importing numbisect.live
+            enginefault,  # lazy: keeps vLLM's modules out of importing numbisect.live
+        )
+
+        llm = None if self.engine is None else (self.llm if self.llm is not None else getattr(self.engine, "llm", None))
+        if llm is None or not hasattr(llm, "apply_model"):
+            return []
+        try:
+            per_worker = llm.apply_model(enginefault.planted)
+        except Exception:  # workers that refuse a pickled function (V1 multiprocessing without VLLM_ALLOW_INSECURE_SERIALIZATION): unknown, reported as none
+            return []
+        return sorted({s for specs in per_worker or [] for s in (specs or [])})
+
     # -- poison control -----------------------------------------------------------------------
     def _llm(self):
         """The `vllm.LLM` weights are pushed into; refused (EngineClosedError) when this probe
