@@ -70,6 +70,7 @@ from numbisect.live.errors import (
     SyncError,
 )
 from numbisect.live.poison import PoisonError
+from numbisect.backends.vllm import enginefault
 from numbisect.live.sync import push, reload_problem, undo_unfinished, unfinished
 from numbisect.model.arch import arch_for
 from numbisect.model.rlformats import load_any
@@ -423,10 +424,6 @@ class Probe:
         """The faults planted in the running engine for its life through NUMBISECT_ENGINE_FAULT
         (numbisect.backends.vllm.enginefault), read from its model (every worker's); [] when
         none (or when this engine is not a vLLM one)."""
-        from numbisect.backends.vllm import (  # lazy: keeps vLLM's modules out of importing numbisect.live
-            enginefault,  # lazy: keeps vLLM's modules out of importing numbisect.live
-        )
-
         llm = None if self.engine is None else (self.llm if self.llm is not None else getattr(self.engine, "llm", None))
         if llm is None or not hasattr(llm, "apply_model"):
             return []

@@ -37,7 +37,7 @@ MAX_NAMED = 4  # culprits named one by one on the depth axes; more are named as 
 def require():
     """The matplotlib module, or one clear InputError line when it is not installed."""
     try:
-        import matplotlib  # lazy: an optional extra (numbisect[plot])
+        import matplotlib  # lazy: optional: the plot extra (numbisect[plot]); missing, one line
     except ImportError:
         raise InputError("bisect report plot needs matplotlib, which is not installed",
                          hint="pip install 'numbisect[plot]' (or: pip install matplotlib)") from None
@@ -190,8 +190,8 @@ def figure(r: dict | ReportView):
     """The report's figure (a matplotlib Figure on the Agg canvas): the depth axes, the
     trials axes, or both; InputError when the report has neither."""
     require()
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: an optional extra (numbisect[plot])
-    from matplotlib.figure import Figure  # lazy: an optional extra (numbisect[plot])
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib loads only when this runs
+    from matplotlib.figure import Figure  # lazy: matplotlib loads only when this runs
 
     v = view(r)
     d, t = depth_series(v), trial_series(v)

@@ -33,6 +33,8 @@ import importlib.util
 import sys
 import types
 
+from numbisect.backends.vllm import enginefault
+
 _QWEN2_VL = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 
 
@@ -55,10 +57,6 @@ def plugin() -> None:
     engine before it compiles (numbisect.backends.vllm.enginefault; a no-op while the
     variable is unset). vLLM may call it more than once per process; installing twice is
     harmless."""
-    from numbisect.backends.vllm import (  # lazy: keeps the fallback above free of numbisect's other modules
-        enginefault,  # lazy: keeps the fallback above free of numbisect's other modules
-    )
-
     enginefault.install()
     if importlib.util.find_spec("torchvision") is not None:
         return

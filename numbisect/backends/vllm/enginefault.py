@@ -20,7 +20,7 @@ module plants it while the engine loads, before anything compiles:
 3. The faults stay for the engine's life; `planted(model)` says which, `take_out(model)`
    undoes them (an eager engine then runs without them; a compiled graph keeps what it
    traced: start the engine again without the variable). Through a `vllm.LLM`:
-   `llm.apply_model(planted)` / `llm.apply_model(take_out)` (numbisect.live.enginefault).
+   `llm.apply_model(planted)` / `llm.apply_model(take_out)`.
 
 A bad spec, or a unit the model does not have, stops the engine's start with that one line
 (an InputError): a run must not go on silently without the fault it asked for.
@@ -35,6 +35,7 @@ import re
 import sys
 
 from numbisect.common.errors import InputError
+from numbisect.backends.vllm.model import view
 from numbisect.patching.faults import apply_faults, parse_fault
 
 ENV = "NUMBISECT_ENGINE_FAULT"
@@ -73,9 +74,6 @@ def expand(engine, specs: list[str]) -> list:
 def plant(model, dtype: str, specs: list[str]) -> list[str]:
     """Plant `specs` on a loaded vLLM model for its life (what was planted before is taken
     out first); returns the specs planted, one per unit."""
-    from numbisect.backends.vllm.model import (  # lazy: the plugin imports this module while vLLM starts; the backend imports vLLM's model code
-        view,  # lazy: the plugin imports this module while vLLM starts; the backend imports vLLM's model code
-    )
 
     take_out(model)
     engine = view(model, dtype)
