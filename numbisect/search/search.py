@@ -39,7 +39,9 @@ The hierarchical strategy (the default):
    no culprit is named and each layer's contribution is measured instead.
 7. Kind-level hypotheses (`_Search._kinds`): every unit of a kind swapped, as `--swap
    KIND` does. A kind needed in (more than half of) its layers is a systematic culprit,
-   the same difference in every layer (a kernel, a config value). They are tried as
+   the same difference in every layer (a kernel, a config value), when the kinds named are
+   a proper subset of the kinds; when only every kind together fixes it, nothing was
+   localised and the answer is "diffuse" with each kind's contribution (`diffuse_kinds`). They are tried as
    soon as the evidence says the divergence is spread, not after step 3: before it when
    the checkpoint diff names a config value a kind reads, or weights that differ in most
    layers of a kind; in step 3 when the unit found last does not fix alone (so not a
