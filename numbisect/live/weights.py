@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from numbisect.backends.vllm.lora_names import base_name
 from numbisect.backends.vllm.model import gemm_weight
 from numbisect.model.ckptdiff import (
     DIGEST_BYTES,
@@ -190,7 +191,9 @@ class ReferenceReader:
 
 
 def _split(pname: str, t: torch.Tensor, shapes: dict[str, tuple]) -> list[tuple[str, torch.Tensor]]:
-    """One vLLM parameter as the checkpoint tensors it holds (`FUSED`, `EXPERTS`)."""
+    """One vLLM parameter as the checkpoint tensors it holds (`FUSED`, `EXPERTS`); a LoRA
+    engine's `...base_layer.weight` as the base model's name (backends.vllm.lora_names)."""
+    pname = base_name(pname)
     for fused, parts in FUSED.items():
         if f".{fused}." in pname:
             names = [pname.replace(f".{fused}.", f".{p}.") for p in parts]
