@@ -662,6 +662,10 @@ def _reference(reference, dtype: str | None):
     if isinstance(reference, (str, os.PathLike)):
         b = HFBackend(os.fspath(reference), dtype or "bfloat16")
         return b, None, [b]
+    if hasattr(reference, "peft_config"):  # a PEFT model: its adapter is either merged into what the engine holds or a slot of it
+        raise ReferenceModelError("the reference is a PEFT (LoRA) model: check the engine against it with "
+                                  "numbisect.live.lora.check_merged(model, llm) (merged weights pushed) or "
+                                  "check_adapter(model, llm, lora_int_id) (an engine with enable_lora=True)")
     if not isinstance(reference, torch.nn.Module) or not hasattr(reference, "config"):
         raise ReferenceModelError(f"reference: expected a transformers model or a checkpoint directory, not {type(reference).__name__}")
     devices = {p.device.type for p in reference.parameters()}

@@ -81,6 +81,14 @@ def test_the_weight_check_finds_every_base_weight_on_an_enable_lora_engine(llm):
     assert check.to_dict()["counts"] == {"ok": len(check.units)} and not check.unmapped
 
 
+def test_attach_to_a_peft_model_points_to_the_lora_checks(llm, pm):
+    from numbisect.live import ReferenceModelError, attach
+
+    with pytest.raises(ReferenceModelError) as e:
+        attach(reference=pm, engine=llm)
+    assert "numbisect.live.lora.check_merged" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_the_adapter_path_checks_the_slot_the_base_and_the_decode_logprobs(llm, pm):
     from numbisect.live import lora as L
 
