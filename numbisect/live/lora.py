@@ -45,6 +45,7 @@ a PEFT model's targets in MoE experts are not read here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ import torch
 from numbisect.backends.vllm.lora_names import base_name
 from numbisect.live import weights as W
 from numbisect.model.arch import arch_for
-from numbisect.model.ckptdiff import unit_of, unit_prefixes
+from numbisect.model.ckptdiff import apply_renames, unit_of, unit_prefixes
 
 OK, NOT_APPLIED, TWICE, SCALE, CORRUPTED = "ok", "adapter not applied", "applied twice", "wrong scale", "corrupted"
 FOLDED, NOT_LOADED, NOT_IN_SLOT, EXTRA, RANK = "delta folded into the base", "not loaded", "not in the slot", "extra target", "rank differs"
@@ -217,8 +218,6 @@ def _unit_fn(config_):
     renames = getattr(arch, "ckpt_renames", {}) or {}
 
     def unit(name: str) -> str:
-        from numbisect.model.ckptdiff import apply_renames
-
         return unit_of(apply_renames(name, renames), prefixes) or "(no unit)"
 
     return unit
@@ -394,7 +393,7 @@ def functional(model, llm, lora_request=None, prompts=None, tokens: int = 6, tol
 
     def trainer_lp(adapter: bool) -> list[torch.Tensor]:
         out = []
-        ctx = model.disable_adapter() if not adapter else _nullcontext()
+        ctx = model.disable_adapter() if not adapter else contextlib.nullcontext()
         was = model.training
         model.eval()
         try:
@@ -417,14 +416,6 @@ def functional(model, llm, lora_request=None, prompts=None, tokens: int = 6, tol
         status, note = CORRUPTED, f"decode log-probs are neither the adapter's ({d_ad:.3g}) nor the base model's ({d_base:.3g})"
     return {"status": status, "note": note, "max_abs_adapter": d_ad, "max_abs_base": d_base,
             "tokens": sum(len(c) for _, c in seqs)}
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # -- pushing an adapter from tensors -----------------------------------------------------------------
