@@ -117,6 +117,21 @@ def test_the_adapter_path_checks_the_slot_the_base_and_the_decode_logprobs(llm, 
     assert all("not the adapter's (an older push?" in r["note"] for r in c.differing()) and len(c.differing()) == 12
 
 
+def test_an_adapter_added_with_vllms_own_add_lora_is_checked_in_its_slot(llm, pm, tmp_path):
+    from vllm.lora.request import LoRARequest
+
+    from numbisect.live import lora as L
+
+    pm.save_pretrained(tmp_path / "adapter")  # what verl or a user hands vLLM's add_lora
+    assert llm.llm_engine.add_lora(LoRARequest("from-disk", 2, str(tmp_path / "adapter")))
+    c = L.check_adapter(pm, llm, 2)
+    assert c.ok and len({r["module"] for r in c.rows if r.get("what") == "slot"}) == 12, c.lines()
+    c = L.check_adapter(peft_model(seed=1), llm, 2)  # another adapter in that slot
+    assert {r["status"] for r in c.differing()} == {"corrupted"}
+    llm.llm_engine.remove_lora(2)
+    assert [r["status"] for r in L.check_adapter(pm, llm, 2).differing()] == ["not loaded"]
+
+
 def test_merged_weights_under_an_adapter_are_named_folded_and_a_reload_unloads_the_adapter(llm, pm):
     from numbisect.live import lora as L
     from numbisect.live.sync import push
