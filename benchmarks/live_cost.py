@@ -26,6 +26,14 @@ vLLM's own reload (numbisect.live.sync.push). Measured in this run, medians of -
   does not grow with the model. What is above one unit: a packed weight read back through
   its kernel (the identity's answer, a block at a time) and the allocator's own.
 
+`--lora`: the LoRA checks (numbisect.live.lora) on the fixture with a PEFT adapter (r=4,
+alpha=16 on q/v/down projections, B drawn at random), an engine started with
+`enable_lora=True`: the merged path's check, the adapter path's (slot, base) and the
+decode-log-prob functional check, against one engine forward and one sync.
+`--experts` (a MoE fixture, default qwen3_moe): the per-tensor weight check after a correct
+sync and after vLLM's reload left every layer's experts unpacked (corrupted), against one
+training step (goal: at most 1 s with every expert corrupted).
+
 Prints a table and, with --json FILE, the figures.
 """
 
@@ -126,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, help="a random-weight copy of the fixture this wide (with --layers)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--memory-only", action="store_true", help="the check's peak memory alone, no timings")
+    ap.add_argument("--lora", action="store_true", help="the LoRA checks (merged and adapter paths)")
+    ap.add_argument("--experts", action="store_true", help="the weight check with every expert corrupted (a MoE fixture)")
     args = ap.parse_args(argv)
     quiet_env()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -135,6 +145,10 @@ def main(argv=None) -> int:
         tmp = tempfile.mkdtemp(prefix="numbisect-bench-")
         model_dir = bigger_copy(model_dir, os.path.join(tmp, "model"), args.hidden, args.layers)
     try:
+        if args.lora:
+            return measure_lora(args, model_dir)
+        if args.experts:
+            return measure_experts(args, model_dir if args.fixture != "qwen3" else str(ROOT / "fixtures" / "models" / "qwen3_moe"))
         return measure(args, model_dir)
     finally:
         if tmp is not None:
@@ -241,6 +255,115 @@ def measure(args, model_dir: str) -> int:
         Path(args.json).write_text(json.dumps(fig, indent=1) + "\n")
     probe.close()
     return 0
+
+
+def _table(title: str, rows: list, fig: dict, args) -> int:
+    w = max(len(a) for a, _ in rows)
+    print(title)
+    for a, b in rows:
+        print(f"  {a:<{w}}  {b}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(fig, indent=1) + "\n")
+    return 0
+
+
+def measure_lora(args, model_dir: str) -> int:
+    import torch
+    import vllm
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from numbisect.live import lora as L
+    from numbisect.live.sync import push
+
+    torch.manual_seed(0)
+    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                        LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0))
+    for n, p in pm.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.05)
+    llm = vllm.LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", enable_prefix_caching=False,
+                   max_model_len=256, seed=0, enable_lora=True, max_lora_rank=8, max_loras=2)
+    vocab = pm.get_base_model().config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(args.samples)]
+    ts = L.targets(pm)
+
+    def merged():
+        return [(n, t + ts[n[:-7]].delta() if n[:-7] in ts else t) for n, t in L.base_tensors(pm).items()]
+
+    def sync():
+        push(llm, merged())
+
+    def forward():  # decode: prompt log-probs crash with LoRA enabled (vLLM 0.32)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                     SamplingParams(max_tokens=1, logprobs=0, detokenize=False), use_tqdm=False)
+
+    sync()
+    forward()
+    fig = {"fixture": args.fixture, "samples": args.samples, "repeats": args.repeats}
+    fig["forward_s"] = median_time(forward, args.repeats)
+    fig["sync_s"] = median_time(sync, args.repeats)
+    L.check_merged(pm, llm)
+    fig["merged_check_s"] = median_time(lambda: L.check_merged(pm, llm), args.repeats)
+    push(llm, L.base_tensors(pm).items())
+    req = L.load_adapter(llm, pm, 1)
+    fig["load_adapter_s"] = median_time(lambda: L.load_adapter(llm, pm, 1), args.repeats)
+    assert L.check_adapter(pm, llm, 1), "the adapter path should be ok"
+    fig["adapter_check_s"] = median_time(lambda: L.check_adapter(pm, llm, 1), args.repeats)
+    L.functional(pm, llm, req)
+    fig["functional_s"] = median_time(lambda: L.functional(pm, llm, req), args.repeats)
+    rows = [("one engine forward (decode, 1 token)", f"{fig['forward_s'] * 1e3:.1f} ms"),
+            ("one sync of merged weights (vLLM reload)", f"{fig['sync_s'] * 1e3:.1f} ms"),
+            ("LoRA check, merged path", f"{fig['merged_check_s'] * 1e3:.1f} ms"),
+            ("adapter pushed from tensors", f"{fig['load_adapter_s'] * 1e3:.1f} ms"),
+            ("LoRA check, adapter path (slot and base)", f"{fig['adapter_check_s'] * 1e3:.1f} ms"),
+            ("functional check (6 decode tokens x 2, PEFT with and without)", f"{fig['functional_s'] * 1e3:.1f} ms")]
+    return _table(f"numbisect.live.lora on {args.fixture}, medians of {args.repeats}", rows, fig, args)
+
+
+def measure_experts(args, model_dir: str) -> int:
+    import torch
+    import vllm
+    from transformers import AutoModelForCausalLM
+
+    from numbisect.live import attach
+    from numbisect.live.sync import push, trainer_tensors
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    llm = vllm.LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+                   enable_prefix_caching=False, max_model_len=256, seed=0)
+
+    def step():
+        ids = torch.randint(0, vocab, (args.samples, 32), generator=g)
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    probe = attach(reference=model, engine=llm)
+    fig = {"fixture": os.path.basename(model_dir), "repeats": args.repeats}
+    fig["train_step_s"] = median_time(step, args.repeats)
+    push(llm, trainer_tensors(model), repack=True)
+    probe.check_weights(functional=False)
+    fig["check_right_s"] = median_time(lambda: probe.check_weights(functional=False), args.repeats)
+    push(llm, trainer_tensors(model), repack=False)  # vLLM-CPU's reload alone: every layer's experts unpacked
+    check = probe.check_weights(functional=False)
+    bad = check.differing()
+    fig["corrupted_units"] = [u.unit for u in bad]
+    fig["corrupted_tensors"] = sum(len(u.tensors) for u in bad)
+    fig["check_corrupted_s"] = median_time(lambda: probe.check_weights(functional=False), args.repeats)
+    rows = [("one training step", f"{fig['train_step_s'] * 1e3:.1f} ms"),
+            ("weight check, every unit right", f"{fig['check_right_s'] * 1e3:.1f} ms"),
+            (f"weight check, every expert corrupted ({len(bad)} units, {fig['corrupted_tensors']} tensors)",
+             f"{fig['check_corrupted_s'] * 1e3:.1f} ms")]
+    probe.close()
+    return _table(f"numbisect.live weight check on {fig['fixture']}, medians of {args.repeats}", rows, fig, args)
 
 
 if __name__ == "__main__":

