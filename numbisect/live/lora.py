@@ -421,7 +421,7 @@ def functional(model, llm, lora_request=None, prompts=None, tokens: int = 6, tol
 # -- pushing an adapter from tensors -----------------------------------------------------------------
 def adapter_tensors(model) -> dict[str, torch.Tensor]:
     """The active adapter's A and B tensors in PEFT's saved names (`...q_proj.lora_A.weight`)."""
-    from peft import get_peft_model_state_dict
+    from peft import get_peft_model_state_dict  # lazy: peft loads only when this runs
 
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(model).items()}
 
