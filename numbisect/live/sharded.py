@@ -53,7 +53,7 @@ from numbisect.live import weights as W
 from numbisect.live.errors import LiveError
 from numbisect.model.arch import arch_for
 
-DEFAULT_TIMEOUT = 30.0  # seconds: the longest any rank waits for the others in a check
+DEFAULT_TIMEOUT = 60.0  # seconds: the longest any rank waits for the others in a check (the driver reading one unit back included)
 DONE = "__done__"
 
 
