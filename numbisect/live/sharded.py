@@ -30,7 +30,10 @@ So the check is collective-safe by construction:
    shard only, or gathered the ranks' shards of two tensors in a rank-dependent order, is
    named at its unit: "rows 64:128 (rank 1) unwritten: still the weights of check 1",
    "rows 64:128 (rank 1) hold k_proj's rows of rank 1".
-5. `ShardedProbe.check_local()`: no communication; on a rank with an engine, this rank's
+5. `ShardedProbe.check_sync(sync)`: the user's sync under poison control (as
+   `Probe.check_sync`, numbisect.live.poison), every rank running the sync between the
+   poison and the check.
+6. `ShardedProbe.check_local()`: no communication; on a rank with an engine, this rank's
    own rows of every tensor the trainer shards against the engine's same rows (its own
    history of digests), the rest of the tensors (replicated) whole.
 
@@ -49,8 +52,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from numbisect.live import poison as X
+from numbisect.live import transfer as T
 from numbisect.live import weights as W
 from numbisect.live.errors import LiveError
+from numbisect.live.sync import push
 from numbisect.model.arch import arch_for
 
 DEFAULT_TIMEOUT = 60.0  # seconds: the longest any rank waits for the others in a check (the driver reading one unit back included)
@@ -266,7 +272,77 @@ class ShardedProbe:
         t0 = time.perf_counter()
         return self._driven(functools.partial(self._check, label=label, t0=t0))
 
-    def _check(self, ref: ShardedReference, label: str, t0: float) -> W.WeightCheck:
+    def check_sync(self, sync, *, seed: int = 0, step: str | None = None) -> W.WeightCheck:
+        """`sync()` (the user's push, run on every rank: its gathers are collectives) under
+        poison control (numbisect.live.poison), then `check_weights`; call it on every rank.
+        On the engine's rank, before the sync: the engine's tensors read back (kept) and
+        overwritten with seeded random values through vLLM's reload, each read back again;
+        a tensor, or a rank's rows, the sync never wrote is then `unwritten`, "still the
+        weights of poison (seed N)", whatever the engine held before. The tensors the sync
+        left poisoned are put back to what they held before it. A poison that could not be
+        pushed or did not reach a tensor: `PoisonError` on every rank, the engine put back,
+        the sync not run."""
+        self._agree("check_sync")
+        label = step or f"check {self.calls}"
+        p, err = None, None
+        if self.rank == self.driver:
+            try:
+                p = self._poison(seed)
+            except X.PoisonError as e:
+                err = e.message
+        errors = [e for e in self._all_gather(err, "poisoning the engine") if e]
+        if errors:
+            raise X.PoisonError(errors[0])
+        sync()
+        t0 = time.perf_counter()
+        return self._driven(functools.partial(self._check_poisoned, p=p, label=label, t0=t0))
+
+    def _poison(self, seed: int) -> X.Poisoned:
+        """The engine's tensors read back and poisoned (check_sync), on the engine's rank."""
+        eng = self._engine
+        t0 = time.perf_counter()
+        saved = {n: t for n, t in eng.tensors().items() if n in self.shapes}
+        held = {n: W.digest(t) for n, t in saved.items()}
+        before = (self.history.previous() or ("", {}))[1]
+        poison = X.poison_values(saved, {n: {held[n], before.get(n)} for n in saved}, seed, W.digest)
+        p = X.Poisoned(seed=seed, label=X.POISON_LABEL.format(seed=seed), tensors=len(saved))
+        push(self.llm, list(poison.items()), repack=True)
+        p.digests = {n: d for n, d in W.reader_digests(eng.units()).items() if n in saved}
+        missed = sorted(n for n in saved if p.digests.get(n) in (None, held[n]))
+        if missed:
+            push(self.llm, list(saved.items()), repack=True)
+            raise X.PoisonError(f"the poison did not reach {len(missed)} engine tensor(s) ({', '.join(missed[:4])}): "
+                                "a sync that skips them could not be told; the engine was put back as found")
+        p.rows = {n: [W.digest(t.narrow(self.dims[n], a, b - a)) for a, b in rank_rows(t.shape[self.dims[n]], self.world)]
+                  for n, t in poison.items() if n in self.dims}
+        self._saved = saved
+        p.seconds = X.timed(t0)
+        return p
+
+    def _check_poisoned(self, ref: ShardedReference, p: X.Poisoned, label: str, t0: float) -> W.WeightCheck:
+        """The check after a poisoned sync, the poison as the step before it; then the
+        tensors still holding it put back (check_sync)."""
+        entry, rentry = (p.label, p.digests), (p.label, p.rows)
+        self.history.steps.append(entry)
+        self.row_history.append(rentry)
+        try:
+            check = self._check(ref, label, t0, keep_digests=True)
+        finally:
+            self.history.steps = [s for s in self.history.steps if s is not entry]
+            self.row_history = [s for s in self.row_history if s is not rentry]
+        t1 = time.perf_counter()
+        p.left = X.still_poisoned(check.engine_digests, p)
+        check.engine_digests = {}
+        if p.left:  # the sync's tensors as it wrote them, the others as they were before the poison
+            push(self.llm, list(X.put_back(self._engine.tensors(), self._saved, p.left).items()), repack=True)
+            p.restored = True
+        self._saved = None
+        p.restore_seconds = X.timed(t1)
+        p.check = None
+        check.poison = p.to_dict()
+        return check
+
+    def _check(self, ref: ShardedReference, label: str, t0: float, keep_digests: bool = False) -> W.WeightCheck:
         eng = self._engine
         rows = functools.partial(self._rows, ref)
         check = W.check(ref, eng.units(), self.history, self.arch, self.config, dtype=eng.dtype, dtypes=eng.dtypes,
@@ -275,9 +351,9 @@ class ShardedProbe:
         del self.row_history[: -self.history.keep]
         for u in check.units:
             u.summary = _rows_summary(u.tensors) or u.summary
-        check.engine_digests = {}
-        check.weight_version = eng.version()
-        return check
+        if not keep_digests:
+            check.engine_digests = {}
+        return T.annotate(check, eng.llm, self.arch, self.config, list(self.shapes))  # the weight version, the last push
 
     def _rows(self, ref: ShardedReference, name: str, t: torch.Tensor) -> dict | None:
         """A verdict on the rows of each rank of a sharded tensor that differs, when the ranks'
@@ -325,7 +401,7 @@ class ShardedProbe:
 
     def check_local(self, step: str | None = None) -> W.WeightCheck | None:
         """This rank's own rows against the engine's same rows, no communication (module
-        doc, 5); None on a rank without an engine."""
+        doc, 6); None on a rank without an engine."""
         if self._engine is None:
             return None
         t0 = time.perf_counter()
@@ -387,16 +463,16 @@ class _EngineSide:
             self.model = None
             self.dtypes = llm.apply_model(functools.partial(W.engine_dtypes, shapes=shapes, dtype=self.dtype))[0]
 
+    def tensors(self) -> dict:
+        """Every engine tensor in checkpoint names (copies)."""
+        if self.model is not None:
+            return W.engine_tensors(self.model, self.shapes)
+        return W.remote_tensors(self.llm, self.shapes)
+
     def units(self) -> W.UnitReader:
         if self.model is not None:
             return W.unit_reader(self.shapes, self.arch, self.config, model=self.model)
         return W.unit_reader(self.shapes, self.arch, self.config, llm=self.llm)
-
-    def version(self) -> str | None:
-        try:
-            return str(self.llm.llm_engine.get_weight_version())
-        except Exception:  # an engine without versions
-            return None
 
 
 class _LocalReference(W.ReferenceReader):

@@ -14,8 +14,9 @@ step):
 2. one shard: rank 0 pushes its own rows only (the other rows keep the last sync's);
 3. rank order: the ranks gather two same-shaped tensors (layer 1's q_proj, k_proj) in a
    rank-dependent order (each gets the other's rows), rank 0 pushes what it got;
-4. skip: rank 1 does not call the check; rank 0's call must fail in one line within the
-   probe's timeout.
+4. poison: `check_sync` around a sync that skips layer 2's MLP, then around a correct one;
+5. skip: rank 1 does not call the check; rank 0's call must fail in one line within the
+   probe's timeout (a probe of its own, attached with timeout=5).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(ROOT, "fixtures", "models", "qwen3")
-TIMEOUT = 10.0  # the probe's bound on a wait, seconds
+TIMEOUT = 5.0  # the skip scenario's probe: its bound on a wait, seconds
 
 
 def start_engine():
@@ -111,7 +112,7 @@ def main(out_path: str) -> None:
     send(gathered())
     results["first_sync_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    probe = attach_sharded(model, engine=llm, timeout=TIMEOUT)
+    probe = attach_sharded(model, engine=llm)
     results["attach_s"] = time.perf_counter() - t0
 
     # 1. correct
@@ -145,13 +146,25 @@ def main(out_path: str) -> None:
     send(gathered(order))
     record("rank_order", probe)
 
-    # 4. skip: rank 1 does not enter the check
+    # 4. poison control: a sync that skips layer 2's MLP (every rank gathers the rest)
+    train_step()
+    t0 = time.perf_counter()
+    c = probe.check_sync(lambda: send({n: t for n, t in gathered().items() if ".layers.2.mlp." not in n}), step="poison")
+    results["poison"] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict(),
+                         "poison": getattr(c, "poison", None)}
+    t0 = time.perf_counter()
+    c = probe.check_sync(lambda: send(gathered()), step="poison_correct")
+    results["poison_correct"] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(),
+                                 "poison": getattr(c, "poison", None)}
+
+    # 5. skip: rank 1 does not enter the check (a probe of its own, with a short timeout)
     train_step()
     send(gathered())
+    short = attach_sharded(model, engine=llm, timeout=TIMEOUT)
     if rank == 0:
         t0 = time.perf_counter()
         try:
-            probe.check_weights(step="skip")
+            short.check_weights(step="skip")
             results["skip"] = {"raised": None}
         except ShardedError as e:
             results["skip"] = {"raised": str(e), "seconds": time.perf_counter() - t0}

