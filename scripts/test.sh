@@ -19,6 +19,15 @@ if [ "${1:-}" = "--fast" ]; then
     shift
     NUMBISECT_TEST_NO_MODELS=1 NUMBISECT_TP_TESTS=0 exec "${PYTEST[@]}" -m "not engine" --durations=10 "$@"
 fi
+# Which of vLLM-CPU's CPU-dependent paths run here (docs/explanation/cpu-paths.md): the CPU's
+# flags now, the paths each engine the tests started took at the end (tests/conftest.py).
+.venv/bin/python -c "from numbisect.backends.vllm.cpu_paths import cpu_flags as f; print('cpu flags vLLM-CPU reads:', ', '.join(k + ('' if v else ' (no)') for k, v in f().items()))"
+export NUMBISECT_ENGINE_PATHS="${NUMBISECT_ENGINE_PATHS:-$(mktemp -t numbisect-engine-paths.XXXXXX)}"
+engine_paths() {
+    echo "engine paths (backend and kernels each engine took):"
+    sort -u "$NUMBISECT_ENGINE_PATHS" | sed 's/^/  /'
+}
+trap engine_paths EXIT
 whole=1  # no test path given: the whole suite
 for a in "$@"; do
     case "$a" in -*) ;; *) whole=0 ;; esac

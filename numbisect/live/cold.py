@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from numbisect.backends.vllm import VLLMBackend
+from numbisect.backends.vllm import readback as RB
 from numbisect.backends.vllm.tp import VLLMTPBackend
 from numbisect.live import weights as W
 from numbisect.model.ckptdiff import apply_renames, short_name, unit_of, unit_prefixes
@@ -61,7 +62,7 @@ def rank_raw_digests(model) -> str:
     """Run in each of an engine's workers: its rank, the world size and `raw_digests`, as
     JSON (what crosses vLLM's engine-core boundary intact)."""
     try:
-        rank, world = W._rank(model)
+        rank, world = RB._rank(model)
     except (AssertionError, RuntimeError):  # no distributed state: one process, one rank
         rank, world = 0, 1
     return json.dumps({"rank": rank, "world": world, "digests": raw_digests(model)})
@@ -255,7 +256,7 @@ def param_names(model, shapes: dict[str, tuple]) -> dict[str, list[str]]:
     out = {}
     for pname, p in model.named_parameters():
         if p.is_floating_point() and p.numel():
-            out[pname] = [n for n, _ in W._split(pname, p.data, shapes)]
+            out[pname] = [n for n, _ in RB._split(pname, p.data, shapes)]
     return out
 
 

@@ -69,7 +69,7 @@ from numbisect.live.errors import (
     SyncError,
 )
 from numbisect.live.poison import PoisonError
-from numbisect.live.sync import push, undo_unfinished, unfinished
+from numbisect.live.sync import push, reload_problem, undo_unfinished, unfinished
 from numbisect.model.arch import arch_for
 from numbisect.model.rlformats import load_any
 from numbisect.model.trace import Sample, Trace, check_vocab, sample_from_json
@@ -411,6 +411,15 @@ class Probe:
         except Exception:
             return 0
 
+    def _why_reload_failed(self) -> str:
+        """What makes vLLM's reload fail on this engine whatever is pushed (an MLA layer on the
+        AMX_MLA backend: numbisect.backends.vllm.cpu_mla), as "...; ", or ""."""
+        try:
+            why = reload_problem(self._llm())
+        except Exception:  # the engine cannot say: the sync's own error is the one to raise
+            return ""
+        return f"{why}; " if why else ""
+
     # -- poison control -----------------------------------------------------------------------
     def _llm(self):
         """The `vllm.LLM` weights are pushed into; refused (EngineClosedError) when this probe
@@ -506,7 +515,7 @@ class Probe:
                 n = self._undo(self._llm())
                 undone = f" (vLLM's reload left {n} module(s) unfinished: put back as they were before it)" if n else ""
                 raise SyncError(f"the sync raised {_one_line(e)}: the engine holds what it wrote before that{undone}; "
-                                "push your weights again") from e
+                                f"{self._why_reload_failed()}push your weights again") from e
             return self.check_weights(samples, functional, step)
         raised = []
         try:
@@ -518,7 +527,9 @@ class Probe:
                     raise
         except Exception as e:
             if raised and e is raised[0]:  # the engine put back as found by `poisoned`
-                raise SyncError(f"the sync raised {_one_line(e)}: the engine was put back as found (poison control)") from e
+                why = self._why_reload_failed().removesuffix("; ")
+                raise SyncError(f"the sync raised {_one_line(e)}: the engine was put back as found (poison control)"
+                                f"{'; ' + why if why else ''}") from e
             raise
         return p.check
 

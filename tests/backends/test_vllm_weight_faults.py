@@ -97,3 +97,22 @@ def test_weight_noise_at_lm_head_reaches_the_logits():
     print(f"weight_noise=5e-2@lm_head moves the logits by {rel:.3g}")
     assert rel > 1e-2
     assert torch.equal(captured(eng, s, "lm_head"), base)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3@CPU_MLA"])
+def test_weight_noise_at_an_mla_attention_reaches_its_kernel_on_either_mla_backend(family):
+    """MLA's kv_b_proj on vLLM-CPU: AMX_MLA (the default on a CPU with AMX tiles) empties its
+    weight and multiplies by packed W_UK/W_UV (numbisect.backends.vllm.cpu_mla), CPU_MLA keeps
+    it. A weight noise at the attention unit moves its output on either, and the ledger gives
+    the kernel back bit for bit."""
+    from conftest import mla_variant, vllm
+
+    s = session("deepseek_v3", "vllm", samples=1)
+    eng = vllm(mla_variant(family))
+    unit = "layers.1.attn"
+    base = captured(eng, s, unit)
+    noisy = captured(eng, s, unit, [f"weight_noise=5e-2@{unit}"])
+    rel = ((noisy - base).norm() / base.norm()).item()
+    print(f"{family}: moves {unit} by {rel:.3g}")
+    assert rel > 1e-2
+    assert torch.equal(captured(eng, s, unit), base)

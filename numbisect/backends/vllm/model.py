@@ -30,7 +30,7 @@ from torch import nn
 
 from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM, Backend, parse_dtype
 from numbisect.backends.hf import HFBackend
-from numbisect.backends.vllm import moe
+from numbisect.backends.vllm import cpu_mla, moe
 from numbisect.backends.vllm.adapters import ADAPTERS, VllmGatedShared
 from numbisect.model.arch import arch_for
 from numbisect.patching.ledger import Ledger
@@ -44,19 +44,41 @@ def _inside(name: str, unit: str) -> bool:
     return name == unit or name.startswith(unit + ".")
 
 
-def gemm_weight(lin: nn.Module, block: int = 256) -> torch.Tensor:
+def gemm_weight(lin: nn.Module, block: int = 256, probe: int = 16) -> torch.Tensor:
     """The [N, K] weight a vLLM-CPU linear layer multiplies by. vLLM's CPU linear methods
     (`dispatch_cpu_unquantized_gemm`, vllm/model_executor/layers/utils.py) hand it to a GEMM
     kernel in `lin.cpu_linear` (oneDNN, the SGL kernel, zentorch) that keeps a packed copy
-    and, for a `LinearBase`, leave `.weight` empty; where no such kernel runs (this CPU lacks
-    a bf16 one) `cpu_linear` is `F.linear` over `.weight` itself. The packed weight is read
-    back through the kernel on the identity: each output is one weight times 1, exact; the
-    identity fed `block` rows at a time, so reading a weight back needs little beyond the
-    weight itself (a whole [K, K] identity and its [K, N] answer, transposed, were ~3x it)."""
+    of its own and, for a `LinearBase`, leave `.weight` empty; where no such kernel runs
+    `cpu_linear` is `F.linear` over `.weight` itself. The packed weight is read back through
+    the kernel on the identity (`_through_kernel`: each output is one weight times 1, exact).
+
+    An embedding and an lm_head keep `.weight` beside the kernel's copy (the lookup reads
+    it): there `probe` columns of the kernel's copy, picked by a fixed seed, are read through
+    it and compared with `.weight` bit for bit; `.weight` is returned when they agree, the
+    kernel's whole copy when they do not (a sync that wrote `.weight` in place, as vLLM's
+    `load_weights` does, leaves the logits computed with the copy made at start-up: measured
+    here with oneDNN; docs/explanation/cpu-paths.md)."""
     w = lin.weight
-    if w.numel():
+    if not w.numel():
+        return _through_kernel(lin, block)
+    if getattr(lin, "cpu_linear", torch.nn.functional.linear) is torch.nn.functional.linear:
         return w.data
-    k = getattr(lin, "input_size_per_partition", None) or lin.input_size
+    k = w.shape[1]
+    cols = torch.randperm(k, generator=torch.Generator().manual_seed(0))[:probe]
+    eye = torch.zeros(len(cols), k, dtype=w.dtype)
+    eye[torch.arange(len(cols)), cols] = 1
+    got = lin.cpu_linear(eye, w, None)  # [probe, N]: the kernel's columns `cols`
+    if got.dtype == w.dtype and torch.equal(got.t(), w.data[:, cols]):
+        return w.data
+    return _through_kernel(lin, block)
+
+
+def _through_kernel(lin: nn.Module, block: int = 256) -> torch.Tensor:
+    """The weight `lin.cpu_linear` multiplies by, read through it on the identity, fed
+    `block` rows at a time (a whole [K, K] identity and its [K, N] answer, transposed, were
+    ~3x the weight)."""
+    w = lin.weight
+    k = getattr(lin, "input_size_per_partition", None) or getattr(lin, "input_size", None) or w.shape[1]
     out = None
     for i in range(0, k, block):
         eye = torch.zeros(min(block, k - i), k, dtype=w.dtype)
@@ -82,10 +104,20 @@ def plant_weight_noise_cpu(mod: nn.Module, fault, ledger: Ledger) -> None:
     seeded by the unit (as `base.plant_weight_noise`), where a linear layer's weight is the
     one its GEMM kernel reads (`gemm_weight`): the noisy weight goes to the kernel through a
     `cpu_linear` of its own, and into `.weight` too where that holds one (an embedding's
-    lookup reads it). Noise written into `.weight` alone would not reach a packed GEMM."""
+    lookup reads it). Noise written into `.weight` alone would not reach a packed GEMM. An
+    AMX_MLA layer's `kv_b_proj` (weight emptied) gets it in the packed W_UK/W_UV its kernel
+    reads (numbisect.backends.vllm.cpu_mla)."""
     gemm = {id(m.weight): m for m in mod.modules() if hasattr(m, "cpu_linear") and isinstance(getattr(m, "weight", None), torch.Tensor)}
+    absorbed = {id(attn.kv_b_proj.weight): attn for attn in cpu_mla.amx_layers(mod).values()}
     g = seeded(fault.unit)
     for p in mod.parameters():
+        attn = absorbed.get(id(p))
+        if attn is not None:  # AMX_MLA multiplies by its packed W_UK/W_UV only: the noise goes there
+            w = cpu_mla.absorbed_kv_b(attn)
+            noisy = (w * (1 + fault.value * torch.randn(w.shape, generator=g))).to(w.dtype)
+            for name, packed in zip(("_w_uk_packed", "_w_uv_packed"), cpu_mla.packed(attn, noisy)):
+                ledger.setattr(attn.impl, name, packed)
+            continue
         if not p.is_floating_point():
             continue
         lin = gemm.get(id(p))
