@@ -79,3 +79,22 @@ def test_a_push_that_finished_without_a_layer_names_its_units_and_the_mixed_stat
     assert b.finding["weight_version"] == "step-2"
     assert json.loads((tmp_path / "b" / "weights.json").read_text())["weights"]["weight_version"] == "step-2"
 
+
+
+def test_a_push_that_raised_part_way_is_named_with_its_error(engine, probe):
+    from numbisect.live import LiveError
+    from numbisect.live.sync import undo_unfinished
+
+    items = trainer_tensors(probe.ref_model)
+    bad = [(n, t[:-1] if n.endswith("layers.2.mlp.down_proj.weight") else t) for n, t in items]  # one row short
+    with pytest.raises(Exception):
+        transfer.push(engine, bad, version="step-3", chunks=2)
+    names = list(probe.history.steps[-1][1])
+    last = transfer.last_push(engine, probe.ref.arch, probe.ref.config, names)
+    assert last["state"] == "raised" and "\n" not in last["error"] and last["chunks"] == 2
+    assert transfer.weight_version(engine) == "step-2"  # the version is never set by a push that raised
+    with pytest.raises(LiveError, match="left unfinished"):
+        probe.check_weights(functional=False)  # one line: the modules the reload left, and what puts them back
+    undo_unfinished(engine)
+    transfer.push(engine, items, version="step-3", chunks=2)
+    assert probe.check_weights(functional=False).ok
