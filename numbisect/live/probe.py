@@ -676,6 +676,9 @@ def _reference(reference, dtype: str | None):
         return b, None, [b]
     if not isinstance(reference, torch.nn.Module) or not hasattr(reference, "config"):
         raise ReferenceModelError(f"reference: expected a transformers model or a checkpoint directory, not {type(reference).__name__}")
+    if any(hasattr(p, "full_tensor") and hasattr(p, "placements") for p in reference.parameters()):
+        raise ReferenceModelError(f"the reference model ({type(reference).__name__}) is sharded (DTensor parameters: FSDP2's "
+                                  "fully_shard): use numbisect.live.attach_sharded(model, engine=...) on every rank")
     devices = {p.device.type for p in reference.parameters()}
     if devices - {"cpu"}:
         raise ReferenceModelError(f"the reference model is on {', '.join(sorted(devices))}: attach compares a model on the CPU "

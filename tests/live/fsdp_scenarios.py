@@ -108,6 +108,13 @@ def main(out_path: str) -> None:
             row["local"] = local.to_dict()
         results[name] = row
 
+    from numbisect.live import LiveError, attach
+
+    try:  # the whole-model API on a sharded model: one line naming attach_sharded (before any engine is opened)
+        attach(reference=model, engine=MODEL)
+        results["attach"] = None
+    except LiveError as e:
+        results["attach"] = str(e)
     t0 = time.perf_counter()
     send(gathered())
     results["first_sync_s"] = time.perf_counter() - t0

@@ -40,6 +40,12 @@ def _unit(section: dict, name: str) -> dict:
 
 
 @pytest.mark.vllm
+def test_attach_on_a_sharded_model_names_attach_sharded_in_one_line(scenarios):
+    assert scenarios["attach"] == ("the reference model (FSDPQwen3ForCausalLM) is sharded (DTensor parameters: FSDP2's "
+                                   "fully_shard): use numbisect.live.attach_sharded(model, engine=...) on every rank")
+
+
+@pytest.mark.vllm
 def test_a_correct_sync_of_a_sharded_model_is_all_ok_gathering_the_model_once(scenarios):
     c = scenarios["correct"]
     assert c["ok"], c["lines"]
