@@ -151,6 +151,10 @@ class ShardedProbe:
         self.arch = arch_for(self.config)
         self.shapes, self.layer_of, self.dims = self._checkpoint_names()
         holders = self._all_gather(("attach", self.fingerprint, engine is not None), "attach_sharded")
+        other = next((r for r, h in enumerate(holders) if h[1] != self.fingerprint), None)
+        if other is not None:
+            raise ShardedError(f"attach_sharded: rank {other}'s model has other state-dict names, shapes, placements or "
+                               f"another order of them than rank {self.rank}'s: attach the same sharded model on every rank")
         drivers = [r for r, h in enumerate(holders) if h[2]]
         if not drivers:
             raise ShardedError("attach_sharded: no rank was given the engine (engine=llm on the rank that holds it)")
@@ -215,7 +219,7 @@ class ShardedProbe:
             r = off[0]
             other = seen[r]
             if other[2] != self.fingerprint:
-                why = "another model (state-dict names, shapes or placements differ)"
+                why = "another model (state-dict names, shapes, placements or their order differ)"
             elif other[0] != what:
                 why = f"its call {other[0]}"
             else:
