@@ -2,7 +2,7 @@
 
 Every vLLM child numbisect starts (a `bisect conditions` trial or localisation capture, the
 user's engine configuration, the live check's cold engine) goes through
-`condition_worker.run_child`. With NUMBISECT_FORKSERVER=0 each is a new Python that imports
+`child.run_child`. With NUMBISECT_FORKSERVER=0 each is a new Python that imports
 torch and vLLM; by default each is forked from one process that imported them once
 (`numbisect.backends.vllm.forkserver`). Measured in this run, the two alternated:
 
@@ -44,7 +44,7 @@ def job(model: str, dtype: str, ops: list[str]) -> dict:
 
 
 def timed_child(job_: dict, server: bool) -> tuple[float, dict]:
-    from numbisect.backends.vllm.condition_worker import run_child
+    from numbisect.backends.vllm.child import run_child
 
     os.environ["NUMBISECT_FORKSERVER"] = "1" if server else "0"
     t = time.perf_counter()

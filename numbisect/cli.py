@@ -17,6 +17,7 @@ import sys
 import threading
 import traceback
 import warnings
+from pathlib import Path
 
 import click
 
@@ -24,8 +25,10 @@ from numbisect import __version__
 from numbisect.backends import BACKENDS
 from numbisect.backends.options import parse_opts
 from numbisect.common.errors import ExitCode, InputError, NumbisectError
+from numbisect.common.procenv import no_code_from_cwd, vllm_env_problem
 from numbisect.common.jsonsafe import sanitize
 from numbisect.common.safeio import (
+    JSON_LIMIT,
     check_not_an_input,
     check_output,
     check_output_dir,
@@ -35,6 +38,7 @@ from numbisect.common.safeio import (
 from numbisect.common.textsafe import clip, path_text, printable
 from numbisect.common.threshold import parse_threshold
 from numbisect.model import engine_config as E
+from numbisect.model.arch import arch_for
 from numbisect.pipeline.provenance import new_report
 from numbisect.report.document import (
     command_line,
@@ -42,6 +46,9 @@ from numbisect.report.document import (
     write_json_atomic,
 )
 from numbisect.report.findings import exit_code as verdict_exit_code
+from numbisect.report.plot import plot_format, plot_link
+from numbisect.report.plot import require as require_matplotlib
+from numbisect.report.plot import write as write_plot
 from numbisect.report.summary import render
 from numbisect.report.tools import diff, markdown, render_diff
 from numbisect.tui.live import LiveConfig, check_live, run_argv
@@ -336,7 +343,10 @@ def _emit(report: dict, kw) -> None:
 
 
 def _check_out(kw) -> None:
-    """Before any model loads: every output can be written and is none of the inputs."""
+    """Before any model loads: every output can be written and is none of the inputs; a
+    vLLM engine can run in this process (`procenv.vllm_env_problem`)."""
+    if any(str(kw.get(side) or "").startswith("vllm:") for side in ("ref", "engine")) and vllm_env_problem():
+        raise InputError(vllm_env_problem())
     inputs = {"--trace": kw.get("trace"), "--floor": kw.get("floor_file"), "--resume": kw.get("resume"),
               "--engine-config": kw.get("engine_config"), "--good-config": kw.get("good_config")}
     log = kw.get("log_path")
@@ -375,6 +385,8 @@ def _check_new_log(log: str, resume: str | None) -> None:
         return  # check_output said what it could; opening it will say the rest
     if not stat.S_ISREG(st.st_mode):
         raise InputError(f"--log {log} is not a regular file (a trial log must be one: it is locked and appended to)")
+    if st.st_size > JSON_LIMIT:  # never read whole (a sparse file of terabytes): no log numbisect wrote
+        raise InputError(f"--log {log} is larger than {JSON_LIMIT // 2**20} MB and not a trial log; choose another path")
     from numbisect.commands.run import (  # lazy: keeps torch out of importing numbisect.cli
         holds_trials,
         log_in_use,
@@ -384,7 +396,7 @@ def _check_new_log(log: str, resume: str | None) -> None:
 
     try:
         with open(log, "rb") as fh:
-            data = fh.read()
+            data = fh.read(JSON_LIMIT + 1)
     except OSError:
         return  # check_output said what it could; opening it will say the rest
     if not_a_log(data):
@@ -419,9 +431,6 @@ def _replay_indexer(session, body: dict) -> None:
 @click.option("--local/--no-local", default=True, show_default=True, help="Also feed each engine unit the reference's input (local error).")
 def compare(**kw):
     """Run the trace through both models: k3, KL, RL cost and per-unit divergence."""
-    from numbisect.pipeline.provenance import (  # lazy: keeps torch out of importing numbisect.cli
-        new_report,  # lazy: keeps torch out of importing numbisect.cli
-    )
     from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.cli
         Session,  # lazy: keeps torch out of importing numbisect.cli
     )
@@ -468,7 +477,6 @@ def weights(**kw):
     from numbisect.live.probe import samples_trace  # lazy: keeps torch out of importing numbisect.cli
 
     trace = samples_trace(kw["trace"]) if kw.get("trace") else None  # bad input refused before anything loads
-    from numbisect.model.arch import arch_for  # lazy: keeps torch out of importing numbisect.cli
 
     configs = [load_config(path) for path in (ref_path, eng_path)]
     for config in configs:  # a family numbisect does not know, named before the two disagree on sizes
@@ -490,7 +498,7 @@ def weights(**kw):
     else:
         sys.stdout.write("\n".join(check.lines()) + "\n")
         if kw.get("out"):
-            sys.stdout.write(f"report: {kw['out']}\n")
+            sys.stdout.write(f"report: {path_text(kw['out'])}\n")
     sys.stdout.flush()
     return ExitCode.ALIGNED if check.ok else ExitCode.DIVERGED
 
@@ -503,13 +511,24 @@ def replay(bundle, **kw):
 
     BUNDLE is the directory numbisect.live's trigger wrote when it fired: the reference is
     its reference weights, the engine vLLM on the weights the live engine held (read back),
-    in the live engine's settings (engine.json, as --engine-config). The last line says
+    in the live engine's settings (engine.json, as --engine-config), with the faults the
+    live engine had planted for its life (NUMBISECT_ENGINE_FAULT), if any. The last line says
     whether the replay names the bundle's finding (verdict, first divergent unit)."""
     from numbisect.live.bundle import load, replay_inputs, reproduced  # lazy: keeps torch out of importing numbisect.cli
     from numbisect.session.session import Session  # lazy: keeps torch out of importing numbisect.cli
 
     b = load(bundle)  # a bad bundle: one line, before anything loads
     inp = replay_inputs(b)
+    if kw.get("out"):  # the report never replaces a file of the bundle (its manifest, a part)
+        check_not_an_input(kw["out"], "--out", None, {"BUNDLE": ("replay bundle", b.path)})
+    if inp["engine_faults"]:  # planted in the live engine for its life: in every engine of the replay too, before it compiles
+        from numbisect.backends.vllm.enginefault import (  # lazy: keeps torch out of importing numbisect.cli
+            ENV,  # lazy: keeps torch out of importing numbisect.cli
+            env_value,  # lazy: keeps torch out of importing numbisect.cli
+        )
+
+        os.environ[ENV] = env_value(inp["engine_faults"])
+        print(f"replay: the live engine ran with faults planted ({ENV}), planted again here: {os.environ[ENV]}", file=sys.stderr)
     kw.update(ref=inp["ref"], engine=inp["engine"], trace=inp["trace"], ref_dtype=inp["ref_dtype"],
               engine_dtype=inp["engine_dtype"], ref_opt=(), engine_opt=(), engine_fault=(), floor_file=None,
               threshold=inp["threshold"] if inp["threshold"] is not None else 1e-3, metric="k3-mean", group="completion",
@@ -524,10 +543,15 @@ def replay(bundle, **kw):
             report = new_report("compare", command_line(click.get_current_context().obj["argv"]), session.inputs(), settings.to_dict(), body)
         finally:
             session.close()
-    same, line = reproduced(b, report)
+    try:  # the replay ran: a late step that fails is recorded, never loses the report
+        same, line = reproduced(b, report)
+    except Exception as e:
+        if os.environ.get("NUMBISECT_DEBUG"):
+            traceback.print_exc()
+        same, line = None, f"replay: could not be matched with the bundle's finding ({type(e).__name__}: {clip(str(e), 200)})"
     report["replay"] = {"bundle": b.path, "reproduced": same, "bundle_finding": {k: v for k, v in b.finding.items() if k != "weights_summary"}}
     _emit(report, kw)
-    print(line, file=sys.stderr if kw.get("as_json") else sys.stdout)
+    print(printable(line), file=sys.stderr if kw.get("as_json") else sys.stdout)
     return ExitCode.ALIGNED if report["verdict"] == "aligned" else ExitCode.DIVERGED
 
 
@@ -546,9 +570,6 @@ def run(**kw):
     """Swap reference modules into the engine and search for the culprit units."""
     from numbisect.commands.run import (  # lazy: keeps torch out of importing numbisect.cli
         run as do_run,  # lazy: keeps torch out of importing numbisect.cli
-    )
-    from numbisect.pipeline.provenance import (  # lazy: keeps torch out of importing numbisect.cli
-        new_report,  # lazy: keeps torch out of importing numbisect.cli
     )
     from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.cli
         Session,  # lazy: keeps torch out of importing numbisect.cli
@@ -620,9 +641,6 @@ def conditions(**kw):
         Settings,
         parse_opts,
     )
-    from numbisect.pipeline.provenance import (  # lazy: keeps torch out of importing numbisect.cli
-        new_report,  # lazy: keeps torch out of importing numbisect.cli
-    )
 
     _check_out(kw)
     user = E.load_settings(kw["engine_config"]) if kw["engine_config"] else {}
@@ -636,14 +654,9 @@ def conditions(**kw):
     spec = CondSpec(ref=kw["ref"], engine=kw["engine"], trace=kw["trace"], ref_dtype=kw["ref_dtype"],
                     engine_dtype=kw["engine_dtype"], ref_opts=parse_opts(kw["ref_opt"], "--ref-opt"),
                     engine_opts={"user": user, "good": good})
-    from numbisect.pipeline.measure import (  # lazy: keeps torch out of importing numbisect.cli
-        check_opts,  # lazy: keeps torch out of importing numbisect.cli
-    )
-
-    check_opts("hf", spec.ref_opts, "--ref-opt")
     with Progress(kw["quiet"]) as say:
         sess = CondSession(spec, settings, user, good)
-        from numbisect.backends.vllm.condition_worker import (  # lazy: keeps torch out of importing numbisect.cli
+        from numbisect.backends.vllm.child import (  # lazy: keeps torch out of importing numbisect.cli
             run_child,  # lazy: keeps torch out of importing numbisect.cli
         )
 
@@ -657,7 +670,7 @@ def conditions(**kw):
 
 @cli.group()
 def report():
-    """Work with report files: show, validate, diff, md (no models needed)."""
+    """Work with report files: show, validate, diff, md, plot (no models needed)."""
 
 
 @cli.command(epilog=EPILOG)
@@ -739,9 +752,40 @@ def report_diff(before, after, as_json):
 
 @report.command("md")
 @click.argument("file", type=click.Path())
-def report_md(file):
+@click.option("--plot", "plot_path", type=click.Path(), metavar="PNG|SVG",
+              help="Also draw the report's figure (as `report plot`) into this file and link it from the Markdown (needs matplotlib).")
+def report_md(file, plot_path):
     """Print a Markdown summary of a report, to paste into a GitHub issue."""
-    sys.stdout.write(markdown(load_report(file)))
+    r = load_report(file)
+    text = markdown(r)
+    if plot_path:
+        _write_plot(r, file, plot_path, "--plot")
+        text = plot_link(text, plot_path)
+    sys.stdout.write(text)
+    return ExitCode.ALIGNED
+
+
+def _write_plot(r: dict, file: str, out: str, what: str) -> None:
+    """Check `out` before drawing (a suffix it can tell, writable, not the report), then draw."""
+    plot_format(out)
+    check_output(out, what, {"REPORT": file})
+    write_plot(r, out)
+
+
+@report.command("plot")
+@click.argument("file", type=click.Path())
+@click.option("--out", type=click.Path(), metavar="PNG|SVG",
+              help="Write the figure here (.png or .svg) [default: the report's path with .png].")
+def report_plot(file, out):
+    """Draw a report's figure: the per-unit error along the depth (propagated and local
+    rel-L2, the culprit marked and named) and the search's trials (the judged value per
+    trial, the threshold). Needs matplotlib (pip install 'numbisect[plot]'); exit 2 without it.
+    """
+    require_matplotlib()
+    r = load_report(file)
+    out = out or str(Path(file).with_suffix(".png"))
+    _write_plot(r, file, out, "--out")
+    sys.stdout.write(f"plot: {path_text(out)}\n")
     return ExitCode.ALIGNED
 
 
@@ -853,11 +897,14 @@ def _install_signals() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    no_code_from_cwd()  # what this process starts imports nothing from the working directory
     _quiet_libraries()
     debug = bool(os.environ.get("NUMBISECT_DEBUG"))
     previous = _install_signals()
     try:
         args = sys.argv[1:] if argv is None else list(argv)
+        if any("\x00" in str(a) for a in args):  # no command line carries one; a caller's list might
+            raise InputError("an argument holds a NUL character (no path or value can)")
         rv = cli.main(args=args, prog_name="bisect", standalone_mode=False, obj={"argv": ["bisect", *args]})
         return int(rv) if isinstance(rv, int) else 0
     except NumbisectError as e:

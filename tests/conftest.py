@@ -449,3 +449,46 @@ def permute_heads(layer: int, head_dim: int, order: list[int]):
         blocks = w[key].split(head_dim)
         w[key] = torch.cat([blocks[i] for i in order]).contiguous()
     return edit
+
+
+def synthetic_bundle(dest, name: str = "qwen3", edit=None) -> str:
+    """A replay bundle written by hand (numbisect.live.bundle's layout, version and checksums)
+    on a fixture's checkpoint as both sides, without starting an engine: what the hostile
+    cases start from. `edit(manifest)` changes the manifest before it is sealed (its
+    `manifest_sha256` recomputed, so the field checks behind the checksum are reached)."""
+    import json
+    import shutil
+
+    from numbisect.common.safeio import file_sha256
+    from numbisect.live import bundle as B
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for side in ("reference", "engine"):
+        (dest / side).mkdir(exist_ok=True)
+        for f in B.CHECKPOINT_FILES:
+            shutil.copyfile(Path(model_dir(name)) / f, dest / side / f)
+    shutil.copyfile(trace_path(name), dest / "trace.jsonl")
+    (dest / "engine.json").write_text(json.dumps({"enforce_eager": True, "enable_prefix_caching": False,
+                                                  "logprobs_mode": "raw_logprobs", "max_model_len": 1024,
+                                                  "tensor_parallel_size": 1}))
+    (dest / "reference-digests.json").write_text(json.dumps({"dtype": "float32", "tensors": {}}))
+    (dest / "weights.json").write_text(json.dumps({"weights": {"ok": True}}))
+    (dest / "compare.json").write_text(json.dumps({"verdict": "aligned"}))
+    (dest / "routing.json").write_text(json.dumps({"reference_experts": {}, "agreement": {}}))
+    parts = {"trace": "trace.jsonl", "engine_settings": "engine.json", "reference_digests": "reference-digests.json",
+             "reference": "reference", "engine": "engine", "weights_report": "weights.json",
+             "compare_report": "compare.json", "routing": "routing.json"}
+    m = {"format": B.FORMAT, "version": B.VERSION, "tool_version": "0", "created": "2026-12-06T00:00:00+00:00",
+         "model": {"arch": name, "model_type": name}, "reference": {"dtype": "float32"},
+         "engine": {"dtype": "bfloat16", "live_settings": {"opened_by": "numbisect"}},
+         "trace": {"samples": 4, "completion_tokens": 60}, "fire": {"step": 3, "value": 0.02, "threshold": 0.001},
+         "finding": {"weights_ok": True, "weights_differ": {}, "weights_summary": ["every unit ok"],
+                     "verdict": "aligned", "first_divergence": {"above_tol": None}, "k3_mean": 1e-5, "threshold": 1e-3},
+         "parts": parts, "replay": f"bisect replay {dest}"}
+    m["sha256"] = {rel: file_sha256(dest / rel) for rel in B._files(str(dest), parts)}
+    if edit is not None:
+        edit(m)
+    m["manifest_sha256"] = B.manifest_digest(m)
+    (dest / "manifest.json").write_text(json.dumps(m))
+    return str(dest)

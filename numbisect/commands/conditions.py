@@ -73,9 +73,10 @@ class CondSession:
 
     def __init__(self, spec: CondSpec, settings: C.Settings, user: dict, good: dict):
         self.spec, self.settings, self.user, self.good = spec, settings, user, good
-        ref_kind, self.ref_path = C.parse_spec(spec.ref, "--ref")
+        self.ref_kind, self.ref_path = C.parse_spec(spec.ref, "--ref")
         eng_kind, self.eng_path = C.parse_spec(spec.engine, "--engine")
-        require_reference(ref_kind, spec.ref)
+        require_reference(self.ref_kind, spec.ref)
+        C.check_opts(self.ref_kind, spec.ref_opts, "--ref-opt")
         if not (eng_kind in BACKENDS and BACKENDS[eng_kind].runs_user_config):
             raise InputError(f"bisect conditions needs --engine vllm:DIR (got {spec.engine!r})")
         self.trace = load_any(spec.trace)
@@ -426,8 +427,8 @@ def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, r
     """Everything `bisect conditions` does; the report body and the exit code."""
     logger = TrialLog(log, sess, resume)  # refused before any forward when it cannot be resumed
     try:
-        progress(f"reference hf:{sess.ref_path}")
-        ref = open_backend("hf", sess.ref_path, sess.spec.ref_dtype, dict(sess.spec.ref_opts), "--ref-opt")
+        progress(f"reference {sess.ref_kind}:{sess.ref_path}")
+        ref = open_backend(sess.ref_kind, sess.ref_path, sess.spec.ref_dtype, dict(sess.spec.ref_opts), "--ref-opt")
         try:
             ref_res = ref.forward(sess.samples)
             ref_describe = ref.describe()

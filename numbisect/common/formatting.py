@@ -2,8 +2,8 @@
 or large) and `pct` (a fraction as a percentage); `num` reads a report's number. A value that is not a number (a hostile
 report's) is shown printable, as it is.
 
-Torch-free and UI-free: the text reports (render, reporttools, routing_render,
-decode_render), the TUI and the core's progress lines all import these.
+Torch-free and UI-free: the text reports (numbisect.report.summary, numbisect.report.tools,
+numbisect.report.sections), the TUI and the core's progress lines all import these.
 """
 
 from __future__ import annotations

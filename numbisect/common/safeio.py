@@ -84,6 +84,12 @@ def read_bytes(path: str | os.PathLike, what: str, limit: int = JSON_LIMIT) -> b
     """At most `limit` bytes of a regular file; a larger one is refused."""
     p = check_input(path, what)
     try:
+        size = os.stat(p).st_size
+    except OSError:
+        size = 0
+    if size > limit:  # refused before reading (a sparse file of terabytes costs nothing to make)
+        raise InputError(f"{what} {path_text(path)} is larger than {_size(limit)}; not read")
+    try:
         with open(p, "rb") as fh:
             data = fh.read(limit + 1)
     except OSError as e:
@@ -308,6 +314,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     written in place; a symbolic link to a regular file keeps being a link (its target is
     replaced).
     """
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """`write_text_atomic` for bytes (an image)."""
     p = Path(path)
     try:
         st = os.stat(p)
@@ -323,8 +334,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
                 raise InputError(f"cannot write {path}: it is a FIFO that no process is reading") from None
             raise
         os.set_blocking(fd, True)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
         return
     real = Path(os.path.realpath(p)) if p.is_symlink() else p
     parent = real.parent
@@ -335,8 +346,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, (st.st_mode & 0o777) if st is not None else (0o666 & ~umask))
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, real)

@@ -31,25 +31,36 @@ frozen into `engine/`, so replaying needs neither the trainer nor the live engin
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
+import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
 from numbisect import __version__
+from numbisect.backends.base import DTYPES
 from numbisect.common.errors import InputError
-from numbisect.common.safeio import file_sha256
+from numbisect.common.safeio import MB, check_input, file_sha256, read_input
+from numbisect.common.textsafe import clip, path_text, printable
 from numbisect.live.probe import LiveReport, random_samples, samples_trace
 from numbisect.live.weights import digest, write_checkpoint
 from numbisect.model import engine_config as E
 from numbisect.model.trace import BUILTIN_GROUPS
+from numbisect.patching.faults import parse_fault
 from numbisect.pipeline import comparison as P
 from numbisect.pipeline.provenance import new_report
 from numbisect.report.document import write_json_atomic
 
 FORMAT = "numbisect-replay-bundle"
-VERSION = 1
+VERSION = 2  # 2: the manifest's own checksum (manifest_sha256), every field typed when read
+MANIFEST_LIMIT = 64 * MB  # a real manifest is a few kB (a weight summary line per unit)
+# The parts a bundle may name, and whether each is a file or a checkpoint directory.
+PARTS = {"trace": "file", "engine_settings": "file", "reference_digests": "file", "reference": "dir", "engine": "dir",
+         "weights_report": "file", "compare_report": "file", "routing": "file"}
+CHECKPOINT_FILES = ("config.json", "model.safetensors")
 # The live engine's settings that are LLM() arguments `--engine-config` takes (its dtype is
 # numbisect's to set: recorded in the manifest, given as --engine-dtype).
 SETTINGS_KEYS = ("enforce_eager", "enable_prefix_caching", "logprobs_mode", "max_model_len", "tensor_parallel_size")
@@ -174,7 +185,8 @@ def write(probe, out_dir: str | os.PathLike, samples=None, *, weights: bool = Tr
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "model": {"arch": probe.ref.arch.name, "model_type": getattr(probe.ref.config, "model_type", None)},
         "reference": {"dtype": str(ref_dtype).removeprefix("torch.")},
-        "engine": {"dtype": str(eng_dtype).removeprefix("torch."), "live_settings": dict(probe.engine_settings)},
+        "engine": {"dtype": str(eng_dtype).removeprefix("torch."), "live_settings": dict(probe.engine_settings),
+                   "faults": probe.engine_faults()},
         "trace": {"samples": len(trace.samples), "completion_tokens": sum(len(s.completion_ids) for s in trace.samples)},
         "fire": fire.to_dict() if fire is not None else None,
         "finding": finding,
@@ -182,8 +194,16 @@ def write(probe, out_dir: str | os.PathLike, samples=None, *, weights: bool = Tr
         "sha256": {rel: file_sha256(os.path.join(out, rel)) for rel in _files(out, parts)},
         "replay": f"bisect replay {out}",
     }
+    manifest["manifest_sha256"] = manifest_digest(manifest)
     _json(os.path.join(out, "manifest.json"), manifest)
     return load(out)
+
+
+def manifest_digest(m: dict) -> str:
+    """SHA-256 of the manifest without its own `manifest_sha256` field, as canonical JSON
+    (sorted keys, no spaces): an edit to any field that stays valid JSON changes it."""
+    body = {k: v for k, v in m.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()).hexdigest()
 
 
 def _files(root: str, parts: dict) -> list[str]:
@@ -217,38 +237,213 @@ def bundle_action(probe, out_dir: str | os.PathLike, weights: bool = True):
 
 
 # -- reading ----------------------------------------------------------------------------------------
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class _Check:
+    """Type checks of a manifest's fields, each failure one InputError naming the bundle and
+    the field (`finding.threshold`), the value shown escaped and clipped."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, why: str):
+        raise InputError(f"{self.where}: manifest.json: {field} {why}")
+
+    def obj(self, v, field: str, optional: bool = False) -> dict:
+        if v is None and optional:
+            return {}
+        if not isinstance(v, dict):
+            self.fail(field, f"must be an object, not {_shown(v)}")
+        return v
+
+    def string(self, v, field: str, optional: bool = False) -> str | None:
+        if v is None and optional:
+            return None
+        if not isinstance(v, str):
+            self.fail(field, f"must be a string, not {_shown(v)}")
+        if "\x00" in v:
+            self.fail(field, "holds a NUL character")
+        return v
+
+    def number(self, v, field: str, optional: bool = False, positive: bool = False) -> float | None:
+        """A finite number (a boolean is not one); `positive`: above 0."""
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
+            self.fail(field, f"must be a finite number, not {_shown(v)}")
+        if positive and not v > 0:
+            self.fail(field, f"must be above 0, not {_shown(v)}")
+        return float(v)
+
+    def integer(self, v, field: str) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            self.fail(field, f"must be a whole number >= 0, not {_shown(v)}")
+        return v
+
+    def boolean(self, v, field: str) -> bool:
+        if not isinstance(v, bool):
+            self.fail(field, f"must be true or false, not {_shown(v)}")
+        return v
+
+    def dtype(self, v, field: str) -> str:
+        if not isinstance(v, str) or v not in DTYPES:
+            self.fail(field, f"must be one of {', '.join(DTYPES)}, not {_shown(v)}")
+        return v
+
+    def relpath(self, root: str, v, field: str) -> str:
+        """A path inside the bundle: relative, no '..', no NUL, and (links followed) inside it."""
+        rel = self.string(v, field)
+        if not rel or os.path.isabs(rel) or ".." in re.split(r"[\\/]", rel):
+            self.fail(field, f"names a file outside the bundle ({_shown(rel)})")
+        top = os.path.realpath(root)
+        real = os.path.realpath(os.path.join(root, rel))
+        if os.path.commonpath([top, real]) != top or real == top:
+            self.fail(field, f"names a file outside the bundle ({_shown(rel)}, a link to {path_text(real)})")
+        return rel
+
+
+def _finite(v: int | float) -> bool:
+    """A number a float holds, finite (an integer of 400 digits is not one)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def _shown(v) -> str:
+    return printable(clip(json.dumps(v) if isinstance(v, (dict, list, str, bool, type(None))) else repr(v), 80))
+
+
+def _check_manifest(path: str, m: dict, where: str) -> None:
+    """Every field `replay_inputs`, `reproduced` and the report read, typed (see `load`)."""
+    c = _Check(where)
+    for key in ("tool_version", "created", "replay"):
+        c.string(m.get(key), key, optional=True)
+    model = c.obj(m.get("model"), "model", optional=True)
+    c.string(model.get("arch"), "model.arch", optional=True)
+    c.string(model.get("model_type"), "model.model_type", optional=True)
+    c.dtype(c.obj(m.get("reference"), "reference").get("dtype"), "reference.dtype")
+    engine = c.obj(m.get("engine"), "engine")
+    c.dtype(engine.get("dtype"), "engine.dtype")
+    c.obj(engine.get("live_settings"), "engine.live_settings", optional=True)
+    faults = engine.get("faults") or []
+    if not isinstance(faults, list):
+        c.fail("engine.faults", f"must be a list of fault specs, not {_shown(faults)}")
+    for i, spec in enumerate(faults):  # planted again in the replay's engines: each a fault numbisect knows
+        c.string(spec, f"engine.faults[{i}]")
+        try:
+            parse_fault(spec)
+        except InputError as e:
+            c.fail(f"engine.faults[{i}]", e.message)
+    trace = c.obj(m.get("trace"), "trace", optional=True)
+    for key in ("samples", "completion_tokens"):
+        if key in trace:
+            c.integer(trace[key], f"trace.{key}")
+    if m.get("fire") is not None:
+        fire = c.obj(m["fire"], "fire")
+        c.number(fire.get("value"), "fire.value")
+        c.number(fire.get("threshold"), "fire.threshold", positive=True)
+    f = c.obj(m.get("finding"), "finding")
+    if "weights_ok" in f:
+        c.boolean(f["weights_ok"], "finding.weights_ok")
+    for unit, status in c.obj(f.get("weights_differ"), "finding.weights_differ", optional=True).items():
+        c.string(status, f"finding.weights_differ[{_shown(unit)}]")
+    summary = f.get("weights_summary", [])
+    if not isinstance(summary, list):
+        c.fail("finding.weights_summary", f"must be a list of strings, not {_shown(summary)}")
+    for i, line in enumerate(summary):
+        c.string(line, f"finding.weights_summary[{i}]")
+    c.string(f.get("compare_refused"), "finding.compare_refused", optional=True)
+    c.number(f.get("threshold"), "finding.threshold", optional=True, positive=True)
+    c.number(f.get("k3_mean"), "finding.k3_mean", optional=True)
+    if "first_divergence" in f or "verdict" in f:
+        if f.get("verdict") not in ("aligned", "diverged"):
+            c.fail("finding.verdict", f"must be \"aligned\" or \"diverged\", not {_shown(f.get('verdict'))}")
+        fd = c.obj(f.get("first_divergence"), "finding.first_divergence")
+        for key, v in fd.items():
+            c.string(v, f"finding.first_divergence.{printable(clip(key, 40))}", optional=True)
+    parts = c.obj(m.get("parts"), "parts")
+    for key, rel in parts.items():
+        if key not in PARTS:
+            c.fail(f"parts.{printable(clip(key, 40))}", "is no part a bundle has")
+        if rel is not None:
+            c.relpath(path, rel, f"parts.{key}")
+    sha = c.obj(m.get("sha256"), "sha256")
+    for rel, digest in sha.items():
+        c.relpath(path, rel, f"sha256[{_shown(rel)}]")
+        if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+            c.fail(f"sha256[{_shown(rel)}]", f"must be 64 hexadecimal digits, not {_shown(digest)}")
+    for key, rel in parts.items():  # every file a part holds is checksummed
+        if rel is None:
+            continue
+        files = [os.path.join(rel, n) for n in CHECKPOINT_FILES] if PARTS[key] == "dir" else [rel]
+        for name in files:
+            if os.path.normpath(name) not in {os.path.normpath(r) for r in sha}:
+                c.fail(f"parts.{key}", f"names {_shown(name)}, which the sha256 table does not cover")
+
+
 def load(path: str | os.PathLike) -> Bundle:
-    """A bundle read back and checked: its manifest, each part it names present, and each
-    file's SHA-256 the manifest's (a truncated copy is refused). One InputError line each."""
+    """A bundle read back and checked, every problem one InputError line, before anything
+    loads: its manifest read as every structured input is (`safeio.read_input`: a regular
+    file, at most 64 MB, nesting bounded, no NaN), its own checksum (`manifest_sha256`) the
+    manifest's, every field typed (`_check_manifest`: dtypes numbisect knows, thresholds
+    finite and above 0, booleans and numbers apart, paths inside the bundle without NUL,
+    the finding's fields), each part it names present as a regular file (a FIFO or a device
+    refused) and each file's SHA-256 the manifest's (a truncated copy is refused)."""
     path = os.fspath(path)
-    where = f"bundle {path}"
+    where = f"bundle {path_text(path)}"
+    if "\x00" in path:
+        raise InputError(f"{where}: the path holds a NUL character")
     if not os.path.isdir(path):
         raise InputError(f"{where}: not a directory (a replay bundle is the directory a trigger wrote)")
     mpath = os.path.join(path, "manifest.json")
+    if not os.path.lexists(mpath):
+        raise InputError(f"{where}: no manifest.json (not a replay bundle)")
+    top, real = os.path.realpath(path), os.path.realpath(mpath)
+    if os.path.dirname(real) != top:
+        raise InputError(f"{where}: manifest.json is a link out of the bundle (to {path_text(real)})")
     try:
-        with open(mpath, encoding="utf-8") as f:
-            m = json.load(f)
-    except FileNotFoundError:
-        raise InputError(f"{where}: no manifest.json (not a replay bundle)") from None
-    except (OSError, ValueError) as e:
-        raise InputError(f"{where}: manifest.json is not readable JSON ({str(e).splitlines()[0]})") from None
+        m = read_input(mpath, "bundle manifest", limit=MANIFEST_LIMIT)
+    except InputError as e:
+        raise InputError(f"{where}: manifest.json refused ({e.message})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise InputError(f"{where}: manifest.json is not a replay bundle's (format {FORMAT!r})")
     if m.get("version") != VERSION:
-        raise InputError(f"{where}: bundle version {m.get('version')!r}; this numbisect reads version {VERSION}")
-    parts = m.get("parts")
-    if not isinstance(parts, dict) or not isinstance(m.get("sha256"), dict):
+        older = " (an older numbisect's: write the bundle again)" if m.get("version") == 1 else ""
+        raise InputError(f"{where}: bundle version {_shown(m.get('version'))}{older}; this numbisect reads version {VERSION}")
+    if not isinstance(m.get("parts"), dict) or not isinstance(m.get("sha256"), dict):
         raise InputError(f"{where}: manifest.json has no parts or sha256 table")
-    for rel in [*m["sha256"], *(v for v in parts.values() if v is not None)]:
-        if not isinstance(rel, str) or os.path.isabs(rel) or ".." in rel.split(os.sep):
-            raise InputError(f"{where}: manifest names a file outside the bundle ({rel!r})")
+    for rel in [*m["sha256"], *(v for v in m["parts"].values() if v is not None)]:
+        if not isinstance(rel, str) or os.path.isabs(rel) or ".." in re.split(r"[\\/]", rel):
+            raise InputError(f"{where}: manifest names a file outside the bundle ({_shown(rel)})")
+    if m.get("manifest_sha256") != manifest_digest(m):
+        raise InputError(f"{where}: manifest.json was changed after the bundle was written (its manifest_sha256 differs)")
+    _check_manifest(path, m, where)
     for rel, want in m["sha256"].items():
         p = os.path.join(path, rel)
-        if not os.path.isfile(p):
-            raise InputError(f"{where}: {rel} is missing")
+        if not os.path.lexists(p):
+            raise InputError(f"{where}: {path_text(rel)} is missing")
+        check_input(p, f"{where}: part")  # a FIFO would hang the checksum, /dev/zero never end it
         if file_sha256(p) != want:
-            raise InputError(f"{where}: {rel} is not the file the bundle was written with (SHA-256 differs)")
+            raise InputError(f"{where}: {path_text(rel)} is not the file the bundle was written with (SHA-256 differs)")
+    _check_settings_part(Bundle(path, m), where)
     return Bundle(path, m)
+
+
+def _check_settings_part(b: Bundle, where: str) -> None:
+    """engine.json holds every engine setting the replay needs (an engine measured in
+    settings the bundle does not say is not replayed in vLLM's defaults)."""
+    p = b.part("engine_settings")
+    if p is None:
+        return
+    settings = read_input(p, f"{where}: engine.json")
+    if not isinstance(settings, dict):
+        raise InputError(f"{where}: engine.json must be an object")
+    missing = [k for k in SETTINGS_KEYS if k not in settings]
+    if missing:
+        raise InputError(f"{where}: engine.json does not record {', '.join(missing)} (the engine's settings are needed to replay it)")
+    E.check_settings(settings, f"{where}: engine.json")
 
 
 def replay_inputs(b: Bundle) -> dict:
@@ -256,13 +451,16 @@ def replay_inputs(b: Bundle) -> dict:
     engine_dtype, engine_config (path), threshold. Refuses a bundle written without weights."""
     ref, eng = b.part("reference"), b.part("engine")
     if ref is None or eng is None:
-        raise InputError(f"bundle {b.path}: it holds the weights' digests only (written with weights=False); "
+        raise InputError(f"bundle {path_text(b.path)}: it holds the weights' digests only (written with weights=False); "
                          "replay needs reference/ and engine/")
     if b.part("trace") is None or b.part("engine_settings") is None:
-        raise InputError(f"bundle {b.path}: the manifest names no trace or engine settings")
+        raise InputError(f"bundle {path_text(b.path)}: the manifest names no trace or engine settings")
     return {"ref": f"hf:{ref}", "engine": f"vllm:{eng}", "trace": b.part("trace"),
             "ref_dtype": b.manifest["reference"]["dtype"], "engine_dtype": b.manifest["engine"]["dtype"],
-            "engine_config": b.part("engine_settings"), "threshold": b.finding.get("threshold")}
+            "engine_config": b.part("engine_settings"),
+            # the live comparison's threshold; without one (a compiled engine), the trigger's: the fired batch was judged at it
+            "threshold": b.finding.get("threshold", (b.manifest.get("fire") or {}).get("threshold")),
+            "engine_faults": list(b.manifest["engine"].get("faults") or [])}  # checked by _check_manifest
 
 
 def reproduced(b: Bundle, report: dict) -> tuple[bool, str]:

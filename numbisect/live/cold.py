@@ -9,7 +9,7 @@ neither: `Probe.warm_vs_cold()`
 1. writes the reference's weights (checkpoint names, the reference's dtype) and config to a
    temporary checkpoint directory;
 2. starts numbisect's eager vLLM engine on it in a child process (`python -P -m
-   numbisect.live.cold IN OUT`, through backends.vllm.condition_worker's `run_child`: a
+   numbisect.live.cold IN OUT`, through numbisect.backends.vllm.child's `run_child`: a
    second engine in the trainer's process would share vLLM's global state and its thread
    settings with the user's engine), in the live engine's dtype, max_model_len and
    tensor-parallel size (each rank's parameters compared with the same rank's); the
@@ -34,13 +34,13 @@ from __future__ import annotations
 import json
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch
 
 from numbisect.backends.vllm import VLLMBackend
 from numbisect.backends.vllm import readback as RB
+from numbisect.backends.vllm.child import serve
 from numbisect.backends.vllm.tp import VLLMTPBackend
 from numbisect.live import weights as W
 from numbisect.model.ckptdiff import apply_renames, short_name, unit_of, unit_prefixes
@@ -232,22 +232,16 @@ def cold_job(job: dict) -> dict:
         eng.close()
 
 
+def answer(job: dict, out_path: str) -> None:
+    """The child's answer (`child.serve`): `cold_job`'s, timed, as a torch file."""
+    t0 = time.perf_counter()
+    out = cold_job(job)
+    out["seconds"] = time.perf_counter() - t0
+    torch.save(out, out_path)
+
+
 def main(argv: list[str]) -> int:
-    in_path, out_path = argv[0], argv[1]
-    with open(in_path) as f:
-        job = json.load(f)
-    try:
-        t0 = time.perf_counter()
-        out = cold_job(job)
-        out["seconds"] = time.perf_counter() - t0
-        torch.save(out, out_path)
-    except BaseException as e:  # one line for the parent (run_child reads OUT.err); the traceback stays on stderr
-        traceback.print_exc()
-        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
-        with open(out_path + ".err", "w") as f:
-            json.dump({"error": f"{type(e).__name__}: {lines[-1] if lines else ''}"[:500]}, f)
-        return 1
-    return 0
+    return serve(argv, answer)
 
 
 def param_names(model, shapes: dict[str, tuple]) -> dict[str, list[str]]:

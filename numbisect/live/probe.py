@@ -5,9 +5,9 @@
    (`HFBackend.of`, `VLLMBackend.of`: nothing loaded from disk, nothing installed), and
    records the digests of the reference's weights as the first step of the weight
    history (numbisect.live.weights.History).
-2. `Probe.compare(samples)` builds the pipeline's inputs (`pipeline.Sides`) over the
+2. `Probe.compare(samples)` builds the pipeline's inputs (`numbisect.pipeline.comparison.Sides`) over the
    wrapped backends and runs the same comparison as `bisect compare`
-   (`pipeline.compare`, `pipeline.report_body`, `provenance.new_report`): a `LiveReport`.
+   (`numbisect.pipeline.comparison.compare`, `report_body`, `numbisect.pipeline.provenance.new_report`): a `LiveReport`.
 3. `Probe.check_weights(samples=None)`: per unit, whether the engine computes with the
    reference's weights (numbisect.live.weights), tensor by tensor and, with samples (a
    few random ones by default), functionally by each unit's local error.
@@ -27,7 +27,7 @@ weights are checked tensor by tensor and a comparison is refused in one line nam
 Around every call the trainer's model is put in eval mode and each module's training
 flag restored afterwards (`eval_mode`); its parameters, `requires_grad` and gradients
 are never touched (the forwards run under `torch.inference_mode`). The engine's settings
-are never changed; hooks are removed after each forward (backends.ledger).
+are never changed; hooks are removed after each forward (numbisect.patching.ledger).
 
 A directory is accepted for either side: the backend numbisect opens from disk (as the
 CLI does), closed again by `Probe.close()`; the user's objects are never closed.
@@ -50,9 +50,10 @@ import torch
 
 from numbisect.backends.hf import HFBackend
 from numbisect.backends.vllm import VLLMBackend, forkserver
-from numbisect.backends.vllm.condition_worker import run_child
+from numbisect.backends.vllm.child import run_child
 from numbisect.backends.vllm.tp import VLLMTPBackend
 from numbisect.common.errors import BackendError, InputError
+from numbisect.common.procenv import no_code_from_cwd
 from numbisect.live import cold as K
 from numbisect.live import poison as X
 from numbisect.live import prefix as PX
@@ -60,6 +61,7 @@ from numbisect.live import run as R
 from numbisect.live import transfer as T
 from numbisect.live import weights as W
 from numbisect.live.engine import check_engine, hooks_problem
+from numbisect.live.engine import settings as engine_settings
 from numbisect.live.errors import (
     EngineClosedError,
     EngineSettingError,
@@ -420,6 +422,23 @@ class Probe:
             return ""
         return f"{why}; " if why else ""
 
+    def engine_faults(self) -> list[str]:
+        """The faults planted in the running engine for its life through NUMBISECT_ENGINE_FAULT
+        (numbisect.backends.vllm.enginefault), read from its model (every worker's); [] when
+        none (or when this engine is not a vLLM one)."""
+        from numbisect.backends.vllm import (  # lazy: keeps vLLM's modules out of importing numbisect.live
+            enginefault,  # lazy: keeps vLLM's modules out of importing numbisect.live
+        )
+
+        llm = None if self.engine is None else (self.llm if self.llm is not None else getattr(self.engine, "llm", None))
+        if llm is None or not hasattr(llm, "apply_model"):
+            return []
+        try:
+            per_worker = llm.apply_model(enginefault.planted)
+        except Exception:  # workers that refuse a pickled function (V1 multiprocessing without VLLM_ALLOW_INSECURE_SERIALIZATION): unknown, reported as none
+            return []
+        return sorted({s for specs in per_worker or [] for s in (specs or [])})
+
     # -- poison control -----------------------------------------------------------------------
     def _llm(self):
         """The `vllm.LLM` weights are pushed into; refused (EngineClosedError) when this probe
@@ -706,7 +725,13 @@ def reference_problem(ref) -> str | None:
 def _engine(engine, dtype: str | None):
     if isinstance(engine, (str, os.PathLike)):
         b = VLLMBackend(os.fspath(engine), dtype or "bfloat16")
-        return b, None, [b], {"opened_by": "numbisect"}
+        try:  # the eager engine numbisect started, as a bundle records it (else a replay measures vLLM's defaults)
+            s = engine_settings(b.llm)
+        except BaseException:
+            b.close()
+            raise
+        s.pop("dtype", None)  # a bundle records the dtype apart (`--engine-dtype`)
+        return b, None, [b], {"opened_by": "numbisect", **s}
     settings = check_engine(engine)
     if hooks_problem(settings):
         return RemoteEngine(engine, settings), engine, [], settings
@@ -729,6 +754,7 @@ def attach(reference, engine, *, ref_dtype: str | None = None, engine_dtype: str
     directory): a `Probe` (module doc). `ref_dtype`/`engine_dtype` apply to directories
     only (a live object computes in its own dtype). Raises a `LiveError` naming what
     cannot be used and what would work; nothing is changed then."""
+    no_code_from_cwd()  # the processes it starts (vLLM's, torch's probes, the cold oracle) import nothing from the working directory
     ref, model, owned = _reference(reference, ref_dtype)
     try:
         eng, llm, owned_e, settings = _engine(engine, engine_dtype)

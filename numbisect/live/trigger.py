@@ -13,6 +13,12 @@ rollout engine disagree, it fires, and (optionally) runs the weight check and a 
    the weight check and, when the batch's token ids were fed, a comparison on them, and
    writes both reports under `out_dir` (numbered by the fire).
 
+A batch with no token to compare (empty, or its mask all false) is no evidence either way:
+it warns (`EmptyBatchWarning`), neither fires nor counts as under the threshold, and its
+value is recorded as NaN (`skipped` lists its step). Every input the trigger cannot use
+(log-probs that are not numbers of one shape, a mask that is not booleans, a threshold,
+cooldown or max_fires of the wrong type) is an `InputError` of one line.
+
 A batch that does not fire costs a subtraction, an exp and a mean over the batch's
 tokens: nothing is kept but a few numbers per fire.
 """
@@ -20,7 +26,9 @@ tokens: nothing is kept but a few numbers per fire.
 from __future__ import annotations
 
 import math
+import numbers
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -45,20 +53,53 @@ class Fire:
         return {"step": self.step, "value": self.value, "threshold": self.threshold, "results": self.results}
 
 
-def batch_k3(trainer_logprobs, rollout_logprobs, mask=None) -> float:
-    """Mean per-token k3 of log r = trainer - rollout over the tokens of `mask` (all when
-    None); tensors or nested lists of the same shape."""
-    a = torch.as_tensor(trainer_logprobs, dtype=torch.float64)
-    b = torch.as_tensor(rollout_logprobs, dtype=torch.float64)
+class EmptyBatchWarning(UserWarning):
+    """A batch with no token to compare (empty, or fully masked): not counted."""
+
+
+def _numbers(x, what: str) -> torch.Tensor:
+    """`x` (a tensor, nested lists of numbers) as float64; anything else one InputError."""
+    if isinstance(x, (str, bytes)):
+        raise InputError(f"{what}: expected numbers (a tensor or nested lists), got {type(x).__name__}")
+    try:
+        t = torch.as_tensor(x, dtype=torch.float64)
+    except (ValueError, TypeError, RuntimeError, OverflowError) as e:
+        raise InputError(f"{what}: not numbers of one shape ({str(e).splitlines()[0][:120]})") from None
+    return t
+
+
+def _mask(mask, shape) -> torch.Tensor:
+    if isinstance(mask, (str, bytes)):
+        raise InputError(f"mask: expected booleans (a tensor or nested lists), got {type(mask).__name__}")
+    try:
+        m = torch.as_tensor(mask)
+    except (ValueError, TypeError, RuntimeError, OverflowError) as e:
+        raise InputError(f"mask: not booleans of one shape ({str(e).splitlines()[0][:120]})") from None
+    if m.dtype != torch.bool and (m.is_floating_point() or m.is_complex() or bool(((m != 0) & (m != 1)).any())):
+        raise InputError("mask: expected booleans or 0/1 (which tokens count)")
+    if tuple(m.shape) != tuple(shape):
+        raise InputError(f"the mask's shape {tuple(m.shape)} is not the log-probs' {tuple(shape)}")
+    return m.bool()
+
+
+def batch_tokens(trainer_logprobs, rollout_logprobs, mask=None) -> tuple[float, int]:
+    """(mean per-token k3 of log r = trainer - rollout over the tokens of `mask`, the number of
+    those tokens); NaN when there are none."""
+    a = _numbers(trainer_logprobs, "trainer log-probs")
+    b = _numbers(rollout_logprobs, "rollout log-probs")
     if a.shape != b.shape:
         raise InputError(f"trainer and rollout log-probs differ in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
     k3 = k3_of(a - b)
     if mask is not None:
-        m = torch.as_tensor(mask).bool()
-        if m.shape != a.shape:
-            raise InputError(f"the mask's shape {tuple(m.shape)} is not the log-probs' {tuple(a.shape)}")
-        k3 = k3[m]
-    return float(k3.mean()) if k3.numel() else 0.0
+        k3 = k3[_mask(mask, a.shape)]
+    return (float(k3.mean()) if k3.numel() else math.nan), int(k3.numel())
+
+
+def batch_k3(trainer_logprobs, rollout_logprobs, mask=None) -> float:
+    """Mean per-token k3 of log r = trainer - rollout over the tokens of `mask` (all when
+    None); tensors or nested lists of the same shape. NaN when no token counts (an empty or
+    fully masked batch is not "no mismatch")."""
+    return batch_tokens(trainer_logprobs, rollout_logprobs, mask)[0]
 
 
 @dataclass
@@ -73,22 +114,50 @@ class Trigger:
     seen: int = 0  # batches fed
     last_fire: int | None = None
     values: list[float] = field(default_factory=list)  # every batch's value, in order
+    skipped: list[int] = field(default_factory=list)  # steps of batches with no token to compare
 
     def __post_init__(self):
-        if not (self.threshold >= 0 and math.isfinite(self.threshold)):
-            raise InputError(f"threshold must be a finite number >= 0, got {self.threshold}")
-        if self.cooldown < 0 or self.max_fires < 0:
-            raise InputError("cooldown and max_fires must be >= 0")
+        th = self.threshold
+        if isinstance(th, bool) or not isinstance(th, numbers.Real) or not (th >= 0 and math.isfinite(th)):
+            raise InputError(f"threshold must be a finite number >= 0, got {th!r}")
+        for name in ("cooldown", "max_fires"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise InputError(f"{name} must be a whole number >= 0, got {v!r}")
+        if self.on_fire is not None and not callable(self.on_fire):
+            raise InputError(f"on_fire must be callable, got {type(self.on_fire).__name__}")
+
+    def _step(self, step) -> int:
+        if step is None:
+            return self.seen
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise InputError(f"step must be a whole number, got {step!r}")
+        return int(step)
 
     def feed(self, trainer_logprobs, rollout_logprobs, mask=None, *, step: int | None = None, samples=None) -> Fire | None:
-        """One batch's trainer and rollout log-probs (and response mask): the Fire, if it fired."""
-        return self.feed_value(batch_k3(trainer_logprobs, rollout_logprobs, mask), step=step, samples=samples)
+        """One batch's trainer and rollout log-probs (and response mask): the Fire, if it fired.
+        A batch with no token to compare warns and is skipped (module doc)."""
+        value, tokens = batch_tokens(trainer_logprobs, rollout_logprobs, mask)
+        if tokens == 0:
+            step = self._step(step)
+            self.seen += 1
+            self.values.append(math.nan)
+            self.skipped.append(step)
+            warnings.warn(f"numbisect trigger: batch {step} has no token to compare (empty, or its mask all false): "
+                          "not counted as under the threshold", EmptyBatchWarning, stacklevel=2)
+            return None
+        return self.feed_value(value, step=step, samples=samples)
 
     def feed_value(self, value: float, *, step: int | None = None, samples=None) -> Fire | None:
         """One batch's mismatch as the framework computed it: the Fire, if it fired."""
-        step = self.seen if step is None else step
+        step = self._step(step)
+        if isinstance(value, (str, bytes, bool)):
+            raise InputError(f"value must be a number, got {value!r}")
+        try:
+            value = float(value)
+        except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+            raise InputError(f"value must be a number ({str(e).splitlines()[0][:120]})") from None
         self.seen += 1
-        value = float(value)
         self.values.append(value)
         above = not (value <= self.threshold)  # NaN fires
         cooling = self.last_fire is not None and step - self.last_fire <= self.cooldown

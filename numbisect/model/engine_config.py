@@ -55,7 +55,7 @@ COMPILED = "compiled"
 # hooked eager engine runs in, so a guilty one is localised as a custom op is (units
 # captured in each state, fed the same inputs). Not the others: batching, scheduling and
 # chunking change no unit's arithmetic here (bitwise invariant on CPU), model_impl swaps the
-# module tree the units are read from (localised on its own: condbisect.localise_model_impl),
+# module tree the units are read from (localised on its own: numbisect.commands.conditions.localise_model_impl),
 # tensor_parallel_size runs in worker processes.
 LOCALISABLE = ("kv_cache_dtype",)
 OP_PREFIX = "custom_op:"
@@ -180,7 +180,7 @@ def ops_written(user_side, user_ops: dict[str, bool] | None, good_ops: dict[str,
     the good engine's. An op one engine did not report takes the state the other reported
     (so the two states of such an op's atom are written alike: the trial a search ran and
     the answer a localisation reruns have every op in the same state); one neither
-    reported, off. `trial_settings` and `condbisect.answer_ops` both write ops with it."""
+    reported, off. `trial_settings` and `numbisect.commands.conditions.answer_ops` both write ops with it."""
     user_ops, good_ops = user_ops or {}, good_ops or {}
     out = []
     for name in sorted(set(names) | set(user_ops) | set(good_ops)):

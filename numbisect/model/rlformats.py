@@ -283,12 +283,22 @@ def load_any(path: str, fmt: str | None = None, fields_text: str | None = None) 
     return load_rollouts(path, fmt, fields_text)
 
 
+_FIRST_LINE_LIMIT = 64 * 2**20  # a first record longer than this is no rollout dump's
+
+
 def _foreign_jsonl(path: str) -> bool:
     """A JSONL file whose first record is not in numbisect's names (no prompt_ids and
     completion_ids, or another preset's log-prob field instead of rollout_logprobs)."""
     try:
         with open(path, "rb") as f:
-            for raw in f:
+            seen = 0
+            while seen < _FIRST_LINE_LIMIT:  # line by line, bounded (a file of zeros is one endless line)
+                raw = f.readline(_FIRST_LINE_LIMIT)
+                seen += len(raw)
+                if not raw:
+                    break
+                if len(raw) >= _FIRST_LINE_LIMIT and not raw.endswith(b"\n"):
+                    return False  # numbisect's own reader refuses it in one line
                 if raw.strip():
                     obj = json.loads(raw.decode("utf-8-sig"))
                     if not isinstance(obj, dict):

@@ -34,6 +34,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from numbisect.common.errors import InputError
@@ -198,8 +199,6 @@ def _read_pixels(ref: str, base: str) -> torch.Tensor:
     if not os.path.isfile(path):
         raise ValueError(f"images.pixel_values: no such file {fname}")
     if path.endswith(".npy"):
-        import numpy as np  # lazy: numpy loads only when this runs
-
         try:
             arr = np.load(path, allow_pickle=False)
         except Exception as e:

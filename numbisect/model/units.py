@@ -21,12 +21,12 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import networkx as nx
 
-if TYPE_CHECKING:  # annotations only: the backends sit above this layer
-    from numbisect.backends.base import Backend
+if TYPE_CHECKING:  # annotations only: model.arch imports this module
+    from numbisect.model.arch.base import ArchMap
 
 KINDS = ("embed", "norm", "attn", "moe", "mlp", "router", "experts", "shared_expert", "layer", "lm_head", "vision", "projector",
          "indexer")
@@ -134,11 +134,22 @@ def nearby_names(name: str, names: list[str], n: int = 5) -> list[str]:
     return difflib.get_close_matches(name, names, n=n, cutoff=0.5)
 
 
-def capture_names(backend: Backend) -> list[str]:
+class HasUnits(Protocol):
+    """What the layers below the backends (model/, patching/) read of an engine: its family
+    and its units. Every backend (`numbisect.backends.base.Backend`) is one; those layers
+    name this, never the backends above them."""
+
+    arch: ArchMap
+    units: list[Unit]
+
+    def unit(self, name: str) -> Unit: ...
+
+
+def capture_names(backend: HasUnits) -> list[str]:
     return [u.name for u in backend.units]
 
 
-def local_feed_names(backend: Backend) -> list[str]:
+def local_feed_names(backend: HasUnits) -> list[str]:
     """Units whose input is a hidden state (so they can be teacher-forced); not those fed
     from inside their parent (`INNER_KINDS`)."""
     return [u.name for u in backend.units if u.kind != "embed" and u.kind not in INNER_KINDS]

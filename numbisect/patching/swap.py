@@ -13,14 +13,18 @@ a swap applies to (`expand`, `units_of_kinds`) and applying them through a ledge
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from numbisect.common.errors import InputError
-from numbisect.model.units import SWAP_KINDS
+from numbisect.model.units import SWAP_KINDS, HasUnits, Unit
 from numbisect.patching.ledger import Ledger
 
-if TYPE_CHECKING:  # annotations only: the backends sit above this layer
-    from numbisect.backends.base import Backend
+
+class Swappable(HasUnits, Protocol):
+    """An engine whose units can be swapped (`Backend.swap_unit`); a backend that lacks it
+    refuses in one line."""
+
+    def swap_unit(self, unit: Unit, donor, ledger: Ledger) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class SwapSpec:
         return {"units": list(self.units), "donor_path": self.donor_path, "donor_dtype": self.donor_dtype}
 
 
-def expand(backend: Backend, names: list[str] | tuple[str, ...]) -> list[str]:
+def expand(backend: HasUnits, names: list[str] | tuple[str, ...]) -> list[str]:
     """Unit names to apply: drop any unit whose ancestor is also swapped."""
     wanted = set(names)
     out = []
@@ -50,7 +54,7 @@ def expand(backend: Backend, names: list[str] | tuple[str, ...]) -> list[str]:
     return out
 
 
-def units_of_kinds(backend: Backend, kinds: list[str]) -> list[str]:
+def units_of_kinds(backend: HasUnits, kinds: list[str]) -> list[str]:
     """Every unit of the given kinds; an unknown kind is a usage error listing the real ones."""
     have = sorted({u.kind for u in backend.units})
     bad = [k for k in kinds if k not in have]
@@ -59,7 +63,7 @@ def units_of_kinds(backend: Backend, kinds: list[str]) -> list[str]:
     return [u.name for u in backend.units if u.kind in kinds]
 
 
-def apply_swaps(engine: Backend, donor, names: list[str] | tuple[str, ...], ledger: Ledger) -> None:
+def apply_swaps(engine: Swappable, donor, names: list[str] | tuple[str, ...], ledger: Ledger) -> None:
     """Swap `names` in `engine` for `donor`'s modules, each change recorded in `ledger`
     (undoing the ledger puts the engine's own modules back)."""
     if names and donor is engine:  # a donor's modules are read as they are now: never its own engine

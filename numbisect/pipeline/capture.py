@@ -10,7 +10,7 @@ the streamed comparison (`numbisect.pipeline.comparison.streamed`) folds samples
   unit by unit (the largest buffer first) to `SIDE/UNIT.PART.safetensors`, tensor name
   `SAMPLE` (outputs) or `in.SAMPLE` (inputs). `LazySamples` reads them back per sample.
 
-`UnitStats.result()` equals `compare._unit_error` on the joined samples (same keys:
+`UnitStats.result()` equals `numbisect.pipeline.measure._unit_error` on the joined samples (same keys:
 the activation error of `metrics.activation_error_multi` and `ulps` of
 `metrics.ulp_stats`, a NaN measure replaced by its worst value as there) but for one thing: `max_ulps` is taken above each sample's own
 floor (1e-3 of that sample's largest finite |ref|), not the floor of all samples
@@ -20,6 +20,7 @@ largest of `ulp_stats(ref_i, eng_i)["max_ulps"]` over samples i.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import sys
@@ -373,8 +374,6 @@ class LazySamples:
 def _libc_trim():
     """glibc's malloc_trim, or None (another C library)."""
     try:
-        import ctypes  # lazy: used only on the glibc path, inside its try
-
         return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None

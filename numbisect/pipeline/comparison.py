@@ -1,9 +1,9 @@
 """The comparison pipeline: a trace through the reference and the engine, in one of three modes.
 
 Its place in the layers: under `numbisect.session.session` (a Session holds the backends and
-the trace, and calls in here), over the backends, `compare` (the metrics), `capture`
+the trace, and calls in here), over the backends, `measure` (the metrics), `capture`
 (streaming statistics, spill store), `layerstream` (a reference one layer at a time)
-and `engine_state` (the engine's faults, swaps and probe for one forward). Nothing
+and `numbisect.patching.arrangement` (the engine's faults, swaps and probe for one forward). Nothing
 here takes or calls a Session: every input is in `Sides`.
 
 1. `Sides`: what a comparison runs on (both backends, the trace, settings, groups,
@@ -154,7 +154,7 @@ class CaptureInfo:
 class Comparison:
     """One comparison of the unswapped engine with the reference."""
 
-    tokens: dict  # token metrics, RL cost, worst tokens (compare.token_report): the report's `baseline`
+    tokens: dict  # token metrics, RL cost, worst tokens (measure.token_report): the report's `baseline`
     units: list[dict]  # per unit: propagated and local error
     first_divergence: dict  # the first unit not bitwise equal, the first above the unit tolerance (1e-2)
     verdict: str  # aligned or diverged

@@ -31,7 +31,7 @@ Only the first `MAX_POSITIONS` completion positions are read. Per position the
 `TOP_N` most likely tokens are kept exactly and the rest as a `TAIL_BINS`-bin histogram
 of their log-probs (what the sums over the vocabulary at another temperature need).
 
-Its place in the layers: beside `compare` (the metrics), called by `pipeline`; no backend.
+Its place in the layers: beside `measure` (the metrics), called by `comparison`; no backend.
 """
 
 from __future__ import annotations

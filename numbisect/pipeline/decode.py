@@ -14,7 +14,7 @@ module adds on top of the comparison pipeline:
    in prefill mode is measured against the reference and against its own decode run,
    per token group and per unit, so a user can tell whether a trainer mismatch comes
    from the prefill or from the decode kernels.
-4. The report's summary lines are in `decode_render` (torch-free, for `bisect report`).
+4. The report's summary lines are in `numbisect.report.sections.decode` (torch-free, for `bisect report`).
 """
 
 from __future__ import annotations
@@ -39,11 +39,13 @@ def check_mode(engine_kind: str, mode: str) -> None:
         raise InputError(f"unknown --engine-mode {mode!r}; choose one of {', '.join(ENGINE_MODES)}")
     if mode == "prefill":
         return
-    if engine_kind == "rollout":
+    entry = BACKENDS.get(engine_kind)
+    if entry is not None and entry.source == "trace":
+        runners = " or ".join(e.form(k) for k, e in BACKENDS.items() if "decode" in e.modes)
         raise InputError(
-            "--engine-mode decode needs an engine that runs (vllm:DIR or hf:DIR); --engine rollout only has the trace's recorded log-probs"
+            f"--engine-mode decode needs an engine that runs ({runners}); --engine {engine_kind} only has the trace's recorded log-probs"
         )
-    check_engine_mode(engine_kind, mode, BACKENDS[engine_kind].modes if engine_kind in BACKENDS else ("prefill",))
+    check_engine_mode(engine_kind, mode, entry.modes if entry is not None else ("prefill",))
 
 
 def check_tp(mode: str, engine_opts: dict) -> None:

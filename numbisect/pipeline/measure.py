@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from numbisect.backends import BACKENDS, check_opts  # noqa: F401  (check_opts re-exported)
+from numbisect.backends import check_opts, parse_spec  # noqa: F401  (re-exported: measure.check_opts, measure.parse_spec)
 from numbisect.backends.base import Backend, ForwardResult, check_checkpoint
 from numbisect.backends.options import HF_OPTS, VLLM_INTS, VLLM_RESERVED, parse_opts  # noqa: F401  (re-exported)
 from numbisect.common.errors import InputError
@@ -60,15 +60,6 @@ class Settings:
 
 
 # -- backends ---------------------------------------------------------------------------------
-def parse_spec(spec: str, what: str) -> tuple[str, str | None]:
-    if spec == "rollout":
-        return "rollout", None
-    kind, sep, path = spec.partition(":")
-    if not sep or kind not in BACKENDS or not path or (not BACKENDS[kind].reference and what != "--engine"):
-        raise InputError(f"bad {what} {spec!r}: expected hf:DIR, vllm:DIR" + (", dump:DIR or rollout" if what == "--engine" else ""))
-    return kind, path
-
-
 def check_configs(ref_cfg, eng_cfg) -> None:
     """Refuse a pair whose configs cannot be compared unit by unit."""
     rc, ec = ref_cfg.get_text_config(), eng_cfg.get_text_config()

@@ -116,7 +116,7 @@ def first_above(report: dict, tol: float, key: str = "propagated") -> str | None
     return None
 
 
-# -- in a comparison (pipeline.Sides) -------------------------------------------------------------
+# -- in a comparison (comparison.Sides) -----------------------------------------------------------
 def state_light(sides, local: bool) -> dict | None:
     """The recurrent-state section of a comparison: for every point, the reference, the
     engine (with its planted faults) on its own inputs (propagated) and, with `local`, the

@@ -103,7 +103,7 @@ def routing_report(samples, spec: RouterSpec, units: list[str], ref_ids: dict, r
     return {"spec": spec.to_dict(), "source": "hooked router (recorded expert ids; margins from captured logits)", "layers": layers}
 
 
-# -- in a comparison (pipeline.Sides) -----------------------------------------------------------------------------
+# -- in a comparison (comparison.Sides) ---------------------------------------------------------------------------
 REPLAY_DIRECTIONS = ("ref", "engine")
 
 

@@ -160,7 +160,7 @@ def selection_report(samples, k: int, units: list[str], ref_masks: dict, ref_sco
             "layers": layers}
 
 
-# -- in a comparison (pipeline.Sides) -------------------------------------------------------------
+# -- in a comparison (comparison.Sides) -----------------------------------------------------------
 def selection_light(sides, local: bool) -> dict | None:
     """Selection agreement of every indexer: the reference with the probe, the engine with it
     on its own inputs (propagated) and, with `local`, with its attention and indexers fed the

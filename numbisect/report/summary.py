@@ -30,7 +30,7 @@ from numbisect.report.view import ReportView, view
 def header(r: dict | ReportView) -> list[str]:
     v = view(r)
     eng, ref, tr = v.engine, v.ref, v.trace
-    eng_s = "rollout log-probs" if eng["backend"] == "rollout" else f"{eng['backend']}:{eng['path']} ({eng['dtype']})"
+    eng_s = f"{eng['backend']} log-probs" if v.engine_recorded else f"{eng['backend']}:{eng['path']} ({eng['dtype']})"
     lines = [
         f"numbisect {v.kind} | {ref.get('arch', '?')} | ref hf:{ref['path']} ({ref['dtype']}) vs engine {eng_s}",
         f"trace {tr['path']}: {tr['samples']} samples, {tr['completion_tokens']} completion tokens",
@@ -192,6 +192,22 @@ def search_lines(r: dict | ReportView) -> list[str]:
         out.append("diffuse: no set smaller than every layer reaches the threshold; per-layer contributions:")
         for name, c in v.contributions.items():
             out.append(f"  {name:<12} alone {fmt(c.get('alone'))}  all others swapped {fmt(c.get('complement'))}")
+        out += diffuse_kind_lines(v)
+    return out
+
+
+def diffuse_kind_lines(r: dict | ReportView) -> list[str]:
+    """A diffuse search where only every kind together fixes it: each kind's contribution."""
+    v = view(r)
+    dk = v.diffuse_kinds
+    per_kind = dk.get("per_kind") if isinstance(dk.get("per_kind"), dict) else {}
+    if not per_kind:
+        return []
+    out = [f"only every kind together fixes it ({', '.join(map(str, dk.get('kinds') or []))}: {dk.get('units')} units, "
+           f"needed in {dk.get('layers')} layers); per-kind contributions:"]
+    for k, c in per_kind.items():
+        c = c if isinstance(c, dict) else {}
+        out.append(f"  {str(k):<12} alone {fmt(c.get('alone'))}  all other kinds swapped {fmt(c.get('complement'))}")
     return out
 
 

@@ -10,7 +10,7 @@ torch, no vLLM, so it runs on the machine of whoever reads the ticket.
 2. `render_diff(d)`: the same as text for a terminal.
 3. `markdown(r)`: a Markdown summary to paste into a GitHub issue: verdict, culprit with
    its evidence, a small per-layer table, linear attention's recurrent state per layer
-   (`recurrent_render.markdown_lines`), token groups, RL cost, environment and the
+   (`numbisect.report.sections.recurrent.markdown_lines`), token groups, RL cost, environment and the
    command that reproduces the run.
 
 Both read reports through `numbisect.report.view` (a report dict or its view). Non-finite
@@ -314,8 +314,8 @@ def _cell_code(s) -> str:
 
 def _engine_words(v: ReportView) -> str:
     eng = v.engine
-    if eng.get("backend") == "rollout":
-        return "the trace's rollout log-probs"
+    if v.engine_recorded:
+        return f"the trace's {_md(eng.get('backend'))} log-probs"
     return f"{_md(eng.get('backend'))} {_md(eng.get('dtype'))}"
 
 
@@ -426,6 +426,12 @@ def _search_lines(v: ReportView) -> list[str]:
                 "| layer | swapped alone | all others swapped |", "|---|---:|---:|"]
         for name, c in v.contributions.items():
             out.append(f"| {_cell_code(name)} | {fmt(num(get(c, 'alone')))} | {fmt(num(get(c, 'complement')))} |")
+        per_kind = v.diffuse_kinds.get("per_kind")
+        if isinstance(per_kind, dict) and per_kind:
+            out += ["", "Only every kind together fixes it; no proper subset of the kinds does. Per-kind contributions:", "",
+                    "| kind | swapped alone | all other kinds swapped |", "|---|---:|---:|"]
+            for name, c in per_kind.items():
+                out.append(f"| {_cell_code(name)} | {fmt(num(get(c, 'alone')))} | {fmt(num(get(c, 'complement')))} |")
     return out
 
 

@@ -2,7 +2,7 @@
 
 `bisect report show` (numbisect.report.summary), `report md` and `report diff`
 (numbisect.report.tools), the routing, decode-mode and recurrent-state lines
-(routing_render, decode_render, recurrent_render) and the TUI (numbisect.tui.model and
+(numbisect.report.sections: routing, decode, recurrent) and the TUI (numbisect.tui.model and
 its widgets) read a report through `ReportView` instead of each walking the dict itself:
 
 1. The report is made printable once (`textsafe.printable_tree`): every string a reader
@@ -138,6 +138,12 @@ class ReportView:
         return self.side("engine")
 
     @property
+    def engine_recorded(self) -> bool:
+        """The engine ran no model: its log-probs are the ones the trace recorded (the
+        `rollout` engine, written with no dtype)."""
+        return self.engine.get("dtype") is None
+
+    @property
     def engine_mode(self):
         return self.engine.get("mode", "prefill")
 
@@ -155,6 +161,13 @@ class ReportView:
         """The search's kind-level culprit (kinds, units, value, per_kind, per_layer); {} if none."""
         sy = (self.search or {}).get("systematic")
         return sy if isinstance(sy, dict) else {}
+
+    @property
+    def diffuse_kinds(self) -> dict:
+        """A diffuse search where only every kind together fixes it (kinds, per_kind: alone and
+        complement, per_layer); {} if none."""
+        d = (self.search or {}).get("diffuse_kinds")
+        return d if isinstance(d, dict) else {}
 
     @property
     def checkpoint_diff(self) -> dict:

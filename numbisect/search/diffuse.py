@@ -18,7 +18,10 @@ class Diffuse:
         all_layers = self._layers(self.cands)
         return len(all_layers) >= 2 and self._layers(tops) >= all_layers
 
-    def _diffuse(self, found, reason: str) -> SearchResult:
+    def _diffuse(self, found, reason: str, kinds: dict | None = None) -> SearchResult:
+        """Each layer's contribution (and each unit outside the layers that `found` holds):
+        alone (only its units swapped) and complement (every other candidate swapped).
+        `kinds`: the kind-level evidence when only every kind together fixes it."""
         groups: dict[str, list[str]] = {}
         for layer in sorted(self._layers(self.cands)):
             groups[f"layers.{layer}"] = [c for c in self.cands if self.g.nodes[c]["layer"] == layer]
@@ -30,4 +33,4 @@ class Diffuse:
             alone = self._run(units, "contribution").value
             rest = [c for c in self.cands if c not in units]
             contributions[name] = {"alone": alone, "complement": self._run(rest, "contribution").value}
-        return self._result("diffuse", [], reason, contributions)
+        return self._result("diffuse", [], reason, contributions, diffuse_kinds=kinds)

@@ -59,8 +59,11 @@ class KindHypotheses:
         on and reuses them (a resumed log replays this phase from its trials too).
 
         The rule: the kinds are a systematic culprit when each is needed in more than half
-        of its layers (and at least two), and they are not every kind there is (that names
-        the whole model: bf16 rounding noise spread over every unit, which is diffuse). During the descent (`need_all`) each must be
+        of its layers (and at least two), and they are a proper subset of the kinds there are
+        (kinds inside a chosen one, a moe's router and experts, count as chosen). When only
+        every kind together fixes it and the rule holds, nothing was singled out: the answer
+        is "diffuse" with each kind's contribution (`_every_kind`; bf16 rounding spread over
+        every unit reads so). During the descent (`need_all`) each must be
         needed in every one of its layers: the descent has not yet shown that the minimal
         set needs every layer, and a fault in some layers only is better named unit by unit
         (the descent goes on and does that; if its minimal set then needs every layer, the
@@ -131,8 +134,10 @@ class KindHypotheses:
         if not chosen:
             return None
         units = units_of(chosen)
-        if len(kinds) > 1 and all(k in chosen or self._covered(self.by_kind[k], set(units)) for k in kinds):
-            return None  # every kind, in every layer: the whole model, which is diffuse (rounding noise everywhere)
+        # Every kind there is (a kind whose units sit inside a chosen kind's, a moe's router and
+        # experts, counts as chosen): nothing was singled out. If each is needed in most layers
+        # too (the shares below), the divergence is diffuse, not a kind-level culprit.
+        whole = len(kinds) > 1 and all(k in chosen or self._covered(self.by_kind[k], set(units)) for k in kinds)
         value = self._run(units, "kinds").value
         shares: dict[str, dict[str, float | None]] = {}
         needed: dict[str, list[int]] = {}
@@ -155,6 +160,8 @@ class KindHypotheses:
                     return None
         shares = {k: dict(sorted(d.items(), key=lambda kv: int(kv[0].rpartition(".")[2]))) for k, d in shares.items()}
         layers = sorted({layer for k in chosen for layer in needed[k]})
+        if whole:
+            return self._every_kind(chosen, units, value, tried, shares, len(layers), trigger)
         reason = (
             f"swapping every {', '.join(chosen)} unit ({len(units)} units) brings {self.metric} {self._under}, "
             f"and each layer's is needed in {len(layers)} of {len(self._layers(self.cands))} layers: a systematic "
@@ -164,11 +171,33 @@ class KindHypotheses:
                 "per_kind": {k: _json_float(v) for k, v in tried.items()}, "per_layer": shares, "trigger": trigger}
         return self._result("culprits", [], reason, systematic=info)
 
+    def _every_kind(self, chosen, units, value, tried, shares, n_layers, trigger) -> SearchResult:
+        """Only every kind together fixes it, each needed in most layers: diffuse (bf16 rounding
+        in every unit, say), with each kind's contribution: alone (only that kind swapped) and
+        complement (every other kind swapped, that one left in the engine)."""
+        per_kind = {}
+        for k in chosen:
+            alone = tried[k] if k in tried else self._run(self.by_kind[k], "kind").value
+            rest = [u for j in chosen if j != k for u in self.by_kind[j]]
+            per_kind[k] = {"alone": _json_float(alone), "complement": _json_float(self._run(rest, "kinds").value)}
+        reason = (
+            f"only every kind together ({', '.join(chosen)}: {len(units)} units) brings {self.metric} {self._under}, "
+            f"no proper subset of the kinds does, and each is needed in {n_layers} of {len(self._layers(self.cands))} "
+            "layers: the divergence is spread over the whole model (diffuse, such as rounding in every unit), "
+            "not one kernel or config value"
+        )
+        kinds = {"kinds": list(chosen), "units": len(units), "layers": n_layers, "value": _json_float(value),
+                 "per_kind": per_kind, "per_layer": shares, "trigger": trigger}
+        return self._diffuse(units, reason, kinds=kinds)
+
     def _covered(self, units: list[str], swapped: set[str]) -> bool:
-        """Each of `units` is swapped, itself or through all of its sub-units (a moe block
-        through its router, experts and shared expert)."""
+        """Each of `units` is swapped: itself, an enclosing unit (a moe block's router with the
+        block), or all of its sub-units (a moe block through its router, experts and shared
+        expert)."""
         def done(u):
             kids = children(self.g, u)
-            return u in swapped or bool(kids) and all(done(k) for k in kids)
+            if u in swapped or any(a in swapped for a in self._ancestors(u)):
+                return True
+            return bool(kids) and all(done(k) for k in kids)
 
         return all(done(u) for u in units)

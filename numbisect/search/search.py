@@ -311,7 +311,7 @@ class _Search(Bisection, DeltaDebugging, Linear, KindHypotheses, Diffuse):
         return None
 
 
-    def _result(self, verdict, culprits, reason, contributions=None, systematic=None) -> SearchResult:
+    def _result(self, verdict, culprits, reason, contributions=None, systematic=None, diffuse_kinds=None) -> SearchResult:
         return SearchResult(
             verdict=verdict,
             culprits=culprits,
@@ -323,6 +323,7 @@ class _Search(Bisection, DeltaDebugging, Linear, KindHypotheses, Diffuse):
             stop_reason=reason,
             contributions=contributions or {},
             systematic=systematic,
+            diffuse_kinds=diffuse_kinds,
         )
 
 

@@ -146,6 +146,9 @@ class SearchResult:
     stop_reason: str  # one human sentence
     contributions: dict[str, dict] = field(default_factory=dict)  # group -> {"alone", "complement"}
     systematic: dict | None = None  # a kind-level culprit (`_Search._systematic`)
+    # diffuse because only every kind together fixes it: kinds, units, layers, value, per_kind
+    # ({kind: {"alone", "complement"}}), per_layer (each kind's share per layer), trigger
+    diffuse_kinds: dict | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -161,6 +164,7 @@ class SearchResult:
                 g: {k: _json_float(v) for k, v in d.items()} for g, d in self.contributions.items()
             },
             **({"systematic": self.systematic} if self.systematic is not None else {}),
+            **({"diffuse_kinds": self.diffuse_kinds} if self.diffuse_kinds is not None else {}),
         }
 
 

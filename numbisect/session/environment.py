@@ -55,7 +55,7 @@ def conditions(session) -> dict:
     spec = session.spec
     return {
         "threads": threads(),
-        "ref": _side("hf", spec.ref_dtype, spec.ref_opts),
+        "ref": _side(spec.ref.partition(":")[0], spec.ref_dtype, spec.ref_opts),
         "engine": _side(spec.engine.partition(":")[0], spec.engine_dtype, spec.engine_opts),
         "versions": versions(),
         "device": "cpu",

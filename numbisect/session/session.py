@@ -22,7 +22,7 @@ from numbisect.backends.base import (
     load_config,
 )
 from numbisect.backends.dump import DumpBackend
-from numbisect.backends.vllm.condition_worker import run_child
+from numbisect.backends.vllm.child import run_child
 from numbisect.common.errors import BackendError, InputError
 from numbisect.model import groups as G
 from numbisect.model.arch import arch_for
@@ -104,15 +104,16 @@ class Session:
         self.trace: Trace = load_any(spec.trace, spec.trace_format, spec.trace_fields)
         ref_kind, ref_path = C.parse_spec(spec.ref, "--ref")
         require_reference(ref_kind, spec.ref)
+        self.ref_kind = ref_kind  # the kind accepted: the reference opens as that
         eng_kind, eng_path = C.parse_spec(spec.engine, "--engine")
         self.engine_kind = eng_kind
         # A dump or the rollout's own log-probs: compared, never run (no faults, swaps, trials).
-        self.engine_runs = eng_kind in BACKENDS and BACKENDS[eng_kind].runs
+        self.engine_runs = BACKENDS[eng_kind].runs
         self.user_engine = None  # --engine-config: the user's engine, as they run it (numbisect.session.userengine)
         if spec.engine_config is not None:
             self.user_engine = UserEngine.check(spec, eng_kind)
             spec.engine_opts = self.user_engine.backend_opts()
-        C.check_opts("hf", spec.ref_opts, "--ref-opt")
+        C.check_opts(ref_kind, spec.ref_opts, "--ref-opt")
         C.check_opts(eng_kind, spec.engine_opts, "--engine-opt")
         self.faults = [parse_fault(f) for f in spec.faults]
         D.check_mode(eng_kind, spec.engine_mode)
@@ -138,7 +139,7 @@ class Session:
         check_vocab(self.trace, ref_cfg.get_text_config().vocab_size)
         C.check_positions(self.trace, ref_cfg, "the reference")
         G.check_images(self.trace, ref_cfg, ref_arch)
-        if eng_kind in BACKENDS and not BACKENDS[eng_kind].takes_images and any(s.images is not None for s in self.trace.samples):
+        if not BACKENDS[eng_kind].takes_images and any(s.images is not None for s in self.trace.samples):
             raise InputError(f"the trace has images: compare them against an hf engine (--engine hf:DIR); the {eng_kind} backend takes tokens only")
         self.group_origin = G.add_groups(self.trace, ref_cfg, G.parse_group_defs(spec.group_defs))
         if settings.group not in C.group_names(self.trace) + ["all"]:
@@ -166,7 +167,7 @@ class Session:
                        eng_cfg, backends: dict, dump) -> None:
         """The reference, the user's own engine run (--engine-config) and the engine, opened
         (or taken from `backends`); the faults checked against the engine's units."""
-        self.ref: Backend = backends.get("ref") or self._open("hf", ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
+        self.ref: Backend = backends.get("ref") or self._open(self.ref_kind, ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
         self.engine: Backend | None = None
         if self.user_engine is not None:  # before the in-process engine: its custom ops follow the user's engine
             text = eng_cfg.get_text_config()
@@ -174,7 +175,7 @@ class Session:
             self.user_engine.run(self.trace.samples, eng_path, spec.engine_dtype, int(max_len), int(text.vocab_size),
                                  settings.judges_kl, run_child, self.say)
             spec.engine_opts = self.user_engine.backend_opts()
-        if source(eng_kind) is not None:  # not the rollout's own log-probs
+        if source(eng_kind) != "trace":  # not the rollout's own log-probs
             self.engine = backends.get("engine") or self._open(
                 eng_kind, eng_path, spec.engine_dtype, spec.engine_opts, "starting engine"
             )
@@ -241,7 +242,7 @@ class Session:
                        full_logits=True) -> ForwardResult:
         """The engine with its planted faults, then `swapped` units replaced by the reference's,
         run in `mode` (default: the session's engine mode), and, with `probe`, its expert ids
-        recorded or replayed (`pipeline.Sides.engine_forward`).
+        recorded or replayed (`numbisect.pipeline.comparison.Sides.engine_forward`).
 
         `prefix=(recording, L)`: layers 0..L-1 replay the recording, the others are
         recorded in the session's prefix cache (`numbisect.patching.prefix`; used by `trial`).
@@ -373,7 +374,7 @@ class Session:
         eng = (
             {**self.engine.describe(), "sha256": self.digests["engine"], "mode": self.mode}
             if self.engine is not None
-            else {"backend": "rollout", "path": self.trace.path, "dtype": None}
+            else {"backend": self.engine_kind, "path": self.trace.path, "dtype": None}
         )
         return {
             "ref": {**self.ref.describe(), "sha256": self.digests["ref"]},

@@ -1,8 +1,8 @@
 """The user's engine, as they run it (`bisect compare` / `run --engine-config FILE`).
 
 Its place in the layers: held by `numbisect.session.session` (which calls `prepare`, `run` and
-`apply`), over `engine_config` (the settings), `compare` (the metrics), `contract` (the
-log-prob contract) and the vLLM child process (`backends.vllm.condition_worker`).
+`apply`), over `engine_config` (the settings), `measure` (the metrics), `contract` (the
+log-prob contract) and the vLLM child process (`backends.vllm.child`, job runner `condition_worker`).
 
 Two configurations take part:
 

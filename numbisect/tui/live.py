@@ -21,7 +21,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
+from numbisect.backends import BACKENDS
 from numbisect.common.errors import InputError
+from numbisect.pipeline.provenance import new_report
 from numbisect.search.search import STRATEGIES
 
 
@@ -60,10 +62,6 @@ def open_session(cfg: LiveConfig, progress: Callable[[str], None]):
 
 def report_of(session, cfg: LiveConfig, body: dict) -> dict:
     """The report `bisect run` writes for this body."""
-    from numbisect.pipeline.provenance import (  # lazy: keeps torch out of importing numbisect.tui.live
-        new_report,  # lazy: keeps torch out of importing numbisect.tui.live
-    )
-
     return new_report("run", cfg.argv, session.inputs(), cfg.settings.to_dict(), body)
 
 
@@ -125,8 +123,9 @@ def check_live(cfg: LiveConfig) -> None:
 
     parse_spec(cfg.spec.ref, "--ref")
     kind, _ = parse_spec(cfg.spec.engine, "--engine")
-    if kind == "rollout":
-        raise InputError("bisect tui runs trials: --engine must be hf:DIR or vllm:DIR (not rollout)")
+    if BACKENDS[kind].source == "trace":
+        runners = " or ".join(e.form(k) for k, e in BACKENDS.items() if e.runs)
+        raise InputError(f"bisect tui runs trials: --engine must be {runners} (not {kind})")
     from numbisect.pipeline import (  # lazy: keeps torch out of importing numbisect.tui.live
         decode as D,  # lazy: keeps torch out of importing numbisect.tui.live
     )

@@ -193,6 +193,8 @@ def _answer_lines(rv: ReportView) -> list[tuple[str, str]]:
     if verdict == "aligned":
         return [("green", f"aligned: {words} {fmt(s['baseline'])} <= {fmt(rv.threshold)} before any swap")]
     if verdict == "diffuse":
+        if rv.diffuse_kinds:
+            return [("yellow", "diffuse: only every kind together reaches the threshold; see the per-layer contributions (Trials)")]
         return [("yellow", "diffuse: no set smaller than every layer reaches the threshold; see the per-layer contributions (Trials)")]
     return [("yellow", f"{verdict}: {s['stop_reason']}")]
 
@@ -581,7 +583,7 @@ FINDING_STYLE = {"=": "green", "!!": "bold red", "!": "yellow", "?": "dim"}
 
 def engine_config_finding(r: dict | ReportView) -> tuple[str, str, str]:
     """(mark, style, sentence): whether the module search (run in the hookable configuration)
-    saw the numbers of the user's own configuration (`conditions_render.engine_config_finding`)."""
+    saw the numbers of the user's own configuration (`numbisect.report.sections.conditions.engine_config_finding`)."""
     rv = view(r)
     mark, sentence = engine_config_finding_of(engine_config_of(rv), rv.aligned, rv.value, rv.threshold)
     return mark, FINDING_STYLE[mark], sentence

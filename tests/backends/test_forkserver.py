@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT, model_dir
 
 from numbisect.backends.vllm import forkserver
-from numbisect.backends.vllm.condition_worker import run_child
+from numbisect.backends.vllm.child import run_child
 from numbisect.common.errors import BackendError
 
 FAM = "deepseek_v3"  # its rotary custom op is the vLLM-CPU bug: on and off give other log-probs
@@ -137,7 +137,7 @@ def test_a_server_that_learned_a_thread_is_replaced_by_one_that_learns_nothing(m
 
 PARENT = textwrap.dedent("""
     import json, sys
-    from numbisect.backends.vllm.condition_worker import run_child
+    from numbisect.backends.vllm.child import run_child
     run_child(json.loads(sys.argv[1]), "a trial")
 """)
 

@@ -23,22 +23,30 @@ such as a trace with a BOM). Everything runs in this process, one case after ano
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
 import re
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import click
 import pytest
-from conftest import FIXTURES, model_dir, trace_path
+from conftest import FIXTURES, model_dir, synthetic_bundle, trace_path
 
 from numbisect.cli import cli, main
 
 MODEL = model_dir("qwen3_moe")
 TRACE = trace_path("qwen3_moe")
 REPORT = str(FIXTURES / "reports" / "qwen3_moe_planted_fault.json")
+# A replay bundle the replay takes (written by hand, no engine: conftest.synthetic_bundle); its
+# own files against the hostile set: tests/live/test_bundle_hostile.py.
+_BUNDLE_DIR = tempfile.mkdtemp(prefix="numbisect-bundle-")
+atexit.register(shutil.rmtree, _BUNDLE_DIR, True)
+BUNDLE = synthetic_bundle(Path(_BUNDLE_DIR) / "bundle")
 
 # What names a path: a parameter's name (words joined by _) or its metavar.
 PATH_NAME = re.compile(r"(^|_)(file|dir|out|log|trace|config|floor|resume|report|path|before|after|ref|engine)($|_)")
@@ -68,7 +76,7 @@ BASE = {
     "report md": [REPORT],
     "report diff": [REPORT, REPORT],
     "weights": ["--ref", f"hf:{MODEL}", "--engine", f"hf:{MODEL}", "--trace", TRACE, "-q"],
-    "replay": [REPORT, "-q"],  # no bundle: every case is refused in one line, before anything loads
+    "replay": [BUNDLE, "-q"],
 }
 # Options that only mean something with another one.
 COMPANIONS = {"floor_file": ["--threshold", "floor"], "capture_dir": ["--capture", "full"]}
@@ -121,6 +129,7 @@ def hostile(d: Path, good_input: Path, good: Path | None) -> dict[str, str]:
     os.symlink(d / "loop2", d / "loop1")
     os.symlink(d / "loop1", d / "loop2")
     os.symlink(good_input, d / "link-to-input")
+    os.symlink("/dev/zero", d / "zero-link")
     (d / "deep-100k.json").write_text("[" * 100_000 + "]" * 100_000)
     nested = "1"
     for _ in range(70):
@@ -133,6 +142,8 @@ def hostile(d: Path, good_input: Path, good: Path | None) -> dict[str, str]:
                                  f'"enforce_eager": 1e999999, "seed": -1e999999}}\n')
     (d / "nan.json").write_text('{"prompt_ids": [NaN], "completion_ids": [Infinity], "rollout_logprobs": [NaN], '
                                 '"schema_version": 1, "temperature": NaN, "seed": -Infinity}\n')
+    with open(d / "huge.jsonl", "wb") as f:  # sparse, 2 GiB: over every reader's limit (a trace's 1 GiB), no disk used;
+        f.truncate(2**31)  # a reader that read it whole would fail the case with MemoryError, not take the machine
     long, esc = d / ("n" * 249 + ".jsonl"), d / "t\x1b[31m\x07\nforged.jsonl"
     for p in (long, esc):
         if good is not None and good.is_dir():
@@ -157,6 +168,9 @@ def hostile(d: Path, good_input: Path, good: Path | None) -> dict[str, str]:
         "under_a_loop": str(d / "loop1" / "x.json"),
         "esc_newline_name": str(esc),
         "esc_newline_name_new": str(d / "o\x1b]0;t\x07\nnew.json"),
+        "huge_sparse": str(d / "huge.jsonl"),
+        "dev_zero_link": str(d / "zero-link"),
+        "nul_in_name": str(d / "a\x00b.json"),  # no real command line carries one; main() called with it must not crash
     }
 
 
@@ -164,7 +178,7 @@ def good_value(command: str, param: click.Parameter) -> Path | None:
     """What `param` is given on its command's base line (a spec's directory), or None."""
     base = BASE[command]
     if isinstance(param, click.Argument):
-        return Path(REPORT)
+        return Path(BUNDLE if command == "replay" else REPORT)
     opt = max(param.opts, key=len)
     if opt not in base:
         return None
@@ -184,14 +198,14 @@ class Hung(BaseException):
 @pytest.fixture
 def no_models(monkeypatch):
     from numbisect import backends
-    from numbisect.backends.vllm import condition_worker
+    from numbisect.backends.vllm import child
     from numbisect.tui.app import BisectApp
 
     def stop(*a, **k):
         raise Accepted()
 
     monkeypatch.setattr(backends.Registered, "loader", lambda self: stop)
-    monkeypatch.setattr(condition_worker, "run_child", stop)
+    monkeypatch.setattr(child, "run_child", stop)
     monkeypatch.setattr(BisectApp, "run", stop)
 
 
@@ -213,7 +227,7 @@ def argv(command: str, param: click.Parameter, value: str, trace: str) -> list[s
         return [*command.split(), value]
     if isinstance(param, click.Argument):
         args = list(base)
-        pos = [i for i, a in enumerate(args) if a == REPORT]
+        pos = [i for i, a in enumerate(args) if a in (REPORT, BUNDLE)]
         nth = [q.name for q in _cmd(command).params if isinstance(q, click.Argument)].index(param.name)
         args[pos[nth]] = value
         return [*command.split(), *args]
@@ -285,8 +299,14 @@ def test_the_walk_finds_every_path_option_and_every_command_has_a_base():
         argv(c, p, "/x", TRACE)
 
 
-def _files(d: Path) -> dict[Path, bytes]:
-    return {p: p.read_bytes() for p in d.iterdir() if not p.is_symlink() and p.is_file() and not p.is_fifo()}
+def _files(d: Path) -> dict[Path, bytes | tuple]:
+    """Each regular file's bytes (a huge sparse one: its size and modification time)."""
+    out: dict[Path, bytes | tuple] = {}
+    for p in d.iterdir():
+        if not p.is_symlink() and p.is_file() and not p.is_fifo():
+            st = p.stat()
+            out[p] = p.read_bytes() if st.st_size < 2**26 else (st.st_size, st.st_mtime_ns)
+    return out
 
 
 @pytest.mark.parametrize("command, name", [(c, p.name) for c, p in PARAMS], ids=[f"{c}:{p.name}" for c, p in PARAMS])

@@ -49,14 +49,14 @@ def one_line(rc: int, err: str, code: int = 2) -> str:
 def no_model_loads(monkeypatch):
     """A model load or a vLLM child fails the test: the refusals here come before both."""
     from numbisect.backends import hf
-    from numbisect.backends.vllm import condition_worker
+    from numbisect.backends.vllm import child
     from numbisect.tui import live
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded (or a vLLM child started) before the input was checked")
 
     monkeypatch.setattr(hf.HFBackend, "__init__", refuse)
-    monkeypatch.setattr(condition_worker, "run_child", refuse)
+    monkeypatch.setattr(child, "run_child", refuse)
     monkeypatch.setattr(live, "check_live", refuse)  # the TUI's live run would start its app (and wait for keys)
 
 
@@ -81,7 +81,7 @@ def test_the_vllm_child_imports_nothing_from_the_working_directory(hostile_cwd):
     """`run_child` is how every vLLM child starts (conditions, compare/run --engine-config).
     A job that fails right after the child's imports (torch's included) keeps this test
     fast; before the fix the child ran the working directory's json.py (and numbisect) first."""
-    from numbisect.backends.vllm.condition_worker import run_child
+    from numbisect.backends.vllm.child import run_child
     from numbisect.common.errors import BackendError
 
     with pytest.raises(BackendError) as e:  # a capture job imports torch first, then fails on the settings
@@ -93,7 +93,7 @@ def test_the_vllm_child_imports_nothing_from_the_working_directory(hostile_cwd):
 def test_what_the_child_starts_imports_nothing_from_the_working_directory_either(hostile_cwd):
     """vLLM's worker processes start as `python -c ...`, which would put the working
     directory first: the child's environment (inherited by them) forbids it."""
-    from numbisect.backends.vllm.condition_worker import safe_child_env
+    from numbisect.backends.vllm.child import safe_child_env
 
     rc = subprocess.run([sys.executable, "-c", "import json, socket"], env=safe_child_env(),
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode

@@ -197,7 +197,7 @@ def test_report_validates_and_renders(tmp_path):
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
     """The qwen3_moe session on 5 samples and the log-probs of vLLM's eager defaults (`EAGER`)."""
-    from numbisect.backends.vllm.condition_worker import run_child
+    from numbisect.backends.vllm.child import run_child
     from numbisect.commands.conditions import CondSession, CondSpec, _result
     from numbisect.pipeline.measure import Settings
 
@@ -305,7 +305,7 @@ def test_a_child_leaves_no_temporary_files_however_it_ends(tmp_path, monkeypatch
     exception) or fails must not leave one behind per trial."""
     import tempfile
 
-    from numbisect.backends.vllm.condition_worker import run_child
+    from numbisect.backends.vllm.child import run_child
     from numbisect.common.errors import BackendError
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

@@ -179,7 +179,7 @@ def test_compiled_localisation_runs_on_a_family_with_attention_sub_units(tmp_pat
     checked above without an engine (`test_an_attention_with_sub_units_is_compiled_whole`,
     `test_an_inner_sub_unit_is_not_named_when_its_parent_differs`)."""
     fam = "deepseek_v3"
-    from numbisect.backends.vllm.condition_worker import run_child
+    from numbisect.backends.vllm.child import run_child
     from numbisect.commands.conditions import CondSession, CondSpec
     from numbisect.pipeline.measure import Settings
 

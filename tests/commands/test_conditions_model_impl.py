@@ -58,7 +58,7 @@ def test_model_impl_localisation_names_the_norms_that_vllm_fuses_with_the_residu
     relative L2 2.8e-3 to 3.1e-3) and nothing else does (embedding, attention, MoE blocks,
     the layers given their fed insides are bitwise equal). Fed the sum instead, the add is
     left out and nothing is named: the parts are what finds it."""
-    from numbisect.backends.vllm.condition_worker import run_child
+    from numbisect.backends.vllm.child import run_child
     from numbisect.commands.conditions import CondSession, CondSpec, Engines
     from numbisect.pipeline.measure import Settings
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, child_env, model_dir, vllm
+from conftest import ROOT, child_env, model_dir, synthetic_bundle, vllm
 
 from numbisect.cli import main
 
@@ -125,15 +125,54 @@ def test_a_bad_bundle_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     refused(tmp_path / "empty", "no manifest.json (not a replay bundle)")
     bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "manifest.json").write_text('{"format": "numbisect-replay-bundle", "version": 1, "parts": {}, '
-                                       '"sha256": {"trace.jsonl": "00"}}')
+    synthetic_bundle(bad)
+    (bad / "trace.jsonl").unlink()
     refused(bad, "trace.jsonl is missing")
     (bad / "trace.jsonl").write_text("{}\n")
     refused(bad, "trace.jsonl is not the file the bundle was written with")
-    (bad / "manifest.json").write_text('{"format": "numbisect-replay-bundle", "version": 1, "parts": {"trace": "trace.jsonl"}, '
-                                       '"sha256": {}}')
-    refused(bad, "it holds the weights' digests only")
-    (bad / "manifest.json").write_text('{"format": "numbisect-replay-bundle", "version": 1, '
-                                       '"parts": {"reference": "../elsewhere"}, "sha256": {}}')
-    refused(bad, "manifest names a file outside the bundle ('../elsewhere')")
+
+    def digests_only(m):
+        m["parts"].update(reference=None, engine=None)
+        m["sha256"] = {k: v for k, v in m["sha256"].items() if not k.startswith(("reference/", "engine/"))}
+
+    refused(synthetic_bundle(tmp_path / "digests", edit=digests_only), "it holds the weights' digests only")
+    refused(synthetic_bundle(tmp_path / "out", edit=lambda m: m["parts"].update(reference="../elsewhere")),
+            "manifest names a file outside the bundle (\"../elsewhere\")")
+
+
+@pytest.mark.vllm
+def test_a_bundle_written_on_checkpoint_directories_replays_as_reproduced_and_a_late_failure_keeps_the_report(
+        tmp_path, monkeypatch, capsys):
+    """attach() on two checkpoint directories (same weights): the bundle records the eager
+    engine numbisect started (not `{}`, which replayed in vLLM's defaults: compiled, prefix
+    caching on, "NOT reproduced"), and the untouched bundle replays as reproduced. The step
+    after the replay (matching it with the finding) is made to fail once it has answered: the
+    report is still written, with the exit code of its verdict."""
+    from numbisect.live import attach
+    from numbisect.live import bundle as B
+    from numbisect.report.document import load_report
+
+    probe = attach(reference=model_dir("qwen3"), engine=model_dir("qwen3"), engine_dtype="bfloat16")
+    try:
+        b = B.write(probe, tmp_path / "bundle", BATCH)
+    finally:
+        probe.close()
+    settings = json.loads(open(b.part("engine_settings")).read())
+    assert settings["enforce_eager"] is True and settings["enable_prefix_caching"] is False
+    assert settings["logprobs_mode"] == "raw_logprobs" and settings["tensor_parallel_size"] == 1
+    answers, real = [], B.reproduced
+
+    def fails_after(bundle, report):
+        answers.append(real(bundle, report))
+        raise RuntimeError("a late step failed")
+
+    monkeypatch.setattr(B, "reproduced", fails_after)
+    out = tmp_path / "replay.json"
+    code = main(["replay", b.path, "--out", str(out), "-q"])
+    text = capsys.readouterr().out
+    print(text[-800:], answers)
+    assert answers and answers[0][0] is True, answers  # reproduced
+    report = load_report(out)  # written, and validated against the schema
+    assert code == (0 if report["verdict"] == "aligned" else 1) and report["verdict"] == b.finding["verdict"]
+    assert report["replay"]["reproduced"] is None
+    assert "could not be matched with the bundle's finding (RuntimeError: a late step failed)" in text.splitlines()[-1]

@@ -44,3 +44,43 @@ def test_fed_log_probs_fire_on_a_mismatch():
     assert t.feed(lp, lp + 1e-4 * torch.randn(4, 32, generator=g)) is None  # bf16-like noise: k3 ~ 5e-9
     fire = t.feed(lp, lp + 0.3 * torch.randn(4, 32, generator=g))  # k3 ~ 0.045
     assert fire is not None and fire.value > 1e-2 and fire.step == 1
+
+
+@pytest.mark.parametrize("trainer, rollout, mask", [
+    ([], [], None),  # an empty batch
+    ([[-1.0, -2.0]], [[-3.0, -4.0]], [[0, 0]]),  # every token masked out (a mismatch there is not seen)
+    (torch.zeros(2, 0), torch.zeros(2, 0), None),
+])
+def test_an_empty_or_fully_masked_batch_warns_and_is_not_counted_as_aligned(trainer, rollout, mask):
+    from numbisect.live.trigger import EmptyBatchWarning
+
+    assert math.isnan(batch_k3(trainer, rollout, mask))  # not 0.0: "no mismatch" was not measured
+    t = Trigger(threshold=1e-3, cooldown=0)
+    with pytest.warns(EmptyBatchWarning, match="batch 0 has no token to compare"):
+        assert t.feed(trainer, rollout, mask) is None
+    assert t.skipped == [0] and math.isnan(t.values[0]) and t.seen == 1 and not t.fires
+    assert t.feed([[-1.0]], [[-1.5]]) is not None  # the next batch is judged as usual (step 1)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: batch_k3([[-1.0, -2.0], [-1.0]], [[-1.0, -2.0], [-1.0]]),  # ragged
+    lambda: batch_k3("-1.0", "-1.0"),
+    lambda: batch_k3([["a"]], [["b"]]),
+    lambda: batch_k3([[object()]], [[object()]]),
+    lambda: batch_k3([[-1.0]], [[-1.0]], mask=[[0.5]]),
+    lambda: batch_k3([[-1.0]], [[-1.0]], mask="yes"),
+    lambda: batch_k3([[-1.0, -2.0]], [[-1.0, -2.0]], mask=[[1, 0], [1]]),
+    lambda: Trigger(threshold="1e-3"),
+    lambda: Trigger(threshold=True),
+    lambda: Trigger(threshold=float("inf")),
+    lambda: Trigger(cooldown=1.5),
+    lambda: Trigger(max_fires=None),
+    lambda: Trigger(on_fire=3),
+    lambda: Trigger().feed_value("big"),
+    lambda: Trigger().feed_value(torch.ones(3)),
+    lambda: Trigger().feed_value(1.0, step="3"),
+    lambda: Trigger().feed([[-1.0]], [[-1.0]], step=1.5),
+])
+def test_every_input_the_trigger_cannot_use_is_an_input_error(call):
+    with pytest.raises(InputError):
+        call()

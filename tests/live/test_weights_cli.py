@@ -57,11 +57,12 @@ def test_a_converted_checkpoint_with_gate_and_up_swapped_is_named(tmp_path, caps
     from numbisect.report.document import load_report
 
     bad = damaged_copy("qwen3", tmp_path, swap_gate_up(2))
-    out = tmp_path / "w.json"
+    out = tmp_path / "w\x1b[31m.json"  # an escape in the name: printed escaped (`report: ...`), never raw
     code = main(["weights", "--ref", f"hf:{model_dir('qwen3')}", "--engine", f"vllm:{bad}", "--out", str(out), "-q"])
     text = capsys.readouterr().out
     print(text)
     assert code == 1
+    assert "\x1b" not in text and "report: " in text.splitlines()[-1]
     assert "layers.2.mlp             corrupted       gate_proj <-> up_proj swapped" in text
     report = load_report(out)  # validated against the schema
     assert report["kind"] == "weights" and not report["weights"]["ok"]

@@ -195,6 +195,16 @@ SIGNATURES = [  # (name, reference, engine made from it, how, words of its phras
     # gate/up columns de-interleaved inside one expert of a fused [experts, hidden, 2 x inter] tensor
     ("mlp.experts.gate_up_proj", _t(4, 8, 16), lambda r: torch.stack([r[0], r[1], r[2][:, list(range(0, 16, 2)) + list(range(1, 16, 2))], r[3]]),
      "experts changed", "expert 2: columns permuted (interleaved -> half-split)"),
+    # the same de-interleave on that expert's 1-D bias in a fused [experts, 2 x inter] tensor (#36: "changed" before)
+    ("mlp.experts.gate_up_proj_bias", _t(4, 16), lambda r: torch.stack([r[0], r[1], r[2][list(range(0, 16, 2)) + list(range(1, 16, 2))], r[3]]),
+     "experts changed", "expert 2: elements permuted (interleaved -> half-split)"),
+    # and on one expert's own 1-D bias
+    ("mlp.experts.2.up_proj.bias", _t(16), lambda r: r[list(range(0, 16, 2)) + list(range(1, 16, 2))], "elements permuted",
+     "elements permuted (interleaved -> half-split)"),
+    # inf and NaN named, with counts (#36: "changed" before)
+    ("mlp.down_proj.weight", _t(8, 8), lambda r: torch.where(torch.arange(64).reshape(8, 8) < 3, torch.tensor(float("inf")), r),
+     "non-finite", "holds 3 inf (of 64 values)"),
+    ("self_attn.o_proj.weight", _t(4, 4), lambda r: torch.full_like(r, float("nan")), "non-finite", "holds 16 NaN"),
 ]
 
 

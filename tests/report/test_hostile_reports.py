@@ -116,6 +116,10 @@ def _swap_run() -> dict:
 def _diffuse_run() -> dict:
     r = copy.deepcopy(BASE["run"])
     r["search"].update(verdict="diffuse", contributions={f"layers.{i}": {"alone": 0.004, "complement": 0.002} for i in range(4)})
+    r["search"]["diffuse_kinds"] = {"kinds": ["norm", "moe", "attn"], "units": 17, "layers": 4, "value": 0.0,
+                                    "per_kind": {k: {"alone": 5e-5, "complement": 2e-5} for k in ("norm", "moe", "attn")},
+                                    "per_layer": {"attn": {f"layers.{i}": 3e-5 for i in range(4)}},
+                                    "trigger": "the minimal set needs every layer"}
     r["culprits"] = []
     return r
 

@@ -242,6 +242,17 @@ def test_markdown_of_a_swap_run_and_a_diffuse_search(planted):
     md = markdown(r)
     assert "**Diffuse:**" in md and "| `layers.0` | 1.00e-03 | 2.00e-03 |" in md
     assert "diverges, diffuse" in md.splitlines()[0]
+    # only every kind together fixes it (#36): each kind's contribution, in md and the summary
+    r["search"]["diffuse_kinds"] = {"kinds": ["attn", "moe"], "units": 8, "layers": 4, "value": 0.0,
+                                    "per_kind": {"attn": {"alone": 3e-5, "complement": 2e-5},
+                                                 "moe": {"alone": 4e-5, "complement": 1e-5}}}
+    md = markdown(r)
+    assert "Only every kind together fixes it" in md and "| `moe` | 4.00e-05 | 1.00e-05 |" in md
+    from numbisect.report.summary import render
+
+    text = render(r)
+    assert "only every kind together fixes it (attn, moe: 8 units, needed in 4 layers)" in text
+    assert "attn         alone 3.00e-05  all other kinds swapped 2.00e-05" in text
 
 
 # -- the command line ---------------------------------------------------------------------------

@@ -281,6 +281,44 @@ def test_a_kind_wrong_in_every_layer_is_a_systematic_culprit(kinds):
     assert result.to_dict()["systematic"] == sy
 
 
+def test_noise_in_every_unit_of_every_kind_is_diffuse_with_each_kinds_contribution():
+    """The natural pair's shape: every unit of every layer differs a little (bf16 rounding), so
+    only every kind together fixes it. Nothing is localised: "diffuse", not a systematic culprit
+    of "attn, moe, norm", with each kind's contribution (alone; every other kind swapped)."""
+    g, cands = model(4)
+    faults = [u for u in every_unit(g, cands) if g.nodes[u]["layer"] is not None and not children(g, u)]
+    result, oracle = run(g, cands, faults)
+    assert result.verdict == "diffuse" and result.culprits == [] and result.systematic is None
+    assert "spread over the whole model" in result.stop_reason and "systematic" not in result.stop_reason
+    dk = result.diffuse_kinds
+    assert sorted(dk["kinds"]) == ["attn", "moe", "norm"] and dk["layers"] == 4
+    share = {"attn": 4, "moe": 8, "norm": 8}  # faulty units of each kind (a moe: router and experts)
+    for k, n in share.items():
+        assert dk["per_kind"][k]["alone"] == pytest.approx(FLOOR + (20 - n) * HIT)
+        assert dk["per_kind"][k]["complement"] == pytest.approx(FLOOR + n * HIT)
+    assert sorted(result.contributions) == ["final_norm"] + [f"layers.{i}" for i in range(4)]
+    assert result.to_dict()["diffuse_kinds"] == dk
+    json.dumps(result.to_dict())
+
+
+def test_every_kind_needed_in_a_few_layers_is_localised_not_diffuse():
+    """Three culprits of three kinds: every kind is needed, but not in most of its layers, so
+    the search goes on and names the units."""
+    g, cands = model(4)
+    faults = ["layers.0.attn", "layers.1.input_norm", "layers.3.moe.experts"]
+    result, _ = run(g, cands, faults)
+    assert result.verdict == "culprits" and names(result) == faults and result.diffuse_kinds is None
+
+
+def test_a_fault_in_every_layer_of_a_moe_is_still_systematic():
+    """A proper subset of the kinds (the moe, with its router and experts) names a culprit."""
+    g, cands = model(4)
+    faults = [f"layers.{i}.moe.{s}" for i in range(4) for s in ("router", "experts")]
+    result, _ = run(g, cands, faults)
+    assert result.verdict == "culprits" and result.systematic["kinds"] == ["moe"]
+    assert result.diffuse_kinds is None
+
+
 KIND_ROLES = {"kind", "kinds", "kinds screen", "kind share"}
 
 

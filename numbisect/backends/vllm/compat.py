@@ -21,7 +21,9 @@ plugins" first, so numbisect registers `plugin` below as one (the `vllm.general_
 entry point in pyproject.toml): every vLLM process of this environment installs the same
 fallback before it imports a model.
 
-Nothing here runs when torchvision can be imported.
+The fallback does nothing when torchvision can be imported. The same plugin also installs
+numbisect.backends.vllm.enginefault's loader wrapper (NUMBISECT_ENGINE_FAULT: a fault
+planted in every engine of a run, before it compiles).
 """
 
 from __future__ import annotations
@@ -49,7 +51,15 @@ def without_torchvision() -> bool:
 def plugin() -> None:
     """vLLM general plugin (entry point `numbisect_compat`): the module fallback above in a
     vLLM process numbisect did not start itself (a tensor-parallel worker, an inspection
-    child). vLLM may call it more than once per process; installing twice is harmless."""
+    child), and the loader wrapper that plants `NUMBISECT_ENGINE_FAULT`'s faults in every
+    engine before it compiles (numbisect.backends.vllm.enginefault; a no-op while the
+    variable is unset). vLLM may call it more than once per process; installing twice is
+    harmless."""
+    from numbisect.backends.vllm import (  # lazy: keeps the fallback above free of numbisect's other modules
+        enginefault,  # lazy: keeps the fallback above free of numbisect's other modules
+    )
+
+    enginefault.install()
     if importlib.util.find_spec("torchvision") is not None:
         return
     _alias_qwen2_vl()

@@ -1,10 +1,8 @@
 """A vLLM engine in one engine configuration, run in a child process (`bisect conditions`).
 
 `python -P -m numbisect.backends.vllm.condition_worker IN.json OUT` reads a job and writes
-its answer (`-P` and PYTHONSAFEPATH: nothing imported from the working directory). One child per configuration keeps engines isolated (two vLLM engines started
-one after another in one process are fragile) and threads honest (torch.set_num_threads
-is a no-op once vLLM started). `run_child` (in the parent) starts it and reads the answer;
-the child is forked from a process that imported vLLM once (`forkserver`), not a new Python.
+its answer, through `numbisect.backends.vllm.child` (its protocol; `child.run_child`, in the
+parent, starts it and reads the answer). One child per configuration.
 
 Jobs (IN.json: {"job", "model", "dtype", "settings", "samples": [[ids], ...], ...}):
 
@@ -35,31 +33,31 @@ Jobs (IN.json: {"job", "model", "dtype", "settings", "samples": [[ids], ...], ..
   coarse units read by their transformers names (`treecapture`): OUT is {"captures",
   "inputs", "paths", "missing", "seconds"}.
 
-A failure writes {"error": one line} to OUT and exits 1.
+A failure writes {"error": one line} to OUT.err and exits 1 (`child.serve`).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import sys
-import tempfile
 import time
-import traceback
 
-from numbisect.backends.vllm import forkserver
-from numbisect.common.errors import BackendError
+from numbisect.backends.vllm.child import serve, write_json
+from numbisect.backends.vllm.runner import (
+    VLLMBackend,
+    decoded_logprobs,
+    forced_decode_params,
+    import_vllm,
+    quiet_stderr,
+)
+from numbisect.backends.vllm.treecapture import capture_tree
+from numbisect.backends.vllm.unitcompile import eager_and_compiled
 from numbisect.model.engine_config import LOCALISABLE, llm_kwargs
+from numbisect.model.trace import Sample
 from numbisect.model.units import local_feed_names
 
 
 def _samples(job: dict) -> list:
     """The job's samples as `trace.Sample`s (ids split at each prompt length)."""
-    from numbisect.model.trace import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-        Sample,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-    )
-
     return [Sample(line=i + 1, prompt_ids=list(ids[:p]), completion_ids=list(ids[p:]))
             for i, (ids, p) in enumerate(zip(job["samples"], job["prompt_lens"]))]
 
@@ -84,11 +82,6 @@ def _generate(llm, prompts: list, params: list, batch) -> list:
 
 
 def logprobs_job(job: dict) -> dict:
-    from numbisect.backends.vllm.runner import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-        import_vllm,
-        quiet_stderr,
-    )
-
     vllm = import_vllm()
     settings = dict(job["settings"])
     decode = job["job"] == "decode"
@@ -97,8 +90,8 @@ def logprobs_job(job: dict) -> dict:
     kw.setdefault("seed", 0)
     kw["logprobs_mode"] = settings.get("logprobs_mode", "raw_logprobs")
     if decode:  # the forcing logits processor; requests that do not ask for it are untouched
-        from numbisect.backends.vllm.force import (  # lazy: keeps torch, vllm out of importing numbisect.backends.vllm.condition_worker
-            ForceTokens,  # lazy: keeps torch, vllm out of importing numbisect.backends.vllm.condition_worker
+        from numbisect.backends.vllm.force import (  # lazy: keeps vllm out of importing numbisect.backends.vllm.condition_worker
+            ForceTokens,  # lazy: keeps vllm out of importing numbisect.backends.vllm.condition_worker
         )
 
         kw["logits_processors"] = [*(kw.get("logits_processors") or []), ForceTokens]
@@ -156,11 +149,6 @@ def _forced_decode(llm, vllm, samples: list, batch, full: bool, vocab: int) -> d
     engine: each prompt prefilled, its completion decoded one token per step and forced to the
     trace's, every sample's request in one generate when batch is "all" (they decode side by
     side). {"logprobs": per sample [T-1], "full": per sample [T-1][V] with `full`}."""
-    from numbisect.backends.vllm.runner import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-        decoded_logprobs,
-        forced_decode_params,
-    )
-
     prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(s.prompt_ids)) for s in samples]
     outs = _generate(llm, prompts, [forced_decode_params(vllm.SamplingParams, s, full) for s in samples], batch)
     answer = {"logprobs": [decoded_logprobs(o, s, i).tolist() for i, (o, s) in enumerate(zip(outs, samples))]}
@@ -173,27 +161,15 @@ def _forced_decode(llm, vllm, samples: list, batch, full: bool, vocab: int) -> d
 def capture_job(job: dict, out_path: str) -> None:
     import torch
 
-    from numbisect.backends.vllm.runner import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-        VLLMBackend,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-    )
-
     keep = ("compilation_config", "max_model_len", "seed", *LOCALISABLE)
     opts = {k: v for k, v in llm_kwargs(job["settings"]).items() if k in keep}
     if job.get("tree"):  # model_impl="transformers": the units read by their transformers names
-        from numbisect.backends.vllm.treecapture import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-            capture_tree,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-        )
-
         torch.save(capture_tree(job), out_path)
         return
     eng = VLLMBackend(job["model"], job["dtype"], **opts)
     samples = _samples(job)
     names = [u.name for u in eng.units]
     if job.get("compile"):
-        from numbisect.backends.vllm.unitcompile import (  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-            eager_and_compiled,  # lazy: keeps torch out of importing numbisect.backends.vllm.condition_worker
-        )
-
         torch.save(eager_and_compiled(eng, samples), out_path)
     elif job.get("feed"):
         feed = torch.load(job["feed"])
@@ -204,85 +180,16 @@ def capture_job(job: dict, out_path: str) -> None:
         torch.save({"captures": res.captures, "inputs": res.inputs}, out_path)
 
 
+def answer(job: dict, out_path: str) -> None:
+    """The child's answer to one job (module doc), written to OUT (`child.serve`)."""
+    if isinstance(job, dict) and job.get("job") == "capture":
+        capture_job(job, out_path)
+    else:
+        write_json(logprobs_job(job), out_path)
+
+
 def main(argv: list[str]) -> int:
-    in_path, out_path = argv[0], argv[1]
-    with open(in_path) as f:
-        job = json.load(f)
-    capture = isinstance(job, dict) and job.get("job") == "capture"
-    try:
-        if capture:
-            capture_job(job, out_path)
-            return 0
-        out = logprobs_job(job)
-    except BaseException as e:  # one line for the parent; the traceback stays on stderr
-        traceback.print_exc()
-        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip() and not x.strip().startswith("For further information")]
-        with open(out_path + ".err" if capture else out_path, "w") as f:
-            json.dump({"error": f"{type(e).__name__}: {lines[-1] if lines else ''}"[:500]}, f)
-        return 1
-    with open(out_path, "w") as f:
-        json.dump(out, f)
-    return 0
-
-
-def safe_child_env() -> dict:
-    """This process's environment for a child Python that imports nothing from the
-    directory the user stands in: `PYTHONSAFEPATH=1` (what `python -P` does) puts no
-    working directory on its import path, nor on that of the processes it starts itself
-    (vLLM's workers, started `python -c`, would otherwise put "" first). A `json.py` next
-    to a checkpoint is never run."""
-    return {**os.environ, "PYTHONSAFEPATH": "1"}
-
-
-def run_child(job: dict, what: str, timeout: float | None = None, module: str = "numbisect.backends.vllm.condition_worker"):
-    """Run `job` in a child process; its answer (a dict; a capture job's, or one that says
-    `"answer": "torch"`, read with torch.load). `module`: the child's main (`python -P -m
-    MODULE IN OUT`; this one, or another that answers the same way: OUT, or OUT.err with
-    {"error": one line}). Its temporary files are removed however it ends (an answer, a failure, a
-    timeout, Ctrl-C or SIGTERM in this process, which kills the child), except a failure's
-    under NUMBISECT_DEBUG. A child that fails raises
-    BackendError with one line (its stderr tail too under NUMBISECT_DEBUG). The child is
-    forked from this process's fork server (`forkserver`: vLLM imported once, saving a
-    new Python's import of about 6 s per child); NUMBISECT_FORKSERVER=0 starts a new Python."""
-    tmp = tempfile.mkdtemp(prefix="numbisect-cond-")
-    keep = False
-    try:
-        in_path, out_path, err_path = (os.path.join(tmp, n) for n in ("in.json", "out", "stderr"))
-        with open(in_path, "w") as f:
-            json.dump(job, f)
-        env = safe_child_env()
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(os.path.dirname(
-            os.path.dirname(os.path.abspath(__file__))))), env.get("PYTHONPATH", "")] if p)
-        rc = forkserver.run(module, [in_path, out_path], err_path, env, timeout)
-        if rc is None:
-            raise BackendError(f"{what}: the vLLM child process ran past {timeout:g} s")
-        why = None
-        for p in (out_path + ".err", out_path):
-            if os.path.exists(p) and p.endswith(".err") or (rc != 0 and os.path.exists(p)):
-                try:
-                    with open(p) as f:
-                        why = json.load(f).get("error")
-                except (ValueError, OSError, AttributeError):
-                    pass
-                if why:
-                    break
-        if rc != 0 or why:
-            keep = bool(os.environ.get("NUMBISECT_DEBUG"))  # kept for a look under NUMBISECT_DEBUG
-            msg = f"{what}: the vLLM child process failed ({why or f'exit status {rc}'})"
-            if keep:  # the child's stderr tail, as it is, before the one-line error
-                with open(err_path, "rb") as f:
-                    sys.stderr.write(f.read()[-3000:].decode(errors="replace") + "\n")
-            raise BackendError(msg)
-        if job["job"] == "capture" or job.get("answer") == "torch":
-            import torch
-
-            return torch.load(out_path)
-        with open(out_path) as f:
-            return json.load(f)
-    finally:
-        if not keep:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return serve(argv, answer)
 
 
 if __name__ == "__main__":

@@ -35,14 +35,19 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
+
+from numbisect.backends.vllm.runner import import_vllm  # the package imported it already (and torch)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -221,9 +226,6 @@ atexit.register(shutdown)
 def _child(req: dict) -> int:
     """In the forked child: the parent's environment and directory, stdio as a new Python's
     would be (stdin and stdout /dev/null, stderr the job's file), then the module as __main__."""
-    import runpy  # lazy: the server's child alone runs a module
-    import traceback  # lazy: the server's child alone prints one
-
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _die_with_parent()
     os.environ.clear()
@@ -291,8 +293,6 @@ def _learn_from(path: str) -> list[str]:
 
 def _import_quietly(names: list[str]) -> None:
     """Import each module; one that fails (made at run time, like inductor's kernels) is left."""
-    import importlib  # lazy: the server alone imports by name
-
     for n in names:
         if n not in sys.modules:
             try:
@@ -318,8 +318,6 @@ def serve(learn: bool = True) -> int:
     os.dup2(null, 1)
     os.close(null)
     try:
-        from numbisect.backends.vllm.runner import import_vllm  # lazy: torch, in the server alone
-
         import_vllm()
     except BaseException:  # no server: the parent starts a new Python per job, which says why
         return 1

@@ -28,8 +28,10 @@ from numbisect.backends.base import DTYPES, ForwardResult, fail, hidden_arg
 from numbisect.backends.options import check_vllm_opts
 from numbisect.backends.steps import Steps, decode_captures, vllm_logit_spans
 from numbisect.backends.vllm import gdn, hookpoints, moe, rope
+from numbisect.backends.vllm.compat import without_torchvision
 from numbisect.backends.vllm.model import VLLMModel
 from numbisect.common.errors import BackendError, InputError
+from numbisect.common.procenv import no_code_from_cwd, vllm_env_problem
 from numbisect.patching.ledger import Ledger
 from numbisect.patching.torchops import first
 
@@ -73,6 +75,7 @@ def bad_input(e: BaseException) -> None:
 
 
 def import_vllm():
+    no_code_from_cwd()  # inductor's `python -c` probes and vLLM's spawned processes: no module from the working directory
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -82,12 +85,10 @@ def import_vllm():
         with quiet_stderr():
             import vllm  # noqa: F401
 
-            from numbisect.backends.vllm.compat import without_torchvision  # lazy: after vllm, under quiet_stderr
-
             without_torchvision()  # Qwen3.5's vLLM module reaches transformers' torchvision processor
             # Its vllm.config import logs "Triton is installed, but doesn't include CPU
             # backend" once: held back with the rest of vLLM's start-up (`-q` is quiet).
-            import numbisect.backends.vllm.force  # noqa: F401  # lazy: it imports vllm (its start-up log waits for the engine)
+            import numbisect.backends.vllm.force  # noqa: F401  # lazy: keeps vllm out of importing numbisect.backends.vllm.runner
     except ImportError:
         raise BackendError(INSTALL_HINT) from None
     return vllm
@@ -137,6 +138,8 @@ class VLLMBackend(VLLMModel):
 
     def __init__(self, path: str, dtype: str = "bfloat16", **engine_opts):
         check_vllm_opts(engine_opts, "--engine-opt")  # before anything loads: names, integers, no remote code
+        if vllm_env_problem():  # the model would be in another process, out of the hooks' reach
+            raise InputError(vllm_env_problem())
         super().__init__(path, dtype)
         vllm = import_vllm()
         opts = {

@@ -5,7 +5,7 @@ linear, attention, norm and fused-MoE layers put in: the module tree is transfor
 (`model.layers.{i}.self_attn`, batch dimension 1), not vLLM's own model file. So a guilty
 `model_impl` atom is localised by reading the units there by their transformers names
 (the family's `hf` table) and feeding the same inputs to numbisect's eager engine on vLLM's
-own implementation (`condbisect.localise_model_impl`):
+own implementation (`numbisect.commands.conditions.localise_model_impl`):
 
 1. `tree_units`: the units compared, the coarse ones both trees have as a module with
    the same input and output (embedding, norms, attention, the MoE or MLP block, each

@@ -14,7 +14,7 @@ between units (a layer's residual adds, a MoE block's sum of shared and routed e
 not compiled here; the graph passes vLLM adds (its fusion pass manager) are not run. How
 much that leaves out is measured: the engine run with every leaf unit compiled, chained on
 its own inputs, gives token log-probs whose k3 against the eager run is set beside the
-compiled path's own k3 (`condbisect.localise_compiled`).
+compiled path's own k3 (`numbisect.commands.conditions.localise_compiled`).
 
 `fullgraph=True`: a unit dynamo cannot capture whole raises instead of running parts of
 it eagerly (which would read as "bitwise equal"). Each layer's unit is its own module

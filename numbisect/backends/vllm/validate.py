@@ -23,6 +23,8 @@ import dataclasses
 import os
 import sys
 
+from numbisect.backends.base import check_checkpoint
+from numbisect.backends.vllm.runner import import_vllm
 from numbisect.common.errors import InputError
 from numbisect.common.textsafe import clip, printable
 from numbisect.model.engine_config import llm_kwargs
@@ -68,8 +70,6 @@ def check_with_vllm(settings: dict, what, model_dir: str | None = None) -> None:
     function of the key: where that key came from)."""
     from pydantic import TypeAdapter, ValidationError  # lazy: pydantic loads only when this runs
 
-    from numbisect.backends.vllm.runner import import_vllm  # lazy: keeps torch out of importing numbisect.backends.vllm.validate
-
     vllm = import_vllm()
     types = _engine_field_types()
     for key, value in llm_kwargs(settings).items():
@@ -103,8 +103,6 @@ def _check_tp(tp: int, what, model_dir: str | None) -> None:
                     "each worker to its own; or give VLLM_CPU_OMP_THREADS_BIND one CPU list per worker)")
     if not model_dir:
         return
-    from numbisect.backends.base import check_checkpoint  # lazy: keeps torch out of importing numbisect.backends.vllm.validate
-
     cfg = check_checkpoint(model_dir)
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     heads = text.get("num_attention_heads")
