@@ -33,6 +33,9 @@ decode-log-prob functional check, against one engine forward and one sync.
 `--experts` (a MoE fixture, default qwen3_moe): the per-tensor weight check after a correct
 sync and after vLLM's reload left every layer's experts unpacked (corrupted), against one
 training step (goal: at most 1 s with every expert corrupted).
+And the trainer shapes of issue 38 (benchmarks/_trainers.py): `--fsdp`, the check on an
+FSDP2-sharded trainer at 2 ranks against its training step; `--transfer`, a push through
+vLLM's weight-transfer API and the check with its ledger.
 
 Prints a table and, with --json FILE, the figures.
 """
@@ -136,10 +139,20 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-only", action="store_true", help="the check's peak memory alone, no timings")
     ap.add_argument("--lora", action="store_true", help="the LoRA checks (merged and adapter paths)")
     ap.add_argument("--experts", action="store_true", help="the weight check with every expert corrupted (a MoE fixture)")
+    ap.add_argument("--fsdp", action="store_true", help="the check on an FSDP2 trainer, 2 ranks under torchrun (_trainers.py)")
+    ap.add_argument("--transfer", action="store_true", help="pushes through vLLM's weight-transfer API (_trainers.py)")
+    ap.add_argument("--verbose", action="store_true", help="--fsdp: the ranks' output")
     args = ap.parse_args(argv)
     quiet_env()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model_dir = str(ROOT / "fixtures" / "models" / args.fixture)
+    if args.fsdp or args.transfer:
+        import _trainers
+
+        fig = _trainers.fsdp(args, model_dir) if args.fsdp else _trainers.transfer(args, model_dir)
+        if args.json:
+            Path(args.json).write_text(json.dumps(fig, indent=1) + "\n")
+        return 0
     tmp = None
     if args.hidden:
         tmp = tempfile.mkdtemp(prefix="numbisect-bench-")

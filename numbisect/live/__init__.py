@@ -14,6 +14,10 @@
 - `prefix.py`: right after a sync, whether the engine's prefix cache holds KV the old
   weights computed (`Probe.check_prefix_cache`);
 - `sync.py`: a weight push as RL frameworks make it (vLLM's own `load_weights`);
+- `sharded.py`: the weight check on an FSDP2-sharded trainer (`attach_sharded`, on every
+  rank; collective-safe: the ranks agree before anything is gathered);
+- `transfer.py`: vLLM's weight-transfer API (an in-process transport, a push's ledger:
+  the weight version and the units a push never named, in every check);
 - `errors.py`: the typed errors, each one line.
 """
 
@@ -29,7 +33,8 @@ from numbisect.live.cold import WarmCold
 from numbisect.live.poison import PoisonError, Poisoned
 from numbisect.live.prefix import PrefixCacheCheck
 from numbisect.live.probe import LiveReport, Probe, attach
+from numbisect.live.sharded import ShardedError, ShardedProbe, attach_sharded
 from numbisect.live.weights import WeightCheck
 
-__all__ = ["attach", "Probe", "LiveReport", "WeightCheck", "PrefixCacheCheck", "LiveError", "EngineSettingError",
+__all__ = ["attach", "attach_sharded", "ShardedProbe", "ShardedError", "Probe", "LiveReport", "WeightCheck", "PrefixCacheCheck", "LiveError", "EngineSettingError",
            "EngineClosedError", "HookNotFiredError", "ReferenceModelError", "SyncError", "PoisonError", "Poisoned", "WarmCold"]

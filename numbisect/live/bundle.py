@@ -163,7 +163,7 @@ def write(probe, out_dir: str | os.PathLike, samples=None, *, weights: bool = Tr
         _json(weights_path, {"weights": check.to_dict()})
     parts["weights_report"] = "weights.json"
     finding: dict = {"weights_ok": check.ok, "weights_differ": {u.unit: u.status for u in check.differing()},
-                     "weights_summary": check.lines()}
+                     "weights_summary": check.lines(), "weight_version": check.weight_version}
     parts["compare_report"] = parts["routing"] = None
     if comparison is not None:
         c, ctrace, settings = comparison

@@ -58,6 +58,7 @@ from numbisect.live import cold as K
 from numbisect.live import poison as X
 from numbisect.live import prefix as PX
 from numbisect.live import run as R
+from numbisect.live import transfer as T
 from numbisect.live import weights as W
 from numbisect.live.engine import check_engine, hooks_problem
 from numbisect.live.engine import settings as engine_settings
@@ -387,12 +388,14 @@ class Probe:
         ref = W.ReferenceReader(self.ref.model)  # both sides streamed: one layer, one unit at a time
         tied = bool(getattr(self.engine.config.get_text_config(), "tie_word_embeddings", False))
         try:
-            return W.check(ref, self._engine_units(ref.shapes), self.history, self.ref.arch, self.ref.config,
-                           dtype=self.engine.dtype, dtypes=self._engine_dtypes(ref.shapes), step=step, local=local,
-                           tied=tied, t0=t0, flips=flips)
+            check = W.check(ref, self._engine_units(ref.shapes), self.history, self.ref.arch, self.ref.config,
+                            dtype=self.engine.dtype, dtypes=self._engine_dtypes(ref.shapes), step=step, local=local,
+                            tied=tied, t0=t0, flips=flips)
         except Exception:
             self._readable()  # a closed engine or one a reload left unfinished: said in one line
             raise
+        llm = self.llm if self.llm is not None else getattr(self.engine, "llm", None)
+        return T.annotate(check, llm, self.ref.arch, self.ref.config, list(ref.shapes))  # the weight version, the last push
 
     def _readable(self) -> None:
         """Why the engine's weights cannot be read or run, in one line, where numbisect can
@@ -695,6 +698,9 @@ def _reference(reference, dtype: str | None):
                                   "check_adapter(model, llm, lora_int_id) (an engine with enable_lora=True)")
     if not isinstance(reference, torch.nn.Module) or not hasattr(reference, "config"):
         raise ReferenceModelError(f"reference: expected a transformers model or a checkpoint directory, not {type(reference).__name__}")
+    if any(hasattr(p, "full_tensor") and hasattr(p, "placements") for p in reference.parameters()):
+        raise ReferenceModelError(f"the reference model ({type(reference).__name__}) is sharded (DTensor parameters: FSDP2's "
+                                  "fully_shard): use numbisect.live.attach_sharded(model, engine=...) on every rank")
     devices = {p.device.type for p in reference.parameters()}
     if devices - {"cpu"}:
         raise ReferenceModelError(f"the reference model is on {', '.join(sorted(devices))}: attach compares a model on the CPU "

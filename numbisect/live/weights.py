@@ -298,10 +298,13 @@ class WeightCheck(ByUnit):
     engine_digests: dict[str, str] = field(default_factory=dict, repr=False)  # checkpoint name -> the engine tensor's digest
     peak_bytes: int | None = None  # the most bytes of engine tensors read back alive at once (UnitReader's account)
     unit_bytes: int | None = None  # the largest unit's engine tensors, in bytes
+    weight_version: str | None = None  # the engine's weight version when checked (vLLM's `get_weight_version`)
+    push: dict | None = None  # the last weight-transfer push seen (numbisect.live.transfer), when watched
 
     def to_dict(self) -> dict:
         counts = {s: sum(u.status == s for u in self.units) for s in ORDER}
-        return {"ok": self.ok, "step": self.step, "compared_with": self.compared_with, "seconds": round(self.seconds, 4),
+        extra = {k: v for k, v in (("weight_version", self.weight_version), ("push", self.push)) if v is not None}
+        return {"ok": self.ok, "step": self.step, **extra, "compared_with": self.compared_with, "seconds": round(self.seconds, 4),
                 "functional": self.functional, "functional_tol": self.functional_tol,
                 "counts": {k: v for k, v in counts.items() if v}, "unmapped": self.unmapped,
                 "units": [u.to_dict() for u in self.units]}
@@ -309,8 +312,10 @@ class WeightCheck(ByUnit):
     def lines(self) -> list[str]:
         """A short summary: one line per unit that is not ok."""
         bad = self.differing()
-        head = f"weights ({self.step}): {'all ok' if not bad else f'{len(bad)} of {len(self.units)} units differ'} ({self.seconds:.2f} s)"
-        return [head] + [f"  {u.unit:<24} {u.status:<15} {u.summary}" for u in bad]
+        version = f", weight version {self.weight_version}" if self.weight_version not in (None, "default") else ""
+        head = f"weights ({self.step}{version}): {'all ok' if not bad else f'{len(bad)} of {len(self.units)} units differ'} ({self.seconds:.2f} s)"
+        note = [f"  {self.push['note']}"] if (self.push or {}).get("note") else []
+        return [head] + [f"  {u.unit:<24} {u.status:<15} {u.summary}" for u in bad] + note
 
 
 def routing_flips(routing: dict | None) -> dict[str, tuple[int, int]]:
@@ -339,7 +344,8 @@ def _worst(statuses) -> str:
 
 def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: torch.dtype,
           dtypes: dict[str, torch.dtype] | None = None, step: str, local: dict[str, float] | None = None,
-          tied: bool = False, t0: float | None = None, flips: dict[str, tuple[int, int]] | None = None) -> WeightCheck:
+          tied: bool = False, t0: float | None = None, flips: dict[str, tuple[int, int]] | None = None,
+          rows=None) -> WeightCheck:
     """Judge every unit (module doc), streaming: `ref` read layer by layer (`ReferenceReader`),
     `eng` an iterable of (unit, the engine's tensors of that unit in checkpoint names)
     (`UnitReader`), each unit's tensors digested, compared and explained while they are
@@ -349,7 +355,9 @@ def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: t
     `history`: the reference's earlier digests (this check's are added to it); `local`:
     unit -> local relative L2 error of a comparison, or None; `flips`: its routing flips (`routing_flips`); `tied`: the engine ties
     lm_head to the embedding (no lm_head tensor). The engine's digests, by checkpoint
-    name, are the result's `engine_digests`."""
+    name, are the result's `engine_digests`. `rows`: (name, engine tensor) -> a verdict of
+    its own for a tensor that differs, or None (numbisect.live.sharded: the rows of each
+    trainer rank's shard judged apart), taken before the whole tensor's."""
     t0 = time.perf_counter() if t0 is None else t0
     dtypes = dict(dtypes or {})
     cur = ref.digests(dtype, dtypes)
@@ -400,6 +408,8 @@ def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: t
             row.update(status=MISSING, how="reshaped", engine_shape=list(t.shape), ref_shape=list(ref.shapes[key]))
         elif eng_digest[name] == cur[key]:
             return
+        elif rows is not None and (own := rows(key, t)) is not None:
+            row.update(own)
         elif prev is not None and prev[1].get(key) == eng_digest[name]:
             row.update(status=UNWRITTEN, how="unwritten", holds=prev[0])
         elif any(h.get(key) == eng_digest[name] for _, h in earlier):

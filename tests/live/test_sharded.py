@@ -1,0 +1,114 @@
+"""numbisect.live.sharded on a real FSDP2 trainer: two ranks under torchrun (gloo, CPU),
+the qwen3 fixture sharded with `fully_shard`, real AdamW steps, rank 0's vLLM-CPU engine
+fed by vLLM's reload. The scenarios run once (tests/live/fsdp_scenarios.py, one torchrun
+for the module, 1.5-2.5 min here); each test asserts what one of them showed. Plus the
+parts that need no process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, child_env
+
+from numbisect.live import LiveError
+from numbisect.live.sharded import attach_sharded, rank_rows
+
+SCRIPT = os.path.join(ROOT, "tests", "live", "fsdp_scenarios.py")
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp") / "scenarios.json"
+    env = {**child_env(), "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    t0 = time.perf_counter()
+    p = subprocess.run([torchrun, "--nproc-per-node", "2", SCRIPT, str(out)], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def _unit(section: dict, name: str) -> dict:
+    return next(u for u in section["weights"]["units"] if u["unit"] == name)
+
+
+@pytest.mark.vllm
+def test_attach_on_a_sharded_model_names_attach_sharded_in_one_line(scenarios):
+    assert scenarios["attach"] == ("the reference model (FSDPQwen3ForCausalLM) is sharded (DTensor parameters: FSDP2's "
+                                   "fully_shard): use numbisect.live.attach_sharded(model, engine=...) on every rank")
+
+
+@pytest.mark.vllm
+def test_a_correct_sync_of_a_sharded_model_is_all_ok_gathering_the_model_once(scenarios):
+    c = scenarios["correct"]
+    assert c["ok"], c["lines"]
+    assert c["layers_gathered"] == c["layers"]  # the model gathered once, layer by layer
+    assert c["weights"]["counts"] == {"ok": 19}
+    assert c["local"]["ok"]  # rank 0's own rows, no communication
+    assert c["weights"]["weight_version"] == "default"  # vLLM's, recorded (no versioned push here)
+
+
+@pytest.mark.vllm
+def test_a_sync_that_pushed_one_ranks_shard_names_the_other_ranks_rows_at_every_unit(scenarios):
+    c = scenarios["one_shard"]
+    assert not c["ok"]
+    units = c["weights"]["units"]
+    assert len(units) == 19 and all(u["status"] == "unwritten" for u in units)
+    attn = _unit(c, "layers.1.attn")
+    assert attn["summary"] == "rank 1's rows unwritten: still the weights of correct; rank 0's ok (6 tensors)"
+    q = next(t for t in attn["tensors"] if t["tensor"].endswith("q_proj.weight"))
+    assert [(e["rank"], e["rows"], e["status"]) for e in q["ranks"]] == [(0, [0, 64], "ok"), (1, [64, 128], "unwritten")]
+    assert c["local"]["ok"]  # rank 0's own rows were pushed: its local check is right to pass
+
+
+@pytest.mark.vllm
+def test_a_sync_gathering_in_a_rank_dependent_order_is_corrupted_at_its_unit(scenarios):
+    c = scenarios["rank_order"]
+    bad = {u["unit"]: u for u in c["weights"]["units"] if u["status"] != "ok"}
+    assert list(bad) == ["layers.1.attn"]
+    assert bad["layers.1.attn"]["status"] == "corrupted"
+    k = next(t for t in bad["layers.1.attn"]["tensors"] if t["tensor"].endswith("k_proj.weight"))
+    assert k["ranks"][1]["tensor"].endswith("layers.1.self_attn.q_proj.weight") and k["ranks"][0]["status"] == "ok"
+
+
+@pytest.mark.vllm
+def test_poison_control_on_every_rank_names_a_skipped_unit_and_puts_it_back(scenarios):
+    c = scenarios["poison"]
+    assert {u["unit"]: u["status"] for u in c["weights"]["units"] if u["status"] != "ok"} == {"layers.2.mlp": "unwritten"}
+    assert _unit(c, "layers.2.mlp")["summary"] == "3 tensors unwritten: still the weights of poison (seed 0)"
+    assert c["poison"]["left"] == [f"model.layers.2.mlp.{p}_proj.weight" for p in ("down", "gate", "up")]
+    assert c["poison"]["restored"]
+    ok = scenarios["poison_correct"]
+    assert ok["ok"] and ok["poison"]["left"] == [] and ok["poison"]["tensors"] == 47
+
+
+@pytest.mark.vllm
+def test_a_rank_that_skips_the_check_is_one_line_within_the_timeout(scenarios):
+    s = scenarios["skip"]
+    assert s["raised"] and "\n" not in s["raised"]
+    assert "did not take part within" in s["raised"] and "on every rank" in s["raised"]
+    assert s["seconds"] < 5 + 5  # the probe's timeout (5 s), not the process group's 30 min
+
+
+def test_rank_rows_follow_torch_chunk():
+    import torch
+
+    for n, world in [(128, 2), (5, 2), (3, 4), (0, 2)]:
+        chunks = torch.arange(n).chunk(world) if n else ()
+        want = [(int(c[0]), int(c[-1]) + 1) for c in chunks]
+        assert rank_rows(n, world)[: len(want)] == want
+        assert all(a == b for a, b in rank_rows(n, world)[len(want):])
+
+
+def test_without_a_process_group_attach_sharded_says_so():
+    import torch
+
+    with pytest.raises(LiveError, match="torch.distributed is not initialized"):
+        attach_sharded(torch.nn.Linear(2, 2))
