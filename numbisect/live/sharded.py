@@ -52,6 +52,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from numbisect.backends.vllm.runner import in_process_model
 from numbisect.live import poison as X
 from numbisect.live import transfer as T
 from numbisect.live import weights as W
@@ -459,8 +460,6 @@ class _EngineSide:
         self.tied = bool(getattr(self.config.get_text_config(), "tie_word_embeddings", False))
         self.in_process = type(llm.llm_engine.engine_core).__name__ == "InprocClient"
         if self.in_process:
-            from numbisect.backends.vllm.runner import in_process_model
-
             self.model = in_process_model(llm)
             self.dtypes = W.engine_dtypes(self.model, shapes, self.dtype)
         else:
