@@ -418,6 +418,9 @@ def _after_search(session, result: RunResult, runner, code: int, whatif: bool, p
         for c in result.culprits:
             after_search(failed, "whatif", c["unit"], progress,
                          lambda c=c: W.run_whatifs(session, [c], result.search.get("baseline"), progress, names=names))
+    if whatif and isinstance(result.search.get("systematic"), dict):
+        after_search(failed, "whatif", "systematic", progress,
+                     lambda: W.run_kind_whatifs(session, result.search["systematic"], result.search.get("baseline"), progress))
     return run_body(result), code
 
 

@@ -1,6 +1,7 @@
 """Precision what-ifs: would running a culprit's arithmetic in fp32 fix the divergence?
 
-For each culprit the search named:
+For each culprit the search named (and for a systematic culprit, the kinds it named in
+every layer, each what-if on all of their units at once: `run_kind_whatifs`):
 
 1. `fp32 unit`: the whole unit computed in float32, its output handed back in the
    engine's dtype. On an hf engine the engine's own module (with its planted faults)
@@ -85,12 +86,16 @@ def not_carried(session, whatif: str, unit) -> list[str]:
 def forward(session, whatif: str | None, unit, others: list[str]):
     """One engine forward: planted faults (less those the what-if replaces), the other
     culprits swapped, then the what-if and the faults it plants again on top of it, all
-    in the arrangement's one ledger."""
+    in the arrangement's one ledger. `unit`: one unit, or a list (a systematic culprit's:
+    the what-if on each of them)."""
     engine = session.engine
-    kept = [f for f in session.faults if whatif is None or not replaced(f, whatif, unit)]
+    units = unit if isinstance(unit, list) else [unit]
+    kept = [f for f in session.faults if whatif is None or not any(replaced(f, whatif, u) for u in units)]
     with arranged(engine, session.ref, kept, others) as ledger:
         if whatif is not None:
-            replant = engine.install_whatif(whatif, unit, session.ref, session.faults, ledger)
+            replant = []
+            for u in units:
+                replant += [f for f in engine.install_whatif(whatif, u, session.ref, session.faults, ledger) if f not in replant]
             apply_faults(engine, replant, ledger)
         # decode mode too; full logits only when the KL is judged (as in a search trial)
         return engine.forward(session.samples, full_logits=session.settings.judges_kl,
@@ -160,3 +165,42 @@ def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=
             "whatifs": trials,
             "suggested": best["line"] if best else f"no precision fix: running {unit.name} in fp32 does not help",
         }
+
+
+def run_kind_whatifs(session, systematic: dict, baseline: float | None, progress=lambda m: None) -> None:
+    """A systematic culprit's what-ifs (the search named kinds, in every layer, not units):
+    each what-if put on every unit of those kinds at once, in one forward, judged against
+    the search's baseline as a culprit's are; adds `precision` to `systematic`, in place
+    (the same fields as a culprit's, with `units`: how many units each what-if was put on).
+    `fp32 weighted sum` when every such unit is a MoE block or its experts."""
+    if session.engine is None or baseline is None:
+        return
+    kinds = set(systematic.get("kinds") or [])
+    units = [u for u in session.engine.units if u.kind in kinds]
+    if not units:
+        return
+    ref = session.reference_tokens()
+    st = session.settings
+    which = [WSUM, UNIT] if all(u.kind in ("moe", "experts") for u in units) else [UNIT]
+    trials = []
+    for w in which:
+        progress(f"what-if: every {', '.join(sorted(kinds))} unit ({len(units)}), {w}")
+        tokens = C.token_report(session.samples, ref, forward(session, w, units, []), st, session.groups, detail=False)
+        value = tokens["value"]
+        k3 = tokens["groups"][st.group]["k3"]["mean"] if st.group in tokens["groups"] else None
+        fix = ("accumulate every MoE block's expert weighted sum in fp32" if w == WSUM
+               else f"upcast every {', '.join(sorted(kinds))} unit to fp32")
+        t = {"whatif": w, "fix": fix, "metric": st.metric, "threshold": st.threshold, "before": baseline, "value": value,
+             "k3_mean": k3, "units": len(units),
+             "replaced_faults": [f.spec for f in session.faults if any(replaced(f, w, u) for u in units)],
+             "faults_not_carried": sorted({x for u in units for x in not_carried(session, w, u)})}
+        t["verdict"] = verdict(baseline, value, st.threshold)
+        t["line"] = describe(t)
+        trials.append(t)
+    fixing = [t for t in trials if t["verdict"] == "fixes"]
+    helping = sorted((t for t in trials if t["verdict"] == "helps"), key=lambda t: t["value"])
+    best = (fixing or helping or [None])[0]
+    systematic["precision"] = {
+        "whatifs": trials,
+        "suggested": best["line"] if best else f"no precision fix: running every {', '.join(sorted(kinds))} unit in fp32 does not help",
+    }

@@ -235,6 +235,12 @@ def systematic_lines(r: dict | ReportView) -> list[str]:
         if isinstance(layers, dict) and layers:
             out.append(f"  each layer's share of {k} ({v.metric} with that layer's {k} units left, every other {kinds} unit swapped): "
                        + ", ".join(f"{name} {fmt(x)}" for name, x in layers.items()))
+    precision = sy.get("precision") if isinstance(sy.get("precision"), dict) else {}
+    if precision:
+        out.append(f"precision what-if for every {kinds} unit: suggested fix: {precision.get('suggested', '')}")
+        for t in precision.get("whatifs") or []:
+            if isinstance(t, dict):
+                out.append(f"  {t.get('line', '')}")
     return out
 
 

@@ -14,6 +14,9 @@ import math
 from conftest import session
 
 from numbisect.commands.run import run
+from numbisect.pipeline.provenance import new_report
+from numbisect.report.document import validate
+from numbisect.report.summary import systematic_lines
 from numbisect.common.errors import ExitCode
 from numbisect.model.units import children, unit_graph
 from numbisect.search.search import default_candidates
@@ -59,6 +62,16 @@ def test_a_fault_in_every_layer_is_named_as_its_kind_within_the_bound():
     assert len(sy["per_layer"]["experts"]) == 4 and all(v > 1e-10 for v in sy["per_layer"]["experts"].values())
     n, k, layers = sizes(s)
     assert body["search"]["trials_used"] <= math.ceil(math.log2(n)) + 6 + k + layers
+    # the precision what-ifs, each on every experts unit at once: the fp32 weighted sum is the fix
+    p = sy["precision"]
+    by = {t["whatif"]: t for t in p["whatifs"]}
+    assert by["fp32 weighted sum"]["verdict"] == "fixes" and by["fp32 weighted sum"]["units"] == 4
+    assert by["fp32 weighted sum"]["replaced_faults"] == EVERY_LAYER
+    assert p["suggested"].startswith("accumulate every MoE block's expert weighted sum in fp32")
+    report = new_report("run", "bisect run", s.inputs(), s.settings.to_dict(), body)
+    assert validate(report) == []
+    assert any(line.startswith("precision what-if for every experts unit: suggested fix: accumulate")
+               for line in systematic_lines(report))
 
 
 def test_a_fault_in_one_layer_pays_nothing_for_the_kinds():
