@@ -105,3 +105,29 @@ def test_compare_on_vllm_from_a_checkpoint_holding_planted_modules_runs_none(tmp
     print(r.stdout[-600:], r.stderr[-1500:])
     assert r.returncode in (0, 1, 5), r.stderr[-2000:]
     assert sorted(os.listdir(markers)) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("command", ["weights", "conditions"])
+def test_commands_that_start_processes_from_a_checkpoint_holding_planted_modules_run_none(tmp_path, command):
+    """The other commands that start processes, from a checkpoint copy holding the planted
+    modules: `weights` (an in-process engine, its reference and its functional pass) and
+    `conditions` (each configuration in a child forked from numbisect's fork server, one
+    custom op to localise)."""
+    import json
+
+    markers, ckpt = tmp_path / "markers", tmp_path / "ckpt"
+    markers.mkdir()
+    shutil.copytree(model_dir("qwen3"), ckpt)
+    plant(ckpt, markers)
+    trace = short_trace("qwen3", 2)
+    args = {"weights": ["weights", "--ref", "hf:.", "--engine", "vllm:.", "--trace", trace, "-q"],
+            "conditions": ["conditions", "--ref", "hf:.", "--engine", "vllm:.", "--trace", trace, "-q",
+                           "--engine-config", str(tmp_path / "user.json"), "-o", str(tmp_path / "c.json")]}[command]
+    (tmp_path / "user.json").write_text(json.dumps({"enforce_eager": True, "enable_prefix_caching": False,
+                                                    "compilation_config": {"custom_ops": ["none", "+rms_norm"]}}))
+    r = subprocess.run([sys.executable, "-m", "numbisect", *args], cwd=ckpt, env=env(), capture_output=True, text=True,
+                       timeout=600)
+    print(r.stdout[-600:], r.stderr[-1500:])
+    assert r.returncode in (0, 1, 4, 5), r.stderr[-2000:]
+    assert sorted(os.listdir(markers)) == []
