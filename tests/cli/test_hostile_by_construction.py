@@ -62,6 +62,10 @@ NOT_PATHS = {
 # A spec option takes KIND:DIR; the hostile path goes after the kind its base gives.
 SPEC_OPTIONS = {"ref", "engine"}
 
+# `report plot`'s figure, written by the good cases of its REPORT (by default it goes beside the
+# report, a name the user's REPORT gives: those cases name one instead).
+PLOT_OUT = os.path.join(tempfile.mkdtemp(prefix="numbisect-hostile-plot-"), "figure.png")
+ARG_COMPANIONS = {("report plot", "file"): ["--out", PLOT_OUT]}
 # The smallest good command line of each command (a path option's good value is replaced
 # by the hostile one). Keys are the command's path in the CLI.
 BASE = {
@@ -74,6 +78,7 @@ BASE = {
     "report show": [REPORT],
     "report validate": [REPORT],
     "report md": [REPORT],
+    "report plot": [REPORT],
     "report diff": [REPORT, REPORT],
     "weights": ["--ref", f"hf:{MODEL}", "--engine", f"hf:{MODEL}", "--trace", TRACE, "-q"],
     "replay": [BUNDLE, "-q"],
@@ -230,7 +235,7 @@ def argv(command: str, param: click.Parameter, value: str, trace: str) -> list[s
         pos = [i for i, a in enumerate(args) if a in (REPORT, BUNDLE)]
         nth = [q.name for q in _cmd(command).params if isinstance(q, click.Argument)].index(param.name)
         args[pos[nth]] = value
-        return [*command.split(), *args]
+        return [*command.split(), *args, *ARG_COMPANIONS.get((command, param.name), [])]
     opt = max(param.opts, key=len)
     if param.name in SPEC_OPTIONS:  # KIND:DIR, the kind its base gives (hf where it gives none)
         kind = base[base.index(opt) + 1].partition(":")[0] if opt in base else "hf"
