@@ -51,6 +51,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from numbisect.backends.vllm.runner import in_process_model
 from numbisect.live import poison as X
@@ -526,6 +527,9 @@ def attach_sharded(model, engine=None, *, timeout: float = DEFAULT_TIMEOUT, grou
     if not dist.is_available() or not dist.is_initialized():
         raise LiveError("attach_sharded: torch.distributed is not initialized (call it on every rank of the trainer, "
                         "after init_process_group and fully_shard); for a whole model in one process use attach()")
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        raise LiveError("attach_sharded: the model holds no DTensor (it was not sharded with fully_shard); "
+                        "for a whole model in one process use attach()")
     return ShardedProbe(model, engine, timeout, group)
 
 

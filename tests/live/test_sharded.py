@@ -107,8 +107,15 @@ def test_rank_rows_follow_torch_chunk():
         assert all(a == b for a, b in rank_rows(n, world)[len(want):])
 
 
-def test_without_a_process_group_attach_sharded_says_so():
+def test_without_a_process_group_or_a_sharded_model_attach_sharded_says_so(monkeypatch):
+    """Both in one line; whatever this process holds (an in-process vLLM engine of another test
+    initialises torch.distributed with one rank), the process group is taken as it is said."""
     import torch
+    import torch.distributed as dist
 
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
     with pytest.raises(LiveError, match="torch.distributed is not initialized"):
+        attach_sharded(torch.nn.Linear(2, 2))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(LiveError, match="holds no DTensor .*use attach\\(\\)"):
         attach_sharded(torch.nn.Linear(2, 2))

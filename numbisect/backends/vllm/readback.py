@@ -30,6 +30,7 @@ import weakref
 import torch
 
 from numbisect.backends.vllm.cpu_mla import absorbed_kv_b, amx_layers
+from numbisect.backends.vllm.lora_names import base_name
 from numbisect.backends.vllm.model import gemm_weight
 from numbisect.model.ckptdiff import apply_renames, unit_of, unit_prefixes
 
@@ -43,7 +44,9 @@ EXPERTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
 
 
 def _split(pname: str, t: torch.Tensor, shapes: dict[str, tuple]) -> list[tuple[str, torch.Tensor]]:
-    """One vLLM parameter as the checkpoint tensors it holds (`FUSED`, `EXPERTS`)."""
+    """One vLLM parameter as the checkpoint tensors it holds (`FUSED`, `EXPERTS`); a LoRA
+    engine's `...base_layer.weight` as the base model's name (backends.vllm.lora_names)."""
+    pname = base_name(pname)
     for fused, parts in FUSED.items():
         if f".{fused}." in pname:
             names = [pname.replace(f".{fused}.", f".{p}.") for p in parts]
