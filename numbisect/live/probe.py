@@ -12,8 +12,9 @@
    reference's weights (numbisect.live.weights), tensor by tensor and, with samples (a
    few random ones by default), functionally by each unit's local error.
 4. `Probe.poisoned(seed)` / `Probe.check_sync(sync)`: the same check with poison control
-   (numbisect.live.poison): the only calls that write the engine's weights, each put back
-   as the user's sync alone would have left them.
+   (numbisect.live.poison): the only calls that write the engine's weights, each write a
+   change in a Ledger (numbisect.patching.ledger) that puts the engine back as the user's
+   sync alone would have left it.
 5. `Probe.warm_vs_cold()`: the same weights loaded cold by a fresh engine in a child
    process, compared per unit with the live one (numbisect.live.cold).
 6. `Probe.check_prefix_cache(prompts)`: right after a sync, whether the engine's prefix
@@ -76,6 +77,7 @@ from numbisect.live.sync import push, reload_problem, undo_unfinished, unfinishe
 from numbisect.model.arch import arch_for
 from numbisect.model.rlformats import load_any
 from numbisect.model.trace import Sample, Trace, check_vocab, sample_from_json
+from numbisect.patching.ledger import Ledger
 from numbisect.pipeline import comparison as P
 from numbisect.pipeline import measure as C
 from numbisect.pipeline.provenance import new_report
@@ -458,6 +460,14 @@ class Probe:
             line = (str(e).strip().splitlines() or [""])[0]
             raise PoisonError(f"{what}: vLLM's reload_weights failed ({type(e).__name__}: {line}); {after}") from None
 
+    def _pushed(self, ledger: Ledger, llm, tensors: dict[str, torch.Tensor], what: str, after: str,
+                back: _PutBack) -> None:
+        """`_push` of `tensors`, recorded in `ledger` like every change to a live model
+        (numbisect.patching.ledger), `back` its undo; recorded first, so a reload that fails
+        part way is undone too."""
+        ledger.defer(functools.partial(back, self, llm))
+        self._push(llm, tensors, what, after)
+
     @contextlib.contextmanager
     def poisoned(self, seed: int = 0, samples=None, functional: bool | None = None, step: str | None = None):
         """Poison control (numbisect.live.poison): the engine's weights overwritten with
@@ -465,7 +475,10 @@ class Probe:
         which a tensor the sync never wrote is `unwritten` ("still the weights of poison
         (seed N)"). Yields a `Poisoned`; its `check` is the WeightCheck once the block
         ends. The tensors the sync left poisoned are put back to what they held before
-        (`Poisoned.left`, `restored`); a block that raises puts every tensor back.
+        (`Poisoned.left`, `restored`); a block that raises puts every tensor back. The
+        poison is one change in a Ledger (`_pushed`), undone by leaving it: every tensor
+        pushed back as found, or, once the block has finished, only the ones it left
+        poisoned (`_PutBack`).
         Raises EngineClosedError (closed engine or probe), PoisonError (the poison did not
         reach a tensor, or vLLM's reload failed; the engine put back first)."""
         llm = self._llm()
@@ -478,45 +491,37 @@ class Probe:
         held = {n: W.digest(t) for n, t in saved.items()}
         p = X.Poisoned(seed=seed, label=X.POISON_LABEL.format(seed=seed), tensors=len(saved))
         poison = X.poison_values(saved, {n: {target[n], held[n]} for n in saved}, seed, W.digest)
-        try:
-            self._push(llm, poison, "poisoning the engine", "the engine may hold poisoned weights: push your weights again")
-        except PoisonError as e:  # a reload that stopped part way: what the engine held, pushed back once more
-            self._push(llm, saved, e.message.rsplit(";", 1)[0], "putting the engine back failed too: push your weights again")
-            raise PoisonError(e.message.rsplit(";", 1)[0] + "; the engine was put back as found") from None
-        del poison
-        p.digests = {n: d for n, d in self._engine_digests(shapes).items() if n in saved}
-        missed = sorted(n for n in saved if p.digests.get(n) in (None, target[n], held[n]))
-        if missed:
-            self._push(llm, saved, "putting the engine back", "the engine holds the poison: push your weights again")
-            raise PoisonError(f"the poison did not reach {len(missed)} engine tensor(s) ({', '.join(missed[:4])}"
-                              f"{', ...' if len(missed) > 4 else ''}): a sync that skips them could not be told; "
-                              "the engine was put back as found")
-        p.seconds = X.timed(t0)
-        try:
-            yield p
-        except BaseException:
-            self._undo(llm)  # a reload the sync left part way (numbisect.live.sync): its modules usable again
-            self._push(llm, saved, "putting the engine back after the sync raised",
-                       "the engine may hold poisoned weights: push your weights again")
-            raise
-        entry = (p.label, p.digests)
-        self.history.steps.append(entry)  # the step before the check: what an unwritten tensor holds
-        now = None
-        try:
-            p.check = self._check(samples, functional, step)
-            now = p.check.engine_digests
-        finally:
-            self.history.steps = [s for s in self.history.steps if s is not entry]
-            t1 = time.perf_counter()
-            if now is None:  # the check failed: read back what the sync left
-                now = {n: W.digest(t) for n, t in self._engine_tensors(shapes).items()}
-            p.left = X.still_poisoned(now, p)
-            if p.left:  # read back once more, to push the sync's tensors as it wrote them with the others
-                self._push(llm, X.put_back(self._engine_tensors(shapes), saved, p.left),
-                           "putting back the tensors the sync left poisoned",
-                           f"{len(p.left)} tensor(s) may hold the poison: push your weights again")
-                p.restored = True
-            p.restore_seconds = X.timed(t1)
+        back = _PutBack(p, saved, shapes, "putting the engine back", "the engine holds the poison: push your weights again")
+        with Ledger() as ledger:
+            try:
+                self._pushed(ledger, llm, poison, "poisoning the engine",
+                             "the engine may hold poisoned weights: push your weights again", back)
+            except PoisonError as e:  # a reload that stopped part way: what the engine held, pushed back once more
+                failed = e.message.rsplit(";", 1)[0]
+                back.what, back.after = failed, "putting the engine back failed too: push your weights again"
+                raise PoisonError(f"{failed}; the engine was put back as found") from None
+            del poison
+            p.digests = {n: d for n, d in self._engine_digests(shapes).items() if n in saved}
+            missed = sorted(n for n in saved if p.digests.get(n) in (None, target[n], held[n]))
+            if missed:
+                raise PoisonError(f"the poison did not reach {len(missed)} engine tensor(s) ({', '.join(missed[:4])}"
+                                  f"{', ...' if len(missed) > 4 else ''}): a sync that skips them could not be told; "
+                                  "the engine was put back as found")
+            p.seconds = X.timed(t0)
+            try:
+                yield p
+            except BaseException:
+                self._undo(llm)  # a reload the sync left part way (numbisect.live.sync): its modules usable again
+                back.what = "putting the engine back after the sync raised"
+                back.after = "the engine may hold poisoned weights: push your weights again"
+                raise
+            back.synced = True  # from here on, the sync's tensors stay as it wrote them
+            entry = (p.label, p.digests)
+            self.history.steps.append(entry)  # the step before the check: what an unwritten tensor holds
+            try:
+                p.check = self._check(samples, functional, step)
+            finally:
+                self.history.steps = [s for s in self.history.steps if s is not entry]
 
     def check_sync(self, sync, *, poison: bool = True, seed: int = 0, samples=None, functional: bool | None = None,
                    step: str | None = None) -> W.WeightCheck:
@@ -654,6 +659,38 @@ class Probe:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass
+class _PutBack:
+    """Poison control's undo (`Probe.poisoned`), run when its ledger is undone: every tensor
+    the engine held (`saved`) pushed back through `Probe._push`, `what` failed and what the
+    engine holds `after` it being the words of its PoisonError. Once the sync has finished
+    (`synced`), only the tensors it left poisoned (`Poisoned.left`; `X.put_back`: the others
+    pushed as the sync wrote them, read back), and nothing when it left none."""
+
+    p: X.Poisoned
+    saved: dict
+    shapes: dict
+    what: str
+    after: str
+    synced: bool = False
+
+    def __call__(self, probe: Probe, llm) -> None:
+        if not self.synced:
+            probe._push(llm, self.saved, self.what, self.after)
+            return
+        p, t1 = self.p, time.perf_counter()
+        now = p.check.engine_digests if p.check is not None else None
+        if now is None:  # the check failed: read back what the sync left
+            now = {n: W.digest(t) for n, t in probe._engine_tensors(self.shapes).items()}
+        p.left = X.still_poisoned(now, p)
+        if p.left:  # read back once more, to push the sync's tensors as it wrote them with the others
+            probe._push(llm, X.put_back(probe._engine_tensors(self.shapes), self.saved, p.left),
+                        "putting back the tensors the sync left poisoned",
+                        f"{len(p.left)} tensor(s) may hold the poison: push your weights again")
+            p.restored = True
+        p.restore_seconds = X.timed(t1)
 
 
 def _one_line(e: BaseException) -> str:

@@ -609,6 +609,10 @@ def test_poison_control_names_what_a_dense_sync_never_wrote(dense):
         push(llm, trainer.tensors()[:5])
         raise RuntimeError("the sync failed")
     assert engine_logprobs(llm) == before  # every tensor put back as found
+    with pytest.raises(KeyboardInterrupt), probe.poisoned(seed=4):  # noqa: PT012
+        push(llm, [(n, t * 1.5) for n, t in trainer.tensors()[:5]])
+        raise KeyboardInterrupt  # not an Exception: leaving poison control's ledger puts it back all the same
+    assert engine_logprobs(llm) == before
 
 
 def test_run_names_the_unit_a_sync_corrupted_and_leaves_both_sides_as_found(dense, tmp_path):
