@@ -37,6 +37,12 @@ So the check is collective-safe by construction:
    own rows of every tensor the trainer shards against the engine's same rows (its own
    history of digests), the rest of the tensors (replicated) whole.
 
+7. `ShardedProbe.trigger(out_dir)`: numbisect.live.trigger's trigger fed on every rank with
+   that rank's share of the batch, the ranks agreeing in one exchange on the batch's mean
+   k3 over every rank's tokens; on a fire, `write_bundle` on every rank: the replay bundle
+   written on the engine's rank, its reference weights the layers the check gathered
+   (the model gathered once), the engine's read back (`ShardedTrigger`).
+
 Every rank gets the same `WeightCheck` back (the driver's, sent in the last exchange).
 The trainer's model is never changed; it may keep training between checks.
 """

@@ -71,6 +71,7 @@ def main(out_path: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from numbisect.live.sharded import ShardedError, attach_sharded
+    from numbisect.common.errors import InputError
     from numbisect.live.sync import push
 
     dist.init_process_group("gloo")
@@ -209,6 +210,12 @@ def main(out_path: str) -> None:
             mine[n] = whole
     send(mine)
     fired, fire_s = feed(2)
+    try:  # rank 1's share of a batch is malformed: one line on every rank, the ranks still in step
+        trig.feed([-1.0, -2.0], [-1.0] if rank == 1 else [-1.0, -2.0], step=3)
+        bad = None
+    except InputError as e:
+        bad = e.message
+    results["trigger_bad_input"] = bad
     results["trigger"] = {"values": trig.values, "threshold": THRESHOLD, "quiet_fired": quiet is not None,
                           "quiet_s": quiet_s, "fire": fired.to_dict() if fired else None, "fire_s": fire_s,
                           "fires": len(trig.fires)}
