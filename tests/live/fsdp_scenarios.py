@@ -209,7 +209,9 @@ def main(out_path: str) -> None:
             whole.narrow(0, 0, local.shape[0]).copy_(local)
             mine[n] = whole
     send(mine)
+    before = probe.gathers
     fired, fire_s = feed(2)
+    fire_gathers = probe.gathers - before
     try:  # rank 1's share of a batch is malformed: one line on every rank, the ranks still in step
         trig.feed([-1.0, -2.0], [-1.0] if rank == 1 else [-1.0, -2.0], step=3)
         bad = None
@@ -218,7 +220,7 @@ def main(out_path: str) -> None:
     results["trigger_bad_input"] = bad
     results["trigger"] = {"values": trig.values, "threshold": THRESHOLD, "quiet_fired": quiet is not None,
                           "quiet_s": quiet_s, "fire": fired.to_dict() if fired else None, "fire_s": fire_s,
-                          "fires": len(trig.fires)}
+                          "fires": len(trig.fires), "layers_gathered": fire_gathers, "layers": len(probe.groups)}
 
     # 5. skip: rank 1 does not enter the check (a probe of its own, with a short timeout)
     train_step()

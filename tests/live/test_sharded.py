@@ -103,7 +103,15 @@ def test_the_trigger_on_every_rank_fires_on_a_one_shard_sync_and_its_bundle_repl
     assert res["weights_ok"] is False and len(res["weights_differ"]) == 19
     b = load(res["bundle"])  # checksummed, every field typed
     assert b.manifest["trace"] == {"samples": 4, "completion_tokens": 24}  # both ranks' shares of the batch
-    assert b.part("reference") and b.part("engine")
+    from safetensors import safe_open
+
+    names = {}
+    for side in ("reference", "engine"):
+        with safe_open(os.path.join(b.part(side), "model.safetensors"), "pt") as f:
+            names[side] = set(f.keys())
+    digests = json.loads(open(b.part("reference_digests")).read())["tensors"]
+    assert names["reference"] == names["engine"] == set(digests) and len(digests) == 47  # every tensor, both sides
+    assert t["layers_gathered"] == t["layers"]  # the model gathered once, for the check and the bundle's reference
     weights = json.loads(open(b.part("weights_report")).read())["weights"]
     q = next(x for u in weights["units"] if u["unit"] == "layers.1.attn" for x in u["tensors"]
              if x["tensor"].endswith("q_proj.weight"))
