@@ -140,12 +140,7 @@ def write(probe, out_dir: str | os.PathLike, samples=None, *, weights: bool = Tr
     ref = probe._ref_tensors()
     eng_dtype = probe.engine.dtype
     ref_dtype = next(iter(ref.values())).dtype
-    _json(os.path.join(out, "reference-digests.json"), {
-        "algorithm": "blake2b, 16 bytes, of the tensor's bytes (numbisect.live.weights.digest)",
-        "dtype": str(ref_dtype).removeprefix("torch."), "tensors": {n: digest(t) for n, t in sorted(ref.items())},
-        "engine_dtype": str(eng_dtype).removeprefix("torch."),
-        "in_engine_dtype": {n: digest(t.to(eng_dtype)) for n, t in sorted(ref.items())},
-    })
+    write_reference_digests(out, ref, eng_dtype)
     parts["reference_digests"] = "reference-digests.json"
     parts["reference"] = parts["engine"] = None
     if weights:
@@ -179,14 +174,31 @@ def write(probe, out_dir: str | os.PathLike, samples=None, *, weights: bool = Tr
     else:
         finding["compare_refused"] = probe.problem
 
+    return write_manifest(out, arch=probe.ref.arch.name, model_type=getattr(probe.ref.config, "model_type", None),
+                          ref_dtype=ref_dtype, eng_dtype=eng_dtype, live_settings=dict(probe.engine_settings),
+                          faults=probe.engine_faults(), trace=trace, fire=fire, finding=finding, parts=parts)
 
+
+def write_reference_digests(out: str, ref: dict[str, torch.Tensor], eng_dtype: torch.dtype) -> None:
+    """reference-digests.json: every reference tensor's digest, in its dtype and the engine's."""
+    ref_dtype = next(iter(ref.values())).dtype
+    _json(os.path.join(out, "reference-digests.json"), {
+        "algorithm": "blake2b, 16 bytes, of the tensor's bytes (numbisect.live.weights.digest)",
+        "dtype": str(ref_dtype).removeprefix("torch."), "tensors": {n: digest(t) for n, t in sorted(ref.items())},
+        "engine_dtype": str(eng_dtype).removeprefix("torch."),
+        "in_engine_dtype": {n: digest(t.to(eng_dtype)) for n, t in sorted(ref.items())},
+    })
+
+
+def write_manifest(out: str, *, arch: str, model_type, ref_dtype, eng_dtype, live_settings: dict, faults: list,
+                   trace, fire, finding: dict, parts: dict) -> Bundle:
+    """manifest.json over the parts written in `out` (checksummed), last; the bundle read back."""
     manifest = {
         "format": FORMAT, "version": VERSION, "tool_version": __version__,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": {"arch": probe.ref.arch.name, "model_type": getattr(probe.ref.config, "model_type", None)},
+        "model": {"arch": arch, "model_type": model_type},
         "reference": {"dtype": str(ref_dtype).removeprefix("torch.")},
-        "engine": {"dtype": str(eng_dtype).removeprefix("torch."), "live_settings": dict(probe.engine_settings),
-                   "faults": probe.engine_faults()},
+        "engine": {"dtype": str(eng_dtype).removeprefix("torch."), "live_settings": live_settings, "faults": faults},
         "trace": {"samples": len(trace.samples), "completion_tokens": sum(len(s.completion_ids) for s in trace.samples)},
         "fire": fire.to_dict() if fire is not None else None,
         "finding": finding,
@@ -482,4 +494,4 @@ def reproduced(b: Bundle, report: dict) -> tuple[bool, str]:
     return same, line
 
 
-__all__ = ["Bundle", "write", "bundle_action", "load", "replay_inputs", "reproduced", "write_trace", "engine_settings"]
+__all__ = ["Bundle", "write", "write_manifest", "write_reference_digests", "bundle_action", "load", "replay_inputs", "reproduced", "write_trace", "engine_settings"]

@@ -37,6 +37,12 @@ So the check is collective-safe by construction:
    own rows of every tensor the trainer shards against the engine's same rows (its own
    history of digests), the rest of the tensors (replicated) whole.
 
+7. `ShardedProbe.trigger(out_dir)`: numbisect.live.trigger's trigger fed on every rank with
+   that rank's share of the batch, the ranks agreeing in one exchange on the batch's mean
+   k3 over every rank's tokens; on a fire, `write_bundle` on every rank: the replay bundle
+   written on the engine's rank, its reference weights the layers the check gathered
+   (the model gathered once), the engine's read back (`ShardedTrigger`).
+
 Every rank gets the same `WeightCheck` back (the driver's, sent in the last exchange).
 The trainer's model is never changed; it may keep training between checks.
 """
@@ -47,6 +53,7 @@ import datetime as dt
 import functools
 import hashlib
 import json
+import os
 import time
 
 import torch
@@ -113,6 +120,7 @@ class ShardedReference(W.ReferenceReader):
         self.gathers = 0  # layers gathered
         self._chunk_dtype: torch.dtype | None = None
         self._dtypes: dict = {}
+        self.keep: dict | None = probe._keep  # the gathered tensors kept as they pass (a bundle's reference), else None
 
     def _revert(self, key: str) -> dict[str, torch.Tensor]:
         self.gathers += 1
@@ -123,6 +131,8 @@ class ShardedReference(W.ReferenceReader):
         dtypes = dtypes or {}
         for key, tensors in self.layers():
             out.update(W.reference_digests(tensors, dtype, dtypes))
+            if self.keep is not None:
+                self.keep.update(tensors)
             for n, t in tensors.items():
                 d = self.probe.dims.get(n)
                 if d is not None:
@@ -161,6 +171,7 @@ class ShardedProbe:
         if not drivers:
             raise ShardedError("attach_sharded: no rank was given the engine (engine=llm on the rank that holds it)")
         self.driver = drivers[0]
+        self._keep: dict | None = None
         self.history = W.History()
         self.row_history: list[tuple[str, dict[str, list[str]]]] = []  # (label, name -> rows' digests)
         self.local_history = W.History()  # check_local's: this rank's rows
@@ -211,15 +222,16 @@ class ShardedProbe:
             raise ShardedError(self.broken) from e
         return out
 
-    def _agree(self, what: str) -> None:
-        """Every rank entered the same call (module doc, 2)."""
+    def _agree(self, what: str, payload=None) -> list:
+        """Every rank entered the same call (module doc, 2); each rank's `payload`, sent in the
+        same exchange, comes back in rank order."""
         self.calls += 1
         mine = (what, self.calls, self.fingerprint)
-        seen = self._all_gather(mine, what)
-        off = [r for r, s in enumerate(seen) if tuple(s) != mine]
+        seen = self._all_gather((mine, payload), what)
+        off = [r for r, s in enumerate(seen) if tuple(s[0]) != mine]
         if off:
             r = off[0]
-            other = seen[r]
+            other = seen[r][0]
             if other[2] != self.fingerprint:
                 why = "another model (state-dict names, shapes, placements or their order differ)"
             elif other[0] != what:
@@ -229,6 +241,7 @@ class ShardedProbe:
             self.broken = (f"{what}: rank {r} entered with {why}: every rank must call the same checks in the same "
                            "order; attach_sharded again on every rank")
             raise ShardedError(self.broken)
+        return [x[1] for x in seen]
 
     def gather_layer(self, key: str) -> dict[str, torch.Tensor]:
         """Driver side of one exchange: every rank told `key`, then the layer gathered by all."""
@@ -421,6 +434,152 @@ class ShardedProbe:
         return _LocalReference(self).digests(self._engine.dtype, self._engine.dtypes)
 
 
+    # -- the trigger and the replay bundle ----------------------------------------------------
+    def trigger(self, out_dir: str | os.PathLike, *, threshold: float = 1e-3, cooldown: int = 10, max_fires: int = 3,
+                weights: bool = True) -> ShardedTrigger:
+        """A trigger for this sharded trainer (`ShardedTrigger`): fed on every rank with that
+        rank's batch; on a fire, a replay bundle under `out_dir/fire-N` on the engine's rank."""
+        return ShardedTrigger(self, out_dir, threshold=threshold, cooldown=cooldown, max_fires=max_fires, weights=weights)
+
+    def write_bundle(self, out_dir: str | os.PathLike, samples=None, *, fire=None, weights: bool = True) -> dict:
+        """A replay bundle (numbisect.live.bundle's layout) of the batch, written on the engine's
+        rank; call it on every rank with that rank's `samples` (token ids; gathered to the
+        engine's rank in one exchange). The weight check runs (every rank gathering each layer
+        once, in one order) and the layers it gathers are kept on the engine's rank as the
+        bundle's reference weights: the model is gathered once for both; the engine's weights
+        are read back from the engine. No functional comparison (the finding says so): the
+        replay compares the two checkpoints on the batch. Returns, on every rank, the bundle's
+        path and finding; an error on the engine's rank is a `ShardedError` line on every rank."""
+        each = self._agree("write_bundle", samples)
+        driver = self.rank == self.driver
+        self._keep = {} if driver else None  # the reference's tensors (its digests, and its weights when `weights`)
+        try:
+            check = self.check_weights(step=f"fire (batch {fire.step})" if fire is not None else "bundle")
+            ref, self._keep = self._keep, None
+            result, err = None, None
+            if driver:
+                try:
+                    merged = [x for s in each if s for x in s]
+                    b = self._write_bundle(os.fspath(out_dir), merged or None, check, fire, ref, weights)
+                    result = {"path": b.path, "finding": b.finding}
+                except Exception as e:  # said on every rank, in one line
+                    err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                del ref
+        finally:
+            self._keep = None
+        msgs = self._all_gather((result, err), "writing the bundle")
+        result, err = msgs[self.driver]
+        if err:
+            raise ShardedError(f"the replay bundle could not be written on rank {self.driver}: {err}")
+        return result
+
+    def _write_bundle(self, out: str, samples, check: W.WeightCheck, fire, ref: dict, weights: bool):
+        """The bundle's parts and manifest, on the engine's rank (write_bundle)."""
+        from numbisect.backends.vllm import enginefault
+        from numbisect.live import bundle as B
+        from numbisect.live.engine import settings as engine_settings
+        from numbisect.live.probe import random_samples, samples_trace
+
+        os.makedirs(out, exist_ok=True)
+        eng = self._engine
+        trace = samples_trace(samples if samples else random_samples(self.config.get_text_config().vocab_size))
+        parts: dict = {}
+        B.write_trace(trace, os.path.join(out, "trace.jsonl"))
+        parts["trace"] = "trace.jsonl"
+        live = engine_settings(self.llm)
+        live.pop("dtype", None)  # recorded apart (`--engine-dtype`)
+        B.write_json_atomic(os.path.join(out, "engine.json"), B.engine_settings(live))
+        parts["engine_settings"] = "engine.json"
+        B.write_reference_digests(out, ref, eng.dtype)
+        parts["reference_digests"] = "reference-digests.json"
+        parts["reference"] = parts["engine"] = None
+        if weights:
+            W.write_checkpoint(os.path.join(out, "reference"), self.config, ref)
+            tensors = eng.tensors()
+            W.write_checkpoint(os.path.join(out, "engine"), self.config, {n: t for n, t in tensors.items() if n in ref})
+            parts["reference"], parts["engine"] = "reference", "engine"
+            del tensors
+        ref_dtype = next(iter(ref.values())).dtype
+        B.write_json_atomic(os.path.join(out, "weights.json"), {"weights": check.to_dict()})
+        parts["weights_report"] = "weights.json"
+        parts["compare_report"] = parts["routing"] = None
+        finding = {"weights_ok": check.ok, "weights_differ": {u.unit: u.status for u in check.differing()},
+                   "weights_summary": check.lines(), "weight_version": check.weight_version,
+                   "compare_refused": "a sharded trainer (attach_sharded): no live comparison; the replay compares the "
+                                      "gathered reference with the engine's weights on the batch"}
+        try:
+            faults = sorted({x for specs in self.llm.apply_model(enginefault.planted) or [] for x in (specs or [])})
+        except Exception:  # an engine that refuses a pickled function: unknown, recorded as none
+            faults = []
+        return B.write_manifest(out, arch=self.arch.name, model_type=getattr(self.config, "model_type", None),
+                                ref_dtype=ref_dtype, eng_dtype=eng.dtype, live_settings=live, faults=faults, trace=trace,
+                                fire=fire, finding=finding, parts=parts)
+
+
+class ShardedTrigger:
+    """numbisect.live.trigger's `Trigger` on a sharded trainer, fed on every rank.
+
+    What an FSDP trainer has: each rank its own share of the batch (data parallel), with
+    both log-probs of each token: the trainer's, from its forward on the sharded model, and
+    the rollout's, which came with the batch from the engine (verl, TRL and prime-rl ship
+    them with the samples). So every rank calls `feed(trainer_logprobs, rollout_logprobs,
+    mask, samples=its token ids)` with its own share; the ranks agree in one exchange (the
+    sharded check's: one agreed call, bounded by the probe's timeout, a rank that skips it
+    is a `ShardedError` line on the others) and each rank's k3 sum and token count are
+    summed: the batch's value is the mean k3 over every rank's tokens, the same on every
+    rank, so every rank fires together. A rank's bad input is an `InputError` line on every
+    rank. On a fire every rank runs `ShardedProbe.write_bundle` (the weight check, the model
+    gathered once, the bundle written on the engine's rank under `out_dir/fire-N`);
+    `fire.results` gets the bundle's path and finding on every rank."""
+
+    def __init__(self, probe: ShardedProbe, out_dir, *, threshold=1e-3, cooldown=10, max_fires=3, weights=True):
+        from numbisect.live.trigger import Trigger
+
+        self.probe = probe
+        self.out_dir = os.fspath(out_dir)
+        self.weights = weights
+        self.trigger = Trigger(threshold=threshold, cooldown=cooldown, max_fires=max_fires, on_fire=self._fire)
+
+    @property
+    def fires(self) -> list:
+        return self.trigger.fires
+
+    @property
+    def values(self) -> list[float]:
+        return self.trigger.values
+
+    @property
+    def skipped(self) -> list[int]:
+        return self.trigger.skipped
+
+    def feed(self, trainer_logprobs, rollout_logprobs, mask=None, *, step: int | None = None, samples=None):
+        """This rank's share of the batch (class doc); every rank calls it. The Fire, if it fired."""
+        from numbisect.common.errors import InputError
+        from numbisect.live.trigger import batch_tokens
+
+        total, n, err = 0.0, 0, None
+        try:
+            value, n = batch_tokens(trainer_logprobs, rollout_logprobs, mask)
+            total = value * n if n else 0.0
+        except InputError as e:
+            err = e.message
+        seen = self.probe._agree("trigger", (total, n, err, step))
+        bad = next(((r, x[2]) for r, x in enumerate(seen) if x[2]), None)
+        if bad is not None:
+            raise InputError(f"rank {bad[0]}'s batch: {bad[1]}" if bad[0] != self.probe.rank else bad[1])
+        step = seen[self.probe.driver][3]  # the engine's rank's count of batches, if it gave one
+        tokens = sum(x[1] for x in seen)
+        if tokens == 0:
+            return self.trigger.feed([], [], step=step)  # warns, records the batch as skipped
+        return self.trigger.feed_value(sum(x[0] for x in seen) / tokens, step=step, samples=samples)
+
+    def _fire(self, fire) -> None:
+        out = os.path.join(self.out_dir, f"fire-{len(self.trigger.fires)}")
+        res = self.probe.write_bundle(out, fire.samples, fire=fire, weights=self.weights)
+        fire.results["bundle"] = res["path"]
+        fire.results.update({k: v for k, v in res["finding"].items() if k != "weights_summary"})
+
+
 def _rows_summary(rows: list[dict]) -> str:
     """A unit's summary where its tensors differ rows per rank: one phrase per pattern of
     the ranks' verdicts ("rank 1's rows unwritten: still the weights of check 1, rank 0's
@@ -533,4 +692,4 @@ def attach_sharded(model, engine=None, *, timeout: float = DEFAULT_TIMEOUT, grou
     return ShardedProbe(model, engine, timeout, group)
 
 
-__all__ = ["attach_sharded", "ShardedProbe", "ShardedError", "rank_rows", "shard_dim", "DEFAULT_TIMEOUT"]
+__all__ = ["attach_sharded", "ShardedProbe", "ShardedTrigger", "ShardedError", "rank_rows", "shard_dim", "DEFAULT_TIMEOUT"]

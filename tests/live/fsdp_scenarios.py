@@ -30,6 +30,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(ROOT, "fixtures", "models", "qwen3")
 TIMEOUT = 5.0  # the skip scenario's probe: its bound on a wait, seconds
+THRESHOLD = 1e-3  # the trigger's, on the batch's mean k3 (the trigger's default)
+PROMPT = 6  # tokens of each sample's prompt (of 12) in the trigger scenario
 
 
 def start_engine():
@@ -53,6 +55,15 @@ def start_engine():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
+def engine_logprobs(llm, ids: list[list[int]]) -> list[list[float]]:
+    """The engine's log-prob of each token after the first (teacher-forced: prompt_logprobs)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in ids], sp, use_tqdm=False)
+    return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, ids)]
+
+
 def main(out_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -60,6 +71,7 @@ def main(out_path: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from numbisect.live.sharded import ShardedError, attach_sharded
+    from numbisect.common.errors import InputError
     from numbisect.live.sync import push
 
     dist.init_process_group("gloo")
@@ -163,6 +175,52 @@ def main(out_path: str) -> None:
     c = probe.check_sync(lambda: send(gathered()), step="poison_correct")
     results["poison_correct"] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(),
                                  "poison": getattr(c, "poison", None)}
+
+    # 6. trigger: every rank feeds its share of a batch (its trainer log-probs, the engine's rollout log-probs
+    # that came with it); a correct sync does not fire, a sync pushing rank 0's shard only fires and writes a bundle
+    trig = probe.trigger(os.path.join(os.path.dirname(os.path.abspath(out_path)), "bundles"), threshold=THRESHOLD,
+                         cooldown=0)
+
+    def feed(seed: int):
+        ids = torch.randint(0, model.config.vocab_size, (2 * world, 12), generator=torch.Generator().manual_seed(seed))
+        rollout = [engine_logprobs(llm, ids.tolist())] if rank == 0 else [None]
+        dist.broadcast_object_list(rollout, src=0)
+        mine = ids[2 * rank: 2 * rank + 2]
+        with torch.no_grad():
+            logits = model(input_ids=mine).logits.float()
+        trainer = logits.log_softmax(-1)[:, :-1].gather(-1, mine[:, 1:, None])[..., 0]
+        mask = torch.zeros_like(trainer, dtype=torch.bool)
+        mask[:, PROMPT - 1:] = True  # the completion's tokens
+        samples = [{"prompt_ids": s[:PROMPT], "completion_ids": s[PROMPT:]} for s in mine.tolist()]
+        t0 = time.perf_counter()
+        fire = trig.feed(trainer, torch.tensor(rollout[0][2 * rank: 2 * rank + 2]), mask, step=seed, samples=samples)
+        return fire, time.perf_counter() - t0
+
+    train_step()
+    send(gathered())
+    quiet, quiet_s = feed(1)
+    train_step()
+    sd = model.state_dict()
+    mine = {}
+    for n, t in sd.items():
+        local = t.to_local().detach()
+        if rank == 0:
+            whole = pushed[n].clone()
+            whole.narrow(0, 0, local.shape[0]).copy_(local)
+            mine[n] = whole
+    send(mine)
+    before = probe.gathers
+    fired, fire_s = feed(2)
+    fire_gathers = probe.gathers - before
+    try:  # rank 1's share of a batch is malformed: one line on every rank, the ranks still in step
+        trig.feed([-1.0, -2.0], [-1.0] if rank == 1 else [-1.0, -2.0], step=3)
+        bad = None
+    except InputError as e:
+        bad = e.message
+    results["trigger_bad_input"] = bad
+    results["trigger"] = {"values": trig.values, "threshold": THRESHOLD, "quiet_fired": quiet is not None,
+                          "quiet_s": quiet_s, "fire": fired.to_dict() if fired else None, "fire_s": fire_s,
+                          "fires": len(trig.fires), "layers_gathered": fire_gathers, "layers": len(probe.groups)}
 
     # 5. skip: rank 1 does not enter the check (a probe of its own, with a short timeout)
     train_step()

