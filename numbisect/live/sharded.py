@@ -60,12 +60,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from numbisect.backends.vllm import enginefault
 from numbisect.backends.vllm.runner import in_process_model
+from numbisect.common.errors import InputError
+from numbisect.live import bundle as B
 from numbisect.live import poison as X
 from numbisect.live import transfer as T
 from numbisect.live import weights as W
+from numbisect.live.engine import settings as engine_settings
 from numbisect.live.errors import LiveError
+from numbisect.live.probe import random_samples, samples_trace
 from numbisect.live.sync import push
+from numbisect.live.trigger import Trigger, batch_tokens
 from numbisect.model.arch import arch_for
 
 DEFAULT_TIMEOUT = 60.0  # seconds: the longest any rank waits for the others in a check (the driver reading one unit back included)
@@ -475,11 +481,6 @@ class ShardedProbe:
 
     def _write_bundle(self, out: str, samples, check: W.WeightCheck, fire, ref: dict, weights: bool):
         """The bundle's parts and manifest, on the engine's rank (write_bundle)."""
-        from numbisect.backends.vllm import enginefault
-        from numbisect.live import bundle as B
-        from numbisect.live.engine import settings as engine_settings
-        from numbisect.live.probe import random_samples, samples_trace
-
         os.makedirs(out, exist_ok=True)
         eng = self._engine
         trace = samples_trace(samples if samples else random_samples(self.config.get_text_config().vocab_size))
@@ -533,8 +534,6 @@ class ShardedTrigger:
     `fire.results` gets the bundle's path and finding on every rank."""
 
     def __init__(self, probe: ShardedProbe, out_dir, *, threshold=1e-3, cooldown=10, max_fires=3, weights=True):
-        from numbisect.live.trigger import Trigger
-
         self.probe = probe
         self.out_dir = os.fspath(out_dir)
         self.weights = weights
@@ -554,9 +553,6 @@ class ShardedTrigger:
 
     def feed(self, trainer_logprobs, rollout_logprobs, mask=None, *, step: int | None = None, samples=None):
         """This rank's share of the batch (class doc); every rank calls it. The Fire, if it fired."""
-        from numbisect.common.errors import InputError
-        from numbisect.live.trigger import batch_tokens
-
         total, n, err = 0.0, 0, None
         try:
             value, n = batch_tokens(trainer_logprobs, rollout_logprobs, mask)
