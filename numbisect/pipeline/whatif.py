@@ -121,6 +121,33 @@ def describe(t: dict) -> str:
     return f"{t['fix']}: {t['metric']} {fmt(t['before'])} -> {fmt(t['value'])} ({what}{lost})"
 
 
+def _judged(session, ref, res) -> tuple[float, float | None]:
+    """A what-if forward's judged value and its group's k3 mean."""
+    st = session.settings
+    tokens = C.token_report(session.samples, ref, res, st, session.groups, detail=False)
+    return tokens["value"], tokens["groups"][st.group]["k3"]["mean"] if st.group in tokens["groups"] else None
+
+
+def _trial(session, w: str, units: list, fix: str, before: float, judged: tuple) -> dict:
+    """One what-if's record: what it replaced and could not carry over, its verdict and line."""
+    st = session.settings
+    value, k3 = judged
+    t = {"whatif": w, "fix": fix, "metric": st.metric, "threshold": st.threshold, "before": before, "value": value,
+         "k3_mean": k3, "replaced_faults": [f.spec for f in session.faults if any(replaced(f, w, u) for u in units)],
+         "faults_not_carried": list(dict.fromkeys(x for u in units for x in not_carried(session, w, u)))}
+    t["verdict"] = verdict(before, value, st.threshold)
+    t["line"] = describe(t)
+    return t
+
+
+def _precision(trials: list[dict], what: str) -> dict:
+    """The what-ifs and the suggested fix: the narrowest that fixes it, else the one that helps most."""
+    fixing = [t for t in trials if t["verdict"] == "fixes"]
+    helping = sorted((t for t in trials if t["verdict"] == "helps"), key=lambda t: t["value"])
+    best = (fixing or helping or [None])[0]
+    return {"whatifs": trials, "suggested": best["line"] if best else f"no precision fix: running {what} in fp32 does not help"}
+
+
 def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=lambda m: None,
                 names: list[str] | None = None) -> None:
     """Add `precision` (what-ifs and the suggested fix) to each culprit dict, in place.
@@ -131,40 +158,22 @@ def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=
     if session.engine is None or not culprits:
         return
     ref = session.reference_tokens()
-    st = session.settings
     names = [c["unit"] for c in culprits] if names is None else list(names)
     for c in culprits:
         unit = session.engine.unit(c["unit"])
         # a culprit around or inside this one is not swapped for its what-if (it would hide it)
         others = [n for n in names if not _inside(n, unit.name) and not _inside(unit.name, n)]
-
-        def judged(res) -> tuple[float, float]:
-            tokens = C.token_report(session.samples, ref, res, st, session.groups, detail=False)
-            return tokens["value"], tokens["groups"][st.group]["k3"]["mean"] if st.group in tokens["groups"] else None
-
         if others or baseline is None:
             progress(f"what-if: {unit.name} with the other culprits swapped")
-            before, _ = judged(forward(session, None, unit, others))
+            before, _ = _judged(session, ref, forward(session, None, unit, others))
         else:
             before = baseline
         trials = []
         for w in whatifs_for(unit):
             progress(f"what-if: {unit.name}, {w}")
-            value, k3 = judged(forward(session, w, unit, others))
-            t = {"whatif": w, "fix": fix_text(w, unit), "metric": st.metric, "threshold": st.threshold,
-                 "before": before, "value": value, "k3_mean": k3,
-                 "replaced_faults": [f.spec for f in session.faults if replaced(f, w, unit)],
-                 "faults_not_carried": not_carried(session, w, unit)}
-            t["verdict"] = verdict(before, value, st.threshold)
-            t["line"] = describe(t)
-            trials.append(t)
-        fixing = [t for t in trials if t["verdict"] == "fixes"]
-        helping = sorted((t for t in trials if t["verdict"] == "helps"), key=lambda t: t["value"])
-        best = (fixing or helping or [None])[0]
-        c["precision"] = {
-            "whatifs": trials,
-            "suggested": best["line"] if best else f"no precision fix: running {unit.name} in fp32 does not help",
-        }
+            trials.append(_trial(session, w, [unit], fix_text(w, unit), before,
+                                 _judged(session, ref, forward(session, w, unit, others))))
+        c["precision"] = _precision(trials, unit.name)
 
 
 def run_kind_whatifs(session, systematic: dict, baseline: float | None, progress=lambda m: None) -> None:
@@ -180,27 +189,12 @@ def run_kind_whatifs(session, systematic: dict, baseline: float | None, progress
     if not units:
         return
     ref = session.reference_tokens()
-    st = session.settings
     which = [WSUM, UNIT] if all(u.kind in ("moe", "experts") for u in units) else [UNIT]
+    named = ", ".join(sorted(kinds))
     trials = []
     for w in which:
-        progress(f"what-if: every {', '.join(sorted(kinds))} unit ({len(units)}), {w}")
-        tokens = C.token_report(session.samples, ref, forward(session, w, units, []), st, session.groups, detail=False)
-        value = tokens["value"]
-        k3 = tokens["groups"][st.group]["k3"]["mean"] if st.group in tokens["groups"] else None
-        fix = ("accumulate every MoE block's expert weighted sum in fp32" if w == WSUM
-               else f"upcast every {', '.join(sorted(kinds))} unit to fp32")
-        t = {"whatif": w, "fix": fix, "metric": st.metric, "threshold": st.threshold, "before": baseline, "value": value,
-             "k3_mean": k3, "units": len(units),
-             "replaced_faults": [f.spec for f in session.faults if any(replaced(f, w, u) for u in units)],
-             "faults_not_carried": sorted({x for u in units for x in not_carried(session, w, u)})}
-        t["verdict"] = verdict(baseline, value, st.threshold)
-        t["line"] = describe(t)
-        trials.append(t)
-    fixing = [t for t in trials if t["verdict"] == "fixes"]
-    helping = sorted((t for t in trials if t["verdict"] == "helps"), key=lambda t: t["value"])
-    best = (fixing or helping or [None])[0]
-    systematic["precision"] = {
-        "whatifs": trials,
-        "suggested": best["line"] if best else f"no precision fix: running every {', '.join(sorted(kinds))} unit in fp32 does not help",
-    }
+        progress(f"what-if: every {named} unit ({len(units)}), {w}")
+        fix = "accumulate every MoE block's expert weighted sum in fp32" if w == WSUM else f"upcast every {named} unit to fp32"
+        t = _trial(session, w, units, fix, baseline, _judged(session, ref, forward(session, w, units, [])))
+        trials.append({**t, "units": len(units)})
+    systematic["precision"] = _precision(trials, f"every {named} unit")
