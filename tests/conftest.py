@@ -492,3 +492,66 @@ def synthetic_bundle(dest, name: str = "qwen3", edit=None) -> str:
     m["manifest_sha256"] = B.manifest_digest(m)
     (dest / "manifest.json").write_text(json.dumps(m))
     return str(dest)
+
+
+# -- hostile inputs: one CLI case, stopped where a model would load (tests/cli, tests/live) ------
+class Accepted(BaseException):
+    """A model, a vLLM child or the TUI would start: the input was taken (not an Exception,
+    so no handler of the tool turns it into an exit code)."""
+
+
+class Hung(BaseException):
+    pass
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Whatever would load a model, start a vLLM child or the TUI raises `Accepted`."""
+    from numbisect import backends
+    from numbisect.backends.vllm import child
+    from numbisect.tui.app import BisectApp
+
+    def stop(*a, **k):
+        raise Accepted()
+
+    monkeypatch.setattr(backends.Registered, "loader", lambda self: stop)
+    monkeypatch.setattr(child, "run_child", stop)
+    monkeypatch.setattr(BisectApp, "run", stop)
+
+
+@pytest.fixture
+def alarm():
+    """SIGALRM raises `Hung` (`run_cli_case` sets the timer)."""
+    import signal
+
+    def ring(signum, frame):
+        raise Hung()
+
+    old = signal.signal(signal.SIGALRM, ring)
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def run_cli_case(args: list[str], seconds: float) -> tuple[str, int | None, str, str]:
+    """`bisect ARGS` in this process (with `no_models` and `alarm`): (outcome "exit",
+    "accepted" or "hung", exit code, stdout, stderr)."""
+    import contextlib
+    import io
+    import signal
+
+    from numbisect.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    outcome, rc = "exit", None
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(args)
+    except Accepted:
+        outcome = "accepted"
+    except Hung:
+        outcome = "hung"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return outcome, rc, out.getvalue(), err.getvalue()

@@ -443,13 +443,13 @@ def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: t
         counts[u] = counts.get(u, 0) + 1
         if name not in eng_digest:
             per_unit.setdefault(u, []).append({"tensor": name, "status": MISSING, "how": "missing"})
-    for rows in per_unit.values():
-        rows.sort(key=lambda r: r["tensor"])  # as the reference's names are sorted
+    for unit_rows in per_unit.values():
+        unit_rows.sort(key=lambda r: r["tensor"])  # as the reference's names are sorted
     units = []
     for u in [u.name for u in arch.units(config)] + (["(no unit)"] if "(no unit)" in counts else []):
-        rows = per_unit.get(u, [])
+        unit_rows = per_unit.get(u, [])
         err = (local or {}).get(u)
-        status = _worst(r["status"] for r in rows)
+        status = _worst(r["status"] for r in unit_rows)
         note = ""
         if status == OK and err is not None and err > FUNCTIONAL_TOL and not _explained(u, per_unit) \
                 and not _router_explains(u, per_unit):
@@ -461,8 +461,8 @@ def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: t
                         "reference's input (near-ties)")
         if u not in counts and status == OK:
             continue  # no tensor of its own and nothing functional to say: its sub-units speak for it
-        summary = _summary(rows) if rows else (f"weights read back are the reference's, local error {err:.3g}" if status == BUFFER else note)
-        units.append(UnitWeights(u, status, rows, counts.get(u, 0), err, summary))
+        summary = _summary(unit_rows) if unit_rows else (f"weights read back are the reference's, local error {err:.3g}" if status == BUFFER else note)
+        units.append(UnitWeights(u, status, unit_rows, counts.get(u, 0), err, summary))
     history.add(step, cur)
     extra = sorted(set(eng_digest) - set(cur))
     return WeightCheck(units, step, [lb for lb, _ in history.steps[:-1]], time.perf_counter() - t0, local is not None,

@@ -24,20 +24,17 @@ such as a trace with a BOM). Everything runs in this process, one case after ano
 from __future__ import annotations
 
 import atexit
-import contextlib
-import io
 import os
 import re
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
 import click
 import pytest
-from conftest import FIXTURES, model_dir, synthetic_bundle, trace_path
+from conftest import FIXTURES, model_dir, run_cli_case, synthetic_bundle, trace_path
 
-from numbisect.cli import cli, main
+from numbisect.cli import cli
 
 MODEL = model_dir("qwen3_moe")
 TRACE = trace_path("qwen3_moe")
@@ -191,40 +188,6 @@ def good_value(command: str, param: click.Parameter) -> Path | None:
     return Path(v.partition(":")[2] if param.name in SPEC_OPTIONS else v)
 
 
-class Accepted(BaseException):
-    """A model, a vLLM child or the TUI would start: the input was taken (not an Exception,
-    so no handler of the tool turns it into an exit code)."""
-
-
-class Hung(BaseException):
-    pass
-
-
-@pytest.fixture
-def no_models(monkeypatch):
-    from numbisect import backends
-    from numbisect.backends.vllm import child
-    from numbisect.tui.app import BisectApp
-
-    def stop(*a, **k):
-        raise Accepted()
-
-    monkeypatch.setattr(backends.Registered, "loader", lambda self: stop)
-    monkeypatch.setattr(child, "run_child", stop)
-    monkeypatch.setattr(BisectApp, "run", stop)
-
-
-@pytest.fixture
-def alarm():
-    def ring(signum, frame):
-        raise Hung()
-
-    old = signal.signal(signal.SIGALRM, ring)
-    yield
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, old)
-
-
 def argv(command: str, param: click.Parameter, value: str, trace: str) -> list[str]:
     """The command line of one case: the base (its trace the case's copy), `param` given `value`."""
     base = [trace if a == TRACE else a for a in BASE[command]]
@@ -253,19 +216,7 @@ def _cmd(command: str) -> click.Command:
 
 
 def run_case(args: list[str]) -> tuple[str, int | None, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    outcome, rc = "exit", None
-    signal.setitimer(signal.ITIMER_REAL, CASE_SECONDS)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = main(args)
-    except Accepted:
-        outcome = "accepted"
-    except Hung:
-        outcome = "hung"
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    return outcome, rc, out.getvalue(), err.getvalue()
+    return run_cli_case(args, CASE_SECONDS)
 
 
 def problems(outcome: str, rc, out: str, err: str) -> list[str]:

@@ -109,6 +109,18 @@ def main(out_path: str) -> None:
             pushed.update({n: t.clone() for n, t in tensors.items()})
         return time.perf_counter() - t0
 
+    def rank0_rows_only() -> dict:
+        """The sync bug that pushes one rank's shard: rank 0's own rows written into the
+        tensors of the last sync (the other rows stale); every rank reads its state dict."""
+        mine = {}
+        for n, t in model.state_dict().items():
+            local = t.to_local().detach()
+            if rank == 0:
+                whole = pushed[n].clone()
+                whole.narrow(0, 0, local.shape[0]).copy_(local)
+                mine[n] = whole
+        return mine
+
     def record(name: str, probe, extra: dict | None = None) -> None:
         t0 = time.perf_counter()
         before = probe.gathers
@@ -144,15 +156,7 @@ def main(out_path: str) -> None:
 
     # 2. one shard: rank 0's own rows pushed into the last sync's tensors
     train_step()
-    sd = model.state_dict()
-    mine = {}
-    for n, t in sd.items():
-        local = t.to_local().detach()
-        if rank == 0:
-            whole = pushed[n].clone()
-            whole.narrow(0, 0, local.shape[0]).copy_(local)
-            mine[n] = whole
-    send(mine)
+    send(rank0_rows_only())
     record("one_shard", probe)
 
     # 3. rank order: layer 1's q_proj and k_proj gathered in a rank-dependent order
@@ -200,15 +204,7 @@ def main(out_path: str) -> None:
     send(gathered())
     quiet, quiet_s = feed(1)
     train_step()
-    sd = model.state_dict()
-    mine = {}
-    for n, t in sd.items():
-        local = t.to_local().detach()
-        if rank == 0:
-            whole = pushed[n].clone()
-            whole.narrow(0, 0, local.shape[0]).copy_(local)
-            mine[n] = whole
-    send(mine)
+    send(rank0_rows_only())
     before = probe.gathers
     fired, fire_s = feed(2)
     fire_gathers = probe.gathers - before

@@ -14,17 +14,14 @@ hangs (a 20 s alarm); the bundle's files are left as they were and nothing is wr
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 import os
 import re
-import signal
 from pathlib import Path
 
 import pytest
-from conftest import synthetic_bundle
+from conftest import run_cli_case, synthetic_bundle
 
 from numbisect.cli import main
 from numbisect.live import bundle as B
@@ -38,35 +35,6 @@ WRONG = {"null": None, "true": True, "false": False, "negative": -1, "zero": 0, 
          "string": "x", "nul": "a\x00b", "esc": "\x1b[31mred\x07", "list": [1, "a"], "object": {"a": 1},
          "deep": json.loads("[" * 60 + "]" * 60), "path_out": "../../etc/passwd", "abs": "/etc/passwd",
          "float64": "float64"}
-
-
-class Accepted(BaseException):
-    pass
-
-
-class Hung(BaseException):
-    pass
-
-
-@pytest.fixture
-def no_models(monkeypatch):
-    from numbisect import backends
-
-    def stop(*a, **k):
-        raise Accepted()
-
-    monkeypatch.setattr(backends.Registered, "loader", lambda self: stop)
-
-
-@pytest.fixture
-def alarm():
-    def ring(signum, frame):
-        raise Hung()
-
-    old = signal.signal(signal.SIGALRM, ring)
-    yield
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(scope="module")
@@ -84,19 +52,7 @@ def snapshot(d: Path) -> dict:
 
 
 def replay(args: list[str]) -> tuple[str, int | None, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    outcome, rc = "exit", None
-    signal.setitimer(signal.ITIMER_REAL, CASE_SECONDS)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = main(["replay", *args, "-q"])
-    except Accepted:
-        outcome = "accepted"
-    except Hung:
-        outcome = "hung"
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    return outcome, rc, out.getvalue(), err.getvalue()
+    return run_cli_case(["replay", *args, "-q"], CASE_SECONDS)
 
 
 def problems(outcome, rc, out, err) -> list[str]:
