@@ -903,8 +903,9 @@ def main(argv: list[str] | None = None) -> int:
     previous = _install_signals()
     try:
         args = sys.argv[1:] if argv is None else list(argv)
-        if any("\x00" in str(a) for a in args):  # no command line carries one; a caller's list might
-            raise InputError("an argument holds a NUL character (no path or value can)")
+        bad = next((str(a) for a in args if "\x00" in str(a)), None)  # no command line carries one; a caller's list might
+        if bad is not None:
+            raise InputError(f"the argument {printable(clip(bad, 80))} holds a NUL character (no path or value can)")
         rv = cli.main(args=args, prog_name="bisect", standalone_mode=False, obj={"argv": ["bisect", *args]})
         return int(rv) if isinstance(rv, int) else 0
     except NumbisectError as e:
