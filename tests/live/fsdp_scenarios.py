@@ -48,7 +48,8 @@ def start_engine():
     try:
         import vllm
 
-        return vllm.LLM(model=MODEL, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128,
+        return vllm.LLM(model=MODEL, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False, dtype="bfloat16",
+                        max_model_len=128,
                         seed=0)
     finally:
         for k, v in saved.items():
@@ -179,6 +180,27 @@ def main(out_path: str) -> None:
     c = probe.check_sync(lambda: send(gathered()), step="poison_correct")
     results["poison_correct"] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(),
                                  "poison": getattr(c, "poison", None)}
+
+    # 5. the functional pass and the warm-vs-cold oracle, on every rank: after a correct sync, then after a sync
+    # that pushes layer 2's down_proj scaled by 1.5 (the reference unchanged: the cold load reused)
+    train_step()
+    send(gathered())
+    t0 = time.perf_counter()
+    c = probe.check_weights(step="functional", functional=True)
+    results["functional"] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
+    t0 = time.perf_counter()
+    before = probe.gathers
+    wc = probe.warm_vs_cold(functional=True)
+    results["warm_cold"] = {"seconds": time.perf_counter() - t0, "ok": wc.ok, "lines": wc.lines(), "cold": wc.to_dict(),
+                            "layers_gathered": probe.gathers - before}
+    down = "model.layers.2.mlp.down_proj.weight"
+    send({n: (t * 1.5 if n == down else t) for n, t in gathered().items()})
+    t0 = time.perf_counter()
+    c = probe.check_weights(step="functional_bug", functional=True)
+    results["functional_bug"] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
+    t0 = time.perf_counter()
+    wc = probe.warm_vs_cold(functional=True, cold=wc.cold)
+    results["warm_cold_bug"] = {"seconds": time.perf_counter() - t0, "ok": wc.ok, "lines": wc.lines(), "cold": wc.to_dict()}
 
     # 6. trigger: every rank feeds its share of a batch (its trainer log-probs, the engine's rollout log-probs
     # that came with it); a correct sync does not fire, a sync pushing rank 0's shard only fires and writes a bundle

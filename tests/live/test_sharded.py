@@ -91,6 +91,30 @@ def test_poison_control_on_every_rank_names_a_skipped_unit_and_puts_it_back(scen
 
 
 @pytest.mark.vllm
+def test_the_functional_pass_on_every_rank_is_ok_after_a_correct_sync_and_names_a_scaled_unit(scenarios):
+    ok, bug = scenarios["functional"], scenarios["functional_bug"]
+    assert ok["ok"], ok["lines"]
+    assert ok["weights"]["functional"] is True
+    local = {u["unit"]: u["local_rel_l2"] for u in ok["weights"]["units"]}
+    assert len(local) == 19 and all(v is not None and v < 1e-2 for v in local.values())  # fed the sharded model's inputs
+    bad = {u["unit"]: u for u in bug["weights"]["units"] if u["status"] != "ok"}
+    assert list(bad) == ["layers.2.mlp"]
+    assert bad["layers.2.mlp"]["summary"] == "mlp.down_proj.weight scaled by 1.5"
+    assert bad["layers.2.mlp"]["local_rel_l2"] > 0.3  # its output off by half
+
+
+@pytest.mark.vllm
+def test_warm_vs_cold_on_every_rank_is_ok_after_a_correct_sync_and_names_the_unit_a_sync_scaled(scenarios):
+    ok, bug = scenarios["warm_cold"], scenarios["warm_cold_bug"]
+    assert ok["ok"], ok["lines"]
+    assert ok["cold"]["functional"] and ok["layers_gathered"] == scenarios["correct"]["layers"]  # gathered once
+    bad = [u for u in bug["cold"]["units"] if u["status"] != "ok"]
+    assert [u["unit"] for u in bad] == ["layers.2.mlp"]
+    assert bad[0]["tensors"] == ["model.layers.2.mlp.down_proj.weight"] and bad[0]["local_rel_l2"] > 0.3
+    assert bug["cold"]["cold_seconds"] == ok["cold"]["cold_seconds"]  # the cold load reused: no second child
+
+
+@pytest.mark.vllm
 def test_the_trigger_on_every_rank_fires_on_a_one_shard_sync_and_its_bundle_replays_the_divergence(scenarios, tmp_path):
     from numbisect.cli import main
     from numbisect.live.bundle import load
