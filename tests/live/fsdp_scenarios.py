@@ -188,6 +188,16 @@ def main(out_path: str) -> None:
     results["poison_correct"] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(),
                                  "poison": getattr(c, "poison", None)}
 
+    def raising():
+        raise RuntimeError("the sync broke")
+
+    try:  # a sync that raises on every rank: the poison's ledger puts every tensor back as found
+        probe.check_sync(raising, step="poison_raised")
+        results["poison_raised"] = None
+    except RuntimeError as e:
+        c = probe.check_weights(step="after_raise")
+        results["poison_raised"] = {"raised": str(e), "ok_after": c.ok, "lines": c.lines()}
+
     # 5. the functional pass and the warm-vs-cold oracle, on every rank: after a correct sync, then after a sync
     # that pushes layer 2's down_proj scaled by 1.5 (the reference unchanged: the cold load reused)
     train_step()

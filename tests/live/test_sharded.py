@@ -88,6 +88,8 @@ def test_poison_control_on_every_rank_names_a_skipped_unit_and_puts_it_back(scen
     assert c["poison"]["restored"]
     ok = scenarios["poison_correct"]
     assert ok["ok"] and ok["poison"]["left"] == [] and ok["poison"]["tensors"] == 47
+    raised = scenarios["poison_raised"]  # the sync raised: the poison's Ledger put every tensor back as found
+    assert raised["raised"] == "the sync broke" and raised["ok_after"], raised["lines"]
 
 
 @pytest.mark.vllm
