@@ -49,7 +49,8 @@ def fsdp(args, model_dir: str) -> dict:
                                                           f"({fig['functional_vs_step']:.2f}x a training step)"),
             ("check_sync: a poison-control cycle", f"{fig['poison_cycle_s'] * 1e3:.0f} ms "
                                                    f"({fig['poison_vs_forward_plus_sync']:.2f}x forward + sync)"),
-            ("warm_vs_cold, the cold engine started", f"{fig['warm_cold_s']:.1f} s (once; the child {fig['cold_child_s']:.1f} s)"),
+            ("warm_vs_cold, the cold engine started",
+             f"{fig['warm_cold_s']:.1f} s (once; the child {fig['cold_child_s']:.1f} s)"),
             ("warm_vs_cold, the cold load reused", f"{fig['warm_cold_reused_s'] * 1e3:.0f} ms")]
     _table(f"FSDP2 on {Path(model_dir).name}, 2 ranks, medians of {args.repeats}", rows)
     return fig

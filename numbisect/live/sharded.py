@@ -80,15 +80,21 @@ from numbisect.backends.vllm import enginefault
 from numbisect.backends.vllm.runner import in_process_model
 from numbisect.common.errors import InputError
 from numbisect.live import bundle as B
+from numbisect.live import cold as K
 from numbisect.live import poison as X
 from numbisect.live import transfer as T
 from numbisect.live import weights as W
 from numbisect.live.engine import settings as engine_settings
-from numbisect.live.errors import LiveError
-from numbisect.live import cold as K
-from numbisect.live.errors import EngineSettingError
-from numbisect.live.probe import Probe, _engine, _PutBack, _reference, eval_mode, random_samples, samples_trace
-from numbisect.live.sync import push
+from numbisect.live.errors import EngineSettingError, LiveError
+from numbisect.live.probe import (
+    Probe,
+    _engine,
+    _PutBack,
+    _reference,
+    eval_mode,
+    random_samples,
+    samples_trace,
+)
 from numbisect.live.trigger import Trigger, batch_tokens
 from numbisect.model.arch import arch_for
 from numbisect.patching.ledger import Ledger
@@ -427,7 +433,8 @@ class ShardedProbe:
         before = (self.history.previous() or ("", {}))[1]
         poison = X.poison_values(saved, {n: {held[n], before.get(n)} for n in saved}, seed, W.digest)
         p = X.Poisoned(seed=seed, label=X.POISON_LABEL.format(seed=seed), tensors=len(saved))
-        back = _PutBack(p, saved, dict(self.shapes), "putting the engine back", "the engine holds the poison: push your weights again")
+        back = _PutBack(p, saved, dict(self.shapes), "putting the engine back",
+                        "the engine holds the poison: push your weights again")
         try:
             dp._pushed(ledger, self.llm, poison, "poisoning the engine",
                        "the engine may hold poisoned weights: push your weights again", back)
@@ -490,7 +497,8 @@ class ShardedProbe:
             model_dir = os.path.join(tmp, "model") if write else None
             digests, shapes = _stream_checkpoint(ref.layers(), model_dir, dp.ref.config)
             if cold is not None and cold.ref != digests:
-                raise LiveError("warm_vs_cold(cold=...): the reference's weights changed since that cold load; load it cold again")
+                raise LiveError("warm_vs_cold(cold=...): the reference's weights changed since that cold load; "
+                                "load it cold again")
             if write:
                 with _single_process_env():  # the cold engine's vLLM must not join the trainer's process group
                     cold = dp._cold_load(model_dir, digests, shapes, samples, functional, timeout)

@@ -197,6 +197,11 @@ def main(out_path: str) -> None:
     except RuntimeError as e:
         c = probe.check_weights(step="after_raise")
         results["poison_raised"] = {"raised": str(e), "ok_after": c.ok, "lines": c.lines()}
+    try:  # the ranks differ in functional: one line on every rank, before anything runs; the probe still in step
+        probe.check_weights(step="mismatch", functional=rank == 0)
+        results["functional_mismatch"] = None
+    except ShardedError as e:
+        results["functional_mismatch"] = str(e)
 
     # 5. the functional pass and the warm-vs-cold oracle, on every rank: after a correct sync, then after a sync
     # that pushes layer 2's down_proj scaled by 1.5 (the reference unchanged: the cold load reused)

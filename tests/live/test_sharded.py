@@ -106,6 +106,13 @@ def test_the_functional_pass_on_every_rank_is_ok_after_a_correct_sync_and_names_
 
 
 @pytest.mark.vllm
+def test_ranks_that_differ_in_functional_are_one_line_on_every_rank_and_stay_in_step(scenarios):
+    assert scenarios["functional_mismatch"] == ("check_weights: the ranks differ in functional (rank 0 True, rank 1 "
+                                                "False): pass the same on every rank")
+    assert scenarios["functional"]["ok"]  # the checks after it ran (the probe still in step)
+
+
+@pytest.mark.vllm
 def test_warm_vs_cold_on_every_rank_is_ok_after_a_correct_sync_and_names_the_unit_a_sync_scaled(scenarios):
     ok, bug = scenarios["warm_cold"], scenarios["warm_cold_bug"]
     assert ok["ok"], ok["lines"]
