@@ -89,12 +89,8 @@ class Bisection:
             found = self._hypothesis(state.evidence.moved, "checkpoint diff")
             if found is None and self.kinds.narrowed:
                 found = self._hypothesis(self.kinds.narrowed, "kinds narrowed")
-            if found is not None:
-                pass
-            elif descend is not None:
-                found = descend(units.names)
-            else:
-                found = self._minimise(units.names, frozenset(), top=True)
+            if found is None:
+                found = descend(units.names) if descend is not None else self._minimise(units.names, frozenset(), top=True)
         except _Systematic as named:
             return named.result
         found = merge(units, found)
