@@ -12,7 +12,7 @@ ways, and each has its own silent failures:
   (the delta a multiple of `(alpha/r)·B@A`: e.g. alpha instead of alpha/r), else
   `corrupted`; every untargeted tensor must be the base's unchanged.
 - **adapter** (verl's default): the engine, started with `enable_lora=True`, holds the base
-  weights (vLLM names them `...base_layer.weight`: backends.vllm.lora_names maps them back)
+  weights (vLLM names them `...base_layer.weight`: numbisect.backends.vllm.lora_names maps them back)
   and a slot per loaded adapter. `check_adapter(peft_model, llm, lora_int_id)` says, per
   targeted module, whether the base carries no folded delta (else `delta folded into the
   base`: merged weights plus the adapter, applied twice) and whether the slot of
@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from numbisect.backends.vllm.lora_names import base_name
 from numbisect.live import weights as W
+from numbisect.live.engine import ENGINE
 from numbisect.model.arch import arch_for
 from numbisect.model.ckptdiff import apply_renames, unit_of, unit_prefixes
 
@@ -114,7 +114,7 @@ def base_tensors(model) -> dict[str, torch.Tensor]:
     for k, v in model.state_dict().items():
         if ".lora_" in k or not v.is_floating_point():
             continue
-        out[base_name(_ckpt(k))] = v.detach()
+        out[ENGINE.base_name(_ckpt(k))] = v.detach()
     return out
 
 
