@@ -16,7 +16,7 @@ annotations, not imports, and are not counted.
 6. Outside numbisect/backends/, no module imports a backend's folder (`ENGINE_FOLDERS`:
    numbisect.backends.hf, .vllm, .dump or any module in them), annotations included: the
    layers above reach an engine kind through the registry only (numbisect.backends, its
-   `services(kind)`; base.py, options.py, steps.py, services.py).
+   `services(kind)`; base.py, options.py, steps.py, protocols.py).
 
 An import of a package counts as an import of its `__init__` only (not of its parents).
 """

@@ -17,7 +17,7 @@
 - What the layers above need of an engine kind beyond a `Backend` (numbisect.live's
   read-back, reload, settings, prefix cache, cold engine; the session's child runner) is
   its entry's `services` module, opened by `services(kind)` on first use: it implements a
-  protocol of `services.py` (`ReferenceServices`, `EngineServices`). Outside this folder
+  protocol of `protocols.py` (`ReferenceServices`, `EngineServices`). Outside this folder
   nothing imports a backend's folder (`hf/`, `vllm/`, `dump/`): the registry is the one
   way in (tests/test_layering.py).
 
@@ -61,7 +61,7 @@ class Registered:
     no_unit_map: str = "has no unit map"  # what the refusal says of a family without that table
     runs_user_config: bool = False  # it runs the user's own engine configuration (--engine-config)
     # What the layers above reach of this kind beyond a Backend: a module implementing
-    # services.ReferenceServices or services.EngineServices, imported on first use (`services`).
+    # protocols.ReferenceServices or protocols.EngineServices, imported on first use (`services`).
     services: str | None = None
     weights: str | None = None  # its part in a weight check (`bisect weights`, numbisect.live): "reference" (its
     # model's tensors, in checkpoint names, are the truth) or "engine" (its weights read back); None: none
@@ -149,7 +149,7 @@ def open_backend(kind: str, path: str, dtype: str, opts: dict, what: str | None 
 
 def services(kind: str):
     """The services module of `kind` (`Registered.services`: a `ReferenceServices` or an
-    `EngineServices`, numbisect.backends.services), imported on first use; an InputError
+    `EngineServices`, numbisect.backends.protocols), imported on first use; an InputError
     for a kind that has none."""
     entry = BACKENDS.get(kind)
     if entry is None or entry.services is None:

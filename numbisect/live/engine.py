@@ -23,9 +23,9 @@ from numbisect.backends import services, weights_kind
 from numbisect.live.errors import EngineClosedError, EngineSettingError
 
 KIND = weights_kind("engine")  # the registered kind a running engine is wrapped as
-ENGINE = services(KIND)  # what numbisect.live reaches of it (numbisect.backends.services.EngineServices)
+ENGINE = services(KIND)  # what numbisect.live reaches of it (numbisect.backends.protocols.EngineServices)
 REFERENCE_KIND = weights_kind("reference")  # the registered kind a trainer's model is wrapped as
-REFERENCE = services(REFERENCE_KIND)  # (numbisect.backends.services.ReferenceServices)
+REFERENCE = services(REFERENCE_KIND)  # (numbisect.backends.protocols.ReferenceServices)
 
 WHAT_WORKS = ENGINE.WHAT_WORKS
 settings = ENGINE.settings  # the engine settings numbisect depends on, as the engine holds them

@@ -12,7 +12,7 @@ from conftest import ROOT
 import ast
 
 from numbisect.backends import BACKENDS, Registered, forms, open_backend, parse_spec, require_weights, source, weights_kind
-from numbisect.backends.services import EngineServices, ReferenceServices, members
+from numbisect.backends.protocols import EngineServices, ReferenceServices, members
 from numbisect.common.errors import InputError
 
 

@@ -1,5 +1,5 @@
 """What the layers above reach of the hf kind beyond a Backend: its `ReferenceServices`
-(numbisect.backends.services), opened through the registry
+(numbisect.backends.protocols), opened through the registry
 (`numbisect.backends.services(kind)`): a trainer's transformers model in memory wrapped as
 the reference (numbisect.live.attach), nothing loaded, nothing installed
 (`HFBackend.of`, numbisect.backends.hf.runner)."""

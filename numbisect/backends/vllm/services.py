@@ -1,5 +1,5 @@
 """What the layers above reach of the vllm engine kind beyond a Backend: its
-`EngineServices` (numbisect.backends.services), opened through the registry
+`EngineServices` (numbisect.backends.protocols), opened through the registry
 (`numbisect.backends.services(kind)`, the entry's `services`). Each name is defined in
 the module of this folder named for what it does; this module only gathers them.
 
