@@ -60,6 +60,14 @@ class EngineServices(Protocol):
     # its prefix cache
     cache_settings: Callable[..., dict]  # (llm) -> enabled, block_size, vocab, max_logprobs
     next_token_logprobs: Callable[..., list]  # (llm, prompts, top, salt=None) -> (cached tokens, top log-probs) each
+    # its weight-transfer API (an in-process transport) and the pushes made through it
+    TRANSFER_BACKEND: str
+    register_transfer: Callable[[], str]
+    transfer_send: Callable[..., dict]
+    transfer_push: Callable[..., None]  # (llm, items, version=None, chunks=1)
+    watch_pushes: Callable[..., None]  # (llm): a ledger of every push in each worker
+    weight_version: Callable[..., Any]  # (llm) -> its weight version, or None
+    last_session: Callable[..., Any]  # (llm) -> the last push a watched engine recorded, or None
     # the cold engine (the warm-vs-cold oracle) and the digests both engines answer
     load_cold: Callable[..., dict]  # (job, timeout) -> the cold engine's answer, from a child process
     raw_digests: Callable[..., dict]

@@ -19,8 +19,9 @@
 - `sync.py`: a weight push as RL frameworks make it (vLLM's own `load_weights`);
 - `sharded.py`: the weight check on an FSDP2-sharded trainer (`attach_sharded`, on every
   rank; collective-safe: the ranks agree before anything is gathered);
-- `transfer.py`: vLLM's weight-transfer API (an in-process transport, a push's ledger:
-  the weight version and the units a push never named, in every check);
+- `transfer.py`: a push through the engine's weight-transfer API (its transport and the
+  workers' ledger in numbisect.backends.vllm.transfer): the weight version and the units
+  a push never named, in every check;
 - `errors.py`: the typed errors, each one line.
 """
 

@@ -9,6 +9,8 @@ the module of this folder named for what it does; this module only gathers them.
 - its weights read back in the checkpoint's names (numbisect.backends.vllm.readback) and
   pushed in, its reload's fixes (numbisect.backends.vllm.reload, .cpu_mla);
 - its prefix cache (numbisect.backends.vllm.prefix_cache);
+- its weight-transfer API, an in-process transport and the pushes made through it
+  (numbisect.backends.vllm.transfer);
 - the cold engine of the warm-vs-cold oracle (numbisect.backends.vllm.cold), the child
   runner every vLLM child goes through (numbisect.backends.vllm.child) and the fork server
   they come from (`shutdown_children`);
@@ -67,6 +69,12 @@ from numbisect.backends.vllm.settings import (
     settings,
 )
 from numbisect.backends.vllm.tp import VLLMTPBackend
+from numbisect.backends.vllm.transfer import BACKEND as TRANSFER_BACKEND
+from numbisect.backends.vllm.transfer import last_session, weight_version
+from numbisect.backends.vllm.transfer import push as transfer_push
+from numbisect.backends.vllm.transfer import register as register_transfer
+from numbisect.backends.vllm.transfer import send as transfer_send
+from numbisect.backends.vllm.transfer import watch as watch_pushes
 from numbisect.backends.vllm.validate import check_with_vllm
 
 of = VLLMBackend.of  # a backend on a running engine whose model is in this process
@@ -80,4 +88,5 @@ __all__ = [
     "push", "rank_names", "rank_raw_digests", "raw_digests", "reach", "reader_digests", "reload_in_worker", "reload_problem",
     "remote_tensors", "repack_cpu_moe", "restore_kv_b", "run_child", "settings", "shutdown_children", "undo_unfinished",
     "undo_unfinished_reload", "unfinished", "unfinished_reload", "unit_reader",
+    "TRANSFER_BACKEND", "register_transfer", "transfer_send", "transfer_push", "watch_pushes", "weight_version", "last_session",
 ]
