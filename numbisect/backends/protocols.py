@@ -45,6 +45,10 @@ class EngineServices(Protocol):
     remote_tensors: Callable[..., dict]  # (llm, shapes) -> name -> tensor (from its workers)
     engine_dtypes: Callable[..., dict]  # (model, shapes, dtype) -> the tensors it holds in another dtype
     base_name: Callable[..., str]  # a LoRA engine's parameter name -> the base model's
+    # its LoRA slots, and decoding with an adapter
+    lora_slot: Callable[..., dict]  # (llm, lora_int_id) -> the slot's A and B slices per module
+    load_lora: Callable[..., Any]  # (llm, lora_int_id, tensors, cfg, name) -> the request that generates with it
+    greedy_logprobs: Callable[..., list]  # (llm, prompts, tokens, lora_request=None) -> (token ids, log-probs) each
     # its weights, pushed in (a sync as RL frameworks make it) and its reload's fixes
     HOW: tuple
     push: Callable[..., int]

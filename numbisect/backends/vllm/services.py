@@ -15,7 +15,7 @@ the module of this folder named for what it does; this module only gathers them.
   runner every vLLM child goes through (numbisect.backends.vllm.child) and the fork server
   they come from (`shutdown_children`);
 - the faults planted for an engine's life (numbisect.backends.vllm.enginefault), a LoRA
-  engine's names (numbisect.backends.vllm.lora_names), vLLM's own check of engine settings
+  engine's names and slots (numbisect.backends.vllm.lora_names, .lora_slots), vLLM's own check of engine settings
   (numbisect.backends.vllm.validate).
 """
 
@@ -36,6 +36,7 @@ from numbisect.backends.vllm.enginefault import ENV as FAULT_ENV
 from numbisect.backends.vllm.enginefault import env_value as fault_env_value
 from numbisect.backends.vllm.enginefault import planted as planted_faults
 from numbisect.backends.vllm.lora_names import base_name
+from numbisect.backends.vllm.lora_slots import greedy_logprobs, load_lora, lora_slot
 from numbisect.backends.vllm.prefix_cache import cache_settings, next_token_logprobs
 from numbisect.backends.vllm.readback import (
     FUSED,
@@ -88,5 +89,6 @@ __all__ = [
     "push", "rank_names", "rank_raw_digests", "raw_digests", "reach", "reader_digests", "reload_in_worker", "reload_problem",
     "remote_tensors", "repack_cpu_moe", "restore_kv_b", "run_child", "settings", "shutdown_children", "undo_unfinished",
     "undo_unfinished_reload", "unfinished", "unfinished_reload", "unit_reader",
+    "lora_slot", "load_lora", "greedy_logprobs",
     "TRANSFER_BACKEND", "register_transfer", "transfer_send", "transfer_push", "watch_pushes", "weight_version", "last_session",
 ]
