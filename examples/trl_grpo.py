@@ -36,6 +36,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# PYTHONSAFEPATH=1 before TRL or torch starts a process: TRL's vLLM engine, torch inductor's
+# `python -c` CPU probes and this script's runs then import nothing from the working directory
+# (your own script gets the same by calling it first, or with PYTHONSAFEPATH=1 in its environment).
+from numbisect.common.procenv import no_code_from_cwd  # noqa: E402
+
+no_code_from_cwd()
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "fixtures", "models")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 
 from numbisect import __version__
-from numbisect.backends import BACKENDS
+from numbisect.backends import BACKENDS, require_weights, services, user_config_kind
 from numbisect.backends.options import parse_opts
 from numbisect.common.errors import ExitCode, InputError, NumbisectError
 from numbisect.common.procenv import no_code_from_cwd, vllm_env_problem
@@ -289,10 +289,11 @@ def _spec_settings(kw):
 
 def _check_with_vllm(settings: dict, path: str | None, opts, option: str, engine: str | None) -> None:
     """Engine settings checked by the installed vLLM's own validation, before any model
-    loads (numbisect.backends.vllm.validate); the message names the file (or --engine-opt)."""
+    loads (the services of the kind that runs --engine-config: numbisect.backends.vllm.validate);
+    the message names the file (or --engine-opt)."""
     if not settings:
         return
-    from numbisect.backends.vllm.validate import check_with_vllm  # lazy: keeps torch out of importing numbisect.cli
+    user_kind = user_config_kind()
 
     given = set(parse_opts(opts, "--engine-opt"))
     file = f"{option} {printable(clip(path, 300))}" if path else option
@@ -301,7 +302,7 @@ def _check_with_vllm(settings: dict, path: str | None, opts, option: str, engine
         return "--engine-opt" if key.split(".")[0] in given else file
 
     kind, _, d = (engine or "").partition(":")
-    check_with_vllm(settings, where, d if kind == "vllm" and os.path.isdir(d) else None)
+    services(user_kind).check_with_vllm(settings, where, d if kind == user_kind and os.path.isdir(d) else None)
 
 
 def _refuse_dump(engine: str) -> None:
@@ -469,10 +470,8 @@ def weights(**kw):
     _check_out(kw)
     ref_kind, ref_path = parse_spec(kw["ref"], "--ref")
     eng_kind, eng_path = parse_spec(kw["engine"], "--engine")
-    if ref_kind != "hf":
-        raise InputError(f"--ref must be hf:DIR (got {kw['ref']!r})")
-    if eng_kind != "vllm":
-        raise InputError(f"--engine must be vllm:DIR for `bisect weights` (its weights are read from a vLLM engine), got {kw['engine']!r}")
+    require_weights(ref_kind, kw["ref"], "reference")  # the kinds that can play each part, from the registry
+    require_weights(eng_kind, kw["engine"], "engine")
     from numbisect.backends.base import load_config  # lazy: keeps torch out of importing numbisect.cli
     from numbisect.live.probe import samples_trace  # lazy: keeps torch out of importing numbisect.cli
 
@@ -483,8 +482,9 @@ def weights(**kw):
         arch_for(config)
     check_configs(*configs)  # before anything loads
     with Progress(kw["quiet"]) as say:
-        say(f"loading reference hf:{ref_path} and starting engine vllm:{eng_path}")
-        probe = attach(reference=ref_path, engine=eng_path, ref_dtype=kw["ref_dtype"], engine_dtype=kw["engine_dtype"])
+        say(f"loading reference {ref_kind}:{ref_path} and starting engine {eng_kind}:{eng_path}")
+        probe = attach(reference=ref_path, engine=eng_path, ref_dtype=kw["ref_dtype"], engine_dtype=kw["engine_dtype"],
+                       ref_kind=ref_kind, engine_kind=eng_kind)
         try:
             say("checking the engine's weights, unit by unit")
             check = probe.check_weights(samples=trace, step="cold load")
@@ -522,12 +522,9 @@ def replay(bundle, **kw):
     if kw.get("out"):  # the report never replaces a file of the bundle (its manifest, a part)
         check_not_an_input(kw["out"], "--out", None, {"BUNDLE": ("replay bundle", b.path)})
     if inp["engine_faults"]:  # planted in the live engine for its life: in every engine of the replay too, before it compiles
-        from numbisect.backends.vllm.enginefault import (  # lazy: keeps torch out of importing numbisect.cli
-            ENV,  # lazy: keeps torch out of importing numbisect.cli
-            env_value,  # lazy: keeps torch out of importing numbisect.cli
-        )
-
-        os.environ[ENV] = env_value(inp["engine_faults"])
+        eng = services(inp["engine"].partition(":")[0])  # the bundle's engine kind (numbisect.backends.vllm.enginefault)
+        ENV = eng.FAULT_ENV
+        os.environ[ENV] = eng.fault_env_value(inp["engine_faults"])
         print(f"replay: the live engine ran with faults planted ({ENV}), planted again here: {os.environ[ENV]}", file=sys.stderr)
     kw.update(ref=inp["ref"], engine=inp["engine"], trace=inp["trace"], ref_dtype=inp["ref_dtype"],
               engine_dtype=inp["engine_dtype"], ref_opt=(), engine_opt=(), engine_fault=(), floor_file=None,
@@ -656,10 +653,7 @@ def conditions(**kw):
                     engine_opts={"user": user, "good": good})
     with Progress(kw["quiet"]) as say:
         sess = CondSession(spec, settings, user, good)
-        from numbisect.backends.vllm.child import (  # lazy: keeps torch out of importing numbisect.cli
-            run_child,  # lazy: keeps torch out of importing numbisect.cli
-        )
-
+        run_child = services(kw["engine"].partition(":")[0]).run_child  # the engine kind's child runner (numbisect.backends.vllm.child)
         body, code = run_conditions(sess, run_child=run_child, max_trials=kw["max_trials"], log=kw["log_path"],
                                     resume=kw["resume"], localise_culprit=kw["localise"], progress=say)
         report = new_report("conditions", command_line(click.get_current_context().obj["argv"]),

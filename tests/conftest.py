@@ -74,6 +74,29 @@ def child_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+# No code from the working directory (#36): modules named like ones numbisect, click, torch,
+# transformers or vLLM import late (after the interpreter starts), or that the Python processes
+# they start import. Each writes a marker file into `markers` when imported.
+PLANTED = ("ctypes", "multiprocessing", "json", "subprocess", "tempfile", "uuid", "pickle", "typing_extensions",
+           "numpy", "torch", "click", "yaml", "safetensors", "psutil")
+
+
+def plant(d, markers) -> None:
+    for name in PLANTED:
+        (d / f"{name}.py").write_text(
+            "import os\n"
+            f"open(os.path.join({str(markers)!r}, {name!r} + '-' + str(os.getpid())), 'w').close()\n")
+
+
+def no_cwd_env() -> dict:
+    """child_env as a user's shell has it: this numbisect on PYTHONPATH, the working directory
+    not on it, no PYTHONSAFEPATH."""
+    e = child_env()
+    e["PYTHONPATH"] = str(ROOT)
+    e.pop("PYTHONSAFEPATH", None)
+    return e
+
+
 _HF: dict = {}
 _VLLM: dict = {}
 

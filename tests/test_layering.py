@@ -13,6 +13,10 @@ annotations, not imports, and are not counted.
    interpreter leave no torch in sys.modules.
 5. No annotation runs up either: with `if TYPE_CHECKING:` imports counted, the layer order
    still holds (`annotation_violations`).
+6. Outside numbisect/backends/, no module imports a backend's folder (`ENGINE_FOLDERS`:
+   numbisect.backends.hf, .vllm, .dump or any module in them), annotations included: the
+   layers above reach an engine kind through the registry only (numbisect.backends, its
+   `services(kind)`; base.py, options.py, steps.py, protocols.py).
 
 An import of a package counts as an import of its `__init__` only (not of its parents).
 """
@@ -47,6 +51,7 @@ LAYERS = (
 )
 UI_ORDER = ("__main__", "cli", "tui")  # inside the UI layer, each imports only those after it
 TORCH_FREE = ("report", "common", "search")
+ENGINE_FOLDERS = ("hf", "vllm", "dump")  # numbisect/backends/ folders only the backends import
 HEAVY = ("torch", "transformers", "vllm")
 
 
@@ -123,7 +128,24 @@ def imports(pkg: Path, extra: dict | None = None, annotations: bool = False,
 def check(pkg: Path = PKG, extra: dict | None = None) -> list[str]:
     """Every violation of the rules above, one line each (empty when the package keeps them)."""
     g, outside = imports(pkg, extra)
-    return _check_cycles(g) + _check_order(g, outside)
+    return _check_cycles(g) + _check_order(g, outside) + _check_backend_folders(imports(pkg, extra, annotations=True)[0], pkg)
+
+
+def _check_backend_folders(g: nx.DiGraph, pkg: Path = PKG) -> list[str]:
+    """Rule 6: an import of a backend's folder from outside numbisect/backends/, named by
+    the importing file and the module it imports."""
+    out = []
+    for mod in sorted(g):
+        if mod.split(".")[1:2] == ["backends"]:
+            continue
+        for t in sorted(g.successors(mod)):
+            parts = t.split(".")
+            if parts[1:2] == ["backends"] and parts[2:3] and parts[2] in ENGINE_FOLDERS:
+                rel = Path(*mod.split("."))
+                path = rel.with_suffix(".py") if (pkg.parent / rel.with_suffix(".py")).is_file() else rel / "__init__.py"
+                out.append(f"imports a backend's folder: {path} imports {t} (outside numbisect/backends/ an engine "
+                           "kind is reached through the registry: numbisect.backends.services(kind))")
+    return out
 
 
 def _check_cycles(g: nx.DiGraph) -> list[str]:
@@ -182,6 +204,11 @@ def test_every_package_is_in_a_layer():
         ("search/search.py", "import torch", "torch-free layer imports torch: numbisect.search.search"),
         ("patching/swap.py", "from numbisect.backends.base import Backend", "imports a layer above: numbisect.patching.swap"),
         ("tui/model.py", "from numbisect.cli import main", "imports a sibling package: numbisect.tui.model imports numbisect.cli"),
+        ("live/probe.py", "from numbisect.backends.vllm.readback import unit_reader",
+         "imports a backend's folder: numbisect/live/probe.py imports numbisect.backends.vllm.readback"),
+        ("cli.py", "def f():\n    from numbisect.backends import hf", "imports a backend's folder: numbisect/cli.py imports numbisect.backends.hf"),
+        ("session/session.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from numbisect.backends.dump.runner import DumpBackend",
+         "imports a backend's folder: numbisect/session/session.py imports numbisect.backends.dump.runner"),
     ],
 )
 def test_the_checker_finds_a_forbidden_import(module, line, expected):

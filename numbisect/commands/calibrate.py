@@ -23,7 +23,6 @@ import torch
 
 from numbisect.backends import open_backend, require_reference
 from numbisect.backends.base import load_config, parse_dtype
-from numbisect.backends.hf import HFBackend
 from numbisect.common.errors import InputError
 from numbisect.common.formatting import fmt
 from numbisect.common.safeio import read_input
@@ -136,7 +135,7 @@ def calibrate(ref: str, trace_path: str, *, dtype: str = "bfloat16", ref_opts: d
     out_variants = []
     for label, vdtype, opts in todo:
         progress(f"running variant {label}")
-        vb = HFBackend(path, vdtype, **opts)
+        vb = open_backend(kind, path, vdtype, opts, "--ref-opt")
         res = vb.forward(trace.samples, full_logits=True)
         del vb
         gc.collect()

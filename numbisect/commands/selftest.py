@@ -146,11 +146,11 @@ def default_trace(ref: str) -> str:
 
 
 def resolve(ref: str, engine: str | None, trace: str | None) -> tuple[str, str, Profile]:
-    """(engine, trace, profile) with the defaults filled in: the engine is hf on the
+    """(engine, trace, profile) with the defaults filled in: the engine is the reference's kind on the
     reference's own directory, the trace the fixture's."""
     kind, path = parse_spec(ref, "--ref")
     require_reference(kind, ref)
-    engine = engine or f"hf:{path}"
+    engine = engine or f"{kind}:{path}"  # the reference's kind (require_reference accepted it) on its own directory
     return engine, trace or default_trace(ref), profile_for(engine)
 
 

@@ -45,6 +45,7 @@ from numbisect.backends.base import DTYPES
 from numbisect.common.errors import InputError
 from numbisect.common.safeio import MB, check_input, file_sha256, read_input
 from numbisect.common.textsafe import clip, path_text, printable
+from numbisect.live.engine import KIND, REFERENCE_KIND
 from numbisect.live.probe import LiveReport, random_samples, samples_trace
 from numbisect.live.weights import digest, write_checkpoint
 from numbisect.model import engine_config as E
@@ -467,7 +468,7 @@ def replay_inputs(b: Bundle) -> dict:
                          "replay needs reference/ and engine/")
     if b.part("trace") is None or b.part("engine_settings") is None:
         raise InputError(f"bundle {path_text(b.path)}: the manifest names no trace or engine settings")
-    return {"ref": f"hf:{ref}", "engine": f"vllm:{eng}", "trace": b.part("trace"),
+    return {"ref": f"{REFERENCE_KIND}:{ref}", "engine": f"{KIND}:{eng}", "trace": b.part("trace"),
             "ref_dtype": b.manifest["reference"]["dtype"], "engine_dtype": b.manifest["engine"]["dtype"],
             "engine_config": b.part("engine_settings"),
             # the live comparison's threshold; without one (a compiled engine), the trigger's: the fired batch was judged at it

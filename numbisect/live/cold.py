@@ -8,15 +8,15 @@ neither: `Probe.warm_vs_cold()`
 
 1. writes the reference's weights (checkpoint names, the reference's dtype) and config to a
    temporary checkpoint directory;
-2. starts numbisect's eager vLLM engine on it in a child process (`python -P -m
-   numbisect.live.cold IN OUT`, through numbisect.backends.vllm.child's `run_child`: a
-   second engine in the trainer's process would share vLLM's global state and its thread
-   settings with the user's engine), in the live engine's dtype, max_model_len and
-   tensor-parallel size (each rank's parameters compared with the same rank's); the
-   child answers, per tensor, the digest of each engine tensor read back in the checkpoint's
-   names (numbisect.live.weights.engine_tensors) and of each parameter's bytes as the
-   engine holds them (`raw_digests`: prepacked, by vLLM's name; no layout knowledge), and,
-   fed the reference's unit inputs on a few samples, every unit's local output;
+2. starts numbisect's eager engine on it in a child process (the engine's side, reached
+   through the registry: numbisect.backends.vllm.cold, `load_cold`; a second engine in the
+   trainer's process would share vLLM's global state and its thread settings with the
+   user's engine), in the live engine's dtype, max_model_len and tensor-parallel size
+   (each rank's parameters compared with the same rank's); the child answers, per tensor,
+   the digest of each engine tensor read back in the checkpoint's names and of each
+   parameter's bytes as the engine holds them (`raw_digests`: prepacked, by the engine's
+   name; no layout knowledge), and, fed the reference's unit inputs on a few samples,
+   every unit's local output;
 3. reads the same from the warm engine and compares, per unit (`WarmCold`): `ok`, or
    `differs from cold` with the tensors whose read-back differs, the parameters whose
    bytes differ, and the relative L2 distance of the unit's local outputs (functional,
@@ -31,56 +31,22 @@ importing vLLM and starting its engine (an engine started in this process instea
 
 from __future__ import annotations
 
-import json
-import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
-from numbisect.backends.vllm import VLLMBackend
-from numbisect.backends.vllm import readback as RB
-from numbisect.backends.vllm.child import serve
-from numbisect.backends.vllm.tp import VLLMTPBackend
 from numbisect.live import weights as W
+from numbisect.live.engine import ENGINE
 from numbisect.model.ckptdiff import apply_renames, short_name, unit_of, unit_prefixes
-from numbisect.model.trace import Sample
+
+# The engine's side (numbisect.backends.vllm.cold): digests read where its model lives, put together here.
+raw_digests, rank_raw_digests, merge_raw, rank_names, param_names = (
+    ENGINE.raw_digests, ENGINE.rank_raw_digests, ENGINE.merge_raw, ENGINE.rank_names, ENGINE.param_names)
 
 OK, DIFFERS = "ok", "differs from cold"
 # Relative L2 distance of a unit's local outputs, warm vs cold, above which it differs: the same
 # kernels on the same weights and inputs agree (measured 0 here); scrambled experts are ~1.
 COLD_TOL = 1e-3
-
-
-def raw_digests(model) -> dict[str, str]:
-    """Each non-empty float parameter's bytes as the engine holds them (a kernel's layout,
-    not read back), by vLLM's name. Runs where the model lives (`apply_model`)."""
-    return {n: W.digest(p.data) for n, p in model.named_parameters() if p.is_floating_point() and p.numel()}
-
-
-def rank_raw_digests(model) -> str:
-    """Run in each of an engine's workers: its rank, the world size and `raw_digests`, as
-    JSON (what crosses vLLM's engine-core boundary intact)."""
-    try:
-        rank, world = RB._rank(model)
-    except (AssertionError, RuntimeError):  # no distributed state: one process, one rank
-        rank, world = 0, 1
-    return json.dumps({"rank": rank, "world": world, "digests": raw_digests(model)})
-
-
-def merge_raw(answers: list[str]) -> dict[str, str]:
-    """Every worker's `rank_raw_digests` in one table: by vLLM's name on one rank; with
-    several, `name@rank` (each rank holds its own shard, in its kernel's layout: compared
-    with the same rank's of an engine loaded cold at the same tensor-parallel size)."""
-    ranks = [json.loads(a) for a in answers]
-    if len(ranks) == 1 and ranks[0]["world"] == 1:
-        return ranks[0]["digests"]
-    return {f"{n}@{r['rank']}": d for r in ranks for n, d in r["digests"].items()}
-
-
-def rank_names(raw: dict[str, str], names: dict[str, list[str]]) -> dict[str, list[str]]:
-    """`param_names` (by vLLM's name) for the keys of `merge_raw`'s table (`name@rank`)."""
-    return {k: names.get(k.partition("@")[0], [k.partition("@")[0]]) for k in raw}
 
 
 def rel_l2(a, b) -> float:
@@ -200,59 +166,3 @@ def compare(warm_digests: dict[str, str], warm_raw: dict[str, str], warm_capture
 
 __all__ = ["COLD_TOL", "DIFFERS", "OK", "ColdLoad", "UnitCold", "WarmCold", "compare", "merge_raw", "param_names", "rank_names",
            "rank_raw_digests", "raw_digests", "rel_l2"]
-
-
-# -- the child process ---------------------------------------------------------------------------
-def cold_job(job: dict) -> dict:
-    """In the child: numbisect's eager engine on the written directory, at the live engine's
-    tensor-parallel size (a rank's bytes compare with the same rank's only); the digests of
-    its tensors read back (every rank's put together) and of its parameters' bytes (each
-    rank's), and its units' local outputs when fed."""
-    tp = int(job.get("tensor_parallel_size") or 1)
-    if tp > 1:
-        eng = VLLMTPBackend(job["model"], job["dtype"], tensor_parallel_size=tp, max_model_len=int(job["max_model_len"]))
-    else:
-        eng = VLLMBackend(job["model"], job["dtype"], max_model_len=int(job["max_model_len"]))
-    try:
-        shapes = {n: tuple(s) for n, s in job["shapes"].items()}
-        if tp > 1:
-            digests = W.reader_digests(W.unit_reader(shapes, eng.arch, eng.config, llm=eng.llm))
-            raw = merge_raw(eng.llm.apply_model(rank_raw_digests))
-        else:
-            digests = W.reader_digests(W.unit_reader(shapes, eng.arch, eng.config, model=eng.model))
-            raw = raw_digests(eng.model)
-        captures = None
-        if job.get("feed"):
-            samples = [Sample(line=i + 1, prompt_ids=list(ids[:p]), completion_ids=list(ids[p:]))
-                       for i, (ids, p) in enumerate(job["samples"])]
-            feed = torch.load(job["feed"])
-            captures = eng.forward(samples, capture=job["units"], feed=feed).captures
-        return {"digests": digests, "raw": raw, "captures": captures}
-    finally:
-        eng.close()
-
-
-def answer(job: dict, out_path: str) -> None:
-    """The child's answer (`child.serve`): `cold_job`'s, timed, as a torch file."""
-    t0 = time.perf_counter()
-    out = cold_job(job)
-    out["seconds"] = time.perf_counter() - t0
-    torch.save(out, out_path)
-
-
-def main(argv: list[str]) -> int:
-    return serve(argv, answer)
-
-
-def param_names(model, shapes: dict[str, tuple]) -> dict[str, list[str]]:
-    """vLLM parameter -> the checkpoint names it holds (`engine_tensors`' split), where the
-    model lives."""
-    out = {}
-    for pname, p in model.named_parameters():
-        if p.is_floating_point() and p.numel():
-            out[pname] = [n for n, _ in RB._split(pname, p.data, shapes)]
-    return out
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,100 +1,43 @@
-"""The user's running vLLM engine: its settings checked, read, never changed.
+"""The user's running engine: its settings checked, read, never changed.
 
-`check_engine(llm)` reads the settings numbisect depends on and refuses an engine it
-cannot reach (`EngineClosedError`: shut down already; not a `vllm.LLM`; an engine in
-worker processes without VLLM_ALLOW_INSECURE_SERIALIZATION=1). `hooks_problem(settings)`
-says, in one line naming the setting and what would work, why forward hooks cannot give a
-right answer on it, or None when they can:
+The engine kind numbisect.live attaches to is the registry's (`numbisect.backends.weights_kind`,
+"engine": vLLM); `ENGINE` is what this layer reaches of it, through the registry
+(`numbisect.backends.services`: numbisect.backends.vllm.services). Its settings are read
+and judged there (numbisect.backends.vllm.settings: `settings`, `hooks_problem`, the
+settings under which forward hooks cannot give a right answer); here they become the live
+API's typed errors:
 
-1. compiled (CUDA graphs or torch.compile): forward hooks never fire (`enforce_eager=True`);
-2. prefix caching on: a sample whose prefix was cached runs only its tail, so captures are
-   partial, and a swap trial's keys and values would stay cached for the user's requests
-   (`enable_prefix_caching=False`); what such an engine reuses after a weight sync is
-   checked without hooks (numbisect.live.prefix);
-3. log-probs other than raw (`logprobs_mode="raw_logprobs"`).
+- `check_engine(llm)`: the settings and `in_process`, after refusing an engine numbisect
+  cannot reach (`EngineClosedError`: shut down already; `EngineSettingError`: not a
+  `vllm.LLM`, or an engine in worker processes without VLLM_ALLOW_INSECURE_SERIALIZATION=1);
+- `refuse_hooks(settings)`: `EngineSettingError` with `hooks_problem`'s line.
 
-An engine whose model lives in worker processes (V1 multiprocessing, vLLM's default, or
-tensor parallel) is hooked there, through `apply_model` with functions its workers
-import (numbisect.backends.vllm.tp, `VLLMTPBackend.of`).
-
-Such an engine can still have its weights checked tensor by tensor (numbisect.live.weights,
-through `apply_model` with functions its workers import); a comparison on it is refused
-with that line (`EngineSettingError`). Nothing is set on the engine to make it pass.
+An engine whose hooks cannot give a right answer can still have its weights checked tensor
+by tensor (numbisect.live.weights) and its prefix cache after a sync (numbisect.live.prefix);
+a comparison on it is refused with that line. Nothing is set on the engine to make it pass.
 """
 
 from __future__ import annotations
 
-import torch
-
+from numbisect.backends import services, weights_kind
 from numbisect.live.errors import EngineClosedError, EngineSettingError
 
-WHAT_WORKS = "start it with LLM(..., enforce_eager=True, enable_prefix_caching=False)"
+KIND = weights_kind("engine")  # the registered kind a running engine is wrapped as
+ENGINE = services(KIND)  # what numbisect.live reaches of it (numbisect.backends.protocols.EngineServices)
+REFERENCE_KIND = weights_kind("reference")  # the registered kind a trainer's model is wrapped as
+REFERENCE = services(REFERENCE_KIND)  # (numbisect.backends.protocols.ReferenceServices)
 
-
-def settings(llm) -> dict:
-    """The engine settings numbisect depends on, as the engine holds them."""
-    cfg = llm.llm_engine.vllm_config
-    return {
-        "enforce_eager": bool(cfg.model_config.enforce_eager),
-        "enable_prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
-        "logprobs_mode": str(getattr(cfg.model_config, "logprobs_mode", "raw_logprobs")),
-        "tensor_parallel_size": int(cfg.parallel_config.tensor_parallel_size),
-        "dtype": str(cfg.model_config.dtype).removeprefix("torch."),
-        "max_model_len": int(cfg.model_config.max_model_len),
-    }
-
-
-def _here(model) -> bool:
-    """Whether `apply_model` handed back the model itself (an in-process engine)."""
-    return isinstance(model, torch.nn.Module)
-
-
-def _is_module(model) -> bool:
-    """Run in the engine's worker: whether it holds an nn.Module (a picklable answer)."""
-    return isinstance(model, torch.nn.Module)
+WHAT_WORKS = ENGINE.WHAT_WORKS
+settings = ENGINE.settings  # the engine settings numbisect depends on, as the engine holds them
+hooks_problem = ENGINE.hooks_problem  # why forward hooks cannot give a right answer on these settings, or None
 
 
 def check_engine(llm) -> dict:
     """The engine's settings and `in_process`, after refusing an engine numbisect cannot reach."""
-    if not hasattr(llm, "llm_engine") or not hasattr(llm, "apply_model"):
-        raise EngineSettingError(f"the engine must be a vllm.LLM, not {type(llm).__name__}")
     try:
-        s = settings(llm)
-        here = _in_process_client(llm) and s["tensor_parallel_size"] == 1  # else in workers (functions pickled)
-        models = llm.apply_model(lambda m: m) if here else llm.apply_model(_is_module)
-    except EngineSettingError:
-        raise
-    except Exception as e:  # a closed engine core raises on any call
-        line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        if "VLLM_ALLOW_INSECURE_SERIALIZATION" in str(e):
-            raise EngineSettingError("the engine runs its model in worker processes, which numbisect reaches with functions "
-                                     "pickled to them: set VLLM_ALLOW_INSECURE_SERIALIZATION=1 (in the engine's environment "
-                                     "and this process's)") from None
-        raise EngineClosedError(f"the engine cannot be reached (shut down already?): {type(e).__name__}: {line}") from None
-    if not models:
-        raise EngineSettingError("the engine has no model workers to reach")
-    s["in_process"] = _here(models[0])
-    return s
-
-
-def _in_process_client(llm) -> bool:
-    """vLLM's in-process engine core client (VLLM_ENABLE_V1_MULTIPROCESSING=0): functions
-    given to `apply_model` run here, unpickled; else they must be importable by a worker."""
-    return type(llm.llm_engine.engine_core).__name__ == "InprocClient"
-
-
-def hooks_problem(s: dict) -> str | None:
-    """Why forward hooks cannot give a right answer on an engine with settings `s` (one
-    line naming the setting and what would work), or None when they can (module doc)."""
-    if not s["enforce_eager"]:
-        return f"the engine is compiled (enforce_eager=False): forward hooks never fire in a compiled model; {WHAT_WORKS}"
-    if s["enable_prefix_caching"]:
-        return ("the engine has prefix caching on (enable_prefix_caching=True): a sample whose prefix is cached runs "
-                f"only its tail, so captures would be partial; {WHAT_WORKS} (whether KV cached before a weight sync is "
-                "reused: probe.check_prefix_cache(prompts))")
-    if s["logprobs_mode"] != "raw_logprobs":
-        return f"the engine returns {s['logprobs_mode']}: numbisect compares raw log-probs (logprobs_mode=\"raw_logprobs\", vLLM's default)"
-    return None
+        return ENGINE.reach(llm)
+    except ENGINE.Unreachable as e:
+        raise (EngineClosedError if e.closed else EngineSettingError)(e.message) from None
 
 
 def refuse_hooks(s: dict) -> None:

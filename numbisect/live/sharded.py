@@ -76,14 +76,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from numbisect.backends.vllm import enginefault
-from numbisect.backends.vllm.runner import in_process_model
 from numbisect.common.errors import InputError
 from numbisect.live import bundle as B
 from numbisect.live import cold as K
 from numbisect.live import poison as X
 from numbisect.live import transfer as T
 from numbisect.live import weights as W
+from numbisect.live.engine import ENGINE
 from numbisect.live.engine import settings as engine_settings
 from numbisect.live.errors import EngineSettingError, LiveError
 from numbisect.live.probe import (
@@ -663,7 +662,7 @@ class ShardedProbe:
                    "compare_refused": "a sharded trainer (attach_sharded): no live comparison; the replay compares the "
                                       "gathered reference with the engine's weights on the batch"}
         try:
-            faults = sorted({x for specs in self.llm.apply_model(enginefault.planted) or [] for x in (specs or [])})
+            faults = sorted({x for specs in self.llm.apply_model(ENGINE.planted_faults) or [] for x in (specs or [])})
         except Exception:  # an engine that refuses a pickled function: unknown, recorded as none
             faults = []
         return B.write_manifest(out, arch=self.arch.name, model_type=getattr(self.config, "model_type", None),
@@ -762,15 +761,13 @@ class _EngineSide:
 
     def __init__(self, llm, shapes: dict):
         self.llm = llm
-        mc = llm.llm_engine.model_config
-        self.dtype = mc.dtype
+        self.config, self.dtype = ENGINE.model_config(llm)
         self.shapes = shapes
-        self.config = mc.hf_config
         self.arch = arch_for(self.config)
         self.tied = bool(getattr(self.config.get_text_config(), "tie_word_embeddings", False))
-        self.in_process = type(llm.llm_engine.engine_core).__name__ == "InprocClient"
+        self.in_process = ENGINE.in_process_client(llm)
         if self.in_process:
-            self.model = in_process_model(llm)
+            self.model = ENGINE.in_process_model(llm)
             self.dtypes = W.engine_dtypes(self.model, shapes, self.dtype)
         else:
             self.model = None

@@ -46,7 +46,6 @@ every unit was read (benchmarks/live_cost.py measures the peak).
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import re
 import time
@@ -54,25 +53,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from numbisect.backends.vllm.readback import (  # noqa: F401  (the read-back's names, used through this module too)
-    EXPERTS,
-    FUSED,
-    UnitReader,
-    conv_unpacked,
-    cpu_moe_isa,
-    engine_dtypes,
-    engine_shards,
-    engine_tensors,
-    gather,
-    parameter_names,
-    remote_tensors,
-    shard_layouts,
-    unit_groups,
-    unit_reader,
-    unpacked,
-)
+from numbisect.live.engine import ENGINE
 from numbisect.model.ckptdiff import (
-    DIGEST_BYTES,
     TensorDict,
     apply_renames,
     explain,
@@ -85,6 +67,13 @@ from numbisect.model.ckptdiff import (
     unit_prefixes,
     unit_summary,
 )
+from numbisect.model.ckptdiff import tensor_digest as digest  # noqa: F401  (BLAKE2b of a tensor's bytes: this module's API too)
+
+# The engine's read-back in the checkpoint's names (numbisect.backends.vllm.readback, reached
+# through the registry): used through this module by the live checks.
+FUSED, UnitReader, engine_dtypes, engine_tensors, remote_tensors, unit_reader, reader_digests = (
+    ENGINE.FUSED, ENGINE.UnitReader, ENGINE.engine_dtypes, ENGINE.engine_tensors, ENGINE.remote_tensors,
+    ENGINE.unit_reader, ENGINE.reader_digests)
 
 OK, UNWRITTEN, STALE, CORRUPTED, BUFFER, MISSING = "ok", "unwritten", "stale", "corrupted", "buffer differs", "missing"
 ORDER = (OK, BUFFER, UNWRITTEN, STALE, CORRUPTED, MISSING)  # worst last
@@ -107,12 +96,6 @@ FLIP_FRAC = 0.1
 EXPLAIN_FULL = 1
 EXPLAIN_PER_UNIT = 1
 
-
-
-def digest(t: torch.Tensor) -> str:
-    """BLAKE2b of a tensor's bytes (on the CPU, contiguous)."""
-    b = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()  # hashed in place: no copy of the bytes
-    return hashlib.blake2b(b, digest_size=DIGEST_BYTES).hexdigest()  # as the checkpoint diff's
 
 
 # -- reading both sides in the checkpoint's names ---------------------------------------------
@@ -204,11 +187,6 @@ class ReferenceReader:
         out = copy.copy(self)
         out.dtype, out._cached = dtype, None
         return out
-
-
-def reader_digests(reader: UnitReader) -> dict[str, str]:
-    """The digest of every tensor a `UnitReader` reads, one unit at a time."""
-    return {n: digest(t) for _, tensors in reader for n, t in tensors.items()}
 
 
 def write_checkpoint(dest: str, config, tensors: dict[str, torch.Tensor]) -> None:

@@ -74,6 +74,16 @@ METADATA = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "us
 UNKNOWN = "unknown"
 
 
+def tensor_digest(t) -> str:
+    """BLAKE2b of a tensor's bytes (on the CPU, contiguous), as the checkpoint diff's digests
+    (the live weight check's and the cold engine's: numbisect.live.weights,
+    numbisect.backends.vllm.cold)."""
+    import torch
+
+    b = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()  # hashed in place: no copy of the bytes
+    return hashlib.blake2b(b, digest_size=DIGEST_BYTES).hexdigest()
+
+
 def _header(path: Path) -> tuple[dict, int]:
     """A safetensors file's header (tensor name -> dtype, shape, offsets) and the data start."""
     with open(path, "rb") as fh:

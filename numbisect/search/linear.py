@@ -2,32 +2,31 @@
 
 from __future__ import annotations
 
+from numbisect.search.diffuse import diffuse
+from numbisect.search.state import State, aligned, unreachable
 from numbisect.search.trials import SearchResult
 
 
-class Linear:
-    """One unit at a time (mixed into `_Search`)."""
-
-    def _linear(self) -> SearchResult:
-        aligned = self._baseline()
-        if aligned is not None:
-            return aligned
-        fixing = []
-        for u in sorted(self.units, key=self._order):
-            if self._fixes([u]):
-                fixing.append(u)
-                self.found = list(fixing)
-        # Name the most specific units: drop a unit when one of its sub-units fixes too.
-        found = [u for u in fixing if not any(u in self._ancestors(v) for v in fixing)]
-        self.found = found
-        if found:
-            culprits = [self._culprit(u) for u in found]
-            reason = f"swapping {' or '.join(found)} alone brings {self.metric} {self._under}"
-            return self._result("culprits", culprits, reason)
-        unreachable = self._all_swapped()
-        if unreachable is not None:
-            return unreachable
-        reason = (
-            f"no single unit brings {self.metric} {self._under} alone; swapping every candidate does"
-        )
-        return self._diffuse(list(self.cands), reason)
+def linear(state: State) -> SearchResult:
+    """Each unit swapped alone, in execution order; the units that fix it alone are named."""
+    units = state.units
+    early = aligned(state)
+    if early is not None:
+        return early
+    fixing = []
+    for u in sorted(units.names, key=units.order):
+        if state.fixes([u]):
+            fixing.append(u)
+            state.found = list(fixing)
+    # Name the most specific units: drop a unit when one of its sub-units fixes too.
+    found = [u for u in fixing if not any(u in units.ancestors(v) for v in fixing)]
+    state.found = found
+    if found:
+        culprits = [state.culprit(u) for u in found]
+        reason = f"swapping {' or '.join(found)} alone brings {state.metric} {state.under}"
+        return state.result("culprits", culprits, reason)
+    early = unreachable(state)
+    if early is not None:
+        return early
+    reason = f"no single unit brings {state.metric} {state.under} alone; swapping every candidate does"
+    return diffuse(state, list(units.cands), reason)

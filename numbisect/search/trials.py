@@ -145,7 +145,7 @@ class SearchResult:
     trials_used: int
     stop_reason: str  # one human sentence
     contributions: dict[str, dict] = field(default_factory=dict)  # group -> {"alone", "complement"}
-    systematic: dict | None = None  # a kind-level culprit (`_Search._systematic`)
+    systematic: dict | None = None  # a kind-level culprit (`KindHypotheses.systematic`)
     # diffuse because only every kind together fixes it: kinds, units, layers, value, per_kind
     # ({kind: {"alone", "complement"}}), per_layer (each kind's share per layer), trigger
     diffuse_kinds: dict | None = None

@@ -14,15 +14,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from numbisect.backends import BACKENDS, open_backend, require_reference, source
+from numbisect.backends import BACKENDS, open_backend, require_reference, services, source
 from numbisect.backends.base import (
     Backend,
     ForwardResult,
     check_checkpoint,
     load_config,
 )
-from numbisect.backends.dump import DumpBackend
-from numbisect.backends.vllm.child import run_child
 from numbisect.common.errors import BackendError, InputError
 from numbisect.model import groups as G
 from numbisect.model.arch import arch_for
@@ -147,7 +145,7 @@ class Session:
             raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}{hint}")
         dump = eng_cfg = None
         if source(eng_kind) == "dump":
-            dump = backends.get("engine") or DumpBackend(eng_path, self.trace)
+            dump = backends.get("engine") or open_backend(eng_kind, eng_path, spec.engine_dtype, spec.engine_opts, trace=self.trace)
             C.check_configs(ref_cfg, dump.config)
             backends = {**backends, "engine": dump}
         elif source(eng_kind) == "checkpoint":
@@ -173,7 +171,7 @@ class Session:
             text = eng_cfg.get_text_config()
             max_len = spec.engine_opts.get("max_model_len", min(1024, int(getattr(text, "max_position_embeddings", 1024) or 1024)))
             self.user_engine.run(self.trace.samples, eng_path, spec.engine_dtype, int(max_len), int(text.vocab_size),
-                                 settings.judges_kl, run_child, self.say)
+                                 settings.judges_kl, services(eng_kind).run_child, self.say)
             spec.engine_opts = self.user_engine.backend_opts()
         if source(eng_kind) != "trace":  # not the rollout's own log-probs
             self.engine = backends.get("engine") or self._open(

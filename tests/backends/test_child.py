@@ -33,7 +33,7 @@ def test_an_answer_is_written_by_the_job(tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("module", ["numbisect.backends.vllm.condition_worker", "numbisect.live.cold"])
+@pytest.mark.parametrize("module", ["numbisect.backends.vllm.condition_worker", "numbisect.backends.vllm.cold"])
 def test_each_child_module_fails_in_one_line_through_the_runner(module, tmp_path):
     """The conditions worker and the cold oracle, on a checkpoint that is not there: the
     parent's BackendError carries the child's one line (the cold oracle's used to lose

@@ -17,29 +17,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FIXTURES, ROOT, child_env, model_dir, short_trace
+from conftest import FIXTURES, child_env, model_dir, no_cwd_env as env, plant, short_trace
 
 from numbisect.cli import main
-
-# Imported late (after the interpreter starts) by numbisect, click, torch, transformers or vLLM,
-# or by the Python processes they start.
-PLANTED = ("ctypes", "multiprocessing", "json", "subprocess", "tempfile", "uuid", "pickle", "typing_extensions",
-           "numpy", "torch", "click", "yaml", "safetensors", "psutil")
-
-
-def plant(d, markers) -> None:
-    for name in PLANTED:
-        (d / f"{name}.py").write_text(
-            "import os\n"
-            f"open(os.path.join({str(markers)!r}, {name!r} + '-' + str(os.getpid())), 'w').close()\n")
-
-
-def env() -> dict:
-    e = child_env()
-    e["PYTHONPATH"] = str(ROOT)  # this numbisect; the working directory is not on it
-    e.pop("PYTHONSAFEPATH", None)  # as a user's shell has it
-    return e
-
 
 def test_python_m_numbisect_imports_nothing_from_the_working_directory(tmp_path):
     """No model: `report show` imports the CLI (json, click, ...) right after `python -m` put the
@@ -91,29 +71,17 @@ def test_vllm_multiprocessing_is_refused_in_one_line_before_anything_loads(monke
 
 
 @pytest.mark.vllm
-def test_compare_on_vllm_from_a_checkpoint_holding_planted_modules_runs_none(tmp_path):
-    """The repro of #36: a checkpoint copy holding ctypes.py etc., `cd` there, compare against
-    vLLM on it (torch inductor probes the CPU with `python -c` processes; 10 imported the
-    planted ctypes.py before)."""
-    markers, ckpt = tmp_path / "markers", tmp_path / "ckpt"
-    markers.mkdir()
-    shutil.copytree(model_dir("qwen3"), ckpt)
-    plant(ckpt, markers)
-    trace = short_trace("qwen3", 2)
-    r = subprocess.run([sys.executable, "-m", "numbisect", "compare", "--ref", "hf:.", "--engine", "vllm:.",
-                        "--trace", trace, "-q"], cwd=ckpt, env=env(), capture_output=True, text=True, timeout=400)
-    print(r.stdout[-600:], r.stderr[-1500:])
-    assert r.returncode in (0, 1, 5), r.stderr[-2000:]
-    assert sorted(os.listdir(markers)) == []
-
-
-@pytest.mark.vllm
-@pytest.mark.parametrize("command", ["weights", "conditions"])
+@pytest.mark.parametrize("command", ["weights", "conditions", "run", "selftest", "calibrate"])
 def test_commands_that_start_processes_from_a_checkpoint_holding_planted_modules_run_none(tmp_path, command):
-    """The other commands that start processes, from a checkpoint copy holding the planted
-    modules: `weights` (an in-process engine, its reference and its functional pass) and
-    `conditions` (each configuration in a child forked from numbisect's fork server, one
-    custom op to localise)."""
+    """The repro of #36 and every command that starts processes, from a checkpoint copy holding
+    the planted modules (`cd` there, `hf:.`, `vllm:.`; torch inductor probes the CPU with
+    `python -c` processes, and 10 of them imported a planted ctypes.py before): `run` (the
+    comparison `compare` makes, then a planted fault searched for on vLLM: trials, what-ifs),
+    `weights` (an in-process engine, its reference and its functional pass), `conditions` (each
+    configuration in a child forked from numbisect's fork server, one custom op to localise),
+    `selftest` (one fault planted in a vLLM engine and searched for) and `calibrate` (the
+    reference against its variants). `replay` and the TRL example run from such a directory in
+    tests/live/test_bundle.py and tests/live/test_trl.py."""
     import json
 
     markers, ckpt = tmp_path / "markers", tmp_path / "ckpt"
@@ -121,13 +89,17 @@ def test_commands_that_start_processes_from_a_checkpoint_holding_planted_modules
     shutil.copytree(model_dir("qwen3"), ckpt)
     plant(ckpt, markers)
     trace = short_trace("qwen3", 2)
-    args = {"weights": ["weights", "--ref", "hf:.", "--engine", "vllm:.", "--trace", trace, "-q"],
-            "conditions": ["conditions", "--ref", "hf:.", "--engine", "vllm:.", "--trace", trace, "-q",
-                           "--engine-config", str(tmp_path / "user.json"), "-o", str(tmp_path / "c.json")]}[command]
+    both = ["--ref", "hf:.", "--engine", "vllm:.", "--trace", trace, "-q"]
+    args = {"weights": ["weights", *both],
+            "conditions": ["conditions", *both, "--engine-config", str(tmp_path / "user.json"),
+                           "-o", str(tmp_path / "c.json")],
+            "run": ["run", *both, "--engine-fault", "output_noise=1@layers.1.mlp", "--out", str(tmp_path / "r.json")],
+            "selftest": ["selftest", *both, "--fault", "output_noise=1@layers.2.mlp"],
+            "calibrate": ["calibrate", "--ref", "hf:.", "--trace", trace, "--variant", "batch", "-q"]}[command]
     (tmp_path / "user.json").write_text(json.dumps({"enforce_eager": True, "enable_prefix_caching": False,
                                                     "compilation_config": {"custom_ops": ["none", "+rms_norm"]}}))
     r = subprocess.run([sys.executable, "-m", "numbisect", *args], cwd=ckpt, env=env(), capture_output=True, text=True,
                        timeout=600)
     print(r.stdout[-600:], r.stderr[-1500:])
-    assert r.returncode in (0, 1, 4, 5), r.stderr[-2000:]
+    assert r.returncode in {"run": (1,), "selftest": (0,)}.get(command, (0, 1, 4, 5)), r.stderr[-2000:]
     assert sorted(os.listdir(markers)) == []

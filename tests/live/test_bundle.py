@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, child_env, model_dir, synthetic_bundle, vllm
+from conftest import model_dir, no_cwd_env, plant, synthetic_bundle, vllm
 
 from numbisect.cli import main
 
@@ -102,11 +102,15 @@ def test_a_layer_left_out_of_the_sync_fires_and_its_bundle_replays_offline(tmp_p
                                           "reference-digests.json", "trace.jsonl", "weights.json"]
     assert json.loads((tmp_path / "bundles" / "fire-1" / "engine.json").read_text())["enforce_eager"] is True
 
-    out = tmp_path / "replay.json"
-    r = subprocess.run([sys.executable, "-m", "numbisect", "replay", b.path, "--out", str(out), "-q"], cwd=ROOT,
-                       env=child_env(), capture_output=True, text=True, timeout=240)
+    out, markers, cwd = tmp_path / "replay.json", tmp_path / "markers", tmp_path / "work"
+    markers.mkdir()
+    cwd.mkdir()
+    plant(cwd, markers)  # replayed from a directory holding modules named like ones imported late (#36)
+    r = subprocess.run([sys.executable, "-m", "numbisect", "replay", b.path, "--out", str(out), "-q"], cwd=cwd,
+                       env=no_cwd_env(), capture_output=True, text=True, timeout=240)
     print(r.stdout[-1500:], r.stderr[-1500:])
     assert r.returncode == 1, r.stderr
+    assert sorted(os.listdir(markers)) == []
     from numbisect.report.document import load_report
 
     replayed = load_report(out)  # validated against the schema

@@ -8,11 +8,12 @@ TRL fails here (no skip).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, no_cwd_env, plant
 
 pytestmark = pytest.mark.vllm
 
@@ -20,11 +21,15 @@ pytestmark = pytest.mark.vllm
 def test_two_grpo_steps_check_the_engine_after_each_of_trls_syncs(tmp_path):
     import trl  # noqa: F401  (a missing TRL is a failure: scripts/setup.sh installs it)
 
-    rows = tmp_path / "rows.json"
+    rows, markers, cwd = tmp_path / "rows.json", tmp_path / "markers", tmp_path / "work"
+    markers.mkdir()
+    cwd.mkdir()
+    plant(cwd, markers)  # run from a directory holding modules named like ones imported late (#36)
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "trl_grpo.py"), "--steps", "2", "--out", str(tmp_path / "out"),
-                        "--json", str(rows)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+                        "--json", str(rows)], cwd=cwd, env=no_cwd_env(), capture_output=True, text=True, timeout=240)
     print(r.stdout[-2000:])
     assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(markers)) == []  # none ran: not in the example, TRL's engine or their children
     res = json.loads(rows.read_text())
     # TRL synced before each step's generation (global steps 0 and 1), and each sync was checked
     assert [c["step"] for c in res["checks"]] == [0, 1]

@@ -65,10 +65,10 @@ def _config_from_dict(cfg: dict, where: str):
         raise InputError(f"{where}: the manifest's config is not a usable config.json ({str(e).splitlines()[0]})") from None
 
 
-def open_dump(path: str, dtype: str, opts: dict) -> DumpBackend:
+def open_dump(path: str, dtype: str, opts: dict, trace=None) -> DumpBackend:
     """The registry's loader (numbisect.backends.BACKENDS["dump"]): the dump's own dtype is
-    used; a session opens it with its trace (`DumpBackend(path, trace)`) to check it."""
-    return DumpBackend(path)
+    used; a session opens it with its trace (`open_backend(..., trace=trace)`) to check it."""
+    return DumpBackend(path, trace)
 
 
 class DumpBackend(Backend):

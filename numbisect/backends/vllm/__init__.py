@@ -10,6 +10,12 @@
 - `adapters.py`: donor transformers modules given vLLM's calling convention;
   `moe.py`: every change made inside vLLM's fused-MoE runner.
 - `rope.py`: MLA's rotary part as a module per layer (the `rope` units).
+- A running engine as numbisect.live reads it, each in a module named for what it does:
+  `settings.py` (its settings), `readback.py` (its weights in checkpoint names),
+  `reload.py` (a weight push), `prefix_cache.py`, `cold.py` (the warm-vs-cold oracle's
+  cold engine, a child), `transfer.py` (the weight-transfer API), `lora_slots.py`;
+  `services.py` gathers them for the registry (`numbisect.backends.services(kind)`): the
+  layers above import nothing from this folder.
 
 vLLM itself is imported only when an engine starts (`import_vllm`).
 """

@@ -3,7 +3,7 @@ child side (`serve`, the child's main) every vLLM child of numbisect goes throug
 
 Its users: `bisect conditions` (trials and localisation captures, `condition_worker`), the
 user's engine configuration (`--engine-config`, `session/userengine.py`, also
-`condition_worker`) and the live check's cold oracle (`numbisect.live.cold`). A child keeps
+`condition_worker`) and the live check's cold oracle (`numbisect.backends.vllm.cold`). A child keeps
 engines isolated (two vLLM engines started one after another in one process are fragile)
 and threads honest (torch.set_num_threads is a no-op once vLLM started). It is forked from
 a process that imported vLLM once (`forkserver`), not a new Python.
@@ -74,7 +74,7 @@ def safe_child_env() -> dict:
 def run_child(job: dict, what: str, timeout: float | None = None, module: str = "numbisect.backends.vllm.condition_worker"):
     """Run `job` in a child process; its answer (a dict; a capture job's, or one that says
     `"answer": "torch"`, read with torch.load). `module`: the child's main (`python -P -m
-    MODULE IN OUT`, a `serve`; `condition_worker` by default, `numbisect.live.cold` for the
+    MODULE IN OUT`, a `serve`; `condition_worker` by default, `numbisect.backends.vllm.cold` for the
     cold oracle). Its temporary files are removed however it ends (an answer, a failure, a
     timeout, Ctrl-C or SIGTERM in this process, which kills the child), except a failure's
     under NUMBISECT_DEBUG. A child that fails raises

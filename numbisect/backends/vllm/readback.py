@@ -32,7 +32,7 @@ import torch
 from numbisect.backends.vllm.cpu_mla import absorbed_kv_b, amx_layers
 from numbisect.backends.vllm.lora_names import base_name
 from numbisect.backends.vllm.model import gemm_weight
-from numbisect.model.ckptdiff import apply_renames, unit_of, unit_prefixes
+from numbisect.model.ckptdiff import apply_renames, tensor_digest, unit_of, unit_prefixes
 
 # vLLM's fused parameters -> their parts in the checkpoint, in order (split by the
 # reference's row counts): the packed modules every family of numbisect has.
@@ -359,6 +359,11 @@ class UnitReader:
         self._handed = alive + [(weakref.ref(t), t.nbytes) for t in tensors.values()]
         self.reads.append(unit)
         self.unit_bytes[unit] = self.unit_bytes.get(unit, 0) + size
+
+
+def reader_digests(reader: UnitReader) -> dict[str, str]:
+    """The digest of every tensor a `UnitReader` reads, one unit at a time."""
+    return {n: tensor_digest(t) for _, tensors in reader for n, t in tensors.items()}
 
 
 def unit_groups(names: dict[str, list[str]], arch, config) -> list[tuple[str, list[str]]]:
