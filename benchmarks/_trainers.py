@@ -5,7 +5,11 @@ numbisect.live.sharded and numbisect.live.transfer (medians of --repeats).
 0's vLLM-CPU engine in an engine-core process of its own (tests/live/fsdp_scenarios.py
 says why), pushed the gathered weights with vLLM's reload. Per step: the training step,
 the sync (every rank gathers every tensor, rank 0 pushes), `ShardedProbe.check_weights()`
-on every rank (and the layers it gathered: the goal is the model once), `check_local()`.
+on every rank (and the layers it gathered: the goal is the model once), `check_local()`;
+the same check with the functional pass (4 sequences of 32 tokens, the sharded model's
+forwards on every rank), a poison-control cycle (`check_sync`) against rank 0's engine
+forward plus the sync, and the warm-vs-cold oracle (the cold engine's child once, then
+the cold load reused).
 
 --transfer: an in-process engine with numbisect's in-process transport: a push through
 vLLM's weight-transfer API (start, 2 chunks, finish, version) against vLLM's reload of the
@@ -39,7 +43,15 @@ def fsdp(args, model_dir: str) -> dict:
             ("sync: gather every tensor + push", f"{fig['sync_s'] * 1e3:.0f} ms"),
             ("check_weights, every rank", f"{fig['check_s'] * 1e3:.0f} ms ({fig['check_vs_step']:.2f}x a training step; "
                                           f"{fig['layers_gathered']} of {fig['layers']} layers gathered)"),
-            ("check_local, rank 0", f"{fig['local_s'] * 1e3:.0f} ms")]
+            ("check_local, rank 0", f"{fig['local_s'] * 1e3:.0f} ms"),
+            ("rank 0's engine forward (prompt log-probs)", f"{fig['forward_s'] * 1e3:.0f} ms"),
+            ("check_weights(functional=True), every rank", f"{fig['functional_s'] * 1e3:.0f} ms "
+                                                          f"({fig['functional_vs_step']:.2f}x a training step)"),
+            ("check_sync: a poison-control cycle", f"{fig['poison_cycle_s'] * 1e3:.0f} ms "
+                                                   f"({fig['poison_vs_forward_plus_sync']:.2f}x forward + sync)"),
+            ("warm_vs_cold, the cold engine started",
+             f"{fig['warm_cold_s']:.1f} s (once; the child {fig['cold_child_s']:.1f} s)"),
+            ("warm_vs_cold, the cold load reused", f"{fig['warm_cold_reused_s'] * 1e3:.0f} ms")]
     _table(f"FSDP2 on {Path(model_dir).name}, 2 ranks, medians of {args.repeats}", rows)
     return fig
 
@@ -79,7 +91,9 @@ def _worker(model_dir: str, out: str, repeats: int) -> None:
 
     sync()
     probe = attach_sharded(model, engine=llm)
-    times: dict[str, list] = {"train_step_s": [], "sync_s": [], "check_s": [], "local_s": []}
+    times: dict[str, list] = {"train_step_s": [], "sync_s": [], "check_s": [], "local_s": [], "forward_s": [],
+                              "functional_s": [], "poison_cycle_s": []}
+    prompts = [list(range(3 + 7 * i, 35 + 7 * i)) for i in range(4)]  # 4 sequences of 32 tokens
     gathered = []
     for i in range(repeats):
         t0 = time.perf_counter()
@@ -100,8 +114,34 @@ def _worker(model_dir: str, out: str, repeats: int) -> None:
         t0 = time.perf_counter()
         probe.check_local()
         times["local_s"].append(time.perf_counter() - t0)
+        if rank == 0:
+            t0 = time.perf_counter()
+            fsdp_scenarios.engine_logprobs(llm, prompts)
+            times["forward_s"].append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        c = probe.check_weights(functional=True, samples=prompts)
+        times["functional_s"].append(time.perf_counter() - t0)
+        assert c.ok, c.lines()
+        t0 = time.perf_counter()
+        c = probe.check_sync(sync)
+        times["poison_cycle_s"].append(time.perf_counter() - t0)
+        assert c.ok, c.lines()
+    t0 = time.perf_counter()
+    wc = probe.warm_vs_cold()
+    warm_cold_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    probe.warm_vs_cold(cold=wc.cold)
+    warm_cold_reused_s = time.perf_counter() - t0
+    assert wc.ok, wc.lines()
+    probe.close()
+    times = {k: v for k, v in times.items() if v}  # rank 0's engine forward: timed on rank 0 only
     fig = {k: statistics.median(v) for k, v in times.items()}
-    fig.update(layers_gathered=max(gathered), layers=len(probe.groups), check_vs_step=fig["check_s"] / fig["train_step_s"])
+    fig.update(layers_gathered=max(gathered), layers=len(probe.groups), check_vs_step=fig["check_s"] / fig["train_step_s"],
+               functional_vs_step=fig["functional_s"] / fig["train_step_s"], warm_cold_s=warm_cold_s,
+               cold_child_s=wc.cold.seconds, warm_cold_reused_s=warm_cold_reused_s)
+    if "forward_s" in fig:
+        fig["poison_vs_forward_plus_sync"] = fig["poison_cycle_s"] / (fig["forward_s"] + fig["sync_s"])
     if rank == 0:
         Path(out).write_text(json.dumps(fig, indent=1))
         llm.llm_engine.engine_core.shutdown()

