@@ -44,6 +44,7 @@ class EngineServices(Protocol):
     engine_tensors: Callable[..., dict]  # (model, shapes) -> name -> tensor (in this process)
     remote_tensors: Callable[..., dict]  # (llm, shapes) -> name -> tensor (from its workers)
     engine_dtypes: Callable[..., dict]  # (model, shapes, dtype) -> the tensors it holds in another dtype
+    remote_dtypes: Callable[..., dict]  # (llm, shapes, dtype) -> the same, from its workers
     base_name: Callable[..., str]  # a LoRA engine's parameter name -> the base model's
     # its LoRA slots, and decoding with an adapter
     lora_slot: Callable[..., dict]  # (llm, lora_int_id) -> the slot's A and B slices per module
@@ -79,6 +80,7 @@ class EngineServices(Protocol):
     merge_raw: Callable[..., dict]
     rank_names: Callable[..., dict]
     param_names: Callable[..., dict]
+    warm_raw: Callable[..., tuple]  # (llm, shapes) -> the running engine's `merge_raw` table and its checkpoint names
     # child processes
     run_child: Callable[..., Any]  # (job, what, timeout=None, module=...) -> its answer
     shutdown_children: Callable[[], None]  # the fork server the children came from, ended
@@ -86,6 +88,7 @@ class EngineServices(Protocol):
     FAULT_ENV: str
     fault_env_value: Callable[..., str]
     planted_faults: Callable[..., list]  # (model) -> the specs planted in it (run in its workers)
+    planted_in: Callable[..., list]  # (llm) -> the specs planted in a running engine, every worker's; [] when unknown
     check_with_vllm: Callable[..., None]  # (settings, where, model_dir) -> None, or InputError naming the setting
 
 

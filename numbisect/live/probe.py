@@ -359,7 +359,7 @@ class Probe:
 
     def _engine_dtypes(self, shapes: dict) -> dict[str, torch.dtype]:
         if getattr(self.engine, "remote", False):  # the same on every rank: rank 0's answer
-            return self.engine.llm.apply_model(functools.partial(W.engine_dtypes, shapes=shapes, dtype=self.engine.dtype))[0]
+            return ENGINE.remote_dtypes(self.engine.llm, shapes, self.engine.dtype)
         return W.engine_dtypes(self.engine.model, shapes, self.engine.dtype)
 
     def check_weights(self, samples=None, functional: bool | None = None, step: str | None = None) -> W.WeightCheck:
@@ -431,13 +431,7 @@ class Probe:
         (the engine's services, `planted_faults`: numbisect.backends.vllm.enginefault), read from its model (every worker's); [] when
         none (or when this engine is not a vLLM one)."""
         llm = None if self.engine is None else (self.llm if self.llm is not None else getattr(self.engine, "llm", None))
-        if llm is None or not hasattr(llm, "apply_model"):
-            return []
-        try:
-            per_worker = llm.apply_model(ENGINE.planted_faults)
-        except Exception:  # workers that refuse a pickled function (V1 multiprocessing without VLLM_ALLOW_INSECURE_SERIALIZATION): unknown, reported as none
-            return []
-        return sorted({s for specs in per_worker or [] for s in (specs or [])})
+        return [] if llm is None else ENGINE.planted_in(llm)
 
     # -- poison control -----------------------------------------------------------------------
     def _llm(self):
@@ -595,8 +589,7 @@ class Probe:
             trace = samples_trace([{"prompt_ids": ids[:p], "completion_ids": ids[p:]} for ids, p in cold.samples])
             warm_captures = self.engine.forward(trace.samples, capture=names, feed=cold.feed).captures
         warm = self._engine_digests(shapes)
-        raw = K.merge_raw(llm.apply_model(K.rank_raw_digests))  # every rank's parameters
-        raw_names = K.rank_names(raw, llm.apply_model(functools.partial(K.param_names, shapes=shapes))[0])
+        raw, raw_names = ENGINE.warm_raw(llm, shapes)  # every rank's parameters
         return K.compare(warm, raw, warm_captures, cold, raw_names, self.ref.arch, self.ref.config, time.perf_counter() - t0)
 
     def _cold_load(self, model_dir: str, ref_digests: dict[str, str], shapes: dict, samples, functional: bool,

@@ -661,10 +661,7 @@ class ShardedProbe:
                    "weights_summary": check.lines(), "weight_version": check.weight_version,
                    "compare_refused": "a sharded trainer (attach_sharded): no live comparison; the replay compares the "
                                       "gathered reference with the engine's weights on the batch"}
-        try:
-            faults = sorted({x for specs in self.llm.apply_model(ENGINE.planted_faults) or [] for x in (specs or [])})
-        except Exception:  # an engine that refuses a pickled function: unknown, recorded as none
-            faults = []
+        faults = ENGINE.planted_in(self.llm)
         return B.write_manifest(out, arch=self.arch.name, model_type=getattr(self.config, "model_type", None),
                                 ref_dtype=ref_dtype, eng_dtype=eng.dtype, live_settings=live, faults=faults, trace=trace,
                                 fire=fire, finding=finding, parts=parts)
@@ -771,7 +768,7 @@ class _EngineSide:
             self.dtypes = W.engine_dtypes(self.model, shapes, self.dtype)
         else:
             self.model = None
-            self.dtypes = llm.apply_model(functools.partial(W.engine_dtypes, shapes=shapes, dtype=self.dtype))[0]
+            self.dtypes = ENGINE.remote_dtypes(llm, shapes, self.dtype)
 
     def tensors(self) -> dict:
         """Every engine tensor in checkpoint names (copies)."""

@@ -18,6 +18,7 @@ sides answer.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -63,6 +64,13 @@ def merge_raw(answers: list[str]) -> dict[str, str]:
 def rank_names(raw: dict[str, str], names: dict[str, list[str]]) -> dict[str, list[str]]:
     """`param_names` (by vLLM's name) for the keys of `merge_raw`'s table (`name@rank`)."""
     return {k: names.get(k.partition("@")[0], [k.partition("@")[0]]) for k in raw}
+
+
+def warm_raw(llm, shapes: dict[str, tuple]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """A running engine's parameters as the cold engine answers for its own: `merge_raw` of
+    every worker's `rank_raw_digests`, and the checkpoint names each holds (`rank_names`)."""
+    raw = merge_raw(llm.apply_model(rank_raw_digests))
+    return raw, rank_names(raw, llm.apply_model(functools.partial(param_names, shapes=shapes))[0])
 
 
 def param_names(model, shapes: dict[str, tuple]) -> dict[str, list[str]]:

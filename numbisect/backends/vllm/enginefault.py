@@ -89,6 +89,19 @@ def planted(model) -> list[str]:
     return list(entry[0]) if entry else []
 
 
+def planted_in(llm) -> list[str]:
+    """The specs planted in a running engine, read from every worker's model (sorted, each
+    once); [] when none, or when its workers refuse a pickled function (V1 multiprocessing
+    without VLLM_ALLOW_INSECURE_SERIALIZATION: unknown, reported as none), or not a vLLM engine."""
+    if not hasattr(llm, "apply_model"):
+        return []
+    try:
+        per_worker = llm.apply_model(planted)
+    except Exception:
+        return []
+    return sorted({s for specs in per_worker or [] for s in (specs or [])})
+
+
 def take_out(model) -> list[str]:
     """Undo the faults planted on this model; returns the specs taken out."""
     entry = model.__dict__.pop(KEY, None)

@@ -318,6 +318,12 @@ def gather(infos: list[dict], tensors: list[dict], shapes: dict[str, tuple]) -> 
     return out
 
 
+def remote_dtypes(llm, shapes: dict[str, tuple], dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """`engine_dtypes` of an engine whose model lives in worker processes (the same on every
+    rank: the first worker's answer)."""
+    return llm.apply_model(functools.partial(engine_dtypes, shapes=shapes, dtype=dtype))[0]
+
+
 def remote_tensors(llm, shapes: dict[str, tuple], only: list[str] | None = None,
                    infos: list[dict] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of an engine whose model lives in worker processes (one, or one per

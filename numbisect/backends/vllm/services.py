@@ -30,11 +30,13 @@ from numbisect.backends.vllm.cold import (
     rank_names,
     rank_raw_digests,
     raw_digests,
+    warm_raw,
 )
 from numbisect.backends.vllm.cpu_mla import restore_kv_b
 from numbisect.backends.vllm.enginefault import ENV as FAULT_ENV
 from numbisect.backends.vllm.enginefault import env_value as fault_env_value
 from numbisect.backends.vllm.enginefault import planted as planted_faults
+from numbisect.backends.vllm.enginefault import planted_in
 from numbisect.backends.vllm.lora_names import base_name
 from numbisect.backends.vllm.lora_slots import greedy_logprobs, load_lora, lora_slot
 from numbisect.backends.vllm.prefix_cache import cache_settings, next_token_logprobs
@@ -44,6 +46,7 @@ from numbisect.backends.vllm.readback import (
     engine_dtypes,
     engine_tensors,
     reader_digests,
+    remote_dtypes,
     remote_tensors,
     unit_reader,
 )
@@ -89,6 +92,6 @@ __all__ = [
     "push", "rank_names", "rank_raw_digests", "raw_digests", "reach", "reader_digests", "reload_in_worker", "reload_problem",
     "remote_tensors", "repack_cpu_moe", "restore_kv_b", "run_child", "settings", "shutdown_children", "undo_unfinished",
     "undo_unfinished_reload", "unfinished", "unfinished_reload", "unit_reader",
-    "lora_slot", "load_lora", "greedy_logprobs",
+    "lora_slot", "load_lora", "greedy_logprobs", "planted_in", "remote_dtypes", "warm_raw",
     "TRANSFER_BACKEND", "register_transfer", "transfer_send", "transfer_push", "watch_pushes", "weight_version", "last_session",
 ]
