@@ -350,7 +350,7 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
         progress("self-check: every unit swapped must reproduce the reference")
         result.self_check = session.self_check()
         if not result.self_check["passed"]:
-            result.search = F.search_not_run(result.self_check, getattr(session, "checkpoint_diff", None),
+            result.search = F.search_not_run(result.self_check, session.checkpoint_diff,
                                              compared["baseline"]["value"], session.settings.threshold, "swap" if kinds else strategy)
             progress(result.search["stop_reason"])
             return run_body(result), ExitCode.BACKEND
@@ -402,13 +402,13 @@ def _after_search(session, result: RunResult, runner, code: int, whatif: bool, p
     """The exit code's last word, then the steps after the search (none may lose its result)."""
     compared = result.compared
     result.trials = [t.to_dict() for t in runner.trials]
-    ue = getattr(session, "user_engine", None)
+    ue = session.user_engine
     if ue is not None and ue.child and compared.get("verdict") == "diverged" and code == ExitCode.ALIGNED:
         # the module search ran in the hookable configuration, which is aligned: the settings are the cause
         result.search["stop_reason"] += ("; your engine configuration diverges but the hookable one the search ran in does not: "
                                          "the divergence comes from its settings (bisect conditions --engine-config names them)")
         code = ExitCode.NO_CULPRIT
-    code = F.with_checkpoint(code, getattr(session, "checkpoint_diff", None))  # aligned tokens, differing checkpoints: 5
+    code = F.with_checkpoint(code, session.checkpoint_diff)  # aligned tokens, differing checkpoints: 5
     # The search is done: nothing after it may lose its result (see `after_search`).
     failed = result.post_search_errors
     after_search(failed, "prefix_reuse", None, progress,
@@ -417,10 +417,12 @@ def _after_search(session, result: RunResult, runner, code: int, whatif: bool, p
         names = [c["unit"] for c in result.culprits]
         for c in result.culprits:
             after_search(failed, "whatif", c["unit"], progress,
-                         lambda c=c: W.run_whatifs(session, [c], result.search.get("baseline"), progress, names=names))
+                         lambda c=c: W.run_whatifs(session.sides(), session.reference_tokens(), [c],
+                                                   result.search.get("baseline"), progress, names=names))
     if whatif and isinstance(result.search.get("systematic"), dict):
         after_search(failed, "whatif", "systematic", progress,
-                     lambda: W.run_kind_whatifs(session, result.search["systematic"], result.search.get("baseline"), progress))
+                     lambda: W.run_kind_whatifs(session.sides(), session.reference_tokens(), result.search["systematic"],
+                                                result.search.get("baseline"), progress))
     return run_body(result), code
 
 
@@ -499,7 +501,7 @@ def _swap_run(session, kinds: list[str], runner: S.TrialRunner, result: RunResul
 def _search_run(session, strategy: str, runner: S.TrialRunner, result: RunResult) -> int:
     g = unit_graph(session.engine.units)
     cands = D.decode_candidates(S.default_candidates(g), session.engine, session.mode)
-    diff = getattr(session, "checkpoint_diff", None) or {}
+    diff = session.checkpoint_diff or {}
     found = S.search(
         g, cands, runner, session.settings.threshold, strategy,
         local_rank=result.compared.get("local_ranking"), metric=session.settings.metric,
