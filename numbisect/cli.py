@@ -520,12 +520,7 @@ def replay(bundle, **kw):
               help="RAM for the layer outputs prefix reuse keeps across trials; over it, older recordings are dropped [default: 4096].")
 def run(**kw):
     """Swap reference modules into the engine and search for the culprit units."""
-    from numbisect.commands.run import (  # lazy: keeps torch out of importing numbisect.cli
-        run as do_run,  # lazy: keeps torch out of importing numbisect.cli
-    )
-    from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.cli
-        Session,  # lazy: keeps torch out of importing numbisect.cli
-    )
+    from numbisect.commands.run import run_report  # lazy: keeps torch out of importing numbisect.cli
 
     _check_out(kw)
     if kw["swap"] and not any(k.strip() for part in kw["swap"] for k in part.split(",")):
@@ -535,34 +530,15 @@ def run(**kw):
         spec, settings = _spec_settings(kw)
         _check_replay_indexer(kw, spec)
         _resolve_floor(kw, spec, settings, say)
-        session = Session.open(spec, settings, progress=say, prefix_reuse=kw["prefix_reuse"], prefix_cache_mb=kw["prefix_cache_mb"])
-        try:
-            body, code = do_run(
-                session,
-                swap=list(kw["swap"]),
-                strategy=kw["strategy"],
-                max_trials=kw["max_trials"],
-                log=kw["log_path"],
-                resume=kw["resume"],
-                progress=say,
-                whatif=kw["whatif"],
-            )
-            if kw["replay_indexer"]:  # after the search: a failure is recorded, the search's result stands
-                from numbisect.commands.compare import indexer_replay  # lazy: keeps torch out of importing numbisect.cli
-                from numbisect.commands.run import after_search  # lazy: keeps torch out of importing numbisect.cli
-
-                failed: list[dict] = []
-                after_search(failed, "indexer_replay", None, say, lambda: indexer_replay(session, body))
-                if failed:
-                    body.setdefault("post_search_errors", []).extend(failed)
-            report = new_report("run", _argv(), session.inputs(), settings.to_dict(), body)
-        finally:
-            session.close()
+        report, code = run_report(spec, settings, swap=list(kw["swap"]), strategy=kw["strategy"], max_trials=kw["max_trials"],
+                                  log=kw["log_path"], resume=kw["resume"], whatif=kw["whatif"],
+                                  replay_indexer=kw["replay_indexer"], prefix_reuse=kw["prefix_reuse"],
+                                  prefix_cache_mb=kw["prefix_cache_mb"], argv=_argv(), progress=say)
     _emit(report, kw)
-    stopped = body.get("run_error") or (body.get("search") or {}).get("not_run")
+    stopped = report.get("run_error") or (report.get("search") or {}).get("not_run")
     if stopped:  # the report holds what finished; the error line says why the rest did not
         where = f"; the report is in {kw['out']}" if kw.get("out") else ""
-        print(printable(f"bisect: error: {body['search']['stop_reason']}{where}"), file=sys.stderr)
+        print(printable(f"bisect: error: {report['search']['stop_reason']}{where}"), file=sys.stderr)
     return code
 
 

@@ -11,6 +11,10 @@
    or the search (`numbisect.search.search`), each trial appended to a JSONL log as it ends.
 4. The report body gains `self_check`, `trials`, `culprits`, `search` (and `swap`):
    `RunResult` holds them, `run_body` assembles the body from it.
+
+`run` does this on a session (numbisect.live.run hands it one over live objects);
+`run_report` is `bisect run` whole: the session `Session.open` makes from the
+directories, `run`, the indexer replay what-if if asked, the report.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import stat
 import traceback
 from dataclasses import dataclass, field
 
+from numbisect.commands.compare import indexer_replay
 from numbisect.common.errors import BackendError, ExitCode, InputError, NumbisectError
 from numbisect.common.formatting import fmt
 from numbisect.common.safeio import check_input, loads_json, read_bytes, same_file
@@ -30,10 +35,13 @@ from numbisect.model.units import unit_graph
 from numbisect.patching.swap import units_of_kinds
 from numbisect.pipeline import decode as D
 from numbisect.pipeline import whatif as W
+from numbisect.pipeline.measure import Settings
+from numbisect.pipeline.provenance import new_report
 from numbisect.report import findings as F
 from numbisect.search import search as S
 from numbisect.search.kinds import KIND_WIDE
 from numbisect.session.environment import conditions, differences
+from numbisect.session.session import Session, Spec
 
 
 class SelfCheckFailed(BackendError):
@@ -314,6 +322,28 @@ def run_body(r: RunResult) -> dict:
     if r.run_error is not None:
         body["run_error"] = r.run_error
     return body
+
+
+def run_report(spec: Spec, settings: Settings, *, swap: list[str], strategy: str, max_trials: int | None, log: str | None,
+               resume: str | None, whatif: bool, replay_indexer: bool = False, prefix_reuse: bool = True,
+               prefix_cache_mb: float | None = None, argv: list[str], progress=lambda m: None) -> tuple[dict, int]:
+    """`bisect run` on the directories `spec` names: `run` on the session `Session.open`
+    makes, then (`replay_indexer`) the indexer replay what-if (numbisect.commands.compare,
+    recorded in `post_search_errors` if it fails: the search's result stands); the report
+    (kind "run", `argv` the command line it records) and the exit code. The backends the
+    session opened are closed before it returns."""
+    session = Session.open(spec, settings, progress=progress, prefix_reuse=prefix_reuse, prefix_cache_mb=prefix_cache_mb)
+    try:
+        body, code = run(session, swap=swap, strategy=strategy, max_trials=max_trials, log=log, resume=resume,
+                         progress=progress, whatif=whatif)
+        if replay_indexer:  # after the search: a failure is recorded, the search's result stands
+            failed: list[dict] = []
+            after_search(failed, "indexer_replay", None, progress, lambda: indexer_replay(session, body))
+            if failed:
+                body.setdefault("post_search_errors", []).extend(failed)
+        return new_report("run", argv, session.inputs(), settings.to_dict(), body), code
+    finally:
+        session.close()
 
 
 def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | None, log: str | None,
