@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 
 from numbisect import __version__
-from numbisect.backends import BACKENDS, require_weights, services, user_config_kind
+from numbisect.backends import BACKENDS, services, user_config_kind
 from numbisect.backends.options import parse_opts
 from numbisect.common.errors import ExitCode, InputError, NumbisectError
 from numbisect.common.procenv import no_code_from_cwd, vllm_env_problem
@@ -38,7 +38,6 @@ from numbisect.common.safeio import (
 from numbisect.common.textsafe import clip, path_text, printable
 from numbisect.common.threshold import parse_threshold
 from numbisect.model import engine_config as E
-from numbisect.model.arch import arch_for
 from numbisect.pipeline.provenance import new_report
 from numbisect.report.document import (
     command_line,
@@ -264,9 +263,7 @@ def _spec_settings(kw):
         threads=kw.get("threads"),
     )
     if kw.get("engine_config"):  # the user's engine settings: the session derives the in-process engine's options
-        spec.engine_config = E.merge(E.load_settings(kw["engine_config"]), spec.engine_opts)
-        E.check_settings(spec.engine_config, "--engine-config/--engine-opt")
-        _check_with_vllm(spec.engine_config, kw["engine_config"], kw["engine_opt"], "--engine-config", kw["engine"])
+        spec.engine_config = _engine_config(kw["engine_config"], kw["engine_opt"], kw["engine"], spec.engine_opts)
         spec.engine_config_path = kw["engine_config"]
         spec.engine_opts = {}
     if spec.threads:
@@ -285,6 +282,15 @@ def _spec_settings(kw):
     if not isinstance(kw["threshold"], Floor):
         settings.threshold = kw["threshold"]
     return spec, settings
+
+
+def _engine_config(path: str, engine_opt, engine: str, opts: dict) -> dict:
+    """--engine-config FILE with the --engine-opt `opts` (parsed from `engine_opt`) on top,
+    checked, and checked by the installed vLLM."""
+    config = E.merge(E.load_settings(path), opts)
+    E.check_settings(config, "--engine-config/--engine-opt")
+    _check_with_vllm(config, path, engine_opt, "--engine-config", engine)
+    return config
 
 
 def _check_with_vllm(settings: dict, path: str | None, opts, option: str, engine: str | None) -> None:
@@ -416,15 +422,9 @@ def _check_replay_indexer(kw, spec) -> None:
         check_replay(spec)
 
 
-def _replay_indexer(session, body: dict) -> None:
-    """The indexer replay what-if (numbisect.pipeline.selection) into the report body as `indexer_replay`."""
-    from numbisect.pipeline.selection import (  # lazy: keeps torch out of importing numbisect.cli
-        replay_whatif,  # lazy: keeps torch out of importing numbisect.cli
-    )
-
-    replay = replay_whatif(session.sides())
-    if replay is not None:
-        body["indexer_replay"] = replay
+def _argv() -> list[str]:
+    """The command line a report records."""
+    return command_line(click.get_current_context().obj["argv"])
 
 
 @cli.command(epilog=EPILOG)
@@ -432,23 +432,14 @@ def _replay_indexer(session, body: dict) -> None:
 @click.option("--local/--no-local", default=True, show_default=True, help="Also feed each engine unit the reference's input (local error).")
 def compare(**kw):
     """Run the trace through both models: k3, KL, RL cost and per-unit divergence."""
-    from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.cli
-        Session,  # lazy: keeps torch out of importing numbisect.cli
-    )
+    from numbisect.commands.compare import compare as do_compare  # lazy: keeps torch out of importing numbisect.cli
 
     _check_out(kw)
     with Progress(kw["quiet"]) as say:
         spec, settings = _spec_settings(kw)
         _check_replay_indexer(kw, spec)
         _resolve_floor(kw, spec, settings, say)
-        session = Session(spec, settings, progress=say)
-        try:
-            body = session.compare(local=kw["local"])
-            if kw["replay_indexer"]:
-                _replay_indexer(session, body)
-            report = new_report("compare", command_line(click.get_current_context().obj["argv"]), session.inputs(), settings.to_dict(), body)
-        finally:
-            session.close()
+        report = do_compare(spec, settings, local=kw["local"], replay_indexer=kw["replay_indexer"], argv=_argv(), progress=say)
     _emit(report, kw)
     return verdict_exit_code(report["verdict"], report["inputs"].get("checkpoint_diff"))
 
@@ -464,33 +455,13 @@ def weights(**kw):
     reference's; each unit is also fed the reference's inputs on --trace (default: a few
     random sequences). Statuses: ok, corrupted, missing, buffer differs (and, in the
     training loop, numbisect.live's unwritten and stale)."""
+    from numbisect.commands.weights import weights as do_weights  # lazy: keeps torch out of importing numbisect.cli
     from numbisect.live import attach  # lazy: keeps torch out of importing numbisect.cli
-    from numbisect.pipeline.measure import check_configs, parse_spec  # lazy: keeps torch out of importing numbisect.cli
 
     _check_out(kw)
-    ref_kind, ref_path = parse_spec(kw["ref"], "--ref")
-    eng_kind, eng_path = parse_spec(kw["engine"], "--engine")
-    require_weights(ref_kind, kw["ref"], "reference")  # the kinds that can play each part, from the registry
-    require_weights(eng_kind, kw["engine"], "engine")
-    from numbisect.backends.base import load_config  # lazy: keeps torch out of importing numbisect.cli
-    from numbisect.live.probe import samples_trace  # lazy: keeps torch out of importing numbisect.cli
-
-    trace = samples_trace(kw["trace"]) if kw.get("trace") else None  # bad input refused before anything loads
-
-    configs = [load_config(path) for path in (ref_path, eng_path)]
-    for config in configs:  # a family numbisect does not know, named before the two disagree on sizes
-        arch_for(config)
-    check_configs(*configs)  # before anything loads
     with Progress(kw["quiet"]) as say:
-        say(f"loading reference {ref_kind}:{ref_path} and starting engine {eng_kind}:{eng_path}")
-        probe = attach(reference=ref_path, engine=eng_path, ref_dtype=kw["ref_dtype"], engine_dtype=kw["engine_dtype"],
-                       ref_kind=ref_kind, engine_kind=eng_kind)
-        try:
-            say("checking the engine's weights, unit by unit")
-            check = probe.check_weights(samples=trace, step="cold load")
-            report = probe.weights_report(check, command_line(click.get_current_context().obj["argv"])).report
-        finally:
-            probe.close()
+        report, check = do_weights(kw["ref"], kw["engine"], kw.get("trace"), ref_dtype=kw["ref_dtype"],
+                                   engine_dtype=kw["engine_dtype"], argv=_argv(), attach=attach, progress=say)
     if kw.get("out"):
         write_json_atomic(kw["out"], report)
     if kw.get("as_json"):
@@ -514,39 +485,24 @@ def replay(bundle, **kw):
     in the live engine's settings (engine.json, as --engine-config), with the faults the
     live engine had planted for its life (NUMBISECT_ENGINE_FAULT), if any. The last line says
     whether the replay names the bundle's finding (verdict, first divergent unit)."""
+    from numbisect.commands import replay as RP  # lazy: keeps torch out of importing numbisect.cli
     from numbisect.live.bundle import load, replay_inputs, reproduced  # lazy: keeps torch out of importing numbisect.cli
-    from numbisect.session.session import Session  # lazy: keeps torch out of importing numbisect.cli
 
     b = load(bundle)  # a bad bundle: one line, before anything loads
     inp = replay_inputs(b)
     if kw.get("out"):  # the report never replaces a file of the bundle (its manifest, a part)
         check_not_an_input(kw["out"], "--out", None, {"BUNDLE": ("replay bundle", b.path)})
     if inp["engine_faults"]:  # planted in the live engine for its life: in every engine of the replay too, before it compiles
-        eng = services(inp["engine"].partition(":")[0])  # the bundle's engine kind (numbisect.backends.vllm.enginefault)
-        ENV = eng.FAULT_ENV
-        os.environ[ENV] = eng.fault_env_value(inp["engine_faults"])
-        print(f"replay: the live engine ran with faults planted ({ENV}), planted again here: {os.environ[ENV]}", file=sys.stderr)
-    kw.update(ref=inp["ref"], engine=inp["engine"], trace=inp["trace"], ref_dtype=inp["ref_dtype"],
-              engine_dtype=inp["engine_dtype"], ref_opt=(), engine_opt=(), engine_fault=(), floor_file=None,
-              threshold=inp["threshold"] if inp["threshold"] is not None else 1e-3, metric="k3-mean", group="completion",
-              group_def=(), trace_format=None, trace_fields=None, engine_mode="prefill", replay_routing=None,
-              capture="stats", capture_dir=None, max_capture_mb=None, threads=None, engine_config=inp["engine_config"])
-    _check_out(kw)
+        env, planted = RP.plant_faults(inp["engine"], inp["engine_faults"])
+        print(f"replay: the live engine ran with faults planted ({env}), planted again here: {planted}", file=sys.stderr)
+    _check_out({"ref": inp["ref"], "engine": inp["engine"], "trace": inp["trace"], "engine_config": inp["engine_config"],
+                "out": kw.get("out")})
     with Progress(kw["quiet"]) as say:
-        spec, settings = _spec_settings(kw)
-        session = Session(spec, settings, progress=say)
-        try:
-            body = session.compare(local=True)
-            report = new_report("compare", command_line(click.get_current_context().obj["argv"]), session.inputs(), settings.to_dict(), body)
-        finally:
-            session.close()
-    try:  # the replay ran: a late step that fails is recorded, never loses the report
-        same, line = reproduced(b, report)
-    except Exception as e:
-        if os.environ.get("NUMBISECT_DEBUG"):
-            traceback.print_exc()
-        same, line = None, f"replay: could not be matched with the bundle's finding ({type(e).__name__}: {clip(str(e), 200)})"
-    report["replay"] = {"bundle": b.path, "reproduced": same, "bundle_finding": {k: v for k, v in b.finding.items() if k != "weights_summary"}}
+        config = _engine_config(inp["engine_config"], (), inp["engine"], {}) if inp["engine_config"] else None
+        report = RP.replay(ref=inp["ref"], engine=inp["engine"], trace=inp["trace"], ref_dtype=inp["ref_dtype"],
+                           engine_dtype=inp["engine_dtype"], engine_config=config, engine_config_path=inp["engine_config"],
+                           threshold=inp["threshold"], argv=_argv(), progress=say)
+    line = RP.record(report, b.path, b.finding, lambda r: reproduced(b, r))
     _emit(report, kw)
     print(printable(line), file=sys.stderr if kw.get("as_json") else sys.stdout)
     return ExitCode.ALIGNED if report["verdict"] == "aligned" else ExitCode.DIVERGED
@@ -565,12 +521,7 @@ def replay(bundle, **kw):
               help="RAM for the layer outputs prefix reuse keeps across trials; over it, older recordings are dropped [default: 4096].")
 def run(**kw):
     """Swap reference modules into the engine and search for the culprit units."""
-    from numbisect.commands.run import (  # lazy: keeps torch out of importing numbisect.cli
-        run as do_run,  # lazy: keeps torch out of importing numbisect.cli
-    )
-    from numbisect.session.session import (  # lazy: keeps torch out of importing numbisect.cli
-        Session,  # lazy: keeps torch out of importing numbisect.cli
-    )
+    from numbisect.commands.run import run_report  # lazy: keeps torch out of importing numbisect.cli
 
     _check_out(kw)
     if kw["swap"] and not any(k.strip() for part in kw["swap"] for k in part.split(",")):
@@ -580,33 +531,15 @@ def run(**kw):
         spec, settings = _spec_settings(kw)
         _check_replay_indexer(kw, spec)
         _resolve_floor(kw, spec, settings, say)
-        session = Session(spec, settings, progress=say, prefix_reuse=kw["prefix_reuse"], prefix_cache_mb=kw["prefix_cache_mb"])
-        try:
-            body, code = do_run(
-                session,
-                swap=list(kw["swap"]),
-                strategy=kw["strategy"],
-                max_trials=kw["max_trials"],
-                log=kw["log_path"],
-                resume=kw["resume"],
-                progress=say,
-                whatif=kw["whatif"],
-            )
-            if kw["replay_indexer"]:  # after the search: a failure is recorded, the search's result stands
-                from numbisect.commands.run import after_search  # lazy: keeps torch out of importing numbisect.cli
-
-                failed: list[dict] = []
-                after_search(failed, "indexer_replay", None, say, lambda: _replay_indexer(session, body))
-                if failed:
-                    body.setdefault("post_search_errors", []).extend(failed)
-            report = new_report("run", command_line(click.get_current_context().obj["argv"]), session.inputs(), settings.to_dict(), body)
-        finally:
-            session.close()
+        report, code = run_report(spec, settings, swap=list(kw["swap"]), strategy=kw["strategy"], max_trials=kw["max_trials"],
+                                  log=kw["log_path"], resume=kw["resume"], whatif=kw["whatif"],
+                                  replay_indexer=kw["replay_indexer"], prefix_reuse=kw["prefix_reuse"],
+                                  prefix_cache_mb=kw["prefix_cache_mb"], argv=_argv(), progress=say)
     _emit(report, kw)
-    stopped = body.get("run_error") or (body.get("search") or {}).get("not_run")
+    stopped = report.get("run_error") or (report.get("search") or {}).get("not_run")
     if stopped:  # the report holds what finished; the error line says why the rest did not
         where = f"; the report is in {kw['out']}" if kw.get("out") else ""
-        print(printable(f"bisect: error: {body['search']['stop_reason']}{where}"), file=sys.stderr)
+        print(printable(f"bisect: error: {report['search']['stop_reason']}{where}"), file=sys.stderr)
     return code
 
 

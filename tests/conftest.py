@@ -288,7 +288,7 @@ def session(name: str, engine: str = "vllm", ref_dtype="bfloat16", engine_dtype=
         backends["engine"] = vllm(name)
     elif engine == "hf":
         backends["engine"] = _fresh_hf(name, engine_dtype)
-    return Session(spec, Settings(**settings), backends=backends)
+    return Session.open(spec, Settings(**settings), backends=backends)
 
 
 def bound(s) -> int:

@@ -11,6 +11,10 @@
    or the search (`numbisect.search.search`), each trial appended to a JSONL log as it ends.
 4. The report body gains `self_check`, `trials`, `culprits`, `search` (and `swap`):
    `RunResult` holds them, `run_body` assembles the body from it.
+
+`run` does this on a session (numbisect.live.run hands it one over live objects);
+`run_report` is `bisect run` whole: the session `Session.open` makes from the
+directories, `run`, the indexer replay what-if if asked, the report.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import stat
 import traceback
 from dataclasses import dataclass, field
 
+from numbisect.commands.compare import indexer_replay
 from numbisect.common.errors import BackendError, ExitCode, InputError, NumbisectError
 from numbisect.common.formatting import fmt
 from numbisect.common.safeio import check_input, loads_json, read_bytes, same_file
@@ -30,10 +35,13 @@ from numbisect.model.units import unit_graph
 from numbisect.patching.swap import units_of_kinds
 from numbisect.pipeline import decode as D
 from numbisect.pipeline import whatif as W
+from numbisect.pipeline.measure import Settings
+from numbisect.pipeline.provenance import new_report
 from numbisect.report import findings as F
 from numbisect.search import search as S
 from numbisect.search.kinds import KIND_WIDE
 from numbisect.session.environment import conditions, differences
+from numbisect.session.session import Session, Spec
 
 
 class SelfCheckFailed(BackendError):
@@ -316,6 +324,28 @@ def run_body(r: RunResult) -> dict:
     return body
 
 
+def run_report(spec: Spec, settings: Settings, *, swap: list[str], strategy: str, max_trials: int | None, log: str | None,
+               resume: str | None, whatif: bool, replay_indexer: bool = False, prefix_reuse: bool = True,
+               prefix_cache_mb: float | None = None, argv: list[str], progress=lambda m: None) -> tuple[dict, int]:
+    """`bisect run` on the directories `spec` names: `run` on the session `Session.open`
+    makes, then (`replay_indexer`) the indexer replay what-if (numbisect.commands.compare,
+    recorded in `post_search_errors` if it fails: the search's result stands); the report
+    (kind "run", `argv` the command line it records) and the exit code. The backends the
+    session opened are closed before it returns."""
+    session = Session.open(spec, settings, progress=progress, prefix_reuse=prefix_reuse, prefix_cache_mb=prefix_cache_mb)
+    try:
+        body, code = run(session, swap=swap, strategy=strategy, max_trials=max_trials, log=log, resume=resume,
+                         progress=progress, whatif=whatif)
+        if replay_indexer:  # after the search: a failure is recorded, the search's result stands
+            failed: list[dict] = []
+            after_search(failed, "indexer_replay", None, progress, lambda: indexer_replay(session, body))
+            if failed:
+                body.setdefault("post_search_errors", []).extend(failed)
+        return new_report("run", argv, session.inputs(), settings.to_dict(), body), code
+    finally:
+        session.close()
+
+
 def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | None, log: str | None,
         resume: str | None, progress=lambda m: None, on_trial=None, whatif: bool = True,
         on_baseline=None) -> tuple[dict, int]:
@@ -350,7 +380,7 @@ def run(session, *, swap: list[str] | None, strategy: str, max_trials: int | Non
         progress("self-check: every unit swapped must reproduce the reference")
         result.self_check = session.self_check()
         if not result.self_check["passed"]:
-            result.search = F.search_not_run(result.self_check, getattr(session, "checkpoint_diff", None),
+            result.search = F.search_not_run(result.self_check, session.checkpoint_diff,
                                              compared["baseline"]["value"], session.settings.threshold, "swap" if kinds else strategy)
             progress(result.search["stop_reason"])
             return run_body(result), ExitCode.BACKEND
@@ -402,13 +432,13 @@ def _after_search(session, result: RunResult, runner, code: int, whatif: bool, p
     """The exit code's last word, then the steps after the search (none may lose its result)."""
     compared = result.compared
     result.trials = [t.to_dict() for t in runner.trials]
-    ue = getattr(session, "user_engine", None)
+    ue = session.user_engine
     if ue is not None and ue.child and compared.get("verdict") == "diverged" and code == ExitCode.ALIGNED:
         # the module search ran in the hookable configuration, which is aligned: the settings are the cause
         result.search["stop_reason"] += ("; your engine configuration diverges but the hookable one the search ran in does not: "
                                          "the divergence comes from its settings (bisect conditions --engine-config names them)")
         code = ExitCode.NO_CULPRIT
-    code = F.with_checkpoint(code, getattr(session, "checkpoint_diff", None))  # aligned tokens, differing checkpoints: 5
+    code = F.with_checkpoint(code, session.checkpoint_diff)  # aligned tokens, differing checkpoints: 5
     # The search is done: nothing after it may lose its result (see `after_search`).
     failed = result.post_search_errors
     after_search(failed, "prefix_reuse", None, progress,
@@ -417,10 +447,12 @@ def _after_search(session, result: RunResult, runner, code: int, whatif: bool, p
         names = [c["unit"] for c in result.culprits]
         for c in result.culprits:
             after_search(failed, "whatif", c["unit"], progress,
-                         lambda c=c: W.run_whatifs(session, [c], result.search.get("baseline"), progress, names=names))
+                         lambda c=c: W.run_whatifs(session.sides(), session.reference_tokens(), [c],
+                                                   result.search.get("baseline"), progress, names=names))
     if whatif and isinstance(result.search.get("systematic"), dict):
         after_search(failed, "whatif", "systematic", progress,
-                     lambda: W.run_kind_whatifs(session, result.search["systematic"], result.search.get("baseline"), progress))
+                     lambda: W.run_kind_whatifs(session.sides(), session.reference_tokens(), result.search["systematic"],
+                                                result.search.get("baseline"), progress))
     return run_body(result), code
 
 
@@ -499,7 +531,7 @@ def _swap_run(session, kinds: list[str], runner: S.TrialRunner, result: RunResul
 def _search_run(session, strategy: str, runner: S.TrialRunner, result: RunResult) -> int:
     g = unit_graph(session.engine.units)
     cands = D.decode_candidates(S.default_candidates(g), session.engine, session.mode)
-    diff = getattr(session, "checkpoint_diff", None) or {}
+    diff = session.checkpoint_diff or {}
     found = S.search(
         g, cands, runner, session.settings.threshold, strategy,
         local_rank=result.compared.get("local_ranking"), metric=session.settings.metric,

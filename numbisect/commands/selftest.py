@@ -167,7 +167,7 @@ def open_session(ref: str, engine: str, trace: str, profile: Profile, threshold:
     """A session in the profile's dtypes, judged on mean k3 of completion tokens."""
     spec = Spec(ref=ref, engine=engine, trace=trace, ref_dtype=profile.dtype, engine_dtype=profile.dtype)
     thr = profile.threshold if threshold is None else threshold
-    return Session(spec, Settings(threshold=thr), progress=progress, backends=backends)
+    return Session.open(spec, Settings(threshold=thr), progress=progress, backends=backends)
 
 
 def fault_kind(template: str) -> str:

@@ -383,10 +383,10 @@ def _check_manifest(path: str, m: dict, where: str) -> None:
         if rel is not None:
             c.relpath(path, rel, f"parts.{key}")
     sha = c.obj(m.get("sha256"), "sha256")
-    for rel, digest in sha.items():
+    for rel, hexdigest in sha.items():
         c.relpath(path, rel, f"sha256[{_shown(rel)}]")
-        if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
-            c.fail(f"sha256[{_shown(rel)}]", f"must be 64 hexadecimal digits, not {_shown(digest)}")
+        if not isinstance(hexdigest, str) or not _HEX64.fullmatch(hexdigest):
+            c.fail(f"sha256[{_shown(rel)}]", f"must be 64 hexadecimal digits, not {_shown(hexdigest)}")
     for key, rel in parts.items():  # every file a part holds is checksummed
         if rel is None:
             continue

@@ -306,8 +306,7 @@ class Probe:
             W.write_checkpoint(tmp, self.ref.config, self._ref_tensors())
             donor = copy.copy(self.ref)
             donor.path = tmp
-        session = R.LiveSession(donor, self.engine, trace, settings, list(faults), progress=progress,
-                                prefix_reuse=prefix_reuse)
+        session = R.session(donor, self.engine, trace, settings, list(faults), progress=progress, prefix_reuse=prefix_reuse)
         try:
             with eval_mode(self.ref_model):
                 body, code = R.run(session, swap=swap, strategy=strategy, max_trials=max_trials, whatif=whatif,

@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import math
 
-from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM
+from numbisect.backends.base import WHATIF_UNIT, WHATIF_WSUM, ForwardResult
 from numbisect.common.formatting import fmt
 from numbisect.patching.arrangement import arranged
 from numbisect.patching.faults import apply_faults
 from numbisect.pipeline import measure as C
+from numbisect.pipeline.comparison import Sides
 
 PRECISION_FAULTS = ("moe_combine", "router_logits", "rmsnorm_no_upcast")
 UNIT = WHATIF_UNIT
@@ -76,30 +77,29 @@ def fix_text(whatif: str, unit) -> str:
 
 
 # -- a what-if on the engine ------------------------------------------------------------------
-def not_carried(session, whatif: str, unit) -> list[str]:
+def not_carried(sides: Sides, whatif: str, unit) -> list[str]:
     """Planted noise faults this what-if cannot keep (the engine's backend says which: on
     vLLM the fp32 unit is the reference's module, so weight noise at or inside the unit,
     and output noise strictly inside it, are gone)."""
-    return session.engine.whatif_not_carried(whatif, unit, session.faults)
+    return sides.engine.whatif_not_carried(whatif, unit, sides.faults)
 
 
-def forward(session, whatif: str | None, unit, others: list[str]):
+def forward(sides: Sides, whatif: str | None, unit, others: list[str]):
     """One engine forward: planted faults (less those the what-if replaces), the other
     culprits swapped, then the what-if and the faults it plants again on top of it, all
     in the arrangement's one ledger. `unit`: one unit, or a list (a systematic culprit's:
     the what-if on each of them)."""
-    engine = session.engine
+    engine = sides.engine
     units = unit if isinstance(unit, list) else [unit]
-    kept = [f for f in session.faults if whatif is None or not any(replaced(f, whatif, u) for u in units)]
-    with arranged(engine, session.ref, kept, others) as ledger:
+    kept = [f for f in sides.faults if whatif is None or not any(replaced(f, whatif, u) for u in units)]
+    with arranged(engine, sides.ref, kept, others) as ledger:
         if whatif is not None:
             replant = []
             for u in units:
-                replant += [f for f in engine.install_whatif(whatif, u, session.ref, session.faults, ledger) if f not in replant]
+                replant += [f for f in engine.install_whatif(whatif, u, sides.ref, sides.faults, ledger) if f not in replant]
             apply_faults(engine, replant, ledger)
         # decode mode too; full logits only when the KL is judged (as in a search trial)
-        return engine.forward(session.samples, full_logits=session.settings.judges_kl,
-                              mode=getattr(session, "mode", "prefill"))
+        return engine.forward(sides.samples, full_logits=sides.settings.judges_kl, mode=sides.mode)
 
 
 def verdict(before: float, after: float, threshold: float) -> str:
@@ -121,20 +121,20 @@ def describe(t: dict) -> str:
     return f"{t['fix']}: {t['metric']} {fmt(t['before'])} -> {fmt(t['value'])} ({what}{lost})"
 
 
-def _judged(session, ref, res) -> tuple[float, float | None]:
+def _judged(sides: Sides, ref, res) -> tuple[float, float | None]:
     """A what-if forward's judged value and its group's k3 mean."""
-    st = session.settings
-    tokens = C.token_report(session.samples, ref, res, st, session.groups, detail=False)
+    st = sides.settings
+    tokens = C.token_report(sides.samples, ref, res, st, sides.groups, detail=False)
     return tokens["value"], tokens["groups"][st.group]["k3"]["mean"] if st.group in tokens["groups"] else None
 
 
-def _trial(session, w: str, units: list, fix: str, before: float, judged: tuple) -> dict:
+def _trial(sides: Sides, w: str, units: list, fix: str, before: float, judged: tuple) -> dict:
     """One what-if's record: what it replaced and could not carry over, its verdict and line."""
-    st = session.settings
+    st = sides.settings
     value, k3 = judged
     t = {"whatif": w, "fix": fix, "metric": st.metric, "threshold": st.threshold, "before": before, "value": value,
-         "k3_mean": k3, "replaced_faults": [f.spec for f in session.faults if any(replaced(f, w, u) for u in units)],
-         "faults_not_carried": list(dict.fromkeys(x for u in units for x in not_carried(session, w, u)))}
+         "k3_mean": k3, "replaced_faults": [f.spec for f in sides.faults if any(replaced(f, w, u) for u in units)],
+         "faults_not_carried": list(dict.fromkeys(x for u in units for x in not_carried(sides, w, u)))}
     t["verdict"] = verdict(before, value, st.threshold)
     t["line"] = describe(t)
     return t
@@ -148,53 +148,55 @@ def _precision(trials: list[dict], what: str) -> dict:
     return {"whatifs": trials, "suggested": best["line"] if best else f"no precision fix: running {what} in fp32 does not help"}
 
 
-def run_whatifs(session, culprits: list[dict], baseline: float | None, progress=lambda m: None,
-                names: list[str] | None = None) -> None:
+def run_whatifs(sides: Sides, ref_tokens: ForwardResult, culprits: list[dict], baseline: float | None,
+                progress=lambda m: None, names: list[str] | None = None) -> None:
     """Add `precision` (what-ifs and the suggested fix) to each culprit dict, in place.
+    `sides`: the engine (its planted faults, its mode), the reference, the samples and
+    settings, as the session holds them; `ref_tokens`: the reference's log-probs each
+    what-if is measured against (the session's `reference_tokens()`).
 
     `names`: every culprit of the search (default: those given), each swapped while another's
     what-if runs; `baseline` is used as "before" only when there is no other. A failure raises
     (`run.run` records it per culprit and keeps the search's result)."""
-    if session.engine is None or not culprits:
+    if sides.engine is None or not culprits:
         return
-    ref = session.reference_tokens()
     names = [c["unit"] for c in culprits] if names is None else list(names)
     for c in culprits:
-        unit = session.engine.unit(c["unit"])
+        unit = sides.engine.unit(c["unit"])
         # a culprit around or inside this one is not swapped for its what-if (it would hide it)
         others = [n for n in names if not _inside(n, unit.name) and not _inside(unit.name, n)]
         if others or baseline is None:
             progress(f"what-if: {unit.name} with the other culprits swapped")
-            before, _ = _judged(session, ref, forward(session, None, unit, others))
+            before, _ = _judged(sides, ref_tokens, forward(sides, None, unit, others))
         else:
             before = baseline
         trials = []
         for w in whatifs_for(unit):
             progress(f"what-if: {unit.name}, {w}")
-            trials.append(_trial(session, w, [unit], fix_text(w, unit), before,
-                                 _judged(session, ref, forward(session, w, unit, others))))
+            trials.append(_trial(sides, w, [unit], fix_text(w, unit), before,
+                                 _judged(sides, ref_tokens, forward(sides, w, unit, others))))
         c["precision"] = _precision(trials, unit.name)
 
 
-def run_kind_whatifs(session, systematic: dict, baseline: float | None, progress=lambda m: None) -> None:
+def run_kind_whatifs(sides: Sides, ref_tokens: ForwardResult, systematic: dict, baseline: float | None,
+                     progress=lambda m: None) -> None:
     """A systematic culprit's what-ifs (the search named kinds, in every layer, not units):
     each what-if put on every unit of those kinds at once, in one forward, judged against
     the search's baseline as a culprit's are; adds `precision` to `systematic`, in place
     (the same fields as a culprit's, with `units`: how many units each what-if was put on).
     `fp32 weighted sum` when every such unit is a MoE block or its experts."""
-    if session.engine is None or baseline is None:
+    if sides.engine is None or baseline is None:
         return
     kinds = set(systematic.get("kinds") or [])
-    units = [u for u in session.engine.units if u.kind in kinds]
+    units = [u for u in sides.engine.units if u.kind in kinds]
     if not units:
         return
-    ref = session.reference_tokens()
     which = [WSUM, UNIT] if all(u.kind in ("moe", "experts") for u in units) else [UNIT]
     named = ", ".join(sorted(kinds))
     trials = []
     for w in which:
         progress(f"what-if: every {named} unit ({len(units)}), {w}")
         fix = "accumulate every MoE block's expert weighted sum in fp32" if w == WSUM else f"upcast every {named} unit to fp32"
-        t = _trial(session, w, units, fix, baseline, _judged(session, ref, forward(session, w, units, [])))
+        t = _trial(sides, w, units, fix, baseline, _judged(sides, ref_tokens, forward(sides, w, units, [])))
         trials.append({**t, "units": len(units)})
     systematic["precision"] = _precision(trials, f"every {named} unit")

@@ -1,10 +1,14 @@
 """A debugging session: one trace, one reference, one engine, and the trials run on them.
 
-It opens and checks the inputs, then holds them: `compare()` runs the comparison
-pipeline (`numbisect.pipeline.comparison`) and keeps what it returns (the reference's log-probs the
-trials reuse, its expert ids) and gives the baseline report body; `trial(swapped)` is
-the evaluator the search calls; `self_check()` proves the swaps. The layers above
-(cli, run, selftest, the TUI) hold a Session; the layers below never see one.
+One way to make one: `Session(ref, engine, trace, settings, spec)` over backends already
+open (numbisect.live.run hands it the live objects' backends); `Session.open(spec,
+settings)` first opens and checks the inputs a `Spec` names (the CLI's directories:
+options, trace, configs, then the loads) and builds it so. It holds them: `compare()`
+runs the comparison pipeline (`numbisect.pipeline.comparison`) and keeps what it returns
+(the reference's log-probs the trials reuse, its expert ids) and gives the baseline
+report body; `trial(swapped)` is the evaluator the search calls; `self_check()` proves
+the swaps. The layers above (the commands, numbisect.live, the TUI) hold a Session; the
+layers below never see one.
 """
 
 from __future__ import annotations
@@ -65,153 +69,80 @@ class Spec:
 
 
 class Session:
-    def __init__(self, spec: Spec, settings: C.Settings, progress=None, backends: dict | None = None,
-                 prefix_reuse: bool = True, prefix_cache_mb: float | None = None):
-        """`backends` may hold already-open "ref" / "engine" backends (tests share engines).
+    def __init__(self, ref: Backend, engine: Backend | None, trace: Trace, settings: C.Settings, spec: Spec, *,
+                 engine_kind: str | None = None, progress=None, prefix_reuse: bool = True,
+                 prefix_cache_mb: float | None = None, digests: dict | None = None,
+                 checkpoint_diff: dict | None = None, group_origin: dict | None = None,
+                 user_engine: UserEngine | None = None, owned=()):
+        """A session over backends already open (`Session.open` opens them from the
+        directories a `Spec` names; numbisect.live.run hands the live objects' backends).
+        Nothing is read from disk here: `spec`'s faults are parsed and checked against the
+        engine's units, its `engine_mode` is the engine's mode, its capture settings the
+        comparison's. `engine=None`: the trace's own rollout log-probs (`engine_kind`
+        "rollout"); `engine_kind` defaults to the engine backend's kind.
 
         `prefix_reuse`: a trial replays the leading layers it shares with the baseline or
         an earlier trial instead of recomputing them (`numbisect.patching.prefix`; same results),
         keeping at most `prefix_cache_mb` of recorded layer outputs (default
-        `numbisect.patching.prefix.DEFAULT_MB`).
+        `numbisect.patching.prefix.DEFAULT_MB`); prefill only (recordings are per engine
+        call; decode calls once per token).
+
+        What the opener found goes with them: `digests` (what a trial log's resume checks;
+        default the trace's), `checkpoint_diff` (numbisect.model.ckptdiff), `group_origin`
+        (where each token group came from), `user_engine` (--engine-config's run,
+        numbisect.session.userengine) and `owned`, the backends `close()` closes.
         """
         self.spec = spec
-        self.prefix_reuse = prefix_reuse
-        mb = DEFAULT_MB if prefix_cache_mb is None else prefix_cache_mb  # checked where parsed (cli)
-        self.prefix = PrefixCache(max_bytes=math.ceil(mb * 2**20))
+        self.ref = ref
+        self.engine = engine
+        self.trace = trace
         self.settings = settings
         self.say = progress or (lambda msg: None)
-        self.checkpoint_diff: dict | None = None  # numbisect.model.ckptdiff, when the two checkpoints are two directories
-        import torch
-
-        torch.manual_seed(0)  # recorded as environment.seeds; nothing here samples, but hooks may
-        # Cheap checks first (options, trace, configs, architectures, vocabulary, groups), then the slow loads.
-        ref_path, eng_kind, eng_path = self._read_request(spec)
-        eng_cfg, backends, dump = self._check_inputs(spec, settings, ref_path, eng_kind, eng_path, dict(backends or {}))
-        self._open_backends(spec, settings, ref_path, eng_kind, eng_path, eng_cfg, backends, dump)
-        self.samples = self.trace.samples
-        self.groups = C.group_names(self.trace) + (["all"] if settings.group == "all" else [])
+        self.engine_kind = engine_kind or engine.kind
+        # A dump or the rollout's own log-probs: compared, never run (no faults, swaps, trials).
+        self.engine_runs = BACKENDS[self.engine_kind].runs
+        self.mode = spec.engine_mode
+        self.prefix_reuse = prefix_reuse and self.mode == "prefill"
+        mb = DEFAULT_MB if prefix_cache_mb is None else prefix_cache_mb  # checked where parsed (cli)
+        self.prefix = PrefixCache(max_bytes=math.ceil(mb * 2**20))
+        self.faults = [parse_fault(f) for f in spec.faults]
+        if engine is not None:
+            for f in self.faults:
+                check_fault(engine, f)
+            D.check_faults(engine, self.faults, self.mode)
+        if spec.threads:  # after the engine started: vLLM's CPU worker sets its own count
+            set_threads(spec.threads)
+        self.user_engine = user_engine
+        self.checkpoint_diff = checkpoint_diff
+        self.group_origin = {} if group_origin is None else group_origin
+        self.samples = trace.samples
+        self.groups = C.group_names(trace) + (["all"] if settings.group == "all" else [])
+        self.digests = {"trace": trace.sha256} if digests is None else digests
+        self._owned = list(owned)
         self._ref_result: ForwardResult | None = None
         self.ref_routing: dict | None = None  # router unit -> per-sample expert ids of the reference
         self._ref_tokens: ForwardResult | None = None  # the reference's log-probs from the last compare
         self.comparison: P.Comparison | None = None  # the last compare's result
-        self.digests = self._digests(spec, ref_path, eng_kind, eng_path)
 
-    def _read_request(self, spec: Spec) -> tuple[str, str, str | None]:
-        """The trace and what the options ask for, checked before anything is read from a
-        checkpoint: (reference path, engine kind, engine path)."""
-        self.trace: Trace = load_any(spec.trace, spec.trace_format, spec.trace_fields)
-        ref_kind, ref_path = C.parse_spec(spec.ref, "--ref")
-        require_reference(ref_kind, spec.ref)
-        self.ref_kind = ref_kind  # the kind accepted: the reference opens as that
-        eng_kind, eng_path = C.parse_spec(spec.engine, "--engine")
-        self.engine_kind = eng_kind
-        # A dump or the rollout's own log-probs: compared, never run (no faults, swaps, trials).
-        self.engine_runs = BACKENDS[eng_kind].runs
-        self.user_engine = None  # --engine-config: the user's engine, as they run it (numbisect.session.userengine)
-        if spec.engine_config is not None:
-            self.user_engine = UserEngine.check(spec, eng_kind)
-            spec.engine_opts = self.user_engine.backend_opts()
-        C.check_opts(ref_kind, spec.ref_opts, "--ref-opt")
-        C.check_opts(eng_kind, spec.engine_opts, "--engine-opt")
-        self.faults = [parse_fault(f) for f in spec.faults]
-        D.check_mode(eng_kind, spec.engine_mode)
-        D.check_tp(spec.engine_mode, spec.engine_opts)
-        D.check_trace(self.trace, spec.engine_mode)
-        self.mode = spec.engine_mode
-        if self.mode != "prefill":  # recordings are per engine call; decode calls once per token
-            self.prefix_reuse = False
-        if self.faults and not self.engine_runs:
-            raise InputError(f"--engine-fault needs an engine that runs (hf: or vllm:), not {eng_kind}")
-        return ref_path, eng_kind, eng_path
+    @classmethod
+    def open(cls, spec: Spec, settings: C.Settings, progress=None, backends: dict | None = None,
+             prefix_reuse: bool = True, prefix_cache_mb: float | None = None) -> Session:
+        """The session over the directories `spec` names (the CLI's --ref, --engine,
+        --trace): cheap checks first (options, trace, configs, architectures, vocabulary,
+        groups), then the slow loads. `backends` may hold already-open "ref" / "engine"
+        backends (tests share engines); the others are opened through the registry and
+        closed by `close()`."""
+        import torch
 
-    def _check_inputs(self, spec: Spec, settings: C.Settings, ref_path: str, eng_kind: str, eng_path: str | None,
-                      backends: dict):
-        """Both configs against each other and the trace (vocabulary, positions, images,
-        groups), the checkpoint diff; a dump engine (and a layer-streamed reference) opened
-        here, as they are read, not run. Returns (engine config, backends, the dump)."""
-        ref_cfg = load_config(ref_path)
-        ref_arch = arch_for(ref_cfg)
-        check_replay(spec.replay_routing, ref_cfg, eng_kind, spec.engine_opts)
-        if spec.replay_routing and spec.engine_mode == "decode":
-            raise InputError("--replay-routing works in prefill mode only (--engine-mode decode records no expert ids yet)")
-        check_vocab(self.trace, ref_cfg.get_text_config().vocab_size)
-        C.check_positions(self.trace, ref_cfg, "the reference")
-        G.check_images(self.trace, ref_cfg, ref_arch)
-        if not BACKENDS[eng_kind].takes_images and any(s.images is not None for s in self.trace.samples):
-            raise InputError(f"the trace has images: compare them against an hf engine (--engine hf:DIR); the {eng_kind} backend takes tokens only")
-        self.group_origin = G.add_groups(self.trace, ref_cfg, G.parse_group_defs(spec.group_defs))
-        if settings.group not in C.group_names(self.trace) + ["all"]:
-            hint = " (define one with --group-def NAME=ID[,ID])" if settings.group not in BUILTIN_GROUPS else ""
-            raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}{hint}")
-        dump = eng_cfg = None
-        if source(eng_kind) == "dump":
-            dump = backends.get("engine") or open_backend(eng_kind, eng_path, spec.engine_dtype, spec.engine_opts, trace=self.trace)
-            C.check_configs(ref_cfg, dump.config)
-            backends = {**backends, "engine": dump}
-        elif source(eng_kind) == "checkpoint":
-            eng_cfg = load_config(eng_path)
-            if not getattr(arch_for(eng_cfg), BACKENDS[eng_kind].unit_map):
-                raise InputError(f"{arch_for(eng_cfg).name} {BACKENDS[eng_kind].no_unit_map}: use --engine hf:DIR")
-            C.check_configs(ref_cfg, eng_cfg)
-            C.check_positions(self.trace, eng_cfg, "the engine")
-            self.checkpoint_diff = self._checkpoint_diff(ref_path, eng_path, ref_cfg)
-        if spec.ref_opts.get("layer_stream") and "ref" not in backends:
-            if source(eng_kind) != "dump":
-                raise InputError("--ref-opt layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
-            backends = {**backends, "ref": LayerStreamRef(ref_path, spec.ref_dtype)}
-        return eng_cfg, backends, dump
-
-    def _open_backends(self, spec: Spec, settings: C.Settings, ref_path: str, eng_kind: str, eng_path: str | None,
-                       eng_cfg, backends: dict, dump) -> None:
-        """The reference, the user's own engine run (--engine-config) and the engine, opened
-        (or taken from `backends`); the faults checked against the engine's units."""
-        self.ref: Backend = backends.get("ref") or self._open(self.ref_kind, ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
-        self.engine: Backend | None = None
-        if self.user_engine is not None:  # before the in-process engine: its custom ops follow the user's engine
-            text = eng_cfg.get_text_config()
-            max_len = spec.engine_opts.get("max_model_len", min(1024, int(getattr(text, "max_position_embeddings", 1024) or 1024)))
-            self.user_engine.run(self.trace.samples, eng_path, spec.engine_dtype, int(max_len), int(text.vocab_size),
-                                 settings.judges_kl, services(eng_kind).run_child, self.say)
-            spec.engine_opts = self.user_engine.backend_opts()
-        if source(eng_kind) != "trace":  # not the rollout's own log-probs
-            self.engine = backends.get("engine") or self._open(
-                eng_kind, eng_path, spec.engine_dtype, spec.engine_opts, "starting engine"
-            )
-            C.check_pair(self.ref, self.engine)
-            for f in self.faults:
-                check_fault(self.engine, f)
-            D.check_faults(self.engine, self.faults, self.mode)
-        if spec.threads:  # after the engine started: vLLM's CPU worker sets its own count
-            set_threads(spec.threads)
-        self._owned = [b for k, b in (("ref", self.ref), ("engine", self.engine)) if b is not None and (k not in backends or b is dump)]
-
-    def _digests(self, spec: Spec, ref_path: str, eng_kind: str, eng_path: str | None) -> dict:
-        """What identifies the inputs (a trial log's resume checks them)."""
-        digests = {"ref": C.checkpoint_digest(ref_path), "trace": self.trace.sha256,
-                   "samples": samples_digest(self.samples)}  # what --trace-fields selected, too
-        extra = G.inputs_digest(self.trace, spec.group_defs)  # pixel inputs and --group-def live outside the file
-        if extra:
-            digests["trace_extra"] = extra
-        if source(eng_kind) == "dump":
-            digests["engine"] = C.dump_digest(eng_path)
-        elif source(eng_kind) == "checkpoint":
-            digests["engine"] = C.checkpoint_digest(eng_path)
-        return digests
-
-    def _checkpoint_diff(self, ref_path: str, eng_path: str, ref_cfg) -> dict | None:
-        """What differs between the two checkpoints (weights per unit, numeric config), read
-        before any forward; None when both sides load the same directory."""
-        if Path(ref_path).resolve() == Path(eng_path).resolve():
-            return None
-        self.say("checkpoints: the engine's weights and config against the reference's")
-        diff = diff_checkpoints(ref_path, eng_path, check_checkpoint(ref_path), check_checkpoint(eng_path), ref_cfg)
-        for n in diff.get("index", []):  # the diff read what the loader reads; a disagreeing copy is not read
-            self.say(f"checkpoints: the {n['checkpoint']} index and its files disagree: {n['note']}")
-        return diff
-
-    def _open(self, kind, path, dtype, opts, what) -> Backend:
-        self.say(f"{what} {kind}:{path} ({dtype})")
-        return open_backend(kind, path, dtype, dict(opts), "--ref-opt" if what == "loading reference" else "--engine-opt")
+        torch.manual_seed(0)  # recorded as environment.seeds; nothing here samples, but hooks may
+        o = _Opening(spec, settings, progress or (lambda msg: None))
+        o.read_request()
+        eng_cfg, given, dump = o.check_inputs(dict(backends or {}))
+        ref, engine, owned = o.open_backends(eng_cfg, given, dump)
+        return cls(ref, engine, o.trace, settings, spec, engine_kind=o.eng_kind, progress=progress,
+                   prefix_reuse=prefix_reuse, prefix_cache_mb=prefix_cache_mb, digests=o.digests(),
+                   checkpoint_diff=o.checkpoint_diff, group_origin=o.group_origin, user_engine=o.user_engine,
+                   owned=owned)
 
     # -- the comparison pipeline ------------------------------------------------------------
     def sides(self) -> P.Sides:
@@ -389,3 +320,121 @@ class Session:
             "faults": [f.to_dict() for f in self.faults],
             **({"checkpoint_diff": self.checkpoint_diff} if self.checkpoint_diff is not None else {}),
         }
+
+
+class _Opening:
+    """`Session.open`'s steps over the directories a `Spec` names, in order: `read_request`
+    (the trace and the options, before anything is read from a checkpoint), `check_inputs`
+    (both configs against each other and the trace), `open_backends` (the slow loads),
+    `digests` (what identifies the inputs)."""
+
+    def __init__(self, spec: Spec, settings: C.Settings, say):
+        self.spec, self.settings, self.say = spec, settings, say
+        self.checkpoint_diff: dict | None = None  # numbisect.model.ckptdiff, when the two checkpoints are two directories
+
+    def read_request(self) -> None:
+        """The trace and what the options ask for, checked before anything is read from a
+        checkpoint: the reference's path, the engine's kind and path."""
+        spec = self.spec
+        self.trace: Trace = load_any(spec.trace, spec.trace_format, spec.trace_fields)
+        ref_kind, self.ref_path = C.parse_spec(spec.ref, "--ref")
+        require_reference(ref_kind, spec.ref)
+        self.ref_kind = ref_kind  # the kind accepted: the reference opens as that
+        eng_kind, self.eng_path = C.parse_spec(spec.engine, "--engine")
+        self.eng_kind = eng_kind
+        self.user_engine = None  # --engine-config: the user's engine, as they run it (numbisect.session.userengine)
+        if spec.engine_config is not None:
+            self.user_engine = UserEngine.check(spec, eng_kind)
+            spec.engine_opts = self.user_engine.backend_opts()
+        C.check_opts(ref_kind, spec.ref_opts, "--ref-opt")
+        C.check_opts(eng_kind, spec.engine_opts, "--engine-opt")
+        faults = [parse_fault(f) for f in spec.faults]
+        D.check_mode(eng_kind, spec.engine_mode)
+        D.check_tp(spec.engine_mode, spec.engine_opts)
+        D.check_trace(self.trace, spec.engine_mode)
+        if faults and not BACKENDS[eng_kind].runs:
+            raise InputError(f"--engine-fault needs an engine that runs (hf: or vllm:), not {eng_kind}")
+
+    def check_inputs(self, backends: dict):
+        """Both configs against each other and the trace (vocabulary, positions, images,
+        groups), the checkpoint diff; a dump engine (and a layer-streamed reference) opened
+        here, as they are read, not run. Returns (engine config, backends, the dump)."""
+        spec, settings, eng_kind, eng_path = self.spec, self.settings, self.eng_kind, self.eng_path
+        ref_cfg = load_config(self.ref_path)
+        ref_arch = arch_for(ref_cfg)
+        check_replay(spec.replay_routing, ref_cfg, eng_kind, spec.engine_opts)
+        if spec.replay_routing and spec.engine_mode == "decode":
+            raise InputError("--replay-routing works in prefill mode only (--engine-mode decode records no expert ids yet)")
+        check_vocab(self.trace, ref_cfg.get_text_config().vocab_size)
+        C.check_positions(self.trace, ref_cfg, "the reference")
+        G.check_images(self.trace, ref_cfg, ref_arch)
+        if not BACKENDS[eng_kind].takes_images and any(s.images is not None for s in self.trace.samples):
+            raise InputError(f"the trace has images: compare them against an hf engine (--engine hf:DIR); the {eng_kind} backend takes tokens only")
+        self.group_origin = G.add_groups(self.trace, ref_cfg, G.parse_group_defs(spec.group_defs))
+        if settings.group not in C.group_names(self.trace) + ["all"]:
+            hint = " (define one with --group-def NAME=ID[,ID])" if settings.group not in BUILTIN_GROUPS else ""
+            raise InputError(f"unknown group {settings.group!r}; this trace has: {', '.join(C.group_names(self.trace))}{hint}")
+        dump = eng_cfg = None
+        if source(eng_kind) == "dump":
+            dump = backends.get("engine") or open_backend(eng_kind, eng_path, spec.engine_dtype, spec.engine_opts, trace=self.trace)
+            C.check_configs(ref_cfg, dump.config)
+            backends = {**backends, "engine": dump}
+        elif source(eng_kind) == "checkpoint":
+            eng_cfg = load_config(eng_path)
+            if not getattr(arch_for(eng_cfg), BACKENDS[eng_kind].unit_map):
+                raise InputError(f"{arch_for(eng_cfg).name} {BACKENDS[eng_kind].no_unit_map}: use --engine hf:DIR")
+            C.check_configs(ref_cfg, eng_cfg)
+            C.check_positions(self.trace, eng_cfg, "the engine")
+            self.checkpoint_diff = self._checkpoint_diff(ref_cfg)
+        if spec.ref_opts.get("layer_stream") and "ref" not in backends:
+            if source(eng_kind) != "dump":
+                raise InputError("--ref-opt layer_stream=true needs --engine dump:DIR (the layers' inputs come from the dump)")
+            backends = {**backends, "ref": LayerStreamRef(self.ref_path, spec.ref_dtype)}
+        return eng_cfg, backends, dump
+
+    def open_backends(self, eng_cfg, backends: dict, dump) -> tuple[Backend, Backend | None, list]:
+        """The reference, the user's own engine run (--engine-config) and the engine, opened
+        (or taken from `backends`): (reference, engine, the backends opened here)."""
+        spec, eng_kind, eng_path = self.spec, self.eng_kind, self.eng_path
+        ref: Backend = backends.get("ref") or self._open(self.ref_kind, self.ref_path, spec.ref_dtype, spec.ref_opts, "loading reference")
+        engine: Backend | None = None
+        if self.user_engine is not None:  # before the in-process engine: its custom ops follow the user's engine
+            text = eng_cfg.get_text_config()
+            max_len = spec.engine_opts.get("max_model_len", min(1024, int(getattr(text, "max_position_embeddings", 1024) or 1024)))
+            self.user_engine.run(self.trace.samples, eng_path, spec.engine_dtype, int(max_len), int(text.vocab_size),
+                                 self.settings.judges_kl, services(eng_kind).run_child, self.say)
+            spec.engine_opts = self.user_engine.backend_opts()
+        if source(eng_kind) != "trace":  # not the rollout's own log-probs
+            engine = backends.get("engine") or self._open(eng_kind, eng_path, spec.engine_dtype, spec.engine_opts, "starting engine")
+            C.check_pair(ref, engine)
+        return ref, engine, [b for k, b in (("ref", ref), ("engine", engine)) if b is not None and (k not in backends or b is dump)]
+
+    def digests(self) -> dict:
+        """What identifies the inputs (a trial log's resume checks them)."""
+        spec, eng_kind, eng_path = self.spec, self.eng_kind, self.eng_path
+        digests = {"ref": C.checkpoint_digest(self.ref_path), "trace": self.trace.sha256,
+                   "samples": samples_digest(self.trace.samples)}  # what --trace-fields selected, too
+        extra = G.inputs_digest(self.trace, spec.group_defs)  # pixel inputs and --group-def live outside the file
+        if extra:
+            digests["trace_extra"] = extra
+        if source(eng_kind) == "dump":
+            digests["engine"] = C.dump_digest(eng_path)
+        elif source(eng_kind) == "checkpoint":
+            digests["engine"] = C.checkpoint_digest(eng_path)
+        return digests
+
+    def _checkpoint_diff(self, ref_cfg) -> dict | None:
+        """What differs between the two checkpoints (weights per unit, numeric config), read
+        before any forward; None when both sides load the same directory."""
+        ref_path, eng_path = self.ref_path, self.eng_path
+        if Path(ref_path).resolve() == Path(eng_path).resolve():
+            return None
+        self.say("checkpoints: the engine's weights and config against the reference's")
+        diff = diff_checkpoints(ref_path, eng_path, check_checkpoint(ref_path), check_checkpoint(eng_path), ref_cfg)
+        for n in diff.get("index", []):  # the diff read what the loader reads; a disagreeing copy is not read
+            self.say(f"checkpoints: the {n['checkpoint']} index and its files disagree: {n['note']}")
+        return diff
+
+    def _open(self, kind, path, dtype, opts, what) -> Backend:
+        self.say(f"{what} {kind}:{path} ({dtype})")
+        return open_backend(kind, path, dtype, dict(opts), "--ref-opt" if what == "loading reference" else "--engine-opt")

@@ -57,7 +57,7 @@ def open_session(cfg: LiveConfig, progress: Callable[[str], None]):
         Session,  # lazy: keeps torch out of importing numbisect.tui.live
     )
 
-    return Session(cfg.spec, cfg.settings, progress=progress, backends=dict(cfg.backends or {}))
+    return Session.open(cfg.spec, cfg.settings, progress=progress, backends=dict(cfg.backends or {}))
 
 
 def report_of(session, cfg: LiveConfig, body: dict) -> dict:

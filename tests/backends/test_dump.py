@@ -53,7 +53,7 @@ def dump_dir(tmp_path_factory, key: str) -> str:
 def dump_session(d: str, samples: int = N) -> Session:
 
     spec = Spec(ref=f"hf:{model_dir('qwen3_moe')}", engine=f"dump:{d}", trace=short_trace("qwen3_moe", samples))
-    return Session(spec, Settings(), backends={"ref": hf("qwen3_moe", "bfloat16")})
+    return Session.open(spec, Settings(), backends={"ref": hf("qwen3_moe", "bfloat16")})
 
 
 @pytest.mark.vllm
@@ -200,7 +200,7 @@ def test_broken_dumps_are_refused_naming_the_problem(tmp_path_factory, tmp_path)
     # another trace (the full fixture trace has more samples)
 
     with pytest.raises(InputError) as e:
-        Session(Spec(ref=f"hf:{model_dir('qwen3_moe')}", engine=f"dump:{src}", trace=trace_path("qwen3_moe")), Settings(),
+        Session.open(Spec(ref=f"hf:{model_dir('qwen3_moe')}", engine=f"dump:{src}", trace=trace_path("qwen3_moe")), Settings(),
                 backends={"ref": hf("qwen3_moe", "bfloat16")})
     assert f"dump has {N} samples" in e.value.message
 
@@ -268,14 +268,14 @@ def test_a_stale_rank_from_an_earlier_run_is_refused(tmp_path):
     """Rank 1's directory left by an earlier dump, rank 0 rewritten: never merged."""
     _hf_tp2_dump(tmp_path / "d")
     spec = Spec(ref=f"hf:{model_dir('qwen3_moe')}", engine=f"dump:{tmp_path / 'd'}", trace=short_trace("qwen3_moe", 2))
-    Session(spec, Settings(), backends={"ref": hf("qwen3_moe", "bfloat16")})  # as written: fine
+    Session.open(spec, Settings(), backends={"ref": hf("qwen3_moe", "bfloat16")})  # as written: fine
     marker = tmp_path / "d" / "rank1" / "COMPLETE"
     done = json.loads(marker.read_text())
     rank0 = json.loads((tmp_path / "d" / "rank0" / "COMPLETE").read_text())
     done["started"], done["finished"] = rank0["started"] - 100, rank0["started"] - 50
     marker.write_text(json.dumps(done))
     with pytest.raises(InputError, match="rank1 finished writing before rank0 started: the ranks are from different runs"):
-        Session(spec, Settings(), backends={"ref": hf("qwen3_moe", "bfloat16")})
+        Session.open(spec, Settings(), backends={"ref": hf("qwen3_moe", "bfloat16")})
 
 
 def test_ranks_writing_one_dump_at_once_do_not_trip_over_the_shared_manifest(tmp_path):
@@ -316,7 +316,7 @@ def test_a_multimodal_engines_dump_holds_its_vision_units_for_the_samples_with_i
     write_dump(hf("qwen3_vl_moe", "float32"), trace, d)
     spec = Spec(ref=f"hf:{model_dir('qwen3_vl_moe')}", engine=f"dump:{d}", trace=trace_path("qwen3_vl_moe"),
                 ref_dtype="float32", engine_dtype="float32")
-    s = Session(spec, Settings(), backends={"ref": hf("qwen3_vl_moe", "float32")})
+    s = Session.open(spec, Settings(), backends={"ref": hf("qwen3_vl_moe", "float32")})
     body = s.compare()
     assert body["baseline"]["value"] == 0.0  # the reference against its own dump
     vision = {r["name"]: r for r in body["units"] if r["kind"] in ("vision", "projector")}

@@ -55,13 +55,13 @@ def dumps(trace, tmp_path_factory) -> dict:
 
 def _dump_compare(trace: str, d: str) -> dict:
     spec = Spec(ref=f"hf:{model_dir(NAME)}", engine=f"dump:{d}", trace=trace, ref_dtype="float32")
-    return Session(spec, Settings(), backends={"ref": hf(NAME, "float32")}).compare()
+    return Session.open(spec, Settings(), backends={"ref": hf(NAME, "float32")}).compare()
 
 
 def _live_compare(trace: str, dtype: str) -> dict:
     spec = Spec(ref=f"hf:{model_dir(NAME)}", engine=f"hf:{model_dir(NAME)}", trace=trace, ref_dtype="float32",
                 engine_dtype=dtype)
-    return Session(spec, Settings(), backends={"ref": hf(NAME, "float32"), "engine": hf(NAME, dtype)}).compare()
+    return Session.open(spec, Settings(), backends={"ref": hf(NAME, "float32"), "engine": hf(NAME, dtype)}).compare()
 
 
 def _rows(body: dict) -> dict:
@@ -188,7 +188,7 @@ def test_dump_of_vllm_holds_its_mamba_cache_states_as_compared_live(trace, tmp_p
     got = _rows(_dump_compare(trace, str(d)))
     spec = Spec(ref=f"hf:{model_dir(NAME)}", engine=f"vllm:{model_dir(NAME)}", trace=trace, ref_dtype="float32",
                 engine_dtype="bfloat16")
-    live = _rows(Session(spec, Settings(), backends={"ref": hf(NAME, "float32"), "engine": vllm(NAME)}).compare())
+    live = _rows(Session.open(spec, Settings(), backends={"ref": hf(NAME, "float32"), "engine": vllm(NAME)}).compare())
     for u in LINEAR:
         g, w = got[u]["propagated"], live[u]["propagated"]
         assert 0 < g["final"]["rel_l2"] < 0.05, u

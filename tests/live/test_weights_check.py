@@ -116,8 +116,6 @@ def test_a_whole_norm_vector_from_another_layer_is_still_named_as_such():
 
 
 def test_inf_and_nan_are_named():
-    import torch
-
     def poison(n, t):
         if n == "model.layers.1.mlp.up_proj.weight":
             t = t.clone()

@@ -40,7 +40,7 @@ CASES = [
 def test_a_damaged_checkpoint_copy_passes_the_self_check_and_is_named(name, edit, culprits, tmp_path):
     copy = damaged_copy(name, tmp_path, edit)
     spec = Spec(ref=f"hf:{model_dir(name)}", engine=f"hf:{copy}", trace=short_trace(name, 8))
-    s = Session(spec, Settings(threshold=1e-6), backends={"ref": hf(name)})
+    s = Session.open(spec, Settings(threshold=1e-6), backends={"ref": hf(name)})
     try:
         body, code = run(s, swap=None, strategy="hierarchical", max_trials=None, log=None, resume=None)
     finally:

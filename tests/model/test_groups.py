@@ -36,7 +36,7 @@ def vl_session(faults=(), group="completion", **kw):
         if k not in _ENGINES:
             _ENGINES[k] = HFBackend(model_dir(VL), "bfloat16")
     spec = Spec(ref=f"hf:{model_dir(VL)}", engine=f"hf:{model_dir(VL)}", trace=trace_path(VL), faults=list(faults), **kw)
-    return Session(spec, Settings(group=group), backends=dict(_ENGINES))
+    return Session.open(spec, Settings(group=group), backends=dict(_ENGINES))
 
 
 def first_image(sample) -> int:

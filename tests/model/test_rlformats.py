@@ -27,7 +27,7 @@ OPENRLHF = str(TRACES / "qwen3_moe.openrlhf.jsonl")
 
 
 def rollout_compare(trace, **spec):
-    s = Session(Spec(ref=f"hf:{model_dir('qwen3_moe')}", engine="rollout", trace=trace, **spec), Settings(),
+    s = Session.open(Spec(ref=f"hf:{model_dir('qwen3_moe')}", engine="rollout", trace=trace, **spec), Settings(),
                 backends={"ref": hf("qwen3_moe")})
     return s.compare(local=False), s
 

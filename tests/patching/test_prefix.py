@@ -109,7 +109,7 @@ def test_prefix_reuse_equals_full_recomputation_on_a_batched_hf_engine():
 
     spec = Spec(ref=f"hf:{model_dir('mixtral')}", engine=f"hf:{model_dir('mixtral')}", trace=trace_path("mixtral"),
                 ref_dtype="float32", engine_dtype="float32", faults=["output_noise=1e-1@layers.0.moe"])
-    s = Session(spec, Settings(threshold=1e-11), backends={"ref": hf("mixtral", "float32"), "engine": engine})
+    s = Session.open(spec, Settings(threshold=1e-11), backends={"ref": hf("mixtral", "float32"), "engine": engine})
     s.trial(())
     assert len(s.prefix.recordings[0].outputs[0]) == 7
     for swapped in (("layers.1.attn",), ("layers.3.moe.router",), ("lm_head",)):

@@ -53,7 +53,7 @@ def _compare(trace: str, engine: str, engine_dtype: str = "float32") -> dict:
     """A comparison body against the fp32 reference; the engine opened from `engine`."""
     spec = Spec(ref=f"hf:{model_dir(NAME)}", engine=f"hf:{engine}", trace=trace, ref_dtype="float32",
                 engine_dtype=engine_dtype)
-    return Session(spec, Settings(), backends={"ref": hf(NAME, "float32")}).compare()
+    return Session.open(spec, Settings(), backends={"ref": hf(NAME, "float32")}).compare()
 
 
 def _final(body: dict, unit: str, key: str = "propagated") -> float:
@@ -127,7 +127,7 @@ def test_damaged_gdn_weight_shows_in_its_layers_state_and_grows_with_the_damage(
 def test_vllm_state_is_read_from_its_mamba_cache_and_agrees_to_bf16(trace):
     spec = Spec(ref=f"hf:{model_dir(NAME)}", engine=f"vllm:{model_dir(NAME)}", trace=trace, ref_dtype="float32",
                 engine_dtype="bfloat16")
-    s = Session(spec, Settings(), backends={"ref": hf(NAME, "float32"), "engine": vllm(NAME)})
+    s = Session.open(spec, Settings(), backends={"ref": hf(NAME, "float32"), "engine": vllm(NAME)})
     rs = RS.state_light(s.sides(), local=True)
     assert "vLLM mamba cache" in rs["source"]["engine"]
     assert [row["unit"] for row in rs["layers"]] == LINEAR
@@ -186,7 +186,7 @@ def test_vllm_decode_mode_state_after_each_step_is_read_from_its_mamba_cache(tra
     # the same tokens to bf16 (measured 4e-3 to 8e-3); one token off would be order 1
     spec = Spec(ref=f"hf:{model_dir(NAME)}", engine=f"vllm:{model_dir(NAME)}", trace=trace, ref_dtype="float32",
                 engine_dtype="bfloat16", engine_mode="decode")
-    s = Session(spec, Settings(), backends={"ref": hf(NAME, "float32"), "engine": vllm(NAME)})
+    s = Session.open(spec, Settings(), backends={"ref": hf(NAME, "float32"), "engine": vllm(NAME)})
     rs = RS.state_light(s.sides(), local=False)
     assert rs["engine_mode"] == "decode" and rs["decode_unread"] == []
     assert [row["unit"] for row in rs["layers"]] == LINEAR

@@ -202,7 +202,7 @@ def test_batched_hf_engine_records_and_replays_per_sample():
     spec = Spec(ref=f"hf:{d}", engine=f"hf:{d}", trace=trace_path("qwen3_moe"), ref_dtype="float32",
                 engine_dtype="float32", faults=[FAULT], replay_routing="ref")
     eng = HFBackend(d, "float32", batch_size=4)
-    s = Session(spec, Settings(), backends={"ref": hf("qwen3_moe", "float32"), "engine": eng})
+    s = Session.open(spec, Settings(), backends={"ref": hf("qwen3_moe", "float32"), "engine": eng})
     body = s.compare(local=False)
     rows = body["routing"]["layers"]
     assert rows[0]["propagated"]["flipped"] == 0 and rows[1]["propagated"]["agree_frac"] < 0.8

@@ -130,7 +130,7 @@ def test_fp32_weighted_sum_on_real_vllm_removes_a_planted_low_precision_sum():
     natural = session("qwen3_moe", "vllm", samples=None)
     clean = natural.trial([])[0]
     culprits = [{"unit": "layers.0.moe.experts", "kind": "experts"}]
-    run_whatifs(s, culprits, None)
+    run_whatifs(s.sides(), s.reference_tokens(), culprits, None)
     w = by_name(culprits[0])
     ws = w["fp32 weighted sum"]
     assert ws["replaced_faults"] == ["moe_combine_fp8@layers.0.moe"]
@@ -148,7 +148,7 @@ def test_on_vllm_a_noise_fault_the_fp32_unit_cannot_keep_is_named():
     spec = "weight_noise=0.3@layers.2.moe.experts"
     s = session("qwen3_moe", "vllm", faults=[spec])
     culprits = [{"unit": "layers.2.moe.experts", "kind": "experts"}]
-    run_whatifs(s, culprits, None)
+    run_whatifs(s.sides(), s.reference_tokens(), culprits, None)
     w = by_name(culprits[0])
     assert w["fp32 unit"]["faults_not_carried"] == [spec] and "not carried over" in w["fp32 unit"]["line"]
     assert w["fp32 weighted sum"]["faults_not_carried"] == []  # the engine's own (noisy) experts

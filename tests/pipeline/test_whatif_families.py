@@ -43,7 +43,7 @@ def test_every_whatif_runs_on_every_unit_kind_of_every_family(family):
     kinds = {c["kind"] for c in culprits}
     assert {"attn", "layer", "norm"} <= kinds and ({"moe", "experts"} <= kinds or family == "qwen3")
     for c in culprits:  # each as the search's only culprit
-        run_whatifs(s, [c], None)
+        run_whatifs(s.sides(), s.reference_tokens(), [c], None)
     for c in culprits:
         ws = {t["whatif"]: t for t in c["precision"]["whatifs"]}
         assert sorted(ws) == sorted([UNIT, WSUM] if c["kind"] in ("moe", "experts") else [UNIT]), c["unit"]
@@ -166,7 +166,7 @@ def test_every_whatif_runs_on_every_unit_kind_on_real_vllm(family):
     s = session(family, "vllm", faults=["output_noise=0.5@layers.0.attn"], samples=3)
     culprits = culprits_of(s.engine)
     for c in culprits:  # each as the search's only culprit
-        run_whatifs(s, [c], None)
+        run_whatifs(s.sides(), s.reference_tokens(), [c], None)
     for c in culprits:
         ws = {t["whatif"]: t for t in c["precision"]["whatifs"]}
         assert sorted(ws) == sorted([UNIT, WSUM] if c["kind"] in ("moe", "experts") else [UNIT]), c["unit"]

@@ -114,7 +114,7 @@ def test_a_difference_the_vllm_bf16_floor_hides_is_localised_in_transformers_fp3
     trace = short_trace("qwen3", 4)
     spec = Spec(ref=f"hf:{copy}", engine=f"vllm:{model_dir('qwen3')}", trace=trace, ref_dtype="bfloat16",
                 engine_dtype="bfloat16")
-    s = Session(spec, Settings(), backends={"ref": HFBackend(copy, "bfloat16"), "engine": vllm("qwen3")})
+    s = Session.open(spec, Settings(), backends={"ref": HFBackend(copy, "bfloat16"), "engine": vllm("qwen3")})
     body = s.compare(local=False)
     assert body["verdict"] == "aligned" and F.exit_code(body["verdict"], s.checkpoint_diff) == ExitCode.CHECKPOINT_DIFFERS
     assert "heads permuted" in s.checkpoint_diff["units"]["layers.1.attn"]["summary"]

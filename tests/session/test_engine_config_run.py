@@ -107,7 +107,7 @@ def test_compare_in_the_users_settings_with_processed_logprobs(tmp_path):
             "logprobs_mode": "processed_logprobs", "sampling": {"temperature": 0.7}}
     spec = Spec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=short_trace(FIX, 5),
                 engine_config=user, engine_config_path="mine.json")
-    s = Session(spec, Settings(), backends={"ref": hf(FIX), "engine": vllm(FIX)})
+    s = Session.open(spec, Settings(), backends={"ref": hf(FIX), "engine": vllm(FIX)})
     body = s.compare()
     ec = body["engine_config"]
     assert ec["child"] and ec["changed"] == ["batch", "logprobs_mode", "sampling"]
@@ -199,7 +199,7 @@ def test_decode_mode_and_routing_replay_run_in_settings_hooks_run_in():
     for more, key in (({"engine_mode": "decode"}, "engine_modes"), ({"replay_routing": "ref"}, "routing_replay")):
         spec = Spec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=short_trace(FIX, 2),
                     engine_config=user, engine_config_path="mine.json", **more)
-        body = Session(spec, Settings(), backends={"ref": hf(FIX), "engine": vllm(FIX)}).compare()
+        body = Session.open(spec, Settings(), backends={"ref": hf(FIX), "engine": vllm(FIX)}).compare()
         ec = body["engine_config"]
         assert not ec["child"] and ec["changed"] == [] and ec["user"] == user, more
         assert set(ec["parts"].values()) == {"hookable"}
@@ -220,7 +220,7 @@ def test_decode_mode_in_the_users_settings_runs_in_the_child():
     user = {"enforce_eager": True, "enable_prefix_caching": False, "batch": "all"}
     spec = Spec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=short_trace(FIX, 3),
                 engine_config=user, engine_config_path="mine.json", engine_mode="decode")
-    s = Session(spec, Settings(), backends={"ref": hf(FIX), "engine": vllm(FIX)})
+    s = Session.open(spec, Settings(), backends={"ref": hf(FIX), "engine": vllm(FIX)})
     body = s.compare()
     ec = body["engine_config"]
     assert ec["child"] and ec["changed"] == ["batch"] and ec["mode"] == "decode"
@@ -251,7 +251,7 @@ def _compare_report(user, more, samples=3):
 
     spec = Spec(ref=f"hf:{model_dir(FIX)}", engine=f"vllm:{model_dir(FIX)}", trace=short_trace(FIX, samples),
                 engine_config=user, engine_config_path="mine.json", **more)
-    s = Session(spec, Settings(), backends={"ref": hf(FIX), "engine": vllm(FIX)})
+    s = Session.open(spec, Settings(), backends={"ref": hf(FIX), "engine": vllm(FIX)})
     body = s.compare()
     report = new_report("compare", ["bisect", "compare"], s.inputs(), s.settings.to_dict(), body)
     assert validate(report) == []

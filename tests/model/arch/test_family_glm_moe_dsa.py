@@ -295,7 +295,7 @@ def test_a_dump_of_an_engine_with_a_faulty_indexer_is_compared_with_its_selectio
     assert "layers.1.attn.indexer" in manifest["units"]
     spec = Spec(ref=f"hf:{model_dir(NAME)}", engine=f"dump:{d}", trace=trace_file, ref_dtype="float32",
                 engine_dtype="float32")
-    body = Session(spec, Settings(), backends={"ref": hf(NAME, "float32")}).compare()
+    body = Session.open(spec, Settings(), backends={"ref": hf(NAME, "float32")}).compare()
     assert body["baseline"]["value"] > 0
     rows = {r["layer"]: r for r in body["indexer_selection"]["layers"]}
     assert rows[0]["propagated"]["flipped"] == 0 and rows[1]["propagated"]["flipped"] > 0
