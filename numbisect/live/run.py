@@ -30,9 +30,9 @@ def session(ref, engine, trace, settings: C.Settings, faults=(), *, progress=Non
             prefix_cache_mb: float | None = None) -> Session:
     """A `Session` over backends already open on live objects (module doc): `faults` planted
     in the engine for every trial, in prefill mode; the trace's own digest for identity."""
-    spec = Spec(ref="live:hf", engine="live:vllm", trace=trace.path, ref_dtype=ref.dtype_name,
+    spec = Spec(ref=f"live:{ref.kind}", engine=f"live:{engine.kind}", trace=trace.path, ref_dtype=ref.dtype_name,
                 engine_dtype=engine.dtype_name, faults=list(faults))
-    s = Session(ref, engine, trace, settings, spec, engine_kind="vllm", progress=progress, prefix_reuse=prefix_reuse,
+    s = Session(ref, engine, trace, settings, spec, progress=progress, prefix_reuse=prefix_reuse,
                 prefix_cache_mb=prefix_cache_mb)
     if settings.group not in s.groups:
         raise InputError(f"unknown group {settings.group!r}; these samples have: {', '.join(s.groups)}")
