@@ -8,6 +8,7 @@ that use one are marked `vllm`.
 from __future__ import annotations
 
 import os
+import signal
 import re
 from pathlib import Path
 
@@ -72,6 +73,14 @@ def one_thread():
 
 def child_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def sigint_as_from_a_terminal() -> None:
+    """`preexec_fn` of a child a test sends SIGINT: delivered as Ctrl-C delivers it, even when
+    the suite runs as a background job (a non-interactive shell starts those with SIGINT
+    ignored, every process below inherits that, and Python then never raises
+    KeyboardInterrupt; measured: test_interrupt failed so, run with `&`)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # No code from the working directory (#36): modules named like ones numbisect, click, torch,
@@ -545,7 +554,6 @@ def no_models(monkeypatch):
 @pytest.fixture
 def alarm():
     """SIGALRM raises `Hung` (`run_cli_case` sets the timer)."""
-    import signal
 
     def ring(signum, frame):
         raise Hung()

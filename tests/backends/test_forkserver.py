@@ -15,7 +15,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import ROOT, model_dir
+from conftest import ROOT, model_dir, sigint_as_from_a_terminal
 
 from numbisect.backends.vllm import forkserver
 from numbisect.backends.vllm.child import run_child
@@ -149,6 +149,7 @@ def test_numbisect_stopped_mid_child_leaves_no_process(sig):
     handle, kills them too (they die with their parent)."""
     job = _job(["none"]) | {"samples": SAMPLES * 8, "prompt_lens": [4] * 16}
     p = subprocess.Popen([sys.executable, "-c", PARENT, json.dumps(job)], cwd=ROOT, stderr=subprocess.PIPE,
+                         preexec_fn=sigint_as_from_a_terminal,
                          env={**os.environ, "NUMBISECT_FORKSERVER": "1", "PYTHONPATH": str(ROOT)})
     try:
         assert _wait(lambda: any(_children(s) for s in _children(p.pid)), 120), "no child started"

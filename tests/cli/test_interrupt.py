@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from conftest import child_env, sigint_as_from_a_terminal
 
 from numbisect.cli import main
 
@@ -53,7 +53,8 @@ def trials_of(path: Path) -> list[dict]:
 def interrupt(trace: Path, out: Path, log: Path, sig: int, trials: int) -> dict:
     """A real `bisect run --log` process, sent `sig` once its log holds `trials` trials."""
     p = subprocess.Popen([sys.executable, "-m", "numbisect", *run_args(trace, out, "--log", str(log))],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env(),
+                         preexec_fn=sigint_as_from_a_terminal)
     try:
         deadline = time.monotonic() + 240
         while len(log_lines(log)) < 1 + trials and p.poll() is None and time.monotonic() < deadline:
