@@ -24,7 +24,7 @@ import click
 from numbisect import __version__
 from numbisect.backends import BACKENDS, services, user_config_kind
 from numbisect.backends.options import parse_opts
-from numbisect.common.errors import ExitCode, InputError, NumbisectError
+from numbisect.common.errors import ExitCode, InputError, NumbisectError, exception_line
 from numbisect.common.procenv import no_code_from_cwd, vllm_env_problem
 from numbisect.common.jsonsafe import sanitize
 from numbisect.common.safeio import (
@@ -341,7 +341,7 @@ def _emit(report: dict, kw) -> None:
                 traceback.print_exc()
             text = ""
             where = f"; the report is in {path_text(kw['out'])}" if kw.get("out") else "; --json or --out gives the report"
-            print(printable(f"bisect: the summary could not be rendered ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){where}"),
+            print(printable(f"bisect: the summary could not be rendered ({exception_line(e)}){where}"),
                   file=sys.stderr)
         sys.stdout.write(text)
         if kw.get("out"):

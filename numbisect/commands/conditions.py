@@ -37,7 +37,7 @@ import torch
 from numbisect.backends import BACKENDS, open_backend, require_reference
 from numbisect.backends.base import ForwardResult, load_config
 from numbisect.commands.run import TrialLog
-from numbisect.common.errors import ExitCode, InputError
+from numbisect.common.errors import ExitCode, InputError, exception_line
 from numbisect.common.formatting import fmt
 from numbisect.model import engine_config as E
 from numbisect.model.arch import arch_for
@@ -501,7 +501,7 @@ def run_conditions(sess: CondSession, *, run_child, max_trials=None, log=None, r
             alone_k3 = alone[E.COMPILED].value if E.COMPILED in alone else None
             done.append(localise(sess, target, eng, run_child, progress, culprits=names, path_k3=alone_k3))
         except Exception as e:  # the search's answer stands
-            done.append({"atom": target, "done": False, "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            done.append({"atom": target, "done": False, "why": exception_line(e)})
     if done:
         cond["localisation"] = done[0]  # the first (or only) one, where readers of one localisation look
     if len(done) > 1:

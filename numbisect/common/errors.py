@@ -15,6 +15,11 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130  # Ctrl-C
 
 
+def exception_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 class NumbisectError(Exception):
     """An error the user can act on: one line, no traceback."""
 

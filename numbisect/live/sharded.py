@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from numbisect.common.errors import InputError
+from numbisect.common.errors import InputError, exception_line
 from numbisect.live import bundle as B
 from numbisect.live import cold as K
 from numbisect.live import poison as X
@@ -345,7 +345,7 @@ class ShardedProbe:
                 raise
             except BaseException as e:
                 err = e
-        line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}" if err is not None else None
+        line = exception_line(err) if err is not None else None
         what = "ending a check" if self._engine is not None else "following the check"
         while True:
             msgs, _ = self._exchange((DONE, None if err is not None else result, line), what)
@@ -378,7 +378,7 @@ class ShardedProbe:
             try:
                 problem = self._driver_probe().problem
             except Exception as e:  # the engine could not be wrapped: said on every rank
-                problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                problem = exception_line(e)
         each = self._agree(what, (bool(functional), problem))
         if len({f for f, _ in each}) > 1:
             ranks = ", ".join(f"rank {r} {f}" for r, (f, _) in enumerate(each))
@@ -622,7 +622,7 @@ class ShardedProbe:
                     b = self._write_bundle(os.fspath(out_dir), merged or None, check, fire, ref, weights)
                     result = {"path": b.path, "finding": b.finding}
                 except Exception as e:  # said on every rank, in one line
-                    err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    err = exception_line(e)
                 del ref
         finally:
             self._keep = None

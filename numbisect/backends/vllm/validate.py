@@ -25,7 +25,7 @@ import sys
 
 from numbisect.backends.base import check_checkpoint
 from numbisect.backends.vllm.runner import import_vllm
-from numbisect.common.errors import InputError
+from numbisect.common.errors import InputError, exception_line
 from numbisect.common.textsafe import clip, printable
 from numbisect.model.engine_config import llm_kwargs
 
@@ -85,7 +85,7 @@ def check_with_vllm(settings: dict, what, model_dir: str | None = None) -> None:
             sub = f".{loc}" if loc and key == "compilation_config" else ""
             raise _line(what, key + sub, f"{msg} (got {clip(repr(value), 80)})") from None
         except Exception as e:  # noqa: BLE001 - a validator of vLLM's own that raises something else
-            raise _line(what, key, f"refused by vLLM ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            raise _line(what, key, f"refused by vLLM ({exception_line(e)})") from None
     for key, value in (settings.get("sampling") or {}).items():
         try:
             vllm.SamplingParams(**{key: value})
