@@ -70,6 +70,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 
 import torch
@@ -100,6 +101,7 @@ from numbisect.patching.ledger import Ledger
 
 DEFAULT_TIMEOUT = 60.0  # seconds: the longest any rank waits for the others in a check (the driver reading one unit back included)
 DONE = "__done__"
+HEARTBEAT = 5.0  # seconds: the longest a rank waits for one exchange while another rank's cold child runs
 
 
 class ShardedError(LiveError):
@@ -332,11 +334,12 @@ class ShardedProbe:
             out = revert_weight_conversion(self.model, full)
         return {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
 
-    def _driven(self, work):
+    def _driven(self, work, *, both: bool = False):
         """Run `work(reader)` on every rank with an engine while every rank serves what each
         asks for (`_exchange`), until all are done. A rank with an engine returns its own
-        result, one without the first engine's rank's (sent in the last exchange); an error
-        on a rank is raised there, and as a `ShardedError` line on the others."""
+        result, one without the first engine's rank's (sent in the last exchange); `both`:
+        a rank with an engine returns (its own, the first engine rank's). An error on a rank
+        is raised there, and as a `ShardedError` line on the others."""
         result, err = None, None
         if self._engine is not None:
             try:
@@ -356,7 +359,9 @@ class ShardedProbe:
         failed = next(((r, m[2]) for r, m in enumerate(msgs) if m[2]), None)
         if failed is not None:
             raise ShardedError(f"the check failed on rank {failed[0]}: {failed[1]}")
-        return result if self._engine is not None else msgs[self.driver][1]
+        if self._engine is None:
+            return msgs[self.driver][1]
+        return (result, msgs[self.driver][1]) if both else result
 
     # -- checks -------------------------------------------------------------------------------
     def check_weights(self, step: str | None = None, *, functional: bool = False, samples=None) -> W.WeightCheck:
@@ -370,22 +375,24 @@ class ShardedProbe:
         t0 = time.perf_counter()
         return self._driven(functools.partial(self._check, label=label, t0=t0, functional=functional, samples=samples))
 
-    def _agree_functional(self, what: str, functional: bool) -> None:
+    def _agree_functional(self, what: str, functional: bool, extra=None) -> list:
         """The ranks agree on a call and on `functional`; with it, each rank with an engine
-        says why its engine cannot be hooked (if so): raised on every rank."""
+        says why its engine cannot be hooked (if so): raised on every rank. Returns each
+        rank's `extra`, sent in the same exchange."""
         problem = None
         if functional and self._engine is not None:
             try:
                 problem = self._driver_probe().problem
             except Exception as e:  # the engine could not be wrapped: said on every rank
                 problem = exception_line(e)
-        each = self._agree(what, (bool(functional), problem))
-        if len({f for f, _ in each}) > 1:
-            ranks = ", ".join(f"rank {r} {f}" for r, (f, _) in enumerate(each))
+        each = self._agree(what, (bool(functional), problem, extra))
+        if len({f for f, _, _ in each}) > 1:
+            ranks = ", ".join(f"rank {r} {f}" for r, (f, _, _) in enumerate(each))
             raise ShardedError(f"{what}: the ranks differ in functional ({ranks}): pass the same on every rank")
-        bad = next(((r, x) for r, (_, x) in enumerate(each) if x), None)
+        bad = next(((r, x) for r, (_, x, _) in enumerate(each) if x), None)
         if bad is not None:
             raise EngineSettingError(bad[1] if bad[0] == self.rank else f"rank {bad[0]}'s engine: {bad[1]}")
+        return [x for _, _, x in each]
 
     def check_sync(self, sync, *, seed: int = 0, step: str | None = None) -> W.WeightCheck:
         """`sync()` (the user's push, run on every rank: its gathers are collectives) under
@@ -481,15 +488,42 @@ class ShardedProbe:
         in a child process (the trainer's process-group variables not passed on); that
         rank's engine compared with it per unit (`WarmCold`). `functional`: the units' local
         outputs too, fed the sharded model's inputs (a forward on every rank). `cold`: an
-        earlier result's `.cold`, reused (the model still gathered once, for its digests)."""
-        self._agree_functional("warm_vs_cold", functional)
-        return self._driven(functools.partial(self._warm_cold, samples=samples, functional=functional, cold=cold,
-                                              timeout=timeout))
+        earlier result's `.cold`, reused (the model still gathered once, for its digests).
 
-    def _warm_cold(self, ref: ShardedReference, samples, functional: bool, cold, timeout) -> K.WarmCold:
+        Several ranks with an engine (colocated): where none passes `cold` and their engines'
+        settings (numbisect.live.engine's `settings`) and `samples` agree, one cold load
+        serves them all (module doc, 9): the first engine rank's child, its answer sent to
+        the others in the check's last exchange; each compares its own engine with it.
+        Otherwise each loads its own. While a child runs, its rank keeps the others waiting
+        in exchanges of at most `HEARTBEAT` seconds each (a cold load may outlast the
+        probe's `timeout`)."""
+        key = None
+        if self._engine is not None and (cold is None or (functional and cold.captures is None)):
+            key = (sorted(engine_settings(self.llm).items()), repr(samples))
+        keys = self._agree_functional("warm_vs_cold", functional, key)
+        share = (len(self.engines) > 1 and all(keys[r] is not None for r in self.engines)
+                 and all(keys[r] == keys[self.driver] for r in self.engines))
+        work = functools.partial(self._warm_cold, samples=samples, functional=functional, cold=cold, timeout=timeout,
+                                 share=share)
+        if not share:
+            return self._driven(work)
+        out = self._driven(work, both=True)
+        if self._engine is None or self.rank == self.driver:
+            return out if self._engine is None else out[0]
+        (digests, shapes, t0), lead = out
+        if lead.cold.ref != digests:
+            raise LiveError("warm_vs_cold: the first engine rank's cold load holds other reference weights than this "
+                            "rank gathered")
+        dp = self._driver_probe()
+        return dp._warm_against(dp._llm(), lead.cold, shapes, functional, t0)
+
+    def _warm_cold(self, ref: ShardedReference, samples, functional: bool, cold, timeout, share: bool = False):
         dp = self._driver_probe()
         llm = dp._llm()
         t0 = time.perf_counter()
+        if share and self.rank != self.driver:  # the first engine rank loads it cold for every engine rank
+            digests, shapes = _stream_checkpoint(ref.layers(), None, dp.ref.config)
+            return digests, shapes, t0
         write = cold is None or (functional and cold.captures is None)
         tmp = tempfile.mkdtemp(prefix="numbisect-cold-") if write else None
         try:
@@ -866,9 +900,33 @@ class _DriverProbe(Probe):
         eng, llm, owned, settings = _engine(sharded.llm, None)
         super().__init__(_Mirrored(ref, sharded), eng, model, llm, owned, settings)
         self.history = sharded.history
+        self._sharded = sharded
 
     def _record_attach(self) -> None:
         pass  # the sharded probe's history (its digests gathered on every rank)
+
+    def _load_cold(self, job: dict, timeout: float | None) -> dict:
+        """The cold child, while a thread keeps the other ranks in step: one exchange every
+        `HEARTBEAT` seconds (each serving what the others ask for), so a child that outlasts
+        the probe's timeout does not time out the ranks waiting for this one."""
+        sharded, stop, box = self._sharded, threading.Event(), {}
+
+        def beat():
+            try:
+                while not stop.wait(min(HEARTBEAT, sharded.timeout / 4)):
+                    sharded._exchange(("wait", None), "waiting for the cold engine")
+            except BaseException as e:  # the group out of step: raised once the child is done
+                box["error"] = e
+
+        t = threading.Thread(target=beat, name="numbisect-cold-heartbeat", daemon=True)
+        t.start()
+        try:
+            return super()._load_cold(job, timeout)
+        finally:
+            stop.set()
+            t.join()
+            if "error" in box:
+                raise box["error"]
 
 
 def _stream_checkpoint(layers, dest: str | None, config) -> tuple[dict[str, str], dict[str, tuple]]:

@@ -329,13 +329,20 @@ def moe_colocated(rank: int, world: int) -> dict:
     opt.step()
     opt.zero_grad()
     mine: dict = {"sharded_experts": type(moe.model.layers[0].mlp.experts.gate_up_proj).__name__}
+    sample = [list(range(3, 15))]  # one short sample
     sync()
+    wc = None
     for name, functional in (("correct", True), ("expert", False)):
         if name == "expert":
             sync(plant=rank == 1)
         t0 = time.perf_counter()
-        c = probe.check_weights(step=name, functional=functional, samples=[list(range(3, 15))])  # one short sample
+        c = probe.check_weights(step=name, functional=functional, samples=sample)
         mine[name] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
+        # the oracle on both ranks: one cold child (rank 0's) for both engines, then reused after rank 1's plant
+        t0 = time.perf_counter()
+        wc = probe.warm_vs_cold(functional=True, samples=sample, cold=wc.cold if wc is not None else None)
+        mine[f"{name}_cold"] = {"seconds": time.perf_counter() - t0, "ok": wc.ok, "lines": wc.lines(), "cold": wc.to_dict(),
+                                "ran_child": bool(probe._probe is not None and probe._probe._ran_child)}
     probe.close()
     every = [None] * world
     dist.all_gather_object(every, mine)

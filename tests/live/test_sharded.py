@@ -184,6 +184,21 @@ def test_an_engine_on_each_rank_is_checked_on_its_rank_and_a_sharded_moes_bad_ex
     assert bad["layers.1.moe.experts"]["summary"] == "mlp.experts.3.gate_proj.weight scaled by 1.5"
 
 
+@pytest.mark.vllm
+def test_warm_vs_cold_with_an_engine_on_each_rank_shares_one_cold_load_and_names_the_planted_rank_only(scenarios):
+    r0, r1 = scenarios["moe"]["ranks"]
+    for r in (r0, r1):  # each rank's warm engine against the cold load, fed the sharded model's inputs
+        assert r["correct_cold"]["ok"], r["correct_cold"]["lines"]
+        assert r["correct_cold"]["cold"]["functional"] and len(r["correct_cold"]["cold"]["units"]) == 31  # units and blocks
+    assert r0["correct_cold"]["ran_child"] and not r1["correct_cold"]["ran_child"]  # one cold child (rank 0's) for both
+    assert r1["correct_cold"]["cold"]["cold_seconds"] == r0["correct_cold"]["cold"]["cold_seconds"]
+    assert r0["expert_cold"]["ok"], r0["expert_cold"]["lines"]  # rank 0's engine got the right expert
+    bad = [u for u in r1["expert_cold"]["cold"]["units"] if u["status"] != "ok"]
+    assert [u["unit"] for u in bad] == ["layers.1.moe.experts"] and bad[0]["status"] == "differs from cold"
+    assert bad[0]["tensors"] == ["model.layers.1.mlp.experts.3.gate_proj.weight"] and bad[0]["local_rel_l2"] > 1e-3
+    assert r1["expert_cold"]["cold"]["cold_seconds"] == r0["correct_cold"]["cold"]["cold_seconds"]  # reused: no child
+
+
 def test_rank_rows_follow_torch_chunk():
     import torch
 
