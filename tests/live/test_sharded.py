@@ -199,6 +199,50 @@ def test_warm_vs_cold_with_an_engine_on_each_rank_shares_one_cold_load_and_names
     assert r1["expert_cold"]["cold"]["cold_seconds"] == r0["correct_cold"]["cold"]["cold_seconds"]  # reused: no child
 
 
+@pytest.mark.vllm
+def test_a_sync_writing_one_ranks_rows_of_the_fused_experts_names_the_other_ranks_experts_by_rows_and_rank(scenarios):
+    r0, r1 = scenarios["moe"]["ranks"]
+    assert r0["experts_dim"] == 0  # FSDP2 shards the fused [E, ...] experts tensors along the experts
+    assert r0["experts_one_shard"]["ok"], r0["experts_one_shard"]["lines"]  # rank 0's sync was right
+    c = r1["experts_one_shard"]["weights"]
+    bad = {u["unit"]: u for u in c["units"] if u["status"] != "ok"}
+    assert sorted(bad) == [f"layers.{i}.moe.experts" for i in range(4)]
+    for u in bad.values():
+        assert u["status"] == "unwritten"
+        assert u["summary"] == ("rank 0's rows 0:4 of mlp.experts.down_proj, mlp.experts.gate_up_proj unwritten: still "
+                                "the weights of expert; rank 1's ok (12 tensors)")
+    t = next(x for x in bad["layers.1.moe.experts"]["tensors"] if x["tensor"].endswith("experts.3.gate_proj.weight"))
+    assert t["ranks"] == [{"rank": 0, "rows": [3, 4], "of": "model.layers.1.mlp.experts.gate_up_proj",
+                           "status": "unwritten", "holds": "expert"}]
+    assert not any(x["tensor"].split(".experts.")[1].split(".")[0] in "4567" for x in bad["layers.1.moe.experts"]["tensors"])
+
+
+@pytest.mark.vllm
+def test_with_an_engine_on_each_rank_the_trigger_writes_a_bundle_per_engine_rank_each_replaying_its_own_k3(scenarios, tmp_path):
+    from numbisect.cli import main
+    from numbisect.live.bundle import load
+
+    r0, r1 = scenarios["moe"]["ranks"]
+    v0, v1 = r0["trigger"]["rank_values"]
+    fire = r0["trigger"]["fire"]
+    assert fire is not None and fire["value"] > r0["trigger"]["threshold"]  # the batch's mean k3, on every rank
+    assert v1 > r0["trigger"]["threshold"] >= v0  # rank 1's engine holds stale experts, rank 0's is right
+    paths = fire["results"]["bundles"]
+    assert sorted(paths) == ["0", "1"] and paths["0"].endswith("fire-1-rank0") and paths["1"].endswith("fire-1-rank1")
+    assert r0["trigger"]["fire"]["results"]["bundle"] == paths["0"] and r1["trigger"]["fire"]["results"]["bundle"] == paths["1"]
+    b0, b1 = load(paths["0"]), load(paths["1"])  # both checksummed, every field typed
+    for b, v in ((b0, v0), (b1, v1)):
+        assert b.manifest["fire"]["value"] == v and b.manifest["fire"]["batch_value"] == fire["value"]
+        assert b.manifest["trace"] == {"samples": 2, "completion_tokens": 12}  # this rank's own share
+    assert b0.finding["weights_ok"] is True
+    assert sorted(b1.finding["weights_differ"]) == [f"layers.{i}.moe.experts" for i in range(4)]
+    out = tmp_path / "replay.json"
+    assert main(["replay", b1.path, "-q", "--out", str(out)]) == 1  # rank 1's engine diverged, offline
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "diverged" and rep["replay"]["reproduced"] is True
+    assert abs(rep["baseline"]["groups"]["completion"]["k3"]["mean"] - v1) < 0.1 * v1  # rank 1's live k3
+
+
 def test_rank_rows_follow_torch_chunk():
     import torch
 
