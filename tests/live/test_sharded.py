@@ -240,6 +240,7 @@ def test_with_an_engine_on_each_rank_the_trigger_writes_a_bundle_per_engine_rank
     assert main(["replay", b1.path, "-q", "--out", str(out)]) == 1  # rank 1's engine diverged, offline
     rep = json.loads(out.read_text())
     assert rep["verdict"] == "diverged" and rep["replay"]["reproduced"] is True
+    assert rep["first_divergence"]["above_tol"] == "layers.0.moe.experts"  # the first layer's stale experts
     assert abs(rep["baseline"]["groups"]["completion"]["k3"]["mean"] - v1) < 0.1 * v1  # rank 1's live k3
 
 
