@@ -731,7 +731,7 @@ class ShardedProbe:
         return ShardedTrigger(self, out_dir, threshold=threshold, cooldown=cooldown, max_fires=max_fires, weights=weights)
 
     def write_bundle(self, out_dir: str | os.PathLike, samples=None, *, fire=None, weights: bool = True,
-                     values: list | None = None) -> dict:
+                     shares: list | None = None) -> dict:
         """A replay bundle (numbisect.live.bundle's layout) of the batch, written on each rank
         with an engine; call it on every rank with that rank's `samples` (token ids, sent in
         one exchange). The weight check runs (every rank gathering each layer once, in one
@@ -741,8 +741,9 @@ class ShardedProbe:
         rank's samples. Several (colocated, each rank's rollouts from its own engine): each
         engine rank's bundle at `out_dir-rankR`, of its own samples (the first engine rank's
         with those of the ranks without an engine too), its check and engine its own, and
-        `fire`'s value there this rank's own k3 (`values`, each rank's, from the trigger:
-        what its replay reproduces), the batch's kept as `batch_value`. No functional
+        `fire`'s value there the k3 of those samples' tokens (`shares`: each rank's k3 sum
+        and token count, from the trigger; what its replay reproduces), the batch's kept as
+        `batch_value`. No functional
         comparison (the finding says so): the replay compares the two checkpoints on the
         batch. Returns, on every rank, the bundle's path and finding (a rank without an
         engine: the first engine rank's) and `paths` (engine rank -> its bundle); an error on
@@ -760,7 +761,7 @@ class ShardedProbe:
                     if several:
                         mine = [r for r in range(self.world) if r == self.rank or
                                 (self.rank == self.driver and r not in self.engines)]
-                        path, rank_fire = f"{out}-rank{self.rank}", _RankFire.of(fire, self.rank, values)
+                        path, rank_fire = f"{out}-rank{self.rank}", _RankFire.of(fire, self.rank, mine, shares)
                     else:
                         mine, path, rank_fire = range(self.world), out, fire
                     merged = [x for r in mine if each[r] for x in each[r]]
@@ -821,14 +822,17 @@ class _RankFire:
 
     fire: object
     rank: int
-    value: float | None
+    value: float
 
     @classmethod
-    def of(cls, fire, rank: int, values: list | None):
+    def of(cls, fire, rank: int, ranks: list[int], shares: list | None):
+        """The fire of the bundle of `ranks`' samples: their tokens' mean k3 (`shares`: each
+        rank's k3 sum and token count), else the batch's."""
         if fire is None:
             return None
-        v = values[rank] if values is not None and rank < len(values) and values[rank] is not None else fire.value
-        return cls(fire, rank, v)
+        total = sum(shares[r][0] for r in ranks) if shares else 0.0
+        tokens = sum(shares[r][1] for r in ranks) if shares else 0
+        return cls(fire, rank, total / tokens if tokens else fire.value)
 
     def to_dict(self) -> dict:
         return {**self.fire.to_dict(), "value": self.value, "batch_value": self.fire.value, "rank": self.rank}
@@ -858,7 +862,7 @@ class ShardedTrigger:
         self.out_dir = os.fspath(out_dir)
         self.weights = weights
         self.trigger = Trigger(threshold=threshold, cooldown=cooldown, max_fires=max_fires, on_fire=self._fire)
-        self._values: list | None = None  # each rank's own k3 in the last batch fed
+        self._shares: list | None = None  # each rank's (k3 sum, tokens) in the last batch fed
 
     @property
     def fires(self) -> list:
@@ -871,6 +875,11 @@ class ShardedTrigger:
     @property
     def skipped(self) -> list[int]:
         return self.trigger.skipped
+
+    @property
+    def rank_values(self) -> list[float | None] | None:
+        """Each rank's own k3 in the last batch fed (None for a rank with no token), or None."""
+        return None if self._shares is None else [t / n if n else None for t, n in self._shares]
 
     def feed(self, trainer_logprobs, rollout_logprobs, mask=None, *, step: int | None = None, samples=None):
         """This rank's share of the batch (class doc); every rank calls it. The Fire, if it fired."""
@@ -886,14 +895,14 @@ class ShardedTrigger:
             raise InputError(f"rank {bad[0]}'s batch: {bad[1]}" if bad[0] != self.probe.rank else bad[1])
         step = seen[self.probe.driver][3]  # the engine's rank's count of batches, if it gave one
         tokens = sum(x[1] for x in seen)
-        self._values = [x[0] / x[1] if x[1] else None for x in seen]  # each rank's own k3 (its bundle's, colocated)
+        self._shares = [(x[0], x[1]) for x in seen]  # each rank's k3 sum and tokens (its own bundle's value, colocated)
         if tokens == 0:
             return self.trigger.feed([], [], step=step)  # warns, records the batch as skipped
         return self.trigger.feed_value(sum(x[0] for x in seen) / tokens, step=step, samples=samples)
 
     def _fire(self, fire) -> None:
         out = os.path.join(self.out_dir, f"fire-{len(self.trigger.fires)}")
-        res = self.probe.write_bundle(out, fire.samples, fire=fire, weights=self.weights, values=self._values)
+        res = self.probe.write_bundle(out, fire.samples, fire=fire, weights=self.weights, shares=self._shares)
         fire.results["bundle"] = res["path"]
         if len(res["paths"]) > 1:
             fire.results["bundles"] = res["paths"]

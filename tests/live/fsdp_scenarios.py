@@ -384,7 +384,7 @@ def moe_colocated(rank: int, world: int, bundles: str) -> dict:
     t0 = time.perf_counter()
     fire = trig.feed(trainer, rollout, mask, step=1,
                      samples=[{"prompt_ids": x[:PROMPT], "completion_ids": x[PROMPT:]} for x in share.tolist()])
-    mine["trigger"] = {"seconds": time.perf_counter() - t0, "values": trig.values, "rank_values": trig._values,
+    mine["trigger"] = {"seconds": time.perf_counter() - t0, "values": trig.values, "rank_values": trig.rank_values,
                        "threshold": THRESHOLD, "fire": fire.to_dict() if fire else None}
     probe.close()
     every = [None] * world

@@ -1,9 +1,11 @@
 """numbisect.live.sharded on a real FSDP2 trainer: two ranks under torchrun (gloo, CPU),
 the qwen3 fixture sharded with `fully_shard`, real AdamW steps, rank 0's vLLM-CPU engine
-fed by vLLM's reload; then qwen3_moe with an engine on each rank. The scenarios run once
-(tests/live/fsdp_scenarios.py, one torchrun for the module, 1.5-3.5 min here); each test asserts what one of them showed (the
-trigger's bundle is replayed here, by `bisect replay`: about 1 min). Plus the parts that
-need no process group."""
+fed by vLLM's reload; then qwen3_moe with an engine on each rank (its cold oracle, one
+child for both, its experts' rows per rank, a bundle per engine rank). The scenarios run
+once (tests/live/fsdp_scenarios.py, one torchrun for the module, 1.8-2.7 min here); each
+test asserts what one of them showed (the dense trigger's bundle and rank 1's colocated
+one are replayed here, by `bisect replay`: 10-18 s and 5-7 s). Plus the parts that need
+no process group."""
 
 from __future__ import annotations
 
@@ -266,3 +268,21 @@ def test_without_a_process_group_or_a_sharded_model_attach_sharded_says_so(monke
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     with pytest.raises(LiveError, match="holds no DTensor .*use attach\\(\\)"):
         attach_sharded(torch.nn.Linear(2, 2))
+
+
+def test_experts_of_one_rank_are_summed_up_per_rank_and_verdict_with_their_rows():
+    from numbisect.live.sharded import _rows_summary
+
+    src = "model.layers.1.mlp.experts.gate_up_proj"
+    owned = {f"model.layers.1.mlp.experts.{e}.gate_proj.weight": (e // 4, src, e, e + 1) for e in range(8)}
+
+    def row(e, status, holds):
+        entry = {"rank": e // 4, "rows": [e, e + 1], "of": src, "status": status, "holds": holds}
+        return {"tensor": f"model.layers.1.mlp.experts.{e}.gate_proj.weight", "status": status, "how": "rows per rank",
+                "ranks": [entry], "holds": holds}
+
+    assert _rows_summary([row(0, "unwritten", "check 1"), row(2, "unwritten", "check 1")], owned) == (
+        "rank 0's rows 0:1, 2:3 of mlp.experts.gate_up_proj unwritten: still the weights of check 1; rank 1's ok (2 tensors)")
+    assert _rows_summary([row(1, "unwritten", "check 2"), row(5, "stale", "attach")], owned) == (
+        "rank 0's rows 1:2 of mlp.experts.gate_up_proj unwritten: still the weights of check 2; "
+        "rank 1's rows 5:6 of mlp.experts.gate_up_proj stale: still the weights of attach")
