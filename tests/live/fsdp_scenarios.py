@@ -277,15 +277,16 @@ def main(out_path: str) -> None:
         except ShardedError as e:
             results["skip"] = {"raised": str(e), "seconds": time.perf_counter() - t0}
     dist.barrier()
+
+    # 8. colocated, MoE: the qwen3_moe fixture sharded with its experts in an FSDP2 unit of their own, an engine
+    # on each rank (each rank pushes into its own); each rank checks its own engine. Rank 1's sync plants a
+    # scaled expert into its engine only. The dense probe is closed after it: the fork server its cold child
+    # came from (rank 0's) starts scenario 8's cold child too.
+    results["moe"] = moe_colocated(rank, world, os.path.join(os.path.dirname(os.path.abspath(out_path)), "moe-bundles"))
     probe.close()
     if rank == 0:
         llm.llm_engine.engine_core.shutdown()
     del model, opt, probe, short
-
-    # 8. colocated, MoE: the qwen3_moe fixture sharded with its experts in an FSDP2 unit of their own, an engine
-    # on each rank (each rank pushes into its own); each rank checks its own engine. Rank 1's sync plants a
-    # scaled expert into its engine only.
-    results["moe"] = moe_colocated(rank, world, os.path.join(os.path.dirname(os.path.abspath(out_path)), "moe-bundles"))
 
     if rank == 0:
         with open(out_path, "w") as f:
