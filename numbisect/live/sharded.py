@@ -573,7 +573,7 @@ class ShardedProbe:
         probe's `timeout`)."""
         key = None
         if self._engine is not None and (cold is None or (functional and cold.captures is None)):
-            key = (sorted(engine_settings(self.llm).items()), repr(samples))
+            key = hashlib.sha256(repr((sorted(engine_settings(self.llm).items()), samples)).encode()).hexdigest()
         keys = self._agree_functional("warm_vs_cold", functional, key)
         share = (len(self.engines) > 1 and all(keys[r] is not None for r in self.engines)
                  and all(keys[r] == keys[self.driver] for r in self.engines))
