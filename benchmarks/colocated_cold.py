@@ -1,6 +1,9 @@
-"""warm_vs_cold on an FSDP2 trainer with an engine on each rank (colocated): each rank's
-own cold child, run at once on both ranks. Not in the suite (two engines and two cold
-children: about 1.5 min here); its figures are in docs/how-to/training-loop.md.
+"""warm_vs_cold on an FSDP2 trainer with an engine on each rank (colocated), on the dense
+qwen3 fixture: the engines' settings and samples agree, so one cold child (rank 0's)
+serves both ranks, each comparing its own engine with it. The suite runs the same on
+qwen3_moe (tests/live/fsdp_scenarios.py, scenario 8); this one times it on its own (two
+engines and a cold child: about 1.5 min here); its figures are in
+docs/how-to/training-loop.md.
 
     PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/colocated_cold.py
 
@@ -53,7 +56,8 @@ def main():
     t0 = time.perf_counter()
     wb = probe.warm_vs_cold(functional=True, cold=wc.cold)
     b = time.perf_counter() - t0
-    mine = {"engine_start_s": start, "cold_s": a, "child_s": wc.cold.seconds, "ok": wc.lines(), "reused_s": b, "bug": wb.lines()}
+    mine = {"engine_start_s": start, "cold_s": a, "child_s": wc.cold.seconds, "ran_child": probe._probe._ran_child,
+            "ok": wc.lines(), "reused_s": b, "bug": wb.lines()}
     every = [None, None]
     dist.all_gather_object(every, mine)
     if rank == 0:

@@ -615,11 +615,15 @@ class Probe:
                 job.update(feed=os.path.join(tmp, "feed.pt"), samples=pairs, units=[u.name for u in self.engine.units])
             t0 = time.perf_counter()
             self._ran_child = True
-            answer = ENGINE.load_cold(job, timeout)  # a child process (numbisect.backends.vllm.cold)
+            answer = self._load_cold(job, timeout)  # a child process (numbisect.backends.vllm.cold)
             return K.ColdLoad(ref_digests, answer["digests"], answer["raw"], answer.get("captures"), pairs, feed,
                               time.perf_counter() - t0)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _load_cold(self, job: dict, timeout: float | None) -> dict:
+        """The cold engine's answer to `job`, from its child process."""
+        return ENGINE.load_cold(job, timeout)
 
     def check_prefix_cache(self, prompts, top: int = 20, tol: float = PX.TOL) -> PX.PrefixCacheCheck:
         """Whether the engine reads KV for `prompts` from its prefix cache that its current

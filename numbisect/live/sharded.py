@@ -29,7 +29,16 @@ So the check is collective-safe by construction:
    rows of the reference now and at each earlier check. A sync that pushed one rank's
    shard only, or gathered the ranks' shards of two tensors in a rank-dependent order, is
    named at its unit: "rows 64:128 (rank 1) unwritten: still the weights of check 1",
-   "rows 64:128 (rank 1) hold k_proj's rows of rank 1".
+   "rows 64:128 (rank 1) hold k_proj's rows of rank 1". A tensor the weight conversion
+   makes of one rank's rows of a sharded tensor (each expert of a fused [E, ...] experts
+   tensor that FSDP2 shards along the experts, `Shard(0)`; found at attach by reverting
+   row-index markers, no weight read: `_owners`) that holds an earlier check's weights is
+   named with that rank and its rows ("rows 4:5 of mlp.experts.gate_up_proj (rank 1)
+   unwritten: still the weights of check 1"; the unit: "rank 1's rows 4:8 of
+   mlp.experts.down_proj, mlp.experts.gate_up_proj unwritten: ...; rank 0's ok (12
+   tensors)"); its other differences are the whole tensor's ("scaled by 1.5", "experts.1
+   <-> experts.2 swapped"). One that holds every row along a dimension of its own is
+   judged rows by rows as above; one made of several ranks' rows otherwise, whole.
 5. `ShardedProbe.check_sync(sync)`: the user's sync under poison control (as
    `Probe.check_sync`, numbisect.live.poison), every rank running the sync between the
    poison and the check.
@@ -41,7 +50,10 @@ So the check is collective-safe by construction:
    that rank's share of the batch, the ranks agreeing in one exchange on the batch's mean
    k3 over every rank's tokens; on a fire, `write_bundle` on every rank: the replay bundle
    written on the engine's rank, its reference weights the layers the check gathered
-   (the model gathered once), the engine's read back (`ShardedTrigger`).
+   (the model gathered once), the engine's read back (`ShardedTrigger`). With an engine on
+   several ranks, each engine rank writes its own (`out_dir/fire-N-rankR`): its own share
+   of the batch, its own engine's check and weights, and its own k3 as the fire's value
+   (the batch's beside it), so `bisect replay` of each reproduces that rank's.
 
 8. `check_weights(functional=True)`: the units' local errors too, as `Probe.check_weights`
    has them (each engine unit fed the reference's inputs), the reference being the sharded
@@ -53,6 +65,11 @@ So the check is collective-safe by construction:
    per rank). Each exchange serves every rank's request together (the layers asked for,
    gathered in sorted order, then one forward when any rank asked for one), so each rank
    with an engine runs its own check against its own engine, in step with the others.
+   `warm_vs_cold` loads the gathered weights cold once for them all where their engines'
+   settings and samples agree (the first engine rank's child; its answer sent to the
+   others, each comparing its own engine with it); while a child runs its rank keeps the
+   others in step with an exchange every `HEARTBEAT` seconds (a cold load may outlast the
+   probe's `timeout`).
 
 A rank with an engine gets its own `WeightCheck` back; a rank without one gets the first
 engine's rank's (the driver's, sent in the last exchange). The trainer's model is never
@@ -70,7 +87,9 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -100,6 +119,7 @@ from numbisect.patching.ledger import Ledger
 
 DEFAULT_TIMEOUT = 60.0  # seconds: the longest any rank waits for the others in a check (the driver reading one unit back included)
 DONE = "__done__"
+HEARTBEAT = 5.0  # seconds: the longest a rank waits for one exchange while another rank's cold child runs
 
 
 class ShardedError(LiveError):
@@ -191,7 +211,7 @@ class ShardedProbe:
         self.groups = self._groups
         self.config = model.config
         self.arch = arch_for(self.config)
-        self.shapes, self.layer_of, self.dims = self._checkpoint_names()
+        self.shapes, self.layer_of, self.dims, self.owned = self._checkpoint_names()
         holders = self._all_gather(("attach", self.fingerprint, engine is not None), "attach_sharded")
         other = next((r for r, h in enumerate(holders) if h[1] != self.fingerprint), None)
         if other is not None:
@@ -222,12 +242,13 @@ class ShardedProbe:
     # -- names -------------------------------------------------------------------------------
     def _checkpoint_names(self):
         """Checkpoint names of the reference (transformers' revert of the weight conversion on
-        meta tensors: nothing gathered): shapes, layer, and the dimension a name's tensor is
-        sharded along where its state-dict tensor is that same tensor."""
+        meta tensors: nothing gathered): shapes, layer, the dimension a name's tensor is
+        sharded along where its state-dict tensor is that same tensor, and the tensors the
+        conversion makes of one rank's rows of a sharded state-dict tensor (`_owners`)."""
         from transformers.core_model_loading import revert_weight_conversion
 
         sd = self.model.state_dict()
-        shapes, layer_of, dims = {}, {}, {}
+        shapes, layer_of, dims, owned = {}, {}, {}, {}
         for key, ks in self._groups.items():
             meta = {k: torch.empty(tuple(sd[k].shape), dtype=sd[k].dtype, device="meta") for k in ks}
             out = revert_weight_conversion(self.model, meta)
@@ -236,7 +257,62 @@ class ShardedProbe:
                     shapes[n], layer_of[n] = tuple(t.shape), key
                     if n in sd and tuple(sd[n].shape) == tuple(t.shape):
                         dims[n] = shard_dim(sd[n])
-        return shapes, layer_of, {n: d for n, d in dims.items() if d is not None}
+            converted = [k for k in ks if shard_dim(sd[k]) is not None and k not in dims]
+            if converted:
+                more_dims, more_owned = self._owners(sd, ks, {n for n in out if n in shapes})
+                dims.update(more_dims)
+                owned.update(more_owned)
+        return shapes, layer_of, {n: d for n, d in dims.items() if d is not None}, owned
+
+    def _owners(self, sd: dict, ks: list[str], names: set[str]) -> tuple[dict[str, int], dict[str, tuple]]:
+        """For a layer whose sharded state-dict tensors the weight conversion turns into other
+        checkpoint tensors (a fused [E, ...] experts tensor split per expert): which rows of
+        which tensor each checkpoint tensor is made of, found by reverting markers (each
+        sharded tensor's row index along its shard dimension, broadcast: no weight read).
+        Returns (name -> dimension, for a tensor holding every row along one of its own
+        dimensions: judged rows by rows as a dense one) and (name -> (rank, state-dict
+        name, a, b), for a tensor made of rows a:b of that one rank's shard). A tensor made
+        of several ranks' rows otherwise is judged whole."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        marks, spans, base = {}, [], 0
+        for k in sorted(ks):
+            t, d = sd[k], shard_dim(sd[k])
+            shape = tuple(t.shape)
+            if d is None or k in names:
+                marks[k] = torch.full((), -1, dtype=torch.int32).expand(shape)
+                continue
+            view = [1] * len(shape)
+            view[d] = shape[d]
+            marks[k] = (torch.arange(shape[d], dtype=torch.int32) + base).view(view).expand(shape)
+            spans.append((base, base + shape[d], k))
+            base += shape[d]
+        try:
+            out = revert_weight_conversion(self.model, marks)
+        except Exception:  # a conversion that computes on its values: these tensors judged whole
+            return {}, {}
+        dims, owned = {}, {}
+        for n, v in out.items():
+            if n not in names or not isinstance(v, torch.Tensor) or v.numel() == 0:
+                continue
+            lo, hi = int(v.min()), int(v.max())
+            src = next((x for x in spans if x[0] <= lo < x[1]), None)
+            if lo < 0 or src is None or hi >= src[1]:
+                continue  # rows of no sharded tensor, or of two
+            n_rows = src[1] - src[0]
+            a, b = lo - src[0], hi - src[0] + 1
+            r = next((r for r, (x, y) in enumerate(rank_rows(n_rows, self.world)) if x <= a and b <= y), None)
+            if r is not None:
+                owned[n] = (r, src[2], a, b)
+                continue
+            for c in range(v.dim()):  # every row, in order, along one of its own dimensions
+                if v.shape[c] == n_rows and a == 0:
+                    view = [1] * v.dim()
+                    view[c] = n_rows
+                    if torch.equal(v, (torch.arange(n_rows, dtype=torch.int32) + src[0]).view(view).expand_as(v)):
+                        dims[n] = c
+                        break
+        return dims, owned
 
     # -- communication -------------------------------------------------------------------------
     def _all_gather(self, obj, what: str) -> list:
@@ -332,11 +408,12 @@ class ShardedProbe:
             out = revert_weight_conversion(self.model, full)
         return {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
 
-    def _driven(self, work):
+    def _driven(self, work, *, both: bool = False):
         """Run `work(reader)` on every rank with an engine while every rank serves what each
         asks for (`_exchange`), until all are done. A rank with an engine returns its own
-        result, one without the first engine's rank's (sent in the last exchange); an error
-        on a rank is raised there, and as a `ShardedError` line on the others."""
+        result, one without the first engine's rank's (sent in the last exchange); `both`:
+        a rank with an engine returns (its own, the first engine rank's). An error on a rank
+        is raised there, and as a `ShardedError` line on the others."""
         result, err = None, None
         if self._engine is not None:
             try:
@@ -356,7 +433,9 @@ class ShardedProbe:
         failed = next(((r, m[2]) for r, m in enumerate(msgs) if m[2]), None)
         if failed is not None:
             raise ShardedError(f"the check failed on rank {failed[0]}: {failed[1]}")
-        return result if self._engine is not None else msgs[self.driver][1]
+        if self._engine is None:
+            return msgs[self.driver][1]
+        return (result, msgs[self.driver][1]) if both else result
 
     # -- checks -------------------------------------------------------------------------------
     def check_weights(self, step: str | None = None, *, functional: bool = False, samples=None) -> W.WeightCheck:
@@ -370,22 +449,24 @@ class ShardedProbe:
         t0 = time.perf_counter()
         return self._driven(functools.partial(self._check, label=label, t0=t0, functional=functional, samples=samples))
 
-    def _agree_functional(self, what: str, functional: bool) -> None:
+    def _agree_functional(self, what: str, functional: bool, extra=None) -> list:
         """The ranks agree on a call and on `functional`; with it, each rank with an engine
-        says why its engine cannot be hooked (if so): raised on every rank."""
+        says why its engine cannot be hooked (if so): raised on every rank. Returns each
+        rank's `extra`, sent in the same exchange."""
         problem = None
         if functional and self._engine is not None:
             try:
                 problem = self._driver_probe().problem
             except Exception as e:  # the engine could not be wrapped: said on every rank
                 problem = exception_line(e)
-        each = self._agree(what, (bool(functional), problem))
-        if len({f for f, _ in each}) > 1:
-            ranks = ", ".join(f"rank {r} {f}" for r, (f, _) in enumerate(each))
+        each = self._agree(what, (bool(functional), problem, extra))
+        if len({f for f, _, _ in each}) > 1:
+            ranks = ", ".join(f"rank {r} {f}" for r, (f, _, _) in enumerate(each))
             raise ShardedError(f"{what}: the ranks differ in functional ({ranks}): pass the same on every rank")
-        bad = next(((r, x) for r, (_, x) in enumerate(each) if x), None)
+        bad = next(((r, x) for r, (_, x, _) in enumerate(each) if x), None)
         if bad is not None:
             raise EngineSettingError(bad[1] if bad[0] == self.rank else f"rank {bad[0]}'s engine: {bad[1]}")
+        return [x for _, _, x in each]
 
     def check_sync(self, sync, *, seed: int = 0, step: str | None = None) -> W.WeightCheck:
         """`sync()` (the user's push, run on every rank: its gathers are collectives) under
@@ -481,15 +562,42 @@ class ShardedProbe:
         in a child process (the trainer's process-group variables not passed on); that
         rank's engine compared with it per unit (`WarmCold`). `functional`: the units' local
         outputs too, fed the sharded model's inputs (a forward on every rank). `cold`: an
-        earlier result's `.cold`, reused (the model still gathered once, for its digests)."""
-        self._agree_functional("warm_vs_cold", functional)
-        return self._driven(functools.partial(self._warm_cold, samples=samples, functional=functional, cold=cold,
-                                              timeout=timeout))
+        earlier result's `.cold`, reused (the model still gathered once, for its digests).
 
-    def _warm_cold(self, ref: ShardedReference, samples, functional: bool, cold, timeout) -> K.WarmCold:
+        Several ranks with an engine (colocated): where none passes `cold` and their engines'
+        settings (numbisect.live.engine's `settings`) and `samples` agree, one cold load
+        serves them all (module doc, 9): the first engine rank's child, its answer sent to
+        the others in the check's last exchange; each compares its own engine with it.
+        Otherwise each loads its own. While a child runs, its rank keeps the others waiting
+        in exchanges of at most `HEARTBEAT` seconds each (a cold load may outlast the
+        probe's `timeout`)."""
+        key = None
+        if self._engine is not None and (cold is None or (functional and cold.captures is None)):
+            key = hashlib.sha256(repr((sorted(engine_settings(self.llm).items()), samples)).encode()).hexdigest()
+        keys = self._agree_functional("warm_vs_cold", functional, key)
+        share = (len(self.engines) > 1 and all(keys[r] is not None for r in self.engines)
+                 and all(keys[r] == keys[self.driver] for r in self.engines))
+        work = functools.partial(self._warm_cold, samples=samples, functional=functional, cold=cold, timeout=timeout,
+                                 share=share)
+        if not share:
+            return self._driven(work)
+        out = self._driven(work, both=True)
+        if self._engine is None or self.rank == self.driver:
+            return out if self._engine is None else out[0]
+        (digests, shapes, t0), lead = out
+        if lead.cold.ref != digests:
+            raise LiveError("warm_vs_cold: the first engine rank's cold load holds other reference weights than this "
+                            "rank gathered")
+        dp = self._driver_probe()
+        return dp._warm_against(dp._llm(), lead.cold, shapes, functional, t0)
+
+    def _warm_cold(self, ref: ShardedReference, samples, functional: bool, cold, timeout, share: bool = False):
         dp = self._driver_probe()
         llm = dp._llm()
         t0 = time.perf_counter()
+        if share and self.rank != self.driver:  # the first engine rank loads it cold for every engine rank
+            digests, shapes = _stream_checkpoint(ref.layers(), None, dp.ref.config)
+            return digests, shapes, t0
         write = cold is None or (functional and cold.captures is None)
         tmp = tempfile.mkdtemp(prefix="numbisect-cold-") if write else None
         try:
@@ -521,7 +629,7 @@ class ShardedProbe:
         self.row_history.append((label, dict(ref.chunks)))
         del self.row_history[: -self.history.keep]
         for u in check.units:
-            u.summary = _rows_summary(u.tensors) or u.summary
+            u.summary = _rows_summary(u.tensors, self.owned) or u.summary
         if not keep_digests:
             check.engine_digests = {}
         return T.annotate(check, eng.llm, self.arch, self.config, list(self.shapes))  # the weight version, the last push
@@ -529,6 +637,8 @@ class ShardedProbe:
     def _rows(self, ref: ShardedReference, name: str, t: torch.Tensor) -> dict | None:
         """A verdict on the rows of each rank of a sharded tensor that differs, when the ranks'
         rows do not all tell the same (module doc, 4); None otherwise."""
+        if name in self.owned:
+            return self._owned_rows(name, t)
         d = self.dims.get(name)
         now = ref.chunks.get(name)
         if d is None or now is None or tuple(t.shape) != self.shapes[name]:
@@ -570,6 +680,26 @@ class ShardedProbe:
             out["holds"] = holds.pop()
         return out
 
+    def _owned_rows(self, name: str, t: torch.Tensor) -> dict | None:
+        """A tensor made of one rank's rows of a sharded tensor (`owned`: an expert of a fused
+        experts tensor) that differs: that rank's rows named when they hold the weights of
+        an earlier check (unwritten, stale); None otherwise (the whole tensor's verdict,
+        its explanation included: "scaled by 1.5", "experts.1 <-> experts.2 swapped")."""
+        r, src, a, b = self.owned[name]
+        steps = self.history.steps  # oldest first; the last is the previous check's
+        if tuple(t.shape) != self.shapes[name] or not steps:
+            return None
+        x = W.digest(t)
+        if steps[-1][1].get(name) == x:
+            status, holds = W.UNWRITTEN, steps[-1][0]
+        else:
+            holds = next((lb for lb, h in reversed(steps[:-1]) if h.get(name) == x), None)
+            if holds is None:
+                return None
+            status = W.STALE
+        entry = {"rank": r, "rows": [a, b], "of": src, "status": status, "holds": holds}
+        return {"status": status, "how": "rows per rank", "ranks": [entry], "phrase": _rank_phrase(entry), "holds": holds}
+
     def check_local(self, step: str | None = None) -> W.WeightCheck | None:
         """This rank's own rows against the engine's same rows, no communication (module
         doc, 6); None on a rank without an engine."""
@@ -600,26 +730,42 @@ class ShardedProbe:
         rank's batch; on a fire, a replay bundle under `out_dir/fire-N` on the engine's rank."""
         return ShardedTrigger(self, out_dir, threshold=threshold, cooldown=cooldown, max_fires=max_fires, weights=weights)
 
-    def write_bundle(self, out_dir: str | os.PathLike, samples=None, *, fire=None, weights: bool = True) -> dict:
-        """A replay bundle (numbisect.live.bundle's layout) of the batch, written on the engine's
-        rank; call it on every rank with that rank's `samples` (token ids; gathered to the
-        engine's rank in one exchange). The weight check runs (every rank gathering each layer
-        once, in one order) and the layers it gathers are kept on the engine's rank as the
-        bundle's reference weights: the model is gathered once for both; the engine's weights
-        are read back from the engine. No functional comparison (the finding says so): the
-        replay compares the two checkpoints on the batch. Returns, on every rank, the bundle's
-        path and finding; an error on the engine's rank is a `ShardedError` line on every rank."""
+    def write_bundle(self, out_dir: str | os.PathLike, samples=None, *, fire=None, weights: bool = True,
+                     shares: list | None = None) -> dict:
+        """A replay bundle (numbisect.live.bundle's layout) of the batch, written on each rank
+        with an engine; call it on every rank with that rank's `samples` (token ids, sent in
+        one exchange). The weight check runs (every rank gathering each layer once, in one
+        order) and the layers it gathers are kept on each engine rank as the bundle's
+        reference weights: the model is gathered once for both; the engine's weights are read
+        back from that rank's engine. One engine rank: its bundle at `out_dir`, of every
+        rank's samples. Several (colocated, each rank's rollouts from its own engine): each
+        engine rank's bundle at `out_dir-rankR`, of its own samples (the first engine rank's
+        with those of the ranks without an engine too), its check and engine its own, and
+        `fire`'s value there the k3 of those samples' tokens (`shares`: each rank's k3 sum
+        and token count, from the trigger; what its replay reproduces), the batch's kept as
+        `batch_value`. No functional
+        comparison (the finding says so): the replay compares the two checkpoints on the
+        batch. Returns, on every rank, the bundle's path and finding (a rank without an
+        engine: the first engine rank's) and `paths` (engine rank -> its bundle); an error on
+        an engine rank is a `ShardedError` line on every rank."""
         each = self._agree("write_bundle", samples)
-        driver = self.rank == self.driver
-        self._keep = {} if driver else None  # the reference's tensors (its digests, and its weights when `weights`)
+        several = len(self.engines) > 1
+        out = os.fspath(out_dir)
+        self._keep = {} if self._engine is not None else None  # the reference's tensors (digests, weights if `weights`)
         try:
             check = self.check_weights(step=f"fire (batch {fire.step})" if fire is not None else "bundle")
             ref, self._keep = self._keep, None
             result, err = None, None
-            if driver:
+            if self._engine is not None:
                 try:
-                    merged = [x for s in each if s for x in s]
-                    b = self._write_bundle(os.fspath(out_dir), merged or None, check, fire, ref, weights)
+                    if several:
+                        mine = [r for r in range(self.world) if r == self.rank or
+                                (self.rank == self.driver and r not in self.engines)]
+                        path, rank_fire = f"{out}-rank{self.rank}", _RankFire.of(fire, self.rank, mine, shares)
+                    else:
+                        mine, path, rank_fire = range(self.world), out, fire
+                    merged = [x for r in mine if each[r] for x in each[r]]
+                    b = self._write_bundle(path, merged or None, check, rank_fire, ref, weights)
                     result = {"path": b.path, "finding": b.finding}
                 except Exception as e:  # said on every rank, in one line
                     err = exception_line(e)
@@ -627,10 +773,11 @@ class ShardedProbe:
         finally:
             self._keep = None
         msgs = self._all_gather((result, err), "writing the bundle")
-        result, err = msgs[self.driver]
-        if err:
-            raise ShardedError(f"the replay bundle could not be written on rank {self.driver}: {err}")
-        return result
+        failed = next(((r, m[1]) for r, m in enumerate(msgs) if m[1]), None)
+        if failed is not None:
+            raise ShardedError(f"the replay bundle could not be written on rank {failed[0]}: {failed[1]}")
+        own = msgs[self.rank if self._engine is not None else self.driver][0]
+        return {**own, "paths": {r: msgs[r][0]["path"] for r in self.engines}}
 
     def _write_bundle(self, out: str, samples, check: W.WeightCheck, fire, ref: dict, weights: bool):
         """The bundle's parts and manifest, on the engine's rank (write_bundle)."""
@@ -667,6 +814,30 @@ class ShardedProbe:
                                 fire=fire, finding=finding, parts=parts)
 
 
+@dataclass
+class _RankFire:
+    """A fire as one engine rank's bundle records it (`ShardedProbe.write_bundle`, several
+    engine ranks): the value this rank's own share of the batch gave (what its bundle's
+    replay reproduces), the batch's beside it."""
+
+    fire: object
+    rank: int
+    value: float
+
+    @classmethod
+    def of(cls, fire, rank: int, ranks: list[int], shares: list | None):
+        """The fire of the bundle of `ranks`' samples: their tokens' mean k3 (`shares`: each
+        rank's k3 sum and token count), else the batch's."""
+        if fire is None:
+            return None
+        total = sum(shares[r][0] for r in ranks) if shares else 0.0
+        tokens = sum(shares[r][1] for r in ranks) if shares else 0
+        return cls(fire, rank, total / tokens if tokens else fire.value)
+
+    def to_dict(self) -> dict:
+        return {**self.fire.to_dict(), "value": self.value, "batch_value": self.fire.value, "rank": self.rank}
+
+
 class ShardedTrigger:
     """numbisect.live.trigger's `Trigger` on a sharded trainer, fed on every rank.
 
@@ -680,14 +851,18 @@ class ShardedTrigger:
     summed: the batch's value is the mean k3 over every rank's tokens, the same on every
     rank, so every rank fires together. A rank's bad input is an `InputError` line on every
     rank. On a fire every rank runs `ShardedProbe.write_bundle` (the weight check, the model
-    gathered once, the bundle written on the engine's rank under `out_dir/fire-N`);
-    `fire.results` gets the bundle's path and finding on every rank."""
+    gathered once, the bundle written on the engine's rank under `out_dir/fire-N`; with an
+    engine on several ranks, each engine rank's own under `out_dir/fire-N-rankR`, its fire
+    value that rank's own k3); `fire.results` gets the bundle's path and finding on every
+    rank (this rank's, or the first engine rank's on a rank without an engine) and, with
+    several, `bundles` (engine rank -> path)."""
 
     def __init__(self, probe: ShardedProbe, out_dir, *, threshold=1e-3, cooldown=10, max_fires=3, weights=True):
         self.probe = probe
         self.out_dir = os.fspath(out_dir)
         self.weights = weights
         self.trigger = Trigger(threshold=threshold, cooldown=cooldown, max_fires=max_fires, on_fire=self._fire)
+        self._shares: list | None = None  # each rank's (k3 sum, tokens) in the last batch fed
 
     @property
     def fires(self) -> list:
@@ -700,6 +875,11 @@ class ShardedTrigger:
     @property
     def skipped(self) -> list[int]:
         return self.trigger.skipped
+
+    @property
+    def rank_values(self) -> list[float | None] | None:
+        """Each rank's own k3 in the last batch fed (None for a rank with no token), or None."""
+        return None if self._shares is None else [t / n if n else None for t, n in self._shares]
 
     def feed(self, trainer_logprobs, rollout_logprobs, mask=None, *, step: int | None = None, samples=None):
         """This rank's share of the batch (class doc); every rank calls it. The Fire, if it fired."""
@@ -715,25 +895,35 @@ class ShardedTrigger:
             raise InputError(f"rank {bad[0]}'s batch: {bad[1]}" if bad[0] != self.probe.rank else bad[1])
         step = seen[self.probe.driver][3]  # the engine's rank's count of batches, if it gave one
         tokens = sum(x[1] for x in seen)
+        self._shares = [(x[0], x[1]) for x in seen]  # each rank's k3 sum and tokens (its own bundle's value, colocated)
         if tokens == 0:
             return self.trigger.feed([], [], step=step)  # warns, records the batch as skipped
         return self.trigger.feed_value(sum(x[0] for x in seen) / tokens, step=step, samples=samples)
 
     def _fire(self, fire) -> None:
         out = os.path.join(self.out_dir, f"fire-{len(self.trigger.fires)}")
-        res = self.probe.write_bundle(out, fire.samples, fire=fire, weights=self.weights)
+        res = self.probe.write_bundle(out, fire.samples, fire=fire, weights=self.weights, shares=self._shares)
         fire.results["bundle"] = res["path"]
+        if len(res["paths"]) > 1:
+            fire.results["bundles"] = res["paths"]
         fire.results.update({k: v for k, v in res["finding"].items() if k != "weights_summary"})
 
 
-def _rows_summary(rows: list[dict]) -> str:
+def _rows_summary(rows: list[dict], owned: dict | None = None) -> str:
     """A unit's summary where its tensors differ rows per rank: one phrase per pattern of
     the ranks' verdicts ("rank 1's rows unwritten: still the weights of check 1, rank 0's
-    ok (6 tensors)"), the other tensors as the weight check phrases them; "" when none does."""
+    ok (6 tensors)"; for tensors made of one rank's rows of a sharded tensor, `owned`,
+    "rank 1's rows 4:8 of mlp.experts.down_proj, mlp.experts.gate_up_proj unwritten: still
+    the weights of check 1; rank 0's ok (12 tensors)"), the other tensors as the weight
+    check phrases them; "" when none does."""
     per_rank = [r for r in rows if r.get("how") == "rows per rank"]
     if not per_rank or any(r.get("how") != "rows per rank" for r in rows if r["status"] != W.OK):
         return ""
     groups: dict[str, int] = {}
+    whole = [r for r in per_rank if any("of" in e for e in r["ranks"])]
+    if whole:
+        groups.update(_owned_summary(whole, owned or {}))
+        per_rank = [r for r in per_rank if r not in whole]
     for r in per_rank:
         if any("tensor" in e for e in r["ranks"]):  # rows of another tensor: named one by one
             key = f"{W.short_name(r['tensor'])}: {r['phrase']}"
@@ -746,11 +936,35 @@ def _rows_summary(rows: list[dict]) -> str:
     return "; ".join(k if n == 1 or ":" in k.split(" ", 1)[0] else f"{k} ({n} tensors)" for k, n in groups.items())
 
 
+def _owned_summary(rows: list[dict], owned: dict) -> dict[str, int]:
+    """`_rows_summary`'s phrases for tensors each made of one rank's rows (`owned`): per
+    rank and verdict, the rows and the tensors they are rows of, and the ranks whose rows of
+    those tensors all read right; each phrase with its number of tensors."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        e = r["ranks"][0]
+        groups.setdefault((e["rank"], e["status"], e.get("holds")), []).append(e)
+    bad_ranks = {k[0] for k in groups}
+    out = {}
+    for (rank, status, holds), es in groups.items():
+        srcs = sorted({e["of"] for e in es})
+        owners = sorted({o[0] for o in owned.values() if o[1] in srcs} - bad_ranks)
+        spans = sorted({tuple(e["rows"]) for e in es})
+        rows_text = f"{spans[0][0]}:{spans[-1][1]}" if all(x[1] == y[0] for x, y in zip(spans, spans[1:])) else \
+            ", ".join(f"{a}:{b}" for a, b in spans)
+        text = _rank_phrase({"rows": [0, 0], "rank": rank, "status": status, "holds": holds}).split(") ", 1)[1]
+        key = f"rank {rank}'s rows {rows_text} of {', '.join(W.short_name(x) for x in srcs)} {text}"
+        key += f"; rank {','.join(str(o) for o in owners)}'s ok" if owners else ""
+        out[f"{key} ({len(es)} tensors)" if len(es) > 1 else key] = 1
+    return out
+
+
 def _rank_phrase(e: dict) -> str:
     a, b = e["rows"]
     what = {W.UNWRITTEN: f"unwritten: still the weights of {e.get('holds')}", W.STALE: f"stale: still the weights of {e.get('holds')}"}
     text = what.get(e["status"]) or (f"hold {e['holds']}" if e.get("holds") else "changed")
-    return f"rows {a}:{b} (rank {e['rank']}) {text}"
+    of = f" of {W.short_name(e['of'])}" if e.get("of") else ""
+    return f"rows {a}:{b}{of} (rank {e['rank']}) {text}"
 
 
 class _EngineSide:
@@ -866,9 +1080,33 @@ class _DriverProbe(Probe):
         eng, llm, owned, settings = _engine(sharded.llm, None)
         super().__init__(_Mirrored(ref, sharded), eng, model, llm, owned, settings)
         self.history = sharded.history
+        self._sharded = sharded
 
     def _record_attach(self) -> None:
         pass  # the sharded probe's history (its digests gathered on every rank)
+
+    def _load_cold(self, job: dict, timeout: float | None) -> dict:
+        """The cold child, while a thread keeps the other ranks in step: one exchange every
+        `HEARTBEAT` seconds (each serving what the others ask for), so a child that outlasts
+        the probe's timeout does not time out the ranks waiting for this one."""
+        sharded, stop, box = self._sharded, threading.Event(), {}
+
+        def beat():
+            try:
+                while not stop.wait(min(HEARTBEAT, sharded.timeout / 4)):
+                    sharded._exchange(("wait", None), "waiting for the cold engine")
+            except BaseException as e:  # the group out of step: raised once the child is done
+                box["error"] = e
+
+        t = threading.Thread(target=beat, name="numbisect-cold-heartbeat", daemon=True)
+        t.start()
+        try:
+            return super()._load_cold(job, timeout)
+        finally:
+            stop.set()
+            t.join()
+            if "error" in box:
+                raise box["error"]
 
 
 def _stream_checkpoint(layers, dest: str | None, config) -> tuple[dict[str, str], dict[str, tuple]]:

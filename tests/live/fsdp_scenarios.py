@@ -22,7 +22,10 @@ step):
    probe's timeout (a probe of its own, attached with timeout=5);
 8. colocated MoE: qwen3_moe sharded with its experts in an FSDP2 unit of their own, an
    engine on each rank (each rank pushes into its own and checks its own, the functional
-   pass's forwards asked by both ranks at once); rank 1's sync scales one expert.
+   pass's forwards asked by both ranks at once); rank 1's sync scales one expert;
+   `warm_vs_cold` on both ranks (one cold child, rank 0's, shared; then reused); rank 1's
+   sync writes its own rows of the fused experts only (the experts' rows per rank); the
+   trigger fed on both ranks, each with its own engine's rollouts: a bundle per engine rank.
 """
 
 from __future__ import annotations
@@ -274,15 +277,16 @@ def main(out_path: str) -> None:
         except ShardedError as e:
             results["skip"] = {"raised": str(e), "seconds": time.perf_counter() - t0}
     dist.barrier()
+
+    # 8. colocated, MoE: the qwen3_moe fixture sharded with its experts in an FSDP2 unit of their own, an engine
+    # on each rank (each rank pushes into its own); each rank checks its own engine. Rank 1's sync plants a
+    # scaled expert into its engine only. The dense probe is closed after it: the fork server its cold child
+    # came from (rank 0's) starts scenario 8's cold child too.
+    results["moe"] = moe_colocated(rank, world, os.path.join(os.path.dirname(os.path.abspath(out_path)), "moe-bundles"))
     probe.close()
     if rank == 0:
         llm.llm_engine.engine_core.shutdown()
     del model, opt, probe, short
-
-    # 8. colocated, MoE: the qwen3_moe fixture sharded with its experts in an FSDP2 unit of their own, an engine
-    # on each rank (each rank pushes into its own); each rank checks its own engine. Rank 1's sync plants a
-    # scaled expert into its engine only.
-    results["moe"] = moe_colocated(rank, world)
 
     if rank == 0:
         with open(out_path, "w") as f:
@@ -291,7 +295,7 @@ def main(out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def moe_colocated(rank: int, world: int) -> dict:
+def moe_colocated(rank: int, world: int, bundles: str) -> dict:
     """Scenario 8 (module doc); every rank's results, on rank 0."""
     import torch
     import torch.distributed as dist
@@ -299,7 +303,7 @@ def moe_colocated(rank: int, world: int) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
-    from numbisect.live.sharded import attach_sharded
+    from numbisect.live.sharded import attach_sharded, rank_rows, shard_dim
     from numbisect.live.sync import push
 
     moe = AutoModelForCausalLM.from_pretrained(MOE, dtype=torch.float32)
@@ -313,9 +317,22 @@ def moe_colocated(rank: int, world: int) -> dict:
     out: dict = {"engine_start_s": time.perf_counter() - t0}
     bad = "model.layers.1.mlp.experts.3.gate_proj.weight"
 
-    def sync(plant: bool = False) -> float:
+    last: dict = {}
+
+    def sync(plant: bool = False, own_rows: bool = False) -> float:
+        """Every rank gathers every tensor (one order) and pushes into its own engine; `own_rows`: the bug
+        that writes this rank's rows of each sharded experts tensor and, for the others, its copy of the
+        last sync's."""
         with torch.no_grad():
-            full = {n: t.full_tensor().detach() for n, t in moe.state_dict().items()}  # every rank, one order
+            sd = moe.state_dict()
+            full = {n: t.full_tensor().detach() for n, t in sd.items()}  # every rank, one order
+            for n in (n for n in sd if own_rows and ".mlp.experts." in n):
+                a, b = rank_rows(sd[n].shape[0], world)[rank]
+                kept = last[n].clone()
+                kept.narrow(0, a, b - a).copy_(full[n].narrow(0, a, b - a))
+                full[n] = kept
+            if not own_rows:
+                last.update(full)
             tensors = revert_weight_conversion(moe, full)
         t0 = time.perf_counter()
         push(llm, [(n, t * 1.5 if plant and n == bad else t) for n, t in tensors.items()], repack=True)
@@ -328,14 +345,48 @@ def moe_colocated(rank: int, world: int) -> dict:
     loss.backward()
     opt.step()
     opt.zero_grad()
-    mine: dict = {"sharded_experts": type(moe.model.layers[0].mlp.experts.gate_up_proj).__name__}
+    mine: dict = {"sharded_experts": type(moe.model.layers[0].mlp.experts.gate_up_proj).__name__,
+                  "experts_dim": shard_dim(moe.model.layers[0].mlp.experts.gate_up_proj)}
+    sample = [list(range(3, 15))]  # one short sample
     sync()
+    wc = None
     for name, functional in (("correct", True), ("expert", False)):
         if name == "expert":
             sync(plant=rank == 1)
         t0 = time.perf_counter()
-        c = probe.check_weights(step=name, functional=functional, samples=[list(range(3, 15))])  # one short sample
+        c = probe.check_weights(step=name, functional=functional, samples=sample)
         mine[name] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
+        # the oracle on both ranks: one cold child (rank 0's) for both engines, then reused after rank 1's plant
+        t0 = time.perf_counter()
+        wc = probe.warm_vs_cold(functional=True, samples=sample, cold=wc.cold if wc is not None else None)
+        mine[f"{name}_cold"] = {"seconds": time.perf_counter() - t0, "ok": wc.ok, "lines": wc.lines(), "cold": wc.to_dict(),
+                                "ran_child": bool(probe._probe is not None and probe._probe._ran_child)}
+
+    # one shard of the experts: rank 1's sync writes its own rows of each fused experts tensor (experts 4:8) and its
+    # copy of the last sync's for rank 0's rows (0:4); rank 0's sync is right. Checked on both ranks; then the trigger,
+    # each rank feeding its share of a batch with its own engine's rollout log-probs: a bundle on each engine rank
+    ids = torch.randint(0, moe.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(10 + rank))
+    moe(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    sync(own_rows=rank == 1)
+    t0 = time.perf_counter()
+    c = probe.check_weights(step="experts_one_shard")
+    mine["experts_one_shard"] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
+    trig = probe.trigger(bundles, threshold=THRESHOLD, cooldown=0)
+    batch = torch.randint(0, moe.config.vocab_size, (2 * world, 12), generator=torch.Generator().manual_seed(3))
+    share = batch[2 * rank: 2 * rank + 2]
+    rollout = torch.tensor(engine_logprobs(llm, share.tolist()))  # this rank's rollouts came from its own engine
+    with torch.no_grad():
+        logits = moe(input_ids=share).logits.float()
+    trainer = logits.log_softmax(-1)[:, :-1].gather(-1, share[:, 1:, None])[..., 0]
+    mask = torch.zeros_like(trainer, dtype=torch.bool)
+    mask[:, PROMPT - 1:] = True
+    t0 = time.perf_counter()
+    fire = trig.feed(trainer, rollout, mask, step=1,
+                     samples=[{"prompt_ids": x[:PROMPT], "completion_ids": x[PROMPT:]} for x in share.tolist()])
+    mine["trigger"] = {"seconds": time.perf_counter() - t0, "values": trig.values, "rank_values": trig.rank_values,
+                       "threshold": THRESHOLD, "fire": fire.to_dict() if fire else None}
     probe.close()
     every = [None] * world
     dist.all_gather_object(every, mine)

@@ -1,9 +1,11 @@
 """numbisect.live.sharded on a real FSDP2 trainer: two ranks under torchrun (gloo, CPU),
 the qwen3 fixture sharded with `fully_shard`, real AdamW steps, rank 0's vLLM-CPU engine
-fed by vLLM's reload; then qwen3_moe with an engine on each rank. The scenarios run once
-(tests/live/fsdp_scenarios.py, one torchrun for the module, 1.5-3.5 min here); each test asserts what one of them showed (the
-trigger's bundle is replayed here, by `bisect replay`: about 1 min). Plus the parts that
-need no process group."""
+fed by vLLM's reload; then qwen3_moe with an engine on each rank (its cold oracle, one
+child for both, its experts' rows per rank, a bundle per engine rank). The scenarios run
+once (tests/live/fsdp_scenarios.py, one torchrun for the module, 2.2-2.8 min here at a
+load average of 3-10); each test asserts what one of them showed (the dense trigger's
+bundle and rank 1's colocated one are replayed here, by `bisect replay`: 10-18 s and
+4-10 s). Plus the parts that need no process group."""
 
 from __future__ import annotations
 
@@ -184,6 +186,66 @@ def test_an_engine_on_each_rank_is_checked_on_its_rank_and_a_sharded_moes_bad_ex
     assert bad["layers.1.moe.experts"]["summary"] == "mlp.experts.3.gate_proj.weight scaled by 1.5"
 
 
+@pytest.mark.vllm
+def test_warm_vs_cold_with_an_engine_on_each_rank_shares_one_cold_load_and_names_the_planted_rank_only(scenarios):
+    r0, r1 = scenarios["moe"]["ranks"]
+    for r in (r0, r1):  # each rank's warm engine against the cold load, fed the sharded model's inputs
+        assert r["correct_cold"]["ok"], r["correct_cold"]["lines"]
+        assert r["correct_cold"]["cold"]["functional"] and len(r["correct_cold"]["cold"]["units"]) == 31  # units and blocks
+    assert r0["correct_cold"]["ran_child"] and not r1["correct_cold"]["ran_child"]  # one cold child (rank 0's) for both
+    assert r1["correct_cold"]["cold"]["cold_seconds"] == r0["correct_cold"]["cold"]["cold_seconds"]
+    assert r0["expert_cold"]["ok"], r0["expert_cold"]["lines"]  # rank 0's engine got the right expert
+    bad = [u for u in r1["expert_cold"]["cold"]["units"] if u["status"] != "ok"]
+    assert [u["unit"] for u in bad] == ["layers.1.moe.experts"] and bad[0]["status"] == "differs from cold"
+    assert bad[0]["tensors"] == ["model.layers.1.mlp.experts.3.gate_proj.weight"] and bad[0]["local_rel_l2"] > 1e-3
+    assert r1["expert_cold"]["cold"]["cold_seconds"] == r0["correct_cold"]["cold"]["cold_seconds"]  # reused: no child
+
+
+@pytest.mark.vllm
+def test_a_sync_writing_one_ranks_rows_of_the_fused_experts_names_the_other_ranks_experts_by_rows_and_rank(scenarios):
+    r0, r1 = scenarios["moe"]["ranks"]
+    assert r0["experts_dim"] == 0  # FSDP2 shards the fused [E, ...] experts tensors along the experts
+    assert r0["experts_one_shard"]["ok"], r0["experts_one_shard"]["lines"]  # rank 0's sync was right
+    c = r1["experts_one_shard"]["weights"]
+    bad = {u["unit"]: u for u in c["units"] if u["status"] != "ok"}
+    assert sorted(bad) == [f"layers.{i}.moe.experts" for i in range(4)]
+    for u in bad.values():
+        assert u["status"] == "unwritten"
+        assert u["summary"] == ("rank 0's rows 0:4 of mlp.experts.down_proj, mlp.experts.gate_up_proj unwritten: still "
+                                "the weights of expert; rank 1's ok (12 tensors)")
+    t = next(x for x in bad["layers.1.moe.experts"]["tensors"] if x["tensor"].endswith("experts.3.gate_proj.weight"))
+    assert t["ranks"] == [{"rank": 0, "rows": [3, 4], "of": "model.layers.1.mlp.experts.gate_up_proj",
+                           "status": "unwritten", "holds": "expert"}]
+    assert not any(x["tensor"].split(".experts.")[1].split(".")[0] in "4567" for x in bad["layers.1.moe.experts"]["tensors"])
+
+
+@pytest.mark.vllm
+def test_with_an_engine_on_each_rank_the_trigger_writes_a_bundle_per_engine_rank_each_replaying_its_own_k3(scenarios, tmp_path):
+    from numbisect.cli import main
+    from numbisect.live.bundle import load
+
+    r0, r1 = scenarios["moe"]["ranks"]
+    v0, v1 = r0["trigger"]["rank_values"]
+    fire = r0["trigger"]["fire"]
+    assert fire is not None and fire["value"] > r0["trigger"]["threshold"]  # the batch's mean k3, on every rank
+    assert v1 > r0["trigger"]["threshold"] >= v0  # rank 1's engine holds stale experts, rank 0's is right
+    paths = fire["results"]["bundles"]
+    assert sorted(paths) == ["0", "1"] and paths["0"].endswith("fire-1-rank0") and paths["1"].endswith("fire-1-rank1")
+    assert r0["trigger"]["fire"]["results"]["bundle"] == paths["0"] and r1["trigger"]["fire"]["results"]["bundle"] == paths["1"]
+    b0, b1 = load(paths["0"]), load(paths["1"])  # both checksummed, every field typed
+    for b, v in ((b0, v0), (b1, v1)):
+        assert b.manifest["fire"]["value"] == v and b.manifest["fire"]["batch_value"] == fire["value"]
+        assert b.manifest["trace"] == {"samples": 2, "completion_tokens": 12}  # this rank's own share
+    assert b0.finding["weights_ok"] is True
+    assert sorted(b1.finding["weights_differ"]) == [f"layers.{i}.moe.experts" for i in range(4)]
+    out = tmp_path / "replay.json"
+    assert main(["replay", b1.path, "-q", "--out", str(out)]) == 1  # rank 1's engine diverged, offline
+    rep = json.loads(out.read_text())
+    assert rep["verdict"] == "diverged" and rep["replay"]["reproduced"] is True
+    assert rep["first_divergence"]["above_tol"] == "layers.0.moe.experts"  # the first layer's stale experts
+    assert abs(rep["baseline"]["groups"]["completion"]["k3"]["mean"] - v1) < 0.1 * v1  # rank 1's live k3
+
+
 def test_rank_rows_follow_torch_chunk():
     import torch
 
@@ -206,3 +268,21 @@ def test_without_a_process_group_or_a_sharded_model_attach_sharded_says_so(monke
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     with pytest.raises(LiveError, match="holds no DTensor .*use attach\\(\\)"):
         attach_sharded(torch.nn.Linear(2, 2))
+
+
+def test_experts_of_one_rank_are_summed_up_per_rank_and_verdict_with_their_rows():
+    from numbisect.live.sharded import _rows_summary
+
+    src = "model.layers.1.mlp.experts.gate_up_proj"
+    owned = {f"model.layers.1.mlp.experts.{e}.gate_proj.weight": (e // 4, src, e, e + 1) for e in range(8)}
+
+    def row(e, status, holds):
+        entry = {"rank": e // 4, "rows": [e, e + 1], "of": src, "status": status, "holds": holds}
+        return {"tensor": f"model.layers.1.mlp.experts.{e}.gate_proj.weight", "status": status, "how": "rows per rank",
+                "ranks": [entry], "holds": holds}
+
+    assert _rows_summary([row(0, "unwritten", "check 1"), row(2, "unwritten", "check 1")], owned) == (
+        "rank 0's rows 0:1, 2:3 of mlp.experts.gate_up_proj unwritten: still the weights of check 1; rank 1's ok (2 tensors)")
+    assert _rows_summary([row(1, "unwritten", "check 2"), row(5, "stale", "attach")], owned) == (
+        "rank 0's rows 1:2 of mlp.experts.gate_up_proj unwritten: still the weights of check 2; "
+        "rank 1's rows 5:6 of mlp.experts.gate_up_proj stale: still the weights of attach")

@@ -163,7 +163,9 @@ _lock = threading.Lock()
 _server: Server | None = None
 _failed: dict | None = None  # the environment a server could not start in: not tried again
 _learn = True  # servers import what their children imported, until one ends Stale
-_PER_CALL = ("PYTEST_CURRENT_TEST",)  # changes between calls, read by no import: no new server for it
+# changes between calls, read by no import: no new server for it (MASTER_PORT: a free port a sharded
+# trainer's cold load picks each time, numbisect.live.sharded's `_single_process_env`)
+_PER_CALL = ("PYTEST_CURRENT_TEST", "MASTER_PORT")
 
 
 def _key(env: dict) -> dict:
