@@ -46,24 +46,83 @@ class PoisonError(LiveError):
     a tensor the sync never wrote; the engine was put back as found."""
 
 
-def poison_values(current: dict[str, torch.Tensor], avoid: dict[str, set[str]], seed: int, digest) -> dict[str, torch.Tensor]:
-    """Seeded random tensors, one per tensor of `current` (the engine's, read back), in its
-    shape and dtype: normal around the tensor's mean with its spread (at least 10% of
-    the mean's size and 1e-2: a norm weight of ones gets values around one), so an
-    unwritten unit still computes finite numbers. `avoid`: per name, digests the poison
-    must not have (the reference's value, what the engine held); `digest`: the digest."""
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bytes (dtype, shape and every byte: what equal
+    digests say, without hashing either)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().contiguous().view(-1).view(torch.uint8), b.detach().contiguous().view(-1).view(torch.uint8))
+
+
+def _holds(p: torch.Tensor, avoid, digest) -> bool:
+    """Whether `p` holds one of `avoid`: digests (compared with `digest(p)`, computed once),
+    tensors (cast to p's dtype, compared byte for byte), None (nothing)."""
+    mine = None
+    for a in avoid:
+        if isinstance(a, torch.Tensor):
+            if same_bytes(p, a.to(p.dtype)):
+                return True
+        elif a is not None:
+            mine = digest(p) if mine is None else mine
+            if mine == a:
+                return True
+    return False
+
+
+def poison_tensor(t: torch.Tensor, avoid, g: torch.Generator, digest=None) -> torch.Tensor:
+    """Seeded random values in `t`'s shape and dtype (`t`: the engine's tensor, read back):
+    normal around its mean with its spread (at least 10% of the mean's size and 1e-2: a norm
+    weight of ones gets values around one), so an unwritten unit still computes finite
+    numbers. `avoid`: what the poison must not hold (the reference's value, what the engine
+    held), as tensors (compared byte for byte in t's dtype: no hashing) or digests (`digest`)."""
+    x = t.detach().float()
+    mean = float(x.mean()) if x.numel() else 0.0
+    spread = max(float(x.std()) if x.numel() > 1 else 0.0, 0.1 * abs(mean), 1e-2)
+    p = torch.randn(t.shape, generator=g).mul_(spread).add_(mean).to(t.dtype)
+    while p.numel() and _holds(p, avoid, digest):  # (random values equal to these: never seen)
+        p = (p.float() + spread).to(t.dtype)
+    return p
+
+
+def poison_values(current: dict[str, torch.Tensor], avoid: dict[str, set], seed: int, digest) -> dict[str, torch.Tensor]:
+    """`poison_tensor` of every tensor of `current` (the engine's, read back), in sorted
+    names from one generator seeded `seed`. `avoid`: per name, what its poison must not
+    hold (digests by `digest`, or tensors)."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name in sorted(current):
-        t = current[name]
-        x = t.detach().float()
-        mean = float(x.mean()) if x.numel() else 0.0
-        spread = max(float(x.std()) if x.numel() > 1 else 0.0, 0.1 * abs(mean), 1e-2)
-        p = (torch.randn(t.shape, generator=g) * spread + mean).to(t.dtype)
-        while p.numel() and digest(p) in avoid.get(name, ()):  # (random values equal to these: never seen)
-            p = (p.float() + spread).to(t.dtype)
-        out[name] = p
-    return out
+    return {name: poison_tensor(current[name], avoid.get(name, ()), g, digest) for name in sorted(current)}
+
+
+def poison_against(layers, saved: dict[str, torch.Tensor], seed: int, digest) -> tuple[dict, dict[str, str]]:
+    """(poison, target) for every tensor of `saved` (the engine's, read back) that the
+    reference names, its tensors given one layer at a time (`layers`: a ReferenceReader's):
+    each poison (`poison_tensor`, one generator seeded `seed`, in the reference's order)
+    differs byte for byte from what the engine held and from the reference's value in the
+    engine's dtype; `target`: the digest of that value (what a tensor the poison never
+    reached may read back). Only one layer of the reference's tensors at a time."""
+    g = torch.Generator().manual_seed(seed)
+    poison, target = {}, {}
+    for _, tensors in layers:
+        for name in sorted(tensors):
+            if name in saved:
+                ref = tensors[name].to(saved[name].dtype)
+                target[name] = digest(ref)
+                poison[name] = poison_tensor(saved[name], (saved[name], ref), g)
+    return poison, target
+
+
+def read_poison(units, saved: dict[str, torch.Tensor], target: dict[str, str], digest) -> tuple[dict[str, str], list[str]]:
+    """The engine's tensors read back after the poison, unit by unit (`units`: its
+    UnitReader): (the digest of each tensor of `saved`, the ones the poison did not reach:
+    not read back, holding what the engine held before (byte for byte) or the reference's
+    value (`target`))."""
+    got, missed = {}, []
+    for _, tensors in units:
+        for name, t in tensors.items():
+            if name in saved:
+                got[name] = digest(t)
+                if got[name] == target.get(name) or same_bytes(t, saved[name]):
+                    missed.append(name)
+    return got, sorted(missed + [n for n in saved if n not in got])
 
 
 @dataclass
