@@ -8,12 +8,14 @@ control takes that case away (`Probe.poisoned`, `Probe.check_sync(sync, poison=T
 
 1. the engine's tensors are read back in the checkpoint's names (kept: what it held, to
    put back), and every one the reference names is overwritten with seeded random values
-   (`poison_values`: each tensor's own mean and spread, differing from both what the engine
-   held and the reference's value) through vLLM's own reload (numbisect.live.sync.push,
-   which redoes the packing of each CPU GEMM weight, then the MoE experts' prepacking): the
-   copies the kernels read hold the poison too. Each is read back again: one still equal
-   to the reference's value, or to what it held (the reload never reached it), refuses
-   the check (`PoisonError`), the engine put back as found first;
+   (`poison_against`, `poison_tensor`: each tensor's own mean and spread, differing byte
+   for byte from both what the engine held and the reference's value, the reference read
+   one layer at a time) through vLLM's own reload (numbisect.live.sync.push, which redoes
+   the packing of each CPU GEMM weight, then the MoE experts' prepacking): the copies the
+   kernels read hold the poison too. Each is read back again, as the kernels read it
+   (`read_poison`): one still equal to the reference's value, or to what it held (the
+   reload never reached it), refuses the check (`PoisonError`), the engine put back as
+   found first;
 2. the user's sync runs;
 3. the weight check, with the poison as the step before it (`POISON_LABEL`): a tensor
    still holding the poison is `unwritten` ("still the weights of poison (seed 0)");
@@ -24,7 +26,10 @@ control takes that case away (`Probe.poisoned`, `Probe.check_sync(sync, poison=T
    sync that raises: every tensor put back as found, the error raised on.
 
 Costs one copy of the engine's weights (the read-back) for the block, one reload for the
-poison and, when the sync missed something, one more. What poison cannot reach: buffers
+poison and, when the sync missed something, one more; the model's bytes hashed twice
+besides the check's own two passes (the reference's values, the poison read back: what the
+engine held and the poison are compared byte for byte, not hashed). benchmarks/live_cost.py
+measures a cycle against a forward plus a sync (docs/measurements.md). What poison cannot reach: buffers
 (rotary caches: `buffer differs` stays the functional check's), and engine tensors of no
 reference name (`WeightCheck.unmapped`).
 """

@@ -428,9 +428,8 @@ class ShardedProbe:
         eng, dp = self._engine, self._driver_probe()
         t0 = time.perf_counter()
         saved = {n: t for n, t in eng.tensors().items() if n in self.shapes}
-        held = {n: W.digest(t) for n, t in saved.items()}
         before = (self.history.previous() or ("", {}))[1]
-        poison = X.poison_values(saved, {n: {held[n], before.get(n)} for n in saved}, seed, W.digest)
+        poison = X.poison_values(saved, {n: (saved[n], before.get(n)) for n in saved}, seed, W.digest)
         p = X.Poisoned(seed=seed, label=X.POISON_LABEL.format(seed=seed), tensors=len(saved))
         back = _PutBack(p, saved, dict(self.shapes), "putting the engine back",
                         "the engine holds the poison: push your weights again")
@@ -441,8 +440,7 @@ class ShardedProbe:
             failed = e.message.rsplit(";", 1)[0]
             back.what, back.after = failed, "putting the engine back failed too: push your weights again"
             raise X.PoisonError(f"{failed}; the engine was put back as found") from None
-        p.digests = {n: d for n, d in W.reader_digests(eng.units()).items() if n in saved}
-        missed = sorted(n for n in saved if p.digests.get(n) in (None, held[n]))
+        p.digests, missed = X.read_poison(eng.units(), saved, {}, W.digest)  # not read back, or what it held
         if missed:
             raise X.PoisonError(f"the poison did not reach {len(missed)} engine tensor(s) ({', '.join(missed[:4])}): "
                                 "a sync that skips them could not be told; the engine was put back as found")

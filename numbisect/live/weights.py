@@ -7,7 +7,7 @@ the engine computing with other weights, and nothing fails. `check(...)` says, p
 1. Per tensor, where the engine's parameters are readable: each engine tensor is read
    back in the checkpoint's names (`engine_tensors`: fused `qkv_proj` and `gate_up_proj`
    split into q/k/v and gate/up, stacked experts `w13_weight`/`w2_weight` split per
-   expert, a packed CPU GEMM weight read back through its kernel, prepacked CPU MoE
+   expert, a packed CPU GEMM weight read back as its kernel reads it, prepacked CPU MoE
    expert weights unpacked as the kernel reads them, `unpacked`, a packed Gated DeltaNet
    conv weight likewise, `conv_unpacked`; tensors vLLM holds in float32 compared in
    float32, `engine_dtypes`), the reference's

@@ -7,8 +7,9 @@ the reference's tensors; this module knows how vLLM holds them:
    DeltaNet's `in_proj_*`) split into the checkpoint's parts (`FUSED`), stacked experts
    (`w13_weight`, `w2_weight`) split per expert (`EXPERTS`); `_split`.
 2. Layouts that depend on the CPU (docs/explanation/cpu-paths.md), each read from what the
-   engine holds: a linear weight vLLM-CPU packed into its GEMM kernel read back through the
-   kernel (backends.vllm.model.gemm_weight); MoE experts prepacked for the grouped-gemm
+   engine holds: a linear weight vLLM-CPU packed into its GEMM kernel, the SGL kernel's
+   packed copy unpacked by its packing order, another kernel's read back through the
+   kernel on the identity (backends.vllm.model.gemm_weight); MoE experts prepacked for the grouped-gemm
    kernel (`cpu_moe_isa`: "amx", "vec") and a Gated DeltaNet conv weight packed for its
    kernel unpacked by their packing order (`unpacked`, `conv_unpacked`); an MLA
    `kv_b_proj` the AMX_MLA backend emptied read from its packed W_UK/W_UV
@@ -17,7 +18,8 @@ the reference's tensors; this module knows how vLLM holds them:
    worker processes, one `apply_model` call per unit, each tensor-parallel rank's shards
    put together here (`_layout`, `gather`, `remote_tensors`).
 4. Streaming: `UnitReader` hands out one unit's tensors at a time and keeps account of
-   the bytes alive (`unit_reader` builds one for either kind of engine).
+   the bytes alive (`unit_reader` builds one for either kind of engine; in-process, the
+   model's structure found once for the whole read, `ModelIndex`).
 """
 
 from __future__ import annotations
