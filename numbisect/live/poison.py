@@ -56,7 +56,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     digests say, without hashing either)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.detach().contiguous().view(-1).view(torch.uint8), b.detach().contiguous().view(-1).view(torch.uint8))
+    return torch.equal(*(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8) for t in (a, b)))
 
 
 def _holds(p: torch.Tensor, avoid, digest) -> bool:
@@ -109,7 +109,7 @@ def poison_against(layers, saved: dict[str, torch.Tensor], seed: int, digest) ->
     for _, tensors in layers:
         for name in sorted(tensors):
             if name in saved:
-                ref = tensors[name].to(saved[name].dtype)
+                ref = tensors[name].to("cpu", saved[name].dtype)  # a trainer's tensor on an accelerator read here
                 target[name] = digest(ref)
                 poison[name] = poison_tensor(saved[name], (saved[name], ref), g)
     return poison, target
