@@ -152,7 +152,10 @@ class ShardedReference(W.ReferenceReader):
         self._dtypes: dict = {}
         self.keep: dict | None = probe._keep  # the gathered tensors kept as they pass (a bundle's reference), else None
 
-    def _revert(self, key: str) -> dict[str, torch.Tensor]:
+    def _pass_state(self) -> None:
+        return None  # each layer gathered on its own (`_revert`)
+
+    def _revert(self, key: str, sd: dict | None = None) -> dict[str, torch.Tensor]:
         self.gathers += 1
         return self.probe.gather_layer(key)
 
@@ -795,8 +798,8 @@ class _LocalReference(W.ReferenceReader):
         self.shapes = {n: tuple(sd[n].to_local().shape) if _is_dtensor(sd[n]) else tuple(s)
                        for n, s in probe.shapes.items() if n in sd}
 
-    def _revert(self, key: str) -> dict[str, torch.Tensor]:
-        sd = self.model.state_dict()
+    def _revert(self, key: str, sd: dict | None = None) -> dict[str, torch.Tensor]:
+        sd = self.model.state_dict() if sd is None else sd
         return {n: (sd[n].to_local() if _is_dtensor(sd[n]) else sd[n]).detach()
                 for n in sorted(self._groups[key]) if n in self.shapes}
 
