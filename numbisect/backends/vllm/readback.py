@@ -271,13 +271,14 @@ def engine_shards(model, shapes: dict[str, tuple], only: list[str] | None = None
     return {pname: t.detach().to("cpu", copy=True) for pname, _, _, t in _parameters(model, only)}
 
 
-def parameter_names(model, shapes: dict[str, tuple]) -> dict[str, list[str]]:
+def parameter_names(model, shapes: dict[str, tuple], index: ModelIndex | None = None) -> dict[str, list[str]]:
     """Every float parameter of a vLLM model -> the checkpoint names its split gives
     (its own name where a rank's shard cannot be split), in the model's order, nothing
-    read back: what the engine's tensors are grouped into units by. Runs where the model lives."""
-    out = {pname: [n for n, _ in _split(pname, p.data, shapes)]
-           for pname, p in model.named_parameters() if p.is_floating_point()}
-    out.update((pname, [pname]) for pname, _ in _tied_heads(model))  # read back only where its kernel differs
+    read back: what the engine's tensors are grouped into units by. Runs where the model
+    lives; `index`: its `ModelIndex`, found already."""
+    ix = index if index is not None else ModelIndex(model)
+    out = {pname: [n for n, _ in _split(pname, p.data, shapes)] for pname, p in ix.params.items()}
+    out.update((pname, [pname]) for pname, _ in ix.tied)  # read back only where its kernel differs
     return out
 
 
@@ -382,8 +383,9 @@ def unit_reader(shapes: dict[str, tuple], arch, config, *, model=None, llm=None)
     changes), or `llm`'s model in worker processes (one `apply_model` call per unit,
     bringing back that unit's tensors, every rank's shards put together here)."""
     if model is not None:
-        groups = unit_groups(parameter_names(model, shapes), arch, config)
-        return UnitReader(functools.partial(engine_tensors, model, shapes, copy=False, index=ModelIndex(model)), groups)
+        index = ModelIndex(model)
+        groups = unit_groups(parameter_names(model, shapes, index), arch, config)
+        return UnitReader(functools.partial(engine_tensors, model, shapes, copy=False, index=index), groups)
     names = llm.apply_model(functools.partial(parameter_names, shapes=shapes))[0]
     infos = [json.loads(x) for x in llm.apply_model(shard_layouts)]
     return UnitReader(lambda only: remote_tensors(llm, shapes, only, infos), unit_groups(names, arch, config))
