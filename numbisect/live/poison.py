@@ -8,12 +8,14 @@ control takes that case away (`Probe.poisoned`, `Probe.check_sync(sync, poison=T
 
 1. the engine's tensors are read back in the checkpoint's names (kept: what it held, to
    put back), and every one the reference names is overwritten with seeded random values
-   (`poison_values`: each tensor's own mean and spread, differing from both what the engine
-   held and the reference's value) through vLLM's own reload (numbisect.live.sync.push,
-   which redoes the packing of each CPU GEMM weight, then the MoE experts' prepacking): the
-   copies the kernels read hold the poison too. Each is read back again: one still equal
-   to the reference's value, or to what it held (the reload never reached it), refuses
-   the check (`PoisonError`), the engine put back as found first;
+   (`poison_against`, `poison_tensor`: each tensor's own mean and spread, differing byte
+   for byte from both what the engine held and the reference's value, the reference read
+   one layer at a time) through vLLM's own reload (numbisect.live.sync.push, which redoes
+   the packing of each CPU GEMM weight, then the MoE experts' prepacking): the copies the
+   kernels read hold the poison too. Each is read back again, as the kernels read it
+   (`read_poison`): one still equal to the reference's value, or to what it held (the
+   reload never reached it), refuses the check (`PoisonError`), the engine put back as
+   found first;
 2. the user's sync runs;
 3. the weight check, with the poison as the step before it (`POISON_LABEL`): a tensor
    still holding the poison is `unwritten` ("still the weights of poison (seed 0)");
@@ -24,7 +26,10 @@ control takes that case away (`Probe.poisoned`, `Probe.check_sync(sync, poison=T
    sync that raises: every tensor put back as found, the error raised on.
 
 Costs one copy of the engine's weights (the read-back) for the block, one reload for the
-poison and, when the sync missed something, one more. What poison cannot reach: buffers
+poison and, when the sync missed something, one more; the model's bytes hashed twice
+besides the check's own two passes (the reference's values, the poison read back: what the
+engine held and the poison are compared byte for byte, not hashed). benchmarks/live_cost.py
+measures a cycle against a forward plus a sync (docs/measurements.md). What poison cannot reach: buffers
 (rotary caches: `buffer differs` stays the functional check's), and engine tensors of no
 reference name (`WeightCheck.unmapped`).
 """
@@ -46,24 +51,83 @@ class PoisonError(LiveError):
     a tensor the sync never wrote; the engine was put back as found."""
 
 
-def poison_values(current: dict[str, torch.Tensor], avoid: dict[str, set[str]], seed: int, digest) -> dict[str, torch.Tensor]:
-    """Seeded random tensors, one per tensor of `current` (the engine's, read back), in its
-    shape and dtype: normal around the tensor's mean with its spread (at least 10% of
-    the mean's size and 1e-2: a norm weight of ones gets values around one), so an
-    unwritten unit still computes finite numbers. `avoid`: per name, digests the poison
-    must not have (the reference's value, what the engine held); `digest`: the digest."""
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bytes (dtype, shape and every byte: what equal
+    digests say, without hashing either)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(*(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8) for t in (a, b)))
+
+
+def _holds(p: torch.Tensor, avoid, digest) -> bool:
+    """Whether `p` holds one of `avoid`: digests (compared with `digest(p)`, computed once),
+    tensors (cast to p's dtype, compared byte for byte), None (nothing)."""
+    mine = None
+    for a in avoid:
+        if isinstance(a, torch.Tensor):
+            if same_bytes(p, a.to(p.dtype)):
+                return True
+        elif a is not None:
+            mine = digest(p) if mine is None else mine
+            if mine == a:
+                return True
+    return False
+
+
+def poison_tensor(t: torch.Tensor, avoid, g: torch.Generator, digest=None) -> torch.Tensor:
+    """Seeded random values in `t`'s shape and dtype (`t`: the engine's tensor, read back):
+    normal around its mean with its spread (at least 10% of the mean's size and 1e-2: a norm
+    weight of ones gets values around one), so an unwritten unit still computes finite
+    numbers. `avoid`: what the poison must not hold (the reference's value, what the engine
+    held), as tensors (compared byte for byte in t's dtype: no hashing) or digests (`digest`)."""
+    x = t.detach().float()
+    mean = float(x.mean()) if x.numel() else 0.0
+    spread = max(float(x.std()) if x.numel() > 1 else 0.0, 0.1 * abs(mean), 1e-2)
+    p = torch.randn(t.shape, generator=g).mul_(spread).add_(mean).to(t.dtype)
+    while p.numel() and _holds(p, avoid, digest):  # (random values equal to these: never seen)
+        p = (p.float() + spread).to(t.dtype)
+    return p
+
+
+def poison_values(current: dict[str, torch.Tensor], avoid: dict[str, set], seed: int, digest) -> dict[str, torch.Tensor]:
+    """`poison_tensor` of every tensor of `current` (the engine's, read back), in sorted
+    names from one generator seeded `seed`. `avoid`: per name, what its poison must not
+    hold (digests by `digest`, or tensors)."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name in sorted(current):
-        t = current[name]
-        x = t.detach().float()
-        mean = float(x.mean()) if x.numel() else 0.0
-        spread = max(float(x.std()) if x.numel() > 1 else 0.0, 0.1 * abs(mean), 1e-2)
-        p = (torch.randn(t.shape, generator=g) * spread + mean).to(t.dtype)
-        while p.numel() and digest(p) in avoid.get(name, ()):  # (random values equal to these: never seen)
-            p = (p.float() + spread).to(t.dtype)
-        out[name] = p
-    return out
+    return {name: poison_tensor(current[name], avoid.get(name, ()), g, digest) for name in sorted(current)}
+
+
+def poison_against(layers, saved: dict[str, torch.Tensor], seed: int, digest) -> tuple[dict, dict[str, str]]:
+    """(poison, target) for every tensor of `saved` (the engine's, read back) that the
+    reference names, its tensors given one layer at a time (`layers`: a ReferenceReader's):
+    each poison (`poison_tensor`, one generator seeded `seed`, in the reference's order)
+    differs byte for byte from what the engine held and from the reference's value in the
+    engine's dtype; `target`: the digest of that value (what a tensor the poison never
+    reached may read back). Only one layer of the reference's tensors at a time."""
+    g = torch.Generator().manual_seed(seed)
+    poison, target = {}, {}
+    for _, tensors in layers:
+        for name in sorted(tensors):
+            if name in saved:
+                ref = tensors[name].to("cpu", saved[name].dtype)  # a trainer's tensor on an accelerator read here
+                target[name] = digest(ref)
+                poison[name] = poison_tensor(saved[name], (saved[name], ref), g)
+    return poison, target
+
+
+def read_poison(units, saved: dict[str, torch.Tensor], target: dict[str, str], digest) -> tuple[dict[str, str], list[str]]:
+    """The engine's tensors read back after the poison, unit by unit (`units`: its
+    UnitReader): (the digest of each tensor of `saved`, the ones the poison did not reach:
+    not read back, holding what the engine held before (byte for byte) or the reference's
+    value (`target`))."""
+    got, missed = {}, []
+    for _, tensors in units:
+        for name, t in tensors.items():
+            if name in saved:
+                got[name] = digest(t)
+                if got[name] == target.get(name) or same_bytes(t, saved[name]):
+                    missed.append(name)
+    return got, sorted(missed + [n for n in saved if n not in got])
 
 
 @dataclass

@@ -475,14 +475,12 @@ class Probe:
         reach a tensor, or vLLM's reload failed; the engine put back first)."""
         llm = self._llm()
         t0 = time.perf_counter()
-        ref = self._ref_tensors()
-        shapes = {n: tuple(t.shape) for n, t in ref.items()}
-        saved = {n: t for n, t in self._engine_tensors(shapes).items() if n in ref}
-        target = W.reference_digests({n: ref[n] for n in saved}, next(iter(saved.values())).dtype)
-        del ref
-        held = {n: W.digest(t) for n, t in saved.items()}
+        ref = W.ReferenceReader(self.ref.model)  # its tensors one layer at a time
+        shapes = dict(ref.shapes)
+        saved = {n: t for n, t in self._engine_tensors(shapes).items() if n in shapes}
         p = X.Poisoned(seed=seed, label=X.POISON_LABEL.format(seed=seed), tensors=len(saved))
-        poison = X.poison_values(saved, {n: {target[n], held[n]} for n in saved}, seed, W.digest)
+        poison, target = X.poison_against(ref.layers(), saved, seed, W.digest)
+        del ref
         back = _PutBack(p, saved, shapes, "putting the engine back", "the engine holds the poison: push your weights again")
         with Ledger() as ledger:
             try:
@@ -493,8 +491,7 @@ class Probe:
                 back.what, back.after = failed, "putting the engine back failed too: push your weights again"
                 raise PoisonError(f"{failed}; the engine was put back as found") from None
             del poison
-            p.digests = {n: d for n, d in self._engine_digests(shapes).items() if n in saved}
-            missed = sorted(n for n in saved if p.digests.get(n) in (None, target[n], held[n]))
+            p.digests, missed = X.read_poison(self._engine_units(shapes), saved, target, W.digest)
             if missed:
                 raise PoisonError(f"the poison did not reach {len(missed)} engine tensor(s) ({', '.join(missed[:4])}"
                                   f"{', ...' if len(missed) > 4 else ''}): a sync that skips them could not be told; "

@@ -172,7 +172,10 @@ class ShardedReference(W.ReferenceReader):
         self._dtypes: dict = {}
         self.keep: dict | None = probe._keep  # the gathered tensors kept as they pass (a bundle's reference), else None
 
-    def _revert(self, key: str) -> dict[str, torch.Tensor]:
+    def _pass_state(self) -> None:
+        return None  # each layer gathered on its own (`_revert`)
+
+    def _revert(self, key: str, sd: dict | None = None) -> dict[str, torch.Tensor]:
         self.gathers += 1
         return self.probe.gather_layer(key)
 
@@ -509,9 +512,8 @@ class ShardedProbe:
         eng, dp = self._engine, self._driver_probe()
         t0 = time.perf_counter()
         saved = {n: t for n, t in eng.tensors().items() if n in self.shapes}
-        held = {n: W.digest(t) for n, t in saved.items()}
         before = (self.history.previous() or ("", {}))[1]
-        poison = X.poison_values(saved, {n: {held[n], before.get(n)} for n in saved}, seed, W.digest)
+        poison = X.poison_values(saved, {n: (saved[n], before.get(n)) for n in saved}, seed, W.digest)
         p = X.Poisoned(seed=seed, label=X.POISON_LABEL.format(seed=seed), tensors=len(saved))
         back = _PutBack(p, saved, dict(self.shapes), "putting the engine back",
                         "the engine holds the poison: push your weights again")
@@ -522,8 +524,7 @@ class ShardedProbe:
             failed = e.message.rsplit(";", 1)[0]
             back.what, back.after = failed, "putting the engine back failed too: push your weights again"
             raise X.PoisonError(f"{failed}; the engine was put back as found") from None
-        p.digests = {n: d for n, d in W.reader_digests(eng.units()).items() if n in saved}
-        missed = sorted(n for n in saved if p.digests.get(n) in (None, held[n]))
+        p.digests, missed = X.read_poison(eng.units(), saved, {}, W.digest)  # not read back, or what it held
         if missed:
             raise X.PoisonError(f"the poison did not reach {len(missed)} engine tensor(s) ({', '.join(missed[:4])}): "
                                 "a sync that skips them could not be told; the engine was put back as found")
@@ -1011,8 +1012,8 @@ class _LocalReference(W.ReferenceReader):
         self.shapes = {n: tuple(sd[n].to_local().shape) if _is_dtensor(sd[n]) else tuple(s)
                        for n, s in probe.shapes.items() if n in sd}
 
-    def _revert(self, key: str) -> dict[str, torch.Tensor]:
-        sd = self.model.state_dict()
+    def _revert(self, key: str, sd: dict | None = None) -> dict[str, torch.Tensor]:
+        sd = self.model.state_dict() if sd is None else sd
         return {n: (sd[n].to_local() if _is_dtensor(sd[n]) else sd[n]).detach()
                 for n in sorted(self._groups[key]) if n in self.shapes}
 

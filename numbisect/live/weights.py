@@ -7,7 +7,7 @@ the engine computing with other weights, and nothing fails. `check(...)` says, p
 1. Per tensor, where the engine's parameters are readable: each engine tensor is read
    back in the checkpoint's names (`engine_tensors`: fused `qkv_proj` and `gate_up_proj`
    split into q/k/v and gate/up, stacked experts `w13_weight`/`w2_weight` split per
-   expert, a packed CPU GEMM weight read back through its kernel, prepacked CPU MoE
+   expert, a packed CPU GEMM weight read back as its kernel reads it, prepacked CPU MoE
    expert weights unpacked as the kernel reads them, `unpacked`, a packed Gated DeltaNet
    conv weight likewise, `conv_unpacked`; tensors vLLM holds in float32 compared in
    float32, `engine_dtypes`), the reference's
@@ -143,18 +143,27 @@ class ReferenceReader:
             for n, t in tensors.items():
                 self.shapes[n], self.layer_of[n] = tuple(t.shape), key
 
-    def _revert(self, key: str) -> dict[str, torch.Tensor]:
+    def _revert(self, key: str, sd: dict | None = None) -> dict[str, torch.Tensor]:
+        """One layer's tensors in checkpoint names; `sd`: the model's state dict, taken once
+        for a pass over every layer (taken per layer, a pass cost the square of the layers)."""
         from transformers.core_model_loading import revert_weight_conversion
 
         with torch.no_grad():
-            sd = self.model.state_dict()
+            sd = self.model.state_dict() if sd is None else sd
             out = revert_weight_conversion(self.model, {k: sd[k].detach() for k in self._groups[key]})
         return {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
 
+    def _pass_state(self) -> dict | None:
+        """What a pass over every layer hands each `_revert`: the model's state dict (views of
+        its tensors), taken when the pass starts."""
+        with torch.no_grad():
+            return self.model.state_dict()
+
     def layers(self):
         """(layer, its tensors in checkpoint names), layer by layer (the first: outside any)."""
+        sd = self._pass_state()
         for key in self._groups:
-            yield key, self._revert(key)
+            yield key, self._revert(key, sd)
 
     def digests(self, dtype: torch.dtype, dtypes: dict | None = None) -> dict[str, str]:
         """`reference_digests` of every tensor, read layer by layer."""

@@ -615,6 +615,64 @@ def test_poison_control_names_what_a_dense_sync_never_wrote(dense):
     assert engine_logprobs(llm) == before
 
 
+def test_the_sgl_kernels_packed_copy_read_back_is_what_the_kernel_multiplies_by(dense):
+    """The weight check and poison control read a linear weight the SGL GEMM kernel packed
+    (every linear of the fixture on a CPU with AMX) from the kernel's own packed copy,
+    unpacked by its packing order (`sgl_weight`): bit for bit what the kernel gives on the
+    identity (`_through_kernel`), for every such layer of the engine."""
+    from numbisect.backends.vllm.model import _through_kernel, sgl_weight
+
+    _, _, llm = dense
+
+    def compare(model):
+        out = {}
+        for name, mod in model.named_modules():
+            w = sgl_weight(mod) if hasattr(mod, "cpu_linear") else None
+            if w is not None:
+                out[name] = torch.equal(w, _through_kernel(mod))
+        return out
+
+    same = llm.apply_model(compare)[0]
+    if not same:
+        pytest.skip("no linear layer runs vLLM-CPU's SGL kernel on this CPU (no AMX): read back through the kernel")
+    assert all(same.values()), [n for n, ok in same.items() if not ok]
+    assert len(same) >= 17  # 4 layers x (qkv, o, gate_up, down) and the lm_head (the embedding too where it has one)
+
+
+def test_poison_that_never_reached_a_kernels_packed_copy_is_refused(dense):
+    """A reload that leaves one linear's GEMM kernel on its old packed copy (planted: the
+    layer keeps its `cpu_linear` whatever vLLM's reload sets), so the poison never reaches
+    what that kernel multiplies by: `PoisonError` naming that tensor, the sync never run, and
+    the engine as found, bit for bit."""
+    from numbisect.live.poison import PoisonError
+
+    _, probe, llm = dense
+    target = "model.layers.1.self_attn.o_proj"
+
+    def keep_kernel(model, on: bool):
+        mod = dict(model.named_modules())[target]
+        if on:  # the layer's class with a `cpu_linear` that ignores what a reload sets
+            kept = mod.cpu_linear
+            mod.__class__ = type("KeptKernel", (type(mod),), {"cpu_linear": property(lambda self: kept, lambda self, v: None),
+                                                               "_unplanted": type(mod)})
+        else:
+            mod.__class__ = mod._unplanted
+
+    before = engine_logprobs(llm)
+    llm.apply_model(lambda m: keep_kernel(m, True))
+    ran = []
+    try:
+        with pytest.raises(PoisonError) as e:
+            probe.check_sync(lambda: ran.append(1))
+    finally:
+        llm.apply_model(lambda m: keep_kernel(m, False))
+    print(e.value)
+    assert str(e.value).startswith(f"the poison did not reach 1 engine tensor(s) ({target}.weight)")
+    assert str(e.value).endswith("the engine was put back as found")
+    assert ran == []
+    assert engine_logprobs(llm) == before
+
+
 def test_run_names_the_unit_a_sync_corrupted_and_leaves_both_sides_as_found(dense, tmp_path):
     """`probe.run`: `bisect run`'s search swapping the trainer's modules into the running
     engine. A sync bug that wrote noise into one tensor (layers.1.mlp's down_proj) is named

