@@ -40,6 +40,18 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
+# NUMBISECT_EMULATE_CPU=no-amx|no-avx512bf16 (tests/emulate_cpu/sitecustomize.py): the suite as
+# if on a CPU without AMX (or AVX-512-BF16); scripts/test.sh puts this folder on PYTHONPATH.
+EMULATE_CPU = ROOT / "tests" / "emulate_cpu"
+if os.environ.get("NUMBISECT_EMULATE_CPU") and str(EMULATE_CPU) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    pytest.exit(f"NUMBISECT_EMULATE_CPU is set but {EMULATE_CPU} is not on PYTHONPATH: run through "
+                "scripts/test.sh, or put it there", returncode=2)
+
+
+def pythonpath() -> str:
+    """PYTHONPATH for a child that must import this numbisect (and keep the CPU emulation on)."""
+    emulate = [str(EMULATE_CPU)] if os.environ.get("NUMBISECT_EMULATE_CPU") else []
+    return os.pathsep.join(emulate + [str(ROOT)])
 MODELS = ("qwen3_moe", "qwen3", "glm4_moe", "mixtral")
 
 
@@ -101,7 +113,7 @@ def no_cwd_env() -> dict:
     """child_env as a user's shell has it: this numbisect on PYTHONPATH, the working directory
     not on it, no PYTHONSAFEPATH."""
     e = child_env()
-    e["PYTHONPATH"] = str(ROOT)
+    e["PYTHONPATH"] = pythonpath()
     e.pop("PYTHONSAFEPATH", None)
     return e
 

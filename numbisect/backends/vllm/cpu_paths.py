@@ -37,8 +37,8 @@ def _linear_kernel(mod) -> str | None:
 
 def engine_paths(model) -> dict:
     """Run where the engine's model lives: the paths it took, each as counts of modules
-    ({"attention": {"AMX_MLA": 3}, "linear": {"packed": 12, "plain": 3}, "moe": {"amx": 3},
-    "gdn_conv": {"packed": 3}}); a kind the model has none of is left out."""
+    ({"attention": {"CPU_ATTN": 3}, "attention_isa": {"amx": 3}, "linear": {"packed": 12, "plain": 3},
+    "moe": {"amx": 3}, "gdn_conv": {"packed": 3}}); a kind the model has none of is left out."""
     out: dict[str, dict[str, int]] = {}
 
     def count(kind: str, value: str | None) -> None:
@@ -48,6 +48,9 @@ def engine_paths(model) -> dict:
 
     for name in attention_backends(model):
         count("attention", name)
+    for mod in model.modules():  # CPU_ATTN's kernel ("amx", "vec", "vec16", ...), set on its layers
+        if hasattr(mod, "attn_backend") and isinstance(getattr(mod, "isa", None), str):
+            count("attention_isa", mod.isa)
     for mod in model.modules():
         count("linear", _linear_kernel(mod))
         isa = cpu_moe_isa(mod)
