@@ -188,6 +188,12 @@ KEEP_ENGINES = 3
 AMX = None
 
 
+def no_amx_here() -> str:
+    """Why vLLM-CPU sees no AMX tiles here, for a skip reason."""
+    mode = os.environ.get("NUMBISECT_EMULATE_CPU")
+    return f"NUMBISECT_EMULATE_CPU={mode} hides this CPU's AMX tiles" if mode else "this CPU has no AMX tiles"
+
+
 def has_amx() -> bool:
     """Whether vLLM-CPU takes its AMX paths on this CPU (its own test: AMX tiles usable)."""
     global AMX
@@ -203,7 +209,7 @@ def mla_variant(family: str) -> str:
     ("deepseek_v3": AMX_MLA where the CPU has AMX, else CPU_MLA) and "deepseek_v3@CPU_MLA"
     (asked for; on a CPU without AMX the same path as the default, so skipped there)."""
     if "@" in family and not has_amx():
-        pytest.skip(f"{family}: this CPU has no AMX tiles, so the default engine already runs CPU_MLA "
+        pytest.skip(f"{family}: {no_amx_here()}, so the default engine already runs CPU_MLA "
                     "(vLLM-CPU's AMX_MLA path, numbisect.backends.vllm.cpu_mla, is not reachable here)")
     return family
 
