@@ -137,15 +137,23 @@ def check_gdn_sub_units(name: str) -> None:
     # both are read as [tokens, heads * head dim] in the same head order (heads out of order
     # would be off by ~100%, not bf16 rounding); the conv's channels are q, k, v on both
     # sides, the gates (g, beta) per value head
+    from numbisect.backends.vllm.cpu_paths import engine_paths
+
     s = session(name, "vllm", samples=4)
+    # vLLM-CPU's conv is its bf16 kernel on a packed weight where the CPU has AVX-512-BF16 (AMX
+    # or not), else `causal_conv1d_torch`, which computes as transformers' conv does: bit for
+    # bit (measured under NUMBISECT_EMULATE_CPU=no-avx512bf16: local 0 on every layer)
+    torch_conv = "gdn_conv" not in s.engine.llm.apply_model(engine_paths)[0]
     rows = {r["name"]: r for r in s.compare()["units"]}
     for i in range(3):
         conv, gates, gate, proj, attn = (rows[f"layers.{i}.attn{x}"] for x in (".conv", ".gates", ".out_gate", ".out_proj", ""))
-        print(f"layer {i}: conv local {conv['local']['rel_l2']:.2g}, gates local {gates['local']['rel_l2']:.2g}, "
+        print(f"layer {i}: conv local {conv['local']['rel_l2']:.2g}{' (torch conv)' if torch_conv else ''}, "
+              f"gates local {gates['local']['rel_l2']:.2g}, "
               f"out_gate local {gate['local']['rel_l2']:.2g} propagated {gate['propagated']['rel_l2']:.2g}; "
               f"attn local {attn['local']['rel_l2']:.2g}")
-        for row in (conv, gates, gate):
-            assert 0 < row["local"]["rel_l2"] < 2e-2 and row["propagated"]["rel_l2"] < 3e-2, row
+        for row in (conv, gates, gate):  # above 0 (the engine's own tensor, not the reference's) but the torch conv
+            assert (row is conv and torch_conv or row["local"]["rel_l2"] > 0) and row["local"]["rel_l2"] < 2e-2, row
+            assert row["propagated"]["rel_l2"] < 3e-2, row
         assert proj["local"] == attn["local"]  # the same tensor: the projection's output is the attention's
     floor, _ = s.trial([])
     for kinds in (("conv",), ("gates",), ("conv", "gates", "out_gate", "out_proj")):
