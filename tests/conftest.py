@@ -43,9 +43,12 @@ FIXTURES = ROOT / "fixtures"
 # NUMBISECT_EMULATE_CPU=no-amx|no-avx512bf16 (tests/emulate_cpu/sitecustomize.py): the suite as
 # if on a CPU without AMX (or AVX-512-BF16); scripts/test.sh puts this folder on PYTHONPATH.
 EMULATE_CPU = ROOT / "tests" / "emulate_cpu"
-if os.environ.get("NUMBISECT_EMULATE_CPU") and str(EMULATE_CPU) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    pytest.exit(f"NUMBISECT_EMULATE_CPU is set but {EMULATE_CPU} is not on PYTHONPATH: run through "
-                "scripts/test.sh, or put it there", returncode=2)
+
+
+def pytest_configure(config):
+    if os.environ.get("NUMBISECT_EMULATE_CPU") and str(EMULATE_CPU) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        raise pytest.UsageError(f"NUMBISECT_EMULATE_CPU is set but {EMULATE_CPU} is not on PYTHONPATH: run "
+                                "through scripts/test.sh, or put it there")
 
 
 def pythonpath() -> str:
