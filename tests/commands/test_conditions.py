@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, fp8_kv_cache_runs, model_dir, short_trace, trace_path
+from conftest import ROOT, fp8_kv_cache_runs, model_dir, pythonpath, short_trace, trace_path
 
 from numbisect.cli import main
 from numbisect.common.errors import InputError
@@ -64,7 +64,7 @@ def test_bad_settings_file_is_one_line_exit_2(tmp_path):
     p.write_text('{"batch": 3}')
     r = subprocess.run([sys.executable, "-m", "numbisect", "conditions", "--ref", f"hf:{model_dir(FIX)}",
                         "--engine", f"vllm:{model_dir(FIX)}", "--trace", trace_path(FIX), "--engine-config", str(p)],
-                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": pythonpath()})
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"bisect: error: --engine-config {p}: batch must be 1 or \"all\" (got 3)"]
 

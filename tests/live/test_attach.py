@@ -19,7 +19,7 @@ import time
 import conftest
 import pytest
 import torch
-from conftest import damaged_copy, mla_variant, model_dir, vllm
+from conftest import damaged_copy, mla_variant, model_dir, no_amx_here, vllm
 
 # one torch thread: with several processes on a few cores, spinning OpenMP threads made the tiny
 # forwards here ~10x slower (conftest.one_thread)
@@ -395,7 +395,7 @@ def test_vllms_reload_of_an_amx_mla_engine_is_named_and_the_fix_reloads_it(live,
 
     trainer, probe, llm = live(family)
     if mla_backend(llm) != "AMX_MLA":
-        pytest.skip("the engine runs CPU_MLA (this CPU has no AMX tiles): vLLM-CPU's AMX_MLA path "
+        pytest.skip(f"the engine runs CPU_MLA ({no_amx_here()}): vLLM-CPU's AMX_MLA path "
                     "(numbisect.backends.vllm.cpu_mla) is not reachable here")
     before = engine_logprobs(llm)
     trainer.step()

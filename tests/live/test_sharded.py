@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, pythonpath
 
 from numbisect.live import LiveError
 from numbisect.live.sharded import attach_sharded, rank_rows
@@ -27,7 +27,7 @@ SCRIPT = os.path.join(ROOT, "tests", "live", "fsdp_scenarios.py")
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp") / "scenarios.json"
-    env = {**child_env(), "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**child_env(), "PYTHONPATH": pythonpath(), "VLLM_CPU_KVCACHE_SPACE": "1"}
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     t0 = time.perf_counter()
     p = subprocess.run([torchrun, "--nproc-per-node", "2", SCRIPT, str(out)], env=env, capture_output=True, text=True,

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import FIXTURES, ROOT, child_env, hf, model_dir, session, trace_path, vllm
+from conftest import FIXTURES, ROOT, child_env, hf, model_dir, pythonpath, session, trace_path, vllm
 
 from numbisect.cli import main
 from numbisect.commands.run import run
@@ -336,7 +336,7 @@ def test_a_fresh_engine_survives_a_short_first_prefill():
         "print('logprobs', len(r.token_logprobs[0]))\n"
         "e.close()\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**child_env(), "PYTHONPATH": str(ROOT)},
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**child_env(), "PYTHONPATH": pythonpath()},
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "logprobs 3" in p.stdout

