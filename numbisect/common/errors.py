@@ -16,8 +16,10 @@ class ExitCode(enum.IntEnum):
 
 
 def exception_line(e: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    """An exception as one line: its type and the first line of its message (`Type: line`;
+    the type alone when the message is empty or blank)."""
+    line = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 class NumbisectError(Exception):

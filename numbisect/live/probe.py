@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from numbisect.backends import open_backend, services
-from numbisect.common.errors import BackendError, InputError
+from numbisect.common.errors import BackendError, InputError, exception_line
 from numbisect.common.procenv import no_code_from_cwd
 from numbisect.live import cold as K
 from numbisect.live import poison as X
@@ -449,8 +449,7 @@ class Probe:
             push(llm, list(tensors.items()), repack=True)
         except Exception as e:
             self._undo(llm)  # the modules the reload did not finish: usable again, as they were before it
-            line = (str(e).strip().splitlines() or [""])[0]
-            raise PoisonError(f"{what}: vLLM's reload_weights failed ({type(e).__name__}: {line}); {after}") from None
+            raise PoisonError(f"{what}: vLLM's reload_weights failed ({exception_line(e)}); {after}") from None
 
     def _pushed(self, ledger: Ledger, llm, tensors: dict[str, torch.Tensor], what: str, after: str,
                 back: _PutBack) -> None:
@@ -526,7 +525,7 @@ class Probe:
             except Exception as e:
                 n = self._undo(self._llm())
                 undone = f" (vLLM's reload left {n} module(s) unfinished: put back as they were before it)" if n else ""
-                raise SyncError(f"the sync raised {_one_line(e)}: the engine holds what it wrote before that{undone}; "
+                raise SyncError(f"the sync raised {exception_line(e)}: the engine holds what it wrote before that{undone}; "
                                 f"{self._why_reload_failed()}push your weights again") from e
             return self.check_weights(samples, functional, step)
         raised = []
@@ -540,7 +539,7 @@ class Probe:
         except Exception as e:
             if raised and e is raised[0]:  # the engine put back as found by `poisoned`
                 why = self._why_reload_failed().removesuffix("; ")
-                raise SyncError(f"the sync raised {_one_line(e)}: the engine was put back as found (poison control)"
+                raise SyncError(f"the sync raised {exception_line(e)}: the engine was put back as found (poison control)"
                                 f"{'; ' + why if why else ''}") from e
             raise
         return p.check
@@ -692,12 +691,6 @@ class _PutBack:
                         f"{len(p.left)} tensor(s) may hold the poison: push your weights again")
             p.restored = True
         p.restore_seconds = X.timed(t1)
-
-
-def _one_line(e: BaseException) -> str:
-    """An exception as `Type: its first line`."""
-    line = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 def shard_problem(model, tp: int) -> str | None:

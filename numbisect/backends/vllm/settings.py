@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from numbisect.common.errors import InputError
+from numbisect.common.errors import InputError, exception_line
 
 WHAT_WORKS = "start it with LLM(..., enforce_eager=True, enable_prefix_caching=False)"
 
@@ -76,12 +76,11 @@ def reach(llm) -> dict:
         here = in_process_client(llm) and s["tensor_parallel_size"] == 1  # else in workers (functions pickled)
         models = llm.apply_model(lambda m: m) if here else llm.apply_model(is_module)
     except Exception as e:  # a closed engine core raises on any call
-        line = str(e).strip().splitlines()[0] if str(e).strip() else ""
         if "VLLM_ALLOW_INSECURE_SERIALIZATION" in str(e):
             raise Unreachable("the engine runs its model in worker processes, which numbisect reaches with functions "
                               "pickled to them: set VLLM_ALLOW_INSECURE_SERIALIZATION=1 (in the engine's environment "
                               "and this process's)") from None
-        raise Unreachable(f"the engine cannot be reached (shut down already?): {type(e).__name__}: {line}", closed=True) from None
+        raise Unreachable(f"the engine cannot be reached (shut down already?): {exception_line(e)}", closed=True) from None
     if not models:
         raise Unreachable("the engine has no model workers to reach")
     s["in_process"] = isinstance(models[0], torch.nn.Module)
