@@ -953,19 +953,23 @@ def _owned_summary(rows: list[dict], owned: dict) -> dict[str, int]:
         spans = sorted({tuple(e["rows"]) for e in es})
         rows_text = f"{spans[0][0]}:{spans[-1][1]}" if all(x[1] == y[0] for x, y in zip(spans, spans[1:])) else \
             ", ".join(f"{a}:{b}" for a, b in spans)
-        text = _rank_phrase({"rows": [0, 0], "rank": rank, "status": status, "holds": holds}).split(") ", 1)[1]
+        text = _verdict(status, holds)
         key = f"rank {rank}'s rows {rows_text} of {', '.join(W.short_name(x) for x in srcs)} {text}"
         key += f"; rank {','.join(str(o) for o in owners)}'s ok" if owners else ""
         out[f"{key} ({len(es)} tensors)" if len(es) > 1 else key] = 1
     return out
 
 
+def _verdict(status: str, holds) -> str:
+    """What rows of a rank hold, in words ("unwritten: still the weights of check 1")."""
+    what = {W.UNWRITTEN: f"unwritten: still the weights of {holds}", W.STALE: f"stale: still the weights of {holds}"}
+    return what.get(status) or (f"hold {holds}" if holds else "changed")
+
+
 def _rank_phrase(e: dict) -> str:
     a, b = e["rows"]
-    what = {W.UNWRITTEN: f"unwritten: still the weights of {e.get('holds')}", W.STALE: f"stale: still the weights of {e.get('holds')}"}
-    text = what.get(e["status"]) or (f"hold {e['holds']}" if e.get("holds") else "changed")
     of = f" of {W.short_name(e['of'])}" if e.get("of") else ""
-    return f"rows {a}:{b}{of} (rank {e['rank']}) {text}"
+    return f"rows {a}:{b}{of} (rank {e['rank']}) {_verdict(e['status'], e.get('holds'))}"
 
 
 class _EngineSide:
