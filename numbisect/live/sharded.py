@@ -73,7 +73,7 @@ So the check is collective-safe by construction:
    engine read back whole against the cold load) runs while a thread of that rank keeps
    the others in step (`_beating`): an exchange every `heartbeat` seconds, `HEARTBEAT` or
    a quarter of `timeout` where that is shorter, so no rank waits longer than `timeout`
-   whatever the user passed (tested: `timeout=2`, a cold child of 6-9 s).
+   whatever the user passed (tested: `timeout=2`, a cold child of 6.0-7.8 s).
 
 A rank with an engine gets its own `WeightCheck` back; a rank without one gets the first
 engine's rank's (the driver's, sent in the last exchange). The trainer's model is never
@@ -1195,7 +1195,8 @@ def _single_process_env():
 def attach_sharded(model, engine=None, *, timeout: float = DEFAULT_TIMEOUT, group=None) -> ShardedProbe:
     """A `ShardedProbe` over a trainer's sharded model (module doc). Call on every rank, once,
     after `fully_shard`; `engine`: the `vllm.LLM` on the rank that holds it (None elsewhere);
-    `timeout`: the longest a check waits for the other ranks (seconds); `group`: a gloo
+    `timeout`: the longest a check waits for the other ranks (seconds; a rank's longer work,
+    a cold child, keeps them waiting in exchanges `heartbeat` apart: module doc, 9); `group`: a gloo
     group of your own for the check's exchanges (default: one made here with `timeout`)."""
     if not dist.is_available() or not dist.is_initialized():
         raise LiveError("attach_sharded: torch.distributed is not initialized (call it on every rank of the trainer, "

@@ -339,7 +339,9 @@ def moe_colocated(rank: int, world: int, bundles: str) -> dict:
             tensors = revert_weight_conversion(moe, full)
         t0 = time.perf_counter()
         push(llm, [(n, t * 1.5 if plant and n == bad else t) for n, t in tensors.items()], repack=True)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        dist.barrier()  # each rank pushed into its own engine, in its own time: the probe's 2 s bound the check's waits only
+        return seconds
 
     sync()
     probe = attach_sharded(moe, engine=llm, timeout=MOE_TIMEOUT)
