@@ -68,12 +68,17 @@ So the check is collective-safe by construction:
    `warm_vs_cold` loads the gathered weights cold once for them all where their engines'
    settings and samples agree (the first engine rank's child; its answer sent to the
    others, each comparing its own engine with it, in one more round of exchanges so that
-   every rank leaves the call together). A rank's own work that may outlast the probe's
-   `timeout` (a cold child: about 6 s on the MoE fixture, minutes on a real model; its
-   engine read back whole against the cold load) runs while a thread of that rank keeps
-   the others in step (`_beating`): an exchange every `heartbeat` seconds, `HEARTBEAT` or
-   a quarter of `timeout` where that is shorter, so no rank waits longer than `timeout`
-   whatever the user passed (tested: `timeout=2`, a cold child of 6.0-7.8 s).
+   every rank leaves the call together).
+10. A rank's own work on its whole engine, which may outlast the probe's `timeout` (a
+    cold child: about 6 s on the MoE fixture, minutes on a real model; the engine read back
+    whole against the cold load; poison control's poison: the engine read, pushed and read
+    again; a replay bundle's two checkpoints), runs while a thread of that rank keeps the
+    others in step (`_beating`): an exchange every `heartbeat` seconds, `HEARTBEAT` or a
+    quarter of `timeout` where that is shorter, so no rank waits longer than `timeout` for
+    it whatever the user passed (tested: `timeout=2`, a cold child of 6.0-13.0 s). The
+    phase ends in an exchange repeated until every rank is done (`_settle`). Poison
+    control's put-back of what a sync left poisoned runs after the call's last exchange:
+    the next call waits for it (bounded by `timeout`).
 
 A rank with an engine gets its own `WeightCheck` back; a rank without one gets the first
 engine's rank's (the driver's, sent in the last exchange). The trainer's model is never
@@ -395,9 +400,9 @@ class ShardedProbe:
     @contextlib.contextmanager
     def _beating(self, what: str):
         """For the block (this rank's own work that may outlast `timeout`, no exchange in it:
-        a cold child, the warm engine read back whole), a thread keeps the other ranks in
-        step: one exchange every `heartbeat` seconds, each serving what the others ask for.
-        The group out of step meanwhile is raised once the block is done."""
+        module doc, 10), a thread keeps the other ranks in step: one exchange every
+        `heartbeat` seconds, each serving what the others ask for. The group out of step
+        meanwhile is raised once the block is done. End the phase with `_settle`."""
         stop, box = threading.Event(), {}
 
         def beat():
@@ -417,6 +422,15 @@ class ShardedProbe:
             t.join()
             if "error" in box:
                 raise box["error"]
+
+    def _settle(self, payload, what: str) -> list:
+        """The last exchange of a phase in which a rank's own work may have run under
+        `_beating`: repeated until every rank sends its `payload` in the same exchange (its
+        heartbeats answered meanwhile); every rank's, in rank order."""
+        while True:
+            msgs, _ = self._exchange((DONE, payload), what)
+            if all(isinstance(m, tuple) and m and m[0] == DONE for m in msgs):
+                return [m[1] for m in msgs]
 
     def _follow_forward(self, sample: tuple[list[int], int]) -> None:
         """A forward of the sharded model on a rank that takes part only (its gathers are
@@ -526,10 +540,11 @@ class ShardedProbe:
             p, back, err = None, None, None
             if self._engine is not None:
                 try:
-                    p, back = self._poison(seed, ledger)
+                    with self._beating("waiting for the engine's poison"):  # the whole engine read, pushed, read again
+                        p, back = self._poison(seed, ledger)
                 except X.PoisonError as e:
                     err = e.message
-            errors = [e for e in self._all_gather(err, "poisoning the engine") if e]
+            errors = [e for e in self._settle(err, "poisoning the engine") if e]
             if errors:
                 raise X.PoisonError(errors[0])
             try:
@@ -815,14 +830,15 @@ class ShardedProbe:
                     else:
                         mine, path, rank_fire = range(self.world), out, fire
                     merged = [x for r in mine if each[r] for x in each[r]]
-                    b = self._write_bundle(path, merged or None, check, rank_fire, ref, weights)
+                    with self._beating("waiting for a replay bundle"):  # two whole checkpoints written
+                        b = self._write_bundle(path, merged or None, check, rank_fire, ref, weights)
                     result = {"path": b.path, "finding": b.finding}
                 except Exception as e:  # said on every rank, in one line
                     err = exception_line(e)
                 del ref
         finally:
             self._keep = None
-        msgs = self._all_gather((result, err), "writing the bundle")
+        msgs = self._settle((result, err), "writing the bundle")
         failed = next(((r, m[1]) for r, m in enumerate(msgs) if m[1]), None)
         if failed is not None:
             raise ShardedError(f"the replay bundle could not be written on rank {failed[0]}: {failed[1]}")
@@ -1196,7 +1212,7 @@ def attach_sharded(model, engine=None, *, timeout: float = DEFAULT_TIMEOUT, grou
     """A `ShardedProbe` over a trainer's sharded model (module doc). Call on every rank, once,
     after `fully_shard`; `engine`: the `vllm.LLM` on the rank that holds it (None elsewhere);
     `timeout`: the longest a check waits for the other ranks (seconds; a rank's longer work,
-    a cold child, keeps them waiting in exchanges `heartbeat` apart: module doc, 9); `group`: a gloo
+    a cold child, keeps them waiting in exchanges `heartbeat` apart: module doc, 10); `group`: a gloo
     group of your own for the check's exchanges (default: one made here with `timeout`)."""
     if not dist.is_available() or not dist.is_initialized():
         raise LiveError("attach_sharded: torch.distributed is not initialized (call it on every rank of the trainer, "
