@@ -128,7 +128,7 @@ from numbisect.patching.ledger import Ledger
 
 DEFAULT_TIMEOUT = 60.0  # seconds: the longest any rank waits for the others in a check (the driver reading one unit back included)
 DONE = "__done__"
-HEARTBEAT = 5.0  # seconds between two exchanges while a rank's own long work runs (a cold child): at most; a probe's `heartbeat` is min(HEARTBEAT, timeout / 4)
+HEARTBEAT = 5.0  # seconds between a rank's exchanges while its long work runs (module doc, 10); min(HEARTBEAT, timeout/4)
 
 
 class ShardedError(LiveError):
