@@ -3,9 +3,10 @@ the qwen3 fixture sharded with `fully_shard`, real AdamW steps, rank 0's vLLM-CP
 fed by vLLM's reload; then qwen3_moe with an engine on each rank (its cold oracle, one
 child for both, outlasting the probe's timeout of 2 s; its experts' rows per rank, a
 bundle per engine rank). The scenarios run once (tests/live/fsdp_scenarios.py, one
-torchrun for the module, 2.2-4.1 min here at a load average of 3-16); each test asserts what one of them showed (the dense trigger's
-bundle and rank 1's colocated one are replayed here, by `bisect replay`: 10-18 s and
-4-10 s). Plus the parts that need no process group."""
+torchrun for the module, 2.2-4.1 min here at a load average of 3-16); each test asserts
+what one of them showed (the dense trigger's bundle and rank 1's colocated one are
+replayed here, by `bisect replay`: 10-18 s and 4-10 s). Plus the parts that need no
+process group."""
 
 from __future__ import annotations
 
