@@ -75,7 +75,7 @@ So the check is collective-safe by construction:
     again; a replay bundle's two checkpoints), runs while a thread of that rank keeps the
     others in step (`_beating`): an exchange every `heartbeat` seconds, `HEARTBEAT` or a
     quarter of `timeout` where that is shorter, so no rank waits longer than `timeout` for
-    it whatever the user passed (tested: `timeout=2`, a cold child of 6.0-13.0 s). The
+    it whatever the user passed (tested: `timeout=2`, a cold child of 5.9-13.0 s). The
     phase ends in an exchange repeated until every rank is done (`_settle`). Poison
     control's put-back of what a sync left poisoned runs after the call's last exchange:
     the next call waits for it (bounded by `timeout`).
