@@ -43,8 +43,17 @@ So the check is collective-safe by construction:
    `Probe.check_sync`, numbisect.live.poison), every rank running the sync between the
    poison and the check.
 6. `ShardedProbe.check_local()`: no communication; on a rank with an engine, this rank's
-   own rows of every tensor the trainer shards against the engine's same rows (its own
-   history of digests), the rest of the tensors (replicated) whole.
+   share of the reference against the engine's same tensors (its own history of digests):
+   the weight conversion reverted on this rank's shards, its tensors named as found at
+   attach (row markers, no weight read: `_local_names`): this rank's rows of every tensor
+   the trainer shards, the experts of a fused [E, ...] experts tensor sharded along the
+   experts (`Shard(0)`) whose rows are this rank's (an expert that holds an earlier local
+   check's weights named with its rows: "rank 1's rows 4:8 of mlp.experts.down_proj,
+   mlp.experts.gate_up_proj unwritten: still the weights of local 1 (12 tensors)"), the
+   replicated tensors whole. Other ranks' experts, and tensors made of several ranks'
+   rows, are left out, never called missing or stale: named per unit in the result's
+   `not_checked` ("rank 0's rows 0:4 of mlp.experts.down_proj, mlp.experts.gate_up_proj
+   (12 tensors): check_weights checks them").
 
 7. `ShardedProbe.trigger(out_dir)`: numbisect.live.trigger's trigger fed on every rank with
    that rank's share of the batch, the ranks agreeing in one exchange on the batch's mean
