@@ -319,12 +319,9 @@ class ShardedProbe:
                 owned[n] = (r, src[2], a, b)
                 continue
             for c in range(v.dim()):  # every row, in order, along one of its own dimensions
-                if v.shape[c] == n_rows and a == 0:
-                    view = [1] * v.dim()
-                    view[c] = n_rows
-                    if torch.equal(v, (torch.arange(n_rows, dtype=torch.int32) + src[0]).view(view).expand_as(v)):
-                        dims[n] = c
-                        break
+                if v.shape[c] == n_rows and a == 0 and _along(v, c, src[0], n_rows):
+                    dims[n] = c
+                    break
         return dims, owned
 
     def _local_names(self) -> tuple[dict[str, dict[str, str]], dict[str, tuple[int, int, int]]]:
@@ -389,11 +386,9 @@ class ShardedProbe:
         if full is None or len(full) != v.dim() or (a, b) != (ra, rb):
             return None
         for c in range(v.dim()):  # this rank's rows, in order, along one of its own dimensions
-            if full[c] == end - base and v.shape[c] == rb - ra and all(full[i] == v.shape[i] for i in range(v.dim()) if i != c):
-                view = [1] * v.dim()
-                view[c] = rb - ra
-                if torch.equal(v, (torch.arange(ra, rb, dtype=torch.int32) + base).view(view).expand_as(v)):
-                    return n, (c, ra, rb)
+            if full[c] == end - base and v.shape[c] == rb - ra and all(full[i] == v.shape[i] for i in range(v.dim()) if i != c) \
+                    and _along(v, c, base + ra, rb - ra):
+                return n, (c, ra, rb)
         return None
 
     # -- communication -------------------------------------------------------------------------
@@ -821,11 +816,7 @@ class ShardedProbe:
                 if r is None:
                     parts.append(f"{len(xs)} tensor{'s' if len(xs) > 1 else ''} of several ranks' rows or another layout")
                     continue
-                srcs = sorted({x[1] for x in xs})
-                spans = sorted({(x[2], x[3]) for x in xs})
-                contiguous = all(p[1] == q[0] for p, q in zip(spans, spans[1:]))
-                rows = f"{spans[0][0]}:{spans[-1][1]}" if contiguous else ", ".join(f"{a}:{b}" for a, b in spans)
-                parts.append(f"rank {r}'s rows {rows} of {', '.join(W.short_name(x) for x in srcs)} "
+                parts.append(f"rank {r}'s {_rows_of([(x[2], x[3]) for x in xs], {x[1] for x in xs})} "
                              f"({len(xs)} tensor{'s' if len(xs) > 1 else ''})")
             out[u] = "; ".join(parts) + ": check_weights checks them"
         return out
@@ -1065,16 +1056,28 @@ def _owned_summary(rows: list[dict], owned: dict) -> dict[str, int]:
     bad_ranks = {k[0] for k in groups}
     out = {}
     for (rank, status, holds), es in groups.items():
-        srcs = sorted({e["of"] for e in es})
+        srcs = {e["of"] for e in es}
         owners = sorted({o[0] for o in owned.values() if o[1] in srcs} - bad_ranks)
-        spans = sorted({tuple(e["rows"]) for e in es})
-        rows_text = f"{spans[0][0]}:{spans[-1][1]}" if all(x[1] == y[0] for x, y in zip(spans, spans[1:])) else \
-            ", ".join(f"{a}:{b}" for a, b in spans)
-        text = _verdict(status, holds)
-        key = f"rank {rank}'s rows {rows_text} of {', '.join(W.short_name(x) for x in srcs)} {text}"
+        key = f"rank {rank}'s {_rows_of([tuple(e['rows']) for e in es], srcs)} {_verdict(status, holds)}"
         key += f"; rank {','.join(str(o) for o in owners)}'s ok" if owners else ""
         out[f"{key} ({len(es)} tensors)" if len(es) > 1 else key] = 1
     return out
+
+
+def _rows_of(spans: list[tuple[int, int]], srcs) -> str:
+    """Rows of sharded tensors in words ("rows 0:4 of mlp.experts.down_proj,
+    mlp.experts.gate_up_proj"), spans that meet joined."""
+    spans = sorted(set(spans))
+    rows = f"{spans[0][0]}:{spans[-1][1]}" if all(x[1] == y[0] for x, y in zip(spans, spans[1:])) else \
+        ", ".join(f"{a}:{b}" for a, b in spans)
+    return f"rows {rows} of {', '.join(W.short_name(x) for x in sorted(srcs))}"
+
+
+def _along(v: torch.Tensor, c: int, start: int, count: int) -> bool:
+    """Whether row markers `v` hold rows start..start+count-1, in order, along dimension `c`."""
+    view = [1] * v.dim()
+    view[c] = count
+    return torch.equal(v, (torch.arange(count, dtype=torch.int32) + start).view(view).expand_as(v))
 
 
 def _index_apart(name: str, local: str, first: int) -> bool:
