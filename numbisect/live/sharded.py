@@ -43,8 +43,17 @@ So the check is collective-safe by construction:
    `Probe.check_sync`, numbisect.live.poison), every rank running the sync between the
    poison and the check.
 6. `ShardedProbe.check_local()`: no communication; on a rank with an engine, this rank's
-   own rows of every tensor the trainer shards against the engine's same rows (its own
-   history of digests), the rest of the tensors (replicated) whole.
+   share of the reference against the engine's same tensors (its own history of digests):
+   the weight conversion reverted on this rank's shards, its tensors named as found at
+   attach (row markers, no weight read: `_local_names`): this rank's rows of every tensor
+   the trainer shards, the experts of a fused [E, ...] experts tensor sharded along the
+   experts (`Shard(0)`) whose rows are this rank's (an expert that holds an earlier local
+   check's weights named with its rows: "rank 1's rows 4:8 of mlp.experts.down_proj,
+   mlp.experts.gate_up_proj unwritten: still the weights of local 1 (12 tensors)"), the
+   replicated tensors whole. Other ranks' experts, and tensors made of several ranks'
+   rows, are left out, never called missing or stale: named per unit in the result's
+   `not_checked` ("rank 0's rows 0:4 of mlp.experts.down_proj, mlp.experts.gate_up_proj
+   (12 tensors): check_weights checks them").
 
 7. `ShardedProbe.trigger(out_dir)`: numbisect.live.trigger's trigger fed on every rank with
    that rank's share of the batch, the ranks agreeing in one exchange on the batch's mean
@@ -224,6 +233,7 @@ class ShardedProbe:
         self.config = model.config
         self.arch = arch_for(self.config)
         self.shapes, self.layer_of, self.dims, self.owned = self._checkpoint_names()
+        self.local_map, self.local_cut = self._local_names()
         holders = self._all_gather(("attach", self.fingerprint, engine is not None), "attach_sharded")
         other = next((r for r, h in enumerate(holders) if h[1] != self.fingerprint), None)
         if other is not None:
@@ -319,13 +329,77 @@ class ShardedProbe:
                 owned[n] = (r, src[2], a, b)
                 continue
             for c in range(v.dim()):  # every row, in order, along one of its own dimensions
-                if v.shape[c] == n_rows and a == 0:
-                    view = [1] * v.dim()
-                    view[c] = n_rows
-                    if torch.equal(v, (torch.arange(n_rows, dtype=torch.int32) + src[0]).view(view).expand_as(v)):
-                        dims[n] = c
-                        break
+                if v.shape[c] == n_rows and a == 0 and _along(v, c, src[0], n_rows):
+                    dims[n] = c
+                    break
         return dims, owned
+
+    def _local_names(self) -> tuple[dict[str, dict[str, str]], dict[str, tuple[int, int, int]]]:
+        """What `check_local` compares on this rank, found as `_owners` finds the owners (each
+        sharded tensor's row index, broadcast over this rank's shard: no weight read), the
+        weight conversion reverted on this rank's shards: per layer, (the name the
+        conversion gives a tensor of this rank's shards -> its checkpoint name), for a tensor
+        that is a checkpoint tensor whole (replicated; an expert of a fused experts tensor
+        whose rows are all this rank's: named by its index among this rank's rows, so its
+        index is shifted to the fused tensor's) or this rank's rows of one along one of its
+        dimensions; and (checkpoint name -> (dimension, a, b)) for the latter: the engine's
+        rows a:b of it. A tensor of other ranks' rows, or of several ranks', is in no map."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        sd = self.model.state_dict()
+        maps, cuts = {}, {}
+        for key, ks in self._groups.items():
+            marks, spans, base = {}, [], 0
+            for k in sorted(ks):
+                t, d = sd[k], shard_dim(sd[k])
+                local = tuple((t.to_local() if _is_dtensor(t) else t).shape)
+                a, b = rank_rows(t.shape[d], self.world)[self.rank] if d is not None else (0, 0)
+                if d is None or local[d] != b - a:
+                    whole = not _is_dtensor(t) or all(p.is_replicate() for p in t.placements)
+                    marks[k] = torch.full((), -1 if whole else -2, dtype=torch.int32).expand(local)
+                    continue
+                view = [1] * len(local)
+                view[d] = b - a
+                marks[k] = (torch.arange(a, b, dtype=torch.int32) + base).view(view).expand(local)
+                spans.append((base, base + t.shape[d], k, a, b))
+                base += t.shape[d]
+            try:
+                out = revert_weight_conversion(self.model, marks)
+            except Exception:  # a conversion that computes on its values: nothing of this layer checked locally
+                maps[key] = {}
+                continue
+            maps[key] = {}
+            for n, v in out.items():
+                got = self._local_name(n, v, spans) if isinstance(v, torch.Tensor) and v.numel() else None
+                if got is not None:
+                    maps[key][n] = got[0]
+                    if got[1] is not None:
+                        cuts[got[0]] = got[1]
+        return maps, cuts
+
+    def _local_name(self, n: str, v: torch.Tensor, spans: list[tuple]) -> tuple[str, tuple | None] | None:
+        """`_local_names` for one tensor the conversion gives of this rank's shards (`v`: its
+        row markers): (its checkpoint name, (dimension, a, b) or None), or None."""
+        lo, hi = int(v.min()), int(v.max())
+        if hi < 0:  # of no sharded rows: a checkpoint tensor whole where it is one of that name and shape
+            return (n, None) if lo == -1 and self.shapes.get(n) == tuple(v.shape) else None
+        src = next((x for x in spans if x[0] <= lo < x[1]), None)
+        if lo < 0 or src is None or hi >= src[1]:
+            return None
+        base, end, k, ra, rb = src
+        a, b = lo - base, hi - base + 1
+        same = [m for m, o in self.owned.items() if o == (self.rank, k, a, b) and self.shapes[m] == tuple(v.shape)
+                and _index_apart(m, n, ra)]
+        if len(same) == 1:
+            return same[0], None
+        full = self.shapes.get(n)
+        if full is None or len(full) != v.dim() or (a, b) != (ra, rb):
+            return None
+        for c in range(v.dim()):  # this rank's rows, in order, along one of its own dimensions
+            if full[c] == end - base and v.shape[c] == rb - ra and all(full[i] == v.shape[i] for i in range(v.dim()) if i != c) \
+                    and _along(v, c, base + ra, rb - ra):
+                return n, (c, ra, rb)
+        return None
 
     # -- communication -------------------------------------------------------------------------
     def _all_gather(self, obj, what: str) -> list:
@@ -745,13 +819,14 @@ class ShardedProbe:
             out["holds"] = holds.pop()
         return out
 
-    def _owned_rows(self, name: str, t: torch.Tensor) -> dict | None:
+    def _owned_rows(self, name: str, t: torch.Tensor, history: W.History | None = None) -> dict | None:
         """A tensor made of one rank's rows of a sharded tensor (`owned`: an expert of a fused
         experts tensor) that differs: that rank's rows named when they hold the weights of
-        an earlier check (unwritten, stale); None otherwise (the whole tensor's verdict,
-        its explanation included: "scaled by 1.5", "experts.1 <-> experts.2 swapped")."""
+        an earlier check (unwritten, stale; `history`: the checks', default `check_weights`'s);
+        None otherwise (the whole tensor's verdict, its explanation included: "scaled by
+        1.5", "experts.1 <-> experts.2 swapped")."""
         r, src, a, b = self.owned[name]
-        steps = self.history.steps  # oldest first; the last is the previous check's
+        steps = (history or self.history).steps  # oldest first; the last is the previous check's
         if tuple(t.shape) != self.shapes[name] or not steps:
             return None
         x = W.digest(t)
@@ -767,15 +842,48 @@ class ShardedProbe:
 
     def check_local(self, step: str | None = None) -> W.WeightCheck | None:
         """This rank's own rows against the engine's same rows, no communication (module
-        doc, 6); None on a rank without an engine."""
+        doc, 6); None on a rank without an engine. The tensors left out (other ranks' rows:
+        the experts they own) are named per unit in the result's `not_checked`."""
         if self._engine is None:
             return None
         t0 = time.perf_counter()
         label = step or f"local {len(self.local_history.steps)}"
         eng = self._engine
         ref = _LocalReference(self)
-        return W.check(ref, _LocalUnits(eng.units(), self), self.local_history, self.arch, self.config,
-                       dtype=eng.dtype, dtypes=eng.dtypes, step=label, tied=eng.tied, t0=t0)
+        history = self.local_history
+
+        def rows(name: str, t: torch.Tensor) -> dict | None:
+            return self._owned_rows(name, t, history) if name in self.owned else None
+
+        check = W.check(ref, _LocalUnits(eng.units(), self, set(ref.shapes)), history, self.arch, self.config,
+                        dtype=eng.dtype, dtypes=eng.dtypes, step=label, tied=eng.tied, t0=t0, rows=rows)
+        mine = {n: o for n, o in self.owned.items() if o[0] == self.rank}  # no word on other ranks' rows
+        for u in check.units:
+            u.summary = _rows_summary(u.tensors, mine) or u.summary
+        check.not_checked = self._not_checked(set(self.shapes) - set(ref.shapes))
+        check.seconds = time.perf_counter() - t0
+        return check
+
+    def _not_checked(self, names: set[str]) -> dict[str, str]:
+        """Unit -> the tensors of it a local check leaves out, in words: other ranks' rows of
+        a sharded tensor ("rank 0's rows 0:4 of mlp.experts.down_proj,
+        mlp.experts.gate_up_proj (12 tensors)"), tensors of several ranks' rows."""
+        unit = W.tensor_unit(self.arch, self.config)
+        per: dict[str, dict[tuple, list]] = {}
+        for n in sorted(names):
+            o = self.owned.get(n)
+            per.setdefault(unit(n), {}).setdefault((o[0],) if o else (None,), []).append(o or n)
+        out = {}
+        for u, groups in per.items():
+            parts = []
+            for (r,), xs in sorted(groups.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0)):
+                if r is None:
+                    parts.append(f"{len(xs)} tensor{'s' if len(xs) > 1 else ''} of several ranks' rows or another layout")
+                    continue
+                parts.append(f"rank {r}'s {_rows_of([(x[2], x[3]) for x in xs], {x[1] for x in xs})} "
+                             f"({len(xs)} tensor{'s' if len(xs) > 1 else ''})")
+            out[u] = "; ".join(parts) + ": check_weights checks them"
+        return out
 
     def _local_ref_digests(self) -> dict[str, str]:
         return _LocalReference(self).digests(self._engine.dtype, self._engine.dtypes)
@@ -1013,16 +1121,40 @@ def _owned_summary(rows: list[dict], owned: dict) -> dict[str, int]:
     bad_ranks = {k[0] for k in groups}
     out = {}
     for (rank, status, holds), es in groups.items():
-        srcs = sorted({e["of"] for e in es})
+        srcs = {e["of"] for e in es}
         owners = sorted({o[0] for o in owned.values() if o[1] in srcs} - bad_ranks)
-        spans = sorted({tuple(e["rows"]) for e in es})
-        rows_text = f"{spans[0][0]}:{spans[-1][1]}" if all(x[1] == y[0] for x, y in zip(spans, spans[1:])) else \
-            ", ".join(f"{a}:{b}" for a, b in spans)
-        text = _verdict(status, holds)
-        key = f"rank {rank}'s rows {rows_text} of {', '.join(W.short_name(x) for x in srcs)} {text}"
+        key = f"rank {rank}'s {_rows_of([tuple(e['rows']) for e in es], srcs)} {_verdict(status, holds)}"
         key += f"; rank {','.join(str(o) for o in owners)}'s ok" if owners else ""
         out[f"{key} ({len(es)} tensors)" if len(es) > 1 else key] = 1
     return out
+
+
+def _rows_of(spans: list[tuple[int, int]], srcs) -> str:
+    """Rows of sharded tensors in words ("rows 0:4 of mlp.experts.down_proj,
+    mlp.experts.gate_up_proj"), spans that meet joined."""
+    spans = sorted(set(spans))
+    rows = f"{spans[0][0]}:{spans[-1][1]}" if all(x[1] == y[0] for x, y in zip(spans, spans[1:])) else \
+        ", ".join(f"{a}:{b}" for a, b in spans)
+    return f"rows {rows} of {', '.join(W.short_name(x) for x in sorted(srcs))}"
+
+
+def _along(v: torch.Tensor, c: int, start: int, count: int) -> bool:
+    """Whether row markers `v` hold rows start..start+count-1, in order, along dimension `c`."""
+    view = [1] * v.dim()
+    view[c] = count
+    return torch.equal(v, (torch.arange(count, dtype=torch.int32) + start).view(view).expand_as(v))
+
+
+def _index_apart(name: str, local: str, first: int) -> bool:
+    """Whether a checkpoint name and the name the weight conversion gives the same tensor of
+    this rank's shard differ by one index only, the local one counted from this rank's first
+    row (`first`): "experts.5.up_proj.weight" and "experts.1.up_proj.weight" for first 4."""
+    x, y = name.split("."), local.split(".")
+    diff = [(p, q) for p, q in zip(x, y) if p != q]
+    if len(x) != len(y) or len(diff) > 1:
+        return False
+    return not diff and first == 0 or bool(diff) and diff[0][0].isdigit() and diff[0][1].isdigit() \
+        and int(diff[0][0]) - int(diff[0][1]) == first
 
 
 def _verdict(status: str, holds) -> str:
@@ -1067,8 +1199,11 @@ class _EngineSide:
 
 
 class _LocalReference(W.ReferenceReader):
-    """This rank's rows of every tensor the trainer shards, the others whole (replicated:
-    `to_local()` is the whole tensor); no communication."""
+    """This rank's share of the reference, no communication: each layer's weight conversion
+    reverted on this rank's shards (`to_local()`; a replicated tensor's is the whole tensor),
+    its tensors named as `ShardedProbe._local_names` found at attach: the checkpoint
+    tensors this rank holds whole (replicated ones, the experts whose rows are this rank's)
+    and this rank's rows of the others a rank holds rows of."""
 
     def __init__(self, probe: ShardedProbe, dtype=None):
         self.probe = probe
@@ -1077,31 +1212,46 @@ class _LocalReference(W.ReferenceReader):
         self._groups = probe.groups
         self._cached = None
         self.layer_of = probe.layer_of
-        sd = probe.model.state_dict()
-        self.shapes = {n: tuple(sd[n].to_local().shape) if _is_dtensor(sd[n]) else tuple(s)
-                       for n, s in probe.shapes.items() if n in sd}
+        self.shapes = {}
+        for m in probe.local_map.values():
+            for n in m.values():
+                shape = list(probe.shapes[n])
+                if n in probe.local_cut:
+                    d, a, b = probe.local_cut[n]
+                    shape[d] = b - a
+                self.shapes[n] = tuple(shape)
 
     def _revert(self, key: str, sd: dict | None = None) -> dict[str, torch.Tensor]:
-        sd = self.model.state_dict() if sd is None else sd
-        return {n: (sd[n].to_local() if _is_dtensor(sd[n]) else sd[n]).detach()
-                for n in sorted(self._groups[key]) if n in self.shapes}
+        from transformers.core_model_loading import revert_weight_conversion
+
+        names = self.probe.local_map.get(key, {})
+        if not names:
+            return {}
+        with torch.no_grad():
+            sd = self.model.state_dict() if sd is None else sd
+            out = revert_weight_conversion(self.model, {k: (sd[k].to_local() if _is_dtensor(sd[k]) else sd[k]).detach()
+                                                        for k in self._groups[key]})
+        return {names[n]: v for n, v in out.items() if n in names and isinstance(v, torch.Tensor) and v.is_floating_point()}
 
 
 class _LocalUnits:
-    """The engine's units, each tensor cut to this rank's rows where the trainer shards it."""
+    """The engine's units, each tensor cut to this rank's rows where the local reference
+    holds this rank's rows of it (`local_cut`), the tensors it does not hold left out
+    (other ranks' experts); tensors of no reference name pass (the check's `unmapped`)."""
 
-    def __init__(self, reader: W.UnitReader, probe: ShardedProbe):
-        self.reader, self.probe = reader, probe
+    def __init__(self, reader: W.UnitReader, probe: ShardedProbe, names: set[str]):
+        self.reader, self.probe, self.names = reader, probe, names
         self.peak_bytes, self.unit_bytes = None, {}
 
     def __iter__(self):
         for unit, tensors in self.reader:
             cut = {}
             for n, t in tensors.items():
-                d = self.probe.dims.get(n)
-                if d is not None and tuple(t.shape) == self.probe.shapes.get(n):
-                    a, b = rank_rows(t.shape[d], self.probe.world)[self.probe.rank]
-                    t = t.narrow(d, a, b - a)
+                if n in self.probe.shapes and n not in self.names:
+                    continue  # not checked here: `not_checked`
+                c = self.probe.local_cut.get(n)
+                if c is not None and tuple(t.shape) == self.probe.shapes.get(n):
+                    t = t.narrow(c[0], c[1], c[2] - c[1])
                 cut[n] = t
             yield unit, cut
 

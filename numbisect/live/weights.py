@@ -287,10 +287,12 @@ class WeightCheck(ByUnit):
     unit_bytes: int | None = None  # the largest unit's engine tensors, in bytes
     weight_version: str | None = None  # the engine's weight version when checked (vLLM's `get_weight_version`)
     push: dict | None = None  # the last weight-transfer push seen (numbisect.live.transfer), when watched
+    not_checked: dict[str, str] = field(default_factory=dict)  # unit -> what of it this check left out, and why (a sharded trainer's local check: other ranks' rows)
 
     def to_dict(self) -> dict:
         counts = {s: sum(u.status == s for u in self.units) for s in ORDER}
-        extra = {k: v for k, v in (("weight_version", self.weight_version), ("push", self.push)) if v is not None}
+        extra = {k: v for k, v in (("weight_version", self.weight_version), ("push", self.push),
+                                   ("not_checked", self.not_checked or None)) if v is not None}
         return {"ok": self.ok, "step": self.step, **extra, "compared_with": self.compared_with, "seconds": round(self.seconds, 4),
                 "functional": self.functional, "functional_tol": self.functional_tol,
                 "counts": {k: v for k, v in counts.items() if v}, "unmapped": self.unmapped,
@@ -302,6 +304,10 @@ class WeightCheck(ByUnit):
         version = f", weight version {self.weight_version}" if self.weight_version not in (None, "default") else ""
         head = f"weights ({self.step}{version}): {'all ok' if not bad else f'{len(bad)} of {len(self.units)} units differ'} ({self.seconds:.2f} s)"
         note = [f"  {self.push['note']}"] if (self.push or {}).get("note") else []
+        left: dict[str, list[str]] = {}
+        for u, why in self.not_checked.items():
+            left.setdefault(why, []).append(u)
+        note += [f"  not checked here: {', '.join(us)}: {why}" for why, us in left.items()]
         return [head] + [f"  {u.unit:<24} {u.status:<15} {u.summary}" for u in bad] + note
 
 
@@ -329,6 +335,13 @@ def _worst(statuses) -> str:
     return max(statuses, key=ORDER.index, default=OK)
 
 
+def tensor_unit(arch, config):
+    """name -> the unit that holds a checkpoint tensor ("(no unit)" for none), as `check` names it."""
+    prefixes = unit_prefixes(arch, config)
+    renames = getattr(arch, "ckpt_renames", {}) or {}
+    return lambda name: unit_of(apply_renames(name, renames), prefixes) or "(no unit)"
+
+
 def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: torch.dtype,
           dtypes: dict[str, torch.dtype] | None = None, step: str, local: dict[str, float] | None = None,
           tied: bool = False, t0: float | None = None, flips: dict[str, tuple[int, int]] | None = None,
@@ -354,15 +367,11 @@ def check(ref: ReferenceReader, eng, history: History, arch, config, *, dtype: t
     prev = history.previous()
     earlier = history.steps[:-1]
     heads = head_counts(config)
-    prefixes = unit_prefixes(arch, config)
-    renames = getattr(arch, "ckpt_renames", {}) or {}
+    unit = tensor_unit(arch, config)
     per_unit: dict[str, list[dict]] = {}
     eng_digest: dict[str, str] = {}
     moved: list[tuple[dict, str, str]] = []  # (row, name, the reference tensor it holds): swapped or moved, decided last
     explained: dict[str, int] = {}  # unit ("" for the check) -> its tensors explained (EXPLAIN_FULL, EXPLAIN_PER_UNIT)
-
-    def unit(name: str) -> str:
-        return unit_of(apply_renames(name, renames), prefixes) or "(no unit)"
 
     # a tied lm_head read back apart from the embedding (its GEMM kernel holds a copy that
     # differs from the embedding: numbisect.backends.vllm.readback) is judged against the embedding

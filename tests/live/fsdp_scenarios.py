@@ -28,6 +28,8 @@ step):
    0's heartbeat exchanges; rank 1's
    sync writes its own rows of the fused experts only (the experts' rows per rank); the
    trigger fed on both ranks, each with its own engine's rollouts: a bundle per engine rank.
+   `check_local()` on both ranks (each its own experts) after a correct sync, after a sync
+   that skips rank 1's own expert rows, and after the one that writes rank 1's only.
 """
 
 from __future__ import annotations
@@ -322,10 +324,10 @@ def moe_colocated(rank: int, world: int, bundles: str) -> dict:
 
     last: dict = {}
 
-    def sync(plant: bool = False, own_rows: bool = False) -> float:
+    def sync(plant: bool = False, own_rows: bool = False, skip_own: bool = False) -> float:
         """Every rank gathers every tensor (one order) and pushes into its own engine; `own_rows`: the bug
         that writes this rank's rows of each sharded experts tensor and, for the others, its copy of the
-        last sync's."""
+        last sync's; `skip_own`: the bug that writes the last sync's for this rank's rows of them."""
         with torch.no_grad():
             sd = moe.state_dict()
             full = {n: t.full_tensor().detach() for n, t in sd.items()}  # every rank, one order
@@ -334,7 +336,11 @@ def moe_colocated(rank: int, world: int, bundles: str) -> dict:
                 kept = last[n].clone()
                 kept.narrow(0, a, b - a).copy_(full[n].narrow(0, a, b - a))
                 full[n] = kept
-            if not own_rows:
+            for n in (n for n in sd if skip_own and ".mlp.experts." in n):
+                a, b = rank_rows(sd[n].shape[0], world)[rank]
+                full[n] = full[n].clone()
+                full[n].narrow(0, a, b - a).copy_(last[n].narrow(0, a, b - a))
+            if not (own_rows or skip_own):
                 last.update(full)
             tensors = revert_weight_conversion(moe, full)
         t0 = time.perf_counter()
@@ -354,6 +360,7 @@ def moe_colocated(rank: int, world: int, bundles: str) -> dict:
                   "experts_dim": shard_dim(moe.model.layers[0].mlp.experts.gate_up_proj)}
     sample = [list(range(3, 15))]  # one short sample
     sync()
+    mine["local_correct"] = local_check(probe, "local_correct")
     wc = None
     for name, functional in (("correct", True), ("expert", False)):
         if name == "expert":
@@ -375,10 +382,12 @@ def moe_colocated(rank: int, world: int, bundles: str) -> dict:
     moe(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     opt.zero_grad()
+    mine["local_skip_own"] = local_skip_own(probe, sync, rank)
     sync(own_rows=rank == 1)
     t0 = time.perf_counter()
     c = probe.check_weights(step="experts_one_shard")
     mine["experts_one_shard"] = {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
+    mine["local_one_shard"] = local_check(probe, "local_one_shard")
     trig = probe.trigger(bundles, threshold=THRESHOLD, cooldown=0)
     batch = torch.randint(0, moe.config.vocab_size, (2 * world, 12), generator=torch.Generator().manual_seed(3))
     share = batch[2 * rank: 2 * rank + 2]
@@ -398,6 +407,24 @@ def moe_colocated(rank: int, world: int, bundles: str) -> dict:
     dist.all_gather_object(every, mine)
     out["ranks"] = every
     llm.llm_engine.engine_core.shutdown()
+    return out
+
+
+def local_check(probe, step: str) -> dict:
+    """`check_local()` on this rank (no communication): what it said, and its wall time."""
+    t0 = time.perf_counter()
+    c = probe.check_local(step=step)
+    return {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
+
+
+def local_skip_own(probe, sync, rank: int) -> dict:
+    """Scenario 8's local check after a sync that writes into rank 1's engine the last sync's rows
+    for rank 1's own experts (4:8) of each fused experts tensor, the rest right (rank 0's all
+    right); `check_local()` on both ranks. The sync's wall time beside it (what it adds to the run)."""
+    t0 = time.perf_counter()
+    sync(skip_own=rank == 1)
+    out = local_check(probe, "local_skip_own")
+    out["sync_s"] = time.perf_counter() - t0 - out["seconds"]
     return out
 
 

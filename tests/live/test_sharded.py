@@ -299,3 +299,36 @@ def test_experts_of_one_rank_are_summed_up_per_rank_and_verdict_with_their_rows(
     assert _rows_summary([row(1, "unwritten", "check 2"), row(5, "stale", "attach")], owned) == (
         "rank 0's rows 1:2 of mlp.experts.gate_up_proj unwritten: still the weights of check 2; "
         "rank 1's rows 5:6 of mlp.experts.gate_up_proj stale: still the weights of attach")
+
+
+@pytest.mark.vllm
+def test_check_local_on_each_rank_checks_its_own_experts_and_names_the_rows_a_sync_skipped(scenarios):
+    """`check_local()` (no communication) with an engine on each rank and the fused experts
+    sharded along the experts: each rank compares the experts whose rows it holds and names
+    the others' as not checked there, never as missing or stale."""
+    r0, r1 = scenarios["moe"]["ranks"]
+    experts = [f"layers.{i}.moe.experts" for i in range(4)]
+    for r, other in ((r0, "rank 1's rows 4:8"), (r1, "rank 0's rows 0:4")):
+        ok = r["local_correct"]
+        assert ok["ok"], ok["lines"]
+        units = {u["unit"]: u for u in ok["weights"]["units"]}
+        assert all(units[u]["tensors_checked"] == 12 for u in experts)  # its own 4 experts, 3 tensors each
+        assert ok["weights"]["not_checked"] == {u: f"{other} of mlp.experts.down_proj, mlp.experts.gate_up_proj (12 tensors): "
+                                                   "check_weights checks them" for u in experts}
+        assert ok["weights"]["unmapped"] == []
+    # a sync that writes the last sync's rows for rank 1's own experts into rank 1's engine: named there, with its rows
+    assert r0["local_skip_own"]["ok"], r0["local_skip_own"]["lines"]
+    bad = {u["unit"]: u for u in r1["local_skip_own"]["weights"]["units"] if u["status"] != "ok"}
+    assert sorted(bad) == experts
+    for u in bad.values():
+        assert u["status"] == "unwritten"
+        assert u["summary"] == ("rank 1's rows 4:8 of mlp.experts.down_proj, mlp.experts.gate_up_proj unwritten: still the "
+                                "weights of local_correct (12 tensors)")
+    t = next(x for x in bad["layers.1.moe.experts"]["tensors"] if x["tensor"].endswith("experts.5.up_proj.weight"))
+    assert t["ranks"] == [{"rank": 1, "rows": [5, 6], "of": "model.layers.1.mlp.experts.gate_up_proj",
+                           "status": "unwritten", "holds": "local_correct"}]
+    # rank 1's sync writing its own rows only: rank 0's rows stale in rank 1's engine (check_weights names them),
+    # not judged by rank 1's local check (no false alarm)
+    assert not r1["experts_one_shard"]["ok"]
+    for r in (r0, r1):
+        assert r["local_one_shard"]["ok"], r["local_one_shard"]["lines"]

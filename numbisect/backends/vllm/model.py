@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -79,42 +80,82 @@ def gemm_weight(lin: nn.Module, block: int = 256, probe: int = 16) -> torch.Tens
     return _through_kernel(lin, block)
 
 
-_ORDERS: dict = {}  # (kernel, shape, dtype) -> a packed layout's element order (or None)
+ORDER_CACHE_BYTES = 256 << 20  # the packing orders kept (`pack_order`), least recently used let go first
+_ORDERS: OrderedDict = OrderedDict()  # (kernel, shape, dtype, block, most) -> a packed layout's element order (or None)
 
 
-def pack_order(key: tuple, shape: tuple, dtype: torch.dtype, pack) -> torch.Tensor | None:
+def pack_order(key: tuple, shape: tuple, dtype: torch.dtype, pack, block: int | None = None,
+               most: int | None = None) -> torch.Tensor | None:
     """Where a packing kernel `pack` (a tensor of `shape` and `dtype` -> its packed form)
     puts each element: found by packing the element indices themselves, one base-256 digit
     at a time (0..255 are exact in bf16 and fp16); `order[j]` is the index of the element
-    the packed tensor holds at j. None when the packing is not a pure reordering. Found once
-    per (key, shape, dtype)."""
-    key = (key, tuple(shape), dtype)
-    if key not in _ORDERS:
-        n = math.prod(shape)
-        idx = torch.arange(n)
-        order = torch.zeros(n, dtype=torch.long)
-        for d in range(max(1, math.ceil(math.log(n, 256)))):
-            digit = ((idx >> (8 * d)) & 255).to(dtype).view(shape)
-            order += pack(digit).reshape(-1).to(torch.long) << (8 * d)
-        _ORDERS[key] = order if torch.equal(order.sort().values, idx) else None
-    return _ORDERS[key]
+    the packed tensor holds at j (int32 where the count fits). None when the packing is not a
+    pure reordering.
+
+    `block`: rows along the first dimension that the kernel packs apart from the others (one
+    expert of vLLM-CPU's MoE prepacking, [E, N, K]: 1; the SGL GEMM kernel's [N, K]: 32).
+    Where `shape` holds at least two blocks and two blocks of random values pack as each
+    block alone, the order is one block's (`unpack` applies it to each block in turn): its
+    memory and the time to find it are one block's, whatever the tensor's size. Else the
+    order spans the whole tensor: None when that is over `most` elements. Found once per
+    (key, shape, dtype, block); the orders kept are bounded by `ORDER_CACHE_BYTES` (the
+    least recently used let go first)."""
+    key = (key, tuple(shape), dtype, block, most)
+    if key in _ORDERS:
+        _ORDERS.move_to_end(key)
+        return _ORDERS[key]
+    one = (block, *shape[1:]) if block and shape[0] % block == 0 and shape[0] >= 2 * block else None
+    order = _order(one, dtype, pack) if one is not None and _packs_apart(one, dtype, pack) else None
+    if order is None and (most is None or math.prod(shape) <= most):
+        order = _order(tuple(shape), dtype, pack)
+    _ORDERS[key] = order
+    while len(_ORDERS) > 1 and sum(o.numel() * o.element_size() for o in _ORDERS.values() if o is not None) \
+            > ORDER_CACHE_BYTES:
+        _ORDERS.popitem(last=False)
+    return order
+
+
+def _order(shape: tuple, dtype: torch.dtype, pack) -> torch.Tensor | None:
+    """`pack_order` over a tensor of `shape` (module doc there); None when no reordering."""
+    n = math.prod(shape)
+    itype = torch.int32 if n <= torch.iinfo(torch.int32).max else torch.int64
+    idx = torch.arange(n, dtype=itype)
+    order = torch.zeros(n, dtype=itype)
+    for d in range(max(1, math.ceil(math.log(n, 256)))):
+        digit = ((idx >> (8 * d)) & 255).to(dtype).view(shape)
+        order += pack(digit).reshape(-1).to(itype) << (8 * d)
+    return order if torch.equal(order.sort().values, idx) else None
+
+
+def _packs_apart(one: tuple, dtype: torch.dtype, pack) -> bool:
+    """Whether `pack` packs two blocks of shape `one` (stacked along the first dimension) as
+    it packs each block alone (random values, a fixed seed)."""
+    two = torch.randn((2 * one[0], *one[1:]), generator=torch.Generator().manual_seed(0), dtype=dtype)
+    whole = pack(two).reshape(-1)
+    return whole.numel() == two.numel() and torch.equal(
+        whole, torch.cat([pack(two[: one[0]].contiguous()).reshape(-1), pack(two[one[0]:].contiguous()).reshape(-1)]))
 
 
 def unpack(t: torch.Tensor, order: torch.Tensor | None, shape: tuple | None = None) -> torch.Tensor | None:
     """A packed tensor `t` in its plain layout (`shape`: its own by default), by its
-    packing order (`pack_order`); None when the order is unknown. A tensor of its own."""
-    if order is None:
+    packing order (`pack_order`: over the whole tensor, or over one block, applied to each
+    block of `t` in turn); None when the order is unknown. A tensor of its own."""
+    if order is None or not order.numel() or t.numel() % order.numel():
         return None
-    out = torch.empty(t.numel(), dtype=t.dtype)
-    out[order] = t.detach().reshape(-1).cpu()
+    src = t.detach().reshape(-1, order.numel()).cpu()
+    out = torch.empty_like(src)
+    for b in range(src.shape[0]):
+        out[b][order] = src[b]
     return out.view(t.shape if shape is None else shape)
 
 
-# The most elements of a weight unpacked by its packing order (`sgl_weight`): its order, kept
-# per shape, is 8 bytes an element. vLLM-CPU 0.32 gives the SGL kernel weights of at most
-# 1 MiB (`_CPU_SGL_GEMM_MAX_WEIGHT_BYTES`: 512Ki bf16 elements); a bigger one, should a later
-# vLLM allow it, is read through the kernel.
-SGL_MAX = 1 << 20
+# The most elements of a weight the SGL GEMM kernel packs whole (not 32 rows at a time) that
+# is unpacked by its packing order (`sgl_weight`), an order over the whole weight being
+# 4 bytes an element. vLLM-CPU 0.32 packs 32 rows at a time (the order is 32 rows') and gives
+# the kernel weights of at most 1 MiB (`_CPU_SGL_GEMM_MAX_WEIGHT_BYTES`: 512Ki bf16
+# elements); over this bound a weight is read through the kernel.
+SGL_MAX = 1 << 22
+SGL_BLOCK = 32  # rows the SGL kernel packs apart (`convert_weight_packed`, block_n), checked at each shape
 
 
 def _sgl_closure(lin: nn.Module) -> tuple[torch.Tensor, int] | None:
@@ -136,18 +177,19 @@ def sgl_weight(lin: nn.Module) -> torch.Tensor | None:
     """The [N, K] weight vLLM-CPU's SGL GEMM kernel multiplies by, from the packed copy its
     closure holds (`_sgl_closure`), unpacked by the packing order of `convert_weight_packed`
     (`pack_order`: the kernel's own packing of the indices, a pure reordering for bf16 and
-    fp16 with N a multiple of 16). None where `lin` runs another kernel, or the packing is
-    no reordering (N under 16: packed transposed in float32), or the weight is over
-    `SGL_MAX` elements, or vLLM has no such op."""
+    fp16 with N a multiple of 16; found for 32 rows where the kernel packs them apart:
+    `SGL_BLOCK`). None where `lin` runs another kernel, or the packing is no reordering (N
+    under 16: packed transposed in float32), or the weight, packed whole, is over `SGL_MAX`
+    elements, or vLLM has no such op."""
     got = _sgl_closure(lin)
     pack = getattr(getattr(torch.ops, "_C", None), "convert_weight_packed", None)
     if got is None or pack is None:
         return None
     packed, n = got
-    if packed.dtype != lin.weight.dtype or not 0 < packed.numel() <= SGL_MAX or n <= 0 or packed.numel() % n:
+    if packed.dtype != lin.weight.dtype or not packed.numel() or n <= 0 or packed.numel() % n:
         return None
     shape = (n, packed.numel() // n)
-    return unpack(packed, pack_order(("sgl",), shape, packed.dtype, pack), shape)
+    return unpack(packed, pack_order(("sgl",), shape, packed.dtype, pack, block=SGL_BLOCK, most=SGL_MAX), shape)
 
 
 def _through_kernel(lin: nn.Module, block: int = 256) -> torch.Tensor:

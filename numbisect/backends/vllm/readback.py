@@ -88,10 +88,12 @@ def cpu_moe_isa(layer) -> str | None:
 def unpacked(t: torch.Tensor, isa: str) -> torch.Tensor | None:
     """The expert weights a tensor prepacked by vLLM-CPU's MoE prepacking
     (`cpu_prepack_moe_weight`) holds, in their plain [experts, rows, cols] layout: what the
-    kernel multiplies by (None when the layout cannot be undone)."""
+    kernel multiplies by (None when the layout cannot be undone). vLLM-CPU 0.32 packs each
+    expert apart (checked on two experts at each shape: `pack_order`'s `block`), so the
+    order is found and kept for one expert, not the whole [experts, rows, cols] tensor."""
     from vllm._custom_ops import cpu_prepack_moe_weight
 
-    return unpack(t, pack_order(("moe", isa), tuple(t.shape), t.dtype, lambda x: cpu_prepack_moe_weight(x, isa)))
+    return unpack(t, pack_order(("moe", isa), tuple(t.shape), t.dtype, lambda x: cpu_prepack_moe_weight(x, isa), block=1))
 
 
 def conv_unpacked(t: torch.Tensor) -> torch.Tensor | None:
