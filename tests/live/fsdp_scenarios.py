@@ -412,9 +412,13 @@ def moe_colocated(rank: int, world: int, bundles: str) -> dict:
 
 def local_check(probe, step: str) -> dict:
     """`check_local()` on this rank (no communication): what it said, and its wall time."""
+    import torch.distributed as dist
+
     t0 = time.perf_counter()
     c = probe.check_local(step=step)
-    return {"seconds": time.perf_counter() - t0, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
+    seconds = time.perf_counter() - t0
+    dist.barrier()  # no communication in it, so the ranks end it apart: the probe's 2 s bound the check's waits only
+    return {"seconds": seconds, "ok": c.ok, "lines": c.lines(), "weights": c.to_dict()}
 
 
 def local_skip_own(probe, sync, rank: int) -> dict:
