@@ -44,7 +44,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MODEL = os.path.join(ROOT, "fixtures", "models", "qwen3")
 MOE = os.path.join(ROOT, "fixtures", "models", "qwen3_moe")
 TIMEOUT = 5.0  # the skip scenario's probe: its bound on a wait, seconds
-MOE_TIMEOUT = 2.0  # scenario 8's probe: shorter than its cold child (6-11 s here), which its heartbeat must outlast
+# scenario 8's probe: its bound on a wait, seconds. Its cold load is made to outlast it (`slow_cold_loads`: the
+# child measured 5.9-13 s here, under load; idle it may be shorter), which the heartbeat must bridge. At 2 s a
+# rank busy for 2 s between two exchanges under the shared machine's load timed the scenario out once.
+MOE_TIMEOUT = 6.0
 THRESHOLD = 1e-3  # the trigger's, on the batch's mean k3 (the trigger's default)
 PROMPT = 6  # tokens of each sample's prompt (of 12) in the trigger scenario
 
@@ -351,6 +354,7 @@ def moe_colocated(rank: int, world: int, bundles: str) -> dict:
 
     sync()
     probe = attach_sharded(moe, engine=llm, timeout=MOE_TIMEOUT)
+    slow_cold_loads(MOE_TIMEOUT)
     ids = torch.randint(0, moe.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
     loss = moe(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -408,6 +412,21 @@ def moe_colocated(rank: int, world: int, bundles: str) -> dict:
     out["ranks"] = every
     llm.llm_engine.engine_core.shutdown()
     return out
+
+
+def slow_cold_loads(seconds: float) -> None:
+    """Every cold load in this process (the cold child's start to its answer) `seconds` longer: a
+    sleep before the real child, so the load outlasts a probe's timeout of `seconds` whatever the
+    child's own time on this machine."""
+    from numbisect.live.engine import ENGINE
+
+    load = ENGINE.load_cold
+
+    def slow(job, timeout):
+        time.sleep(seconds)
+        return load(job, timeout)
+
+    ENGINE.load_cold = slow
 
 
 def local_check(probe, step: str) -> dict:

@@ -205,10 +205,10 @@ def test_warm_vs_cold_with_an_engine_on_each_rank_shares_one_cold_load_and_names
 @pytest.mark.vllm
 def test_a_cold_child_outlasting_the_probes_timeout_completes_on_every_rank_kept_in_step_by_heartbeats(scenarios):
     r0, r1 = scenarios["moe"]["ranks"]
-    for r in (r0, r1):  # the probe's timeout of 2 s: its heartbeat a quarter of it (HEARTBEAT, 5 s, is longer)
-        assert (r["correct_cold"]["timeout"], r["correct_cold"]["heartbeat"]) == (2.0, 0.5)
+    for r in (r0, r1):  # the probe's timeout of 6 s: its heartbeat a quarter of it (HEARTBEAT, 5 s, is longer)
+        assert (r["correct_cold"]["timeout"], r["correct_cold"]["heartbeat"]) == (6.0, 1.5)
         assert r["correct_cold"]["ok"], r["correct_cold"]["lines"]  # the right answer on both ranks
-    child = r0["correct_cold"]["cold"]["cold_seconds"]  # rank 0's cold child, start to answer
+    child = r0["correct_cold"]["cold"]["cold_seconds"]  # rank 0's cold load (made 6 s longer), start to answer
     assert child > r0["correct_cold"]["timeout"]  # without an exchange meanwhile, rank 1's wait would have timed out
     assert r1["correct_cold"]["seconds"] > child  # rank 1 waited that long inside one call, which returned
     assert r0["correct_cold"]["beats"] >= 2  # the exchanges that kept it in step, made by rank 0 meanwhile
