@@ -233,7 +233,8 @@ class ShardedProbe:
         self.config = model.config
         self.arch = arch_for(self.config)
         self.shapes, self.layer_of, self.dims, self.owned = self._checkpoint_names()
-        self.local_map, self.local_cut = self._local_names()
+        # what check_local compares: found on a rank with an engine only (elsewhere it returns None)
+        self.local_map, self.local_cut = self._local_names() if engine is not None else ({}, {})
         holders = self._all_gather(("attach", self.fingerprint, engine is not None), "attach_sharded")
         other = next((r for r, h in enumerate(holders) if h[1] != self.fingerprint), None)
         if other is not None:
@@ -259,7 +260,6 @@ class ShardedProbe:
         if self._engine is not None:
             self.history.add("attach", digests)
             self.row_history.append(("attach", chunks))
-        if self._engine is not None:
             self.local_history.add("attach", self._local_ref_digests())
 
     # -- names -------------------------------------------------------------------------------
