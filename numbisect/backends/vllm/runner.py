@@ -30,6 +30,7 @@ from numbisect.backends.steps import Steps, decode_captures, vllm_logit_spans
 from numbisect.backends.vllm import gdn, hookpoints, moe, rope
 from numbisect.backends.vllm.compat import without_torchvision
 from numbisect.backends.vllm.model import VLLMModel
+from numbisect.backends.vllm.startup import own_engine
 from numbisect.common.errors import BackendError, InputError
 from numbisect.common.procenv import no_code_from_cwd, vllm_env_problem
 from numbisect.patching.ledger import Ledger
@@ -156,7 +157,7 @@ class VLLMBackend(VLLMModel):
 
         opts["logits_processors"] = [*(opts.get("logits_processors") or []), ForceTokens]  # decode mode
         try:
-            with quiet_stderr():
+            with quiet_stderr(), own_engine():
                 self.llm = vllm.LLM(
                     model=path,
                     skip_tokenizer_init=True,

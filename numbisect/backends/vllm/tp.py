@@ -48,7 +48,7 @@ import torch
 
 from numbisect.backends.base import WHATIF_UNIT, Backend, ForwardResult, fail
 from numbisect.backends.options import check_vllm_opts
-from numbisect.backends.vllm import hookpoints, moe
+from numbisect.backends.vllm import hookpoints, moe, startup
 from numbisect.backends.vllm.model import (
     VIEW_KEY,
     VLLMModel,
@@ -438,8 +438,10 @@ class VLLMTPBackend(Backend):
         # directory first on their import path: PYTHONSAFEPATH keeps it off.
         safe_path = os.environ.get("PYTHONSAFEPATH")
         os.environ["PYTHONSAFEPATH"] = "1"
+        eager = os.environ.get(startup.ENV)
+        os.environ[startup.ENV] = "1"  # the workers count token ranks eagerly (numbisect.backends.vllm.startup)
         try:
-            with quiet_stderr():
+            with quiet_stderr(), startup.own_engine():
                 self.llm = vllm.LLM(
                     model=path, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
                     dtype=dtype, logprobs_mode="raw_logprobs", tensor_parallel_size=self.tp,
@@ -449,10 +451,11 @@ class VLLMTPBackend(Backend):
             bad_input(e)
             raise fail(e, f"vLLM could not start on {path} with tensor_parallel_size={self.tp}") from None
         finally:  # the workers have their binding; an engine started later in this process must not inherit it
-            if safe_path is None:
-                os.environ.pop("PYTHONSAFEPATH", None)
-            else:
-                os.environ["PYTHONSAFEPATH"] = safe_path
+            for name, was in (("PYTHONSAFEPATH", safe_path), (startup.ENV, eager)):
+                if was is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = was
             if bind is None:
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
             else:
