@@ -52,3 +52,23 @@ def test_a_start_that_fails_leaves_the_heap_unfrozen():
             assert gc.get_freeze_count() > 0
             raise RuntimeError("no engine")
     assert gc.get_freeze_count() == 0
+
+
+def test_collections_are_deferred_inside_and_back_after():
+    """`collections_deferred`: gc.collect does nothing inside (vLLM's shutdown calls it while
+    the engine is still referenced), and is the real one again after, also when the body raises."""
+    from numbisect.backends.vllm import startup
+
+    real = gc.collect
+
+    class Cycle:
+        pass
+
+    with pytest.raises(RuntimeError):
+        with startup.collections_deferred():
+            a = Cycle()
+            a.me = a
+            del a
+            assert gc.collect() == 0
+            raise RuntimeError
+    assert gc.collect is real and gc.collect() >= 1  # the cycle made inside is collected after

