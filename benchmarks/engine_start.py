@@ -5,10 +5,11 @@ for the start).
 Each run is a new Python (as each `bisect` command and each new-Python child is): torch,
 transformers and vLLM imported, then `VLLMBackend(fixture)` started (its 16-token warm-up
 forward included, the first request asking for log-probs), the fixture's samples run once,
-and the engine closed. The baseline replaces `startup.own_engine` by a context that does
-nothing, so vLLM compiles its rank count and collects the whole heap as it would. The two
+and the engine closed. The baseline replaces `startup.own_engine` and `startup.collections_deferred`
+by contexts that do nothing, so vLLM compiles its rank count and collects the whole heap as
+it would, starting and shutting down. The two
 modes are alternated --repeats times; printed: the median start, forward and close of each,
-the ratio of the starts, and whether the two gave the same log-probs bit for bit.
+the ratios, and whether the two gave the same log-probs bit for bit.
 
     .venv/bin/python benchmarks/engine_start.py                       # qwen3_moe, 3 repeats
     .venv/bin/python benchmarks/engine_start.py --fixture deepseek_v3 --repeats 5
@@ -34,7 +35,7 @@ mode, model, trace = sys.argv[1:4]
 from numbisect.backends.vllm import VLLMBackend, runner
 from numbisect.model.trace import load_trace
 if mode == "vllm":
-    runner.own_engine = contextlib.nullcontext
+    runner.own_engine = runner.collections_deferred = contextlib.nullcontext
 import torch, transformers, vllm  # noqa: F401  imported before the clock starts, in both modes
 samples = load_trace(trace).samples[:4]
 t0 = time.perf_counter()
@@ -74,10 +75,11 @@ def main() -> None:
     same = all(r["logprobs"] == runs["vllm"][0]["logprobs"] for rs in runs.values() for r in rs)
     print(f"{a.fixture}, a new Python per run, {a.repeats} runs per mode alternated (medians, s)")
     print(f"{'mode':<40}{'start':>8}{'forward':>9}{'close':>8}")
-    names = {"vllm": "vLLM's own (compiled ranks, full GCs)", "numbisect": "numbisect's (startup.own_engine)"}
+    names = {"vllm": "vLLM's own (compiled ranks, full GCs)", "numbisect": "numbisect's (startup)"}
     for m in runs:
         print(f"{names[m]:<40}{med[m]['start']:>8.2f}{med[m]['forward']:>9.2f}{med[m]['close']:>8.2f}")
-    print(f"start, numbisect's / vLLM's own: {med['numbisect']['start'] / med['vllm']['start']:.2f}x")
+    for k in ("start", "close"):
+        print(f"{k}, numbisect's / vLLM's own: {med['numbisect'][k] / med['vllm'][k]:.2f}x")
     print(f"log-probs bit for bit the same in every run: {same}")
     if a.json:
         Path(a.json).write_text(json.dumps({"fixture": a.fixture, "repeats": a.repeats, "medians": med,
