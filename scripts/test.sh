@@ -18,6 +18,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+# Python caches bytecode in the clone (__pycache__/, git-ignored) even where the machine sets
+# PYTHONDONTWRITEBYTECODE: pytest's assertion-rewritten test modules and numbisect's own modules
+# are then compiled once per clone, not again in each of the suite's hundreds of Pythons
+# (collecting the main group: 11.4-12.7 s without the cache, 7.6-7.9 s with it).
+unset PYTHONDONTWRITEBYTECODE
 PYTEST=(.venv/bin/python -m pytest)
 # One pytest-xdist worker per core (at most 2: each worker's engines take memory; tests/conftest.py
 # gives each worker a core of its own), a test file per worker at a time.

@@ -250,6 +250,16 @@ def test_prefix_reuse_in_the_workers_equals_full_recomputation(tp_engine):
             assert torch.equal(a, b), swapped
 
 
+def test_the_workers_of_numbisects_tensor_parallel_engine_count_token_ranks_eagerly(tp_engine):
+    """numbisect.backends.vllm.startup in vLLM's worker processes (new Pythons): the plugin
+    installs the eager rank count there because the backend told them the engine is numbisect's;
+    the variable that told them is not left set in this process."""
+    from numbisect.backends.vllm import startup
+
+    assert tp_engine.llm.apply_model(startup.ranks) == ["eager"] * 2
+    assert startup.ENV not in os.environ
+
+
 def test_stats_capture_under_tensor_parallel_equals_whole_run_captures(tp_engine):
     """Streamed per-sample statistics gathered from both workers: the numbers of the
     whole-run (memory) compare, propagated and teacher-forced, with the planted faults in

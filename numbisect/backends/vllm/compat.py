@@ -33,7 +33,7 @@ import importlib.util
 import sys
 import types
 
-from numbisect.backends.vllm import enginefault
+from numbisect.backends.vllm import enginefault, startup
 
 _QWEN2_VL = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 
@@ -58,6 +58,7 @@ def plugin() -> None:
     variable is unset). vLLM may call it more than once per process; installing twice is
     harmless."""
     enginefault.install()
+    startup.in_worker()
     if importlib.util.find_spec("torchvision") is not None:
         return
     _alias_qwen2_vl()

@@ -42,6 +42,7 @@ import sys
 import time
 
 from numbisect.backends.vllm.child import serve, write_json
+from numbisect.backends.vllm.startup import own_engine
 from numbisect.backends.vllm.runner import (
     VLLMBackend,
     decoded_logprobs,
@@ -99,7 +100,7 @@ def logprobs_job(job: dict) -> dict:
     if full:
         kw.setdefault("max_logprobs", -1)  # -1: the whole vocabulary
     start = time.perf_counter()
-    with quiet_stderr():
+    with quiet_stderr(), own_engine():
         llm = vllm.LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, trust_remote_code=False, **kw)
     sampling = dict(settings.get("sampling") or {})
     sampling.setdefault("temperature", 0.0)

@@ -30,6 +30,7 @@ from numbisect.backends.steps import Steps, decode_captures, vllm_logit_spans
 from numbisect.backends.vllm import gdn, hookpoints, moe, rope
 from numbisect.backends.vllm.compat import without_torchvision
 from numbisect.backends.vllm.model import VLLMModel
+from numbisect.backends.vllm.startup import collections_deferred, own_engine
 from numbisect.common.errors import BackendError, InputError
 from numbisect.common.procenv import no_code_from_cwd, vllm_env_problem
 from numbisect.patching.ledger import Ledger
@@ -156,7 +157,7 @@ class VLLMBackend(VLLMModel):
 
         opts["logits_processors"] = [*(opts.get("logits_processors") or []), ForceTokens]  # decode mode
         try:
-            with quiet_stderr():
+            with quiet_stderr(), own_engine():
                 self.llm = vllm.LLM(
                     model=path,
                     skip_tokenizer_init=True,
@@ -237,7 +238,9 @@ class VLLMBackend(VLLMModel):
         if getattr(self, "attached", False):  # the user's engine: dropped, never shut down
             self.llm = self.model = None
             return
-        if shutdown(self):
+        with collections_deferred():  # vLLM's collections while the engine is still referenced (startup)
+            closed = shutdown(self)
+        if closed:
             self.model = None
             gc.collect()
 

