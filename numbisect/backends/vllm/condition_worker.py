@@ -42,7 +42,6 @@ import sys
 import time
 
 from numbisect.backends.vllm.child import serve, write_json
-from numbisect.backends.vllm.startup import own_engine
 from numbisect.backends.vllm.runner import (
     VLLMBackend,
     decoded_logprobs,
@@ -50,6 +49,7 @@ from numbisect.backends.vllm.runner import (
     import_vllm,
     quiet_stderr,
 )
+from numbisect.backends.vllm.startup import own_engine
 from numbisect.backends.vllm.treecapture import capture_tree
 from numbisect.backends.vllm.unitcompile import eager_and_compiled
 from numbisect.model.engine_config import LOCALISABLE, llm_kwargs

@@ -28,11 +28,13 @@ start and shutdown do nothing for the numbers it computes:
    after it (the same garbage freed). Around several engines closed together (the test
    suite's shared engines), one collection after all of them.
 
-Only engines numbisect starts get this (`VLLMBackend`, the tensor-parallel backend and its
-workers, the children) and only numbisect's own shutdowns: a user's engine that numbisect attaches to is left as vLLM made it.
-A tensor-parallel worker is a new Python started by vLLM; it learns that its engine is
-numbisect's from `ENV` (set by the backend that starts it), which the vLLM plugin
-(numbisect.backends.vllm.compat.plugin) reads.
+numbisect does this where it starts an engine itself (`VLLMBackend`, the tensor-parallel
+backend and its workers, the children) and around its own shutdowns. The rank count is the
+process's (vLLM's sampler module): an engine a user started in a process where numbisect
+also started one counts the same integers eagerly too; where numbisect only attaches to the
+user's engine (numbisect.live), nothing here runs. A tensor-parallel worker is a new Python
+started by vLLM; it learns that its engine is numbisect's from `ENV` (set by the backend
+that starts it), which the vLLM plugin (numbisect.backends.vllm.compat.plugin) reads.
 """
 
 from __future__ import annotations
