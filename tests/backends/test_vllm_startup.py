@@ -72,3 +72,19 @@ def test_collections_are_deferred_inside_and_back_after():
             assert gc.collect() == 0
             raise RuntimeError
     assert gc.collect is real and gc.collect() >= 1  # the cycle made inside is collected after
+
+
+def test_an_engines_kv_cache_memory_bytes_is_its_own_not_the_environments():
+    """`--engine-opt kv_cache_memory_bytes=N`: vLLM-CPU would let VLLM_CPU_KVCACHE_SPACE (numbisect's
+    default 1 GiB) replace it; the engine gets N, and the variable is back after the start."""
+    import os
+
+    import conftest
+
+    from numbisect.backends.vllm import VLLMBackend
+
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    eng = VLLMBackend(conftest.model_dir("qwen3"), "bfloat16", kv_cache_memory_bytes=64 << 20)
+    conftest._VLLM[f"qwen3-kv-{id(eng)}"] = eng  # closed with the shared engines (closing one alone breaks them)
+    assert eng.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == 64 << 20
+    assert eng.options["kv_cache_memory_bytes"] == 64 << 20 and os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"

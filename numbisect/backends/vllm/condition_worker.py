@@ -100,7 +100,7 @@ def logprobs_job(job: dict) -> dict:
     if full:
         kw.setdefault("max_logprobs", -1)  # -1: the whole vocabulary
     start = time.perf_counter()
-    with quiet_stderr(), own_engine():
+    with quiet_stderr(), own_engine(kw):
         llm = vllm.LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, trust_remote_code=False, **kw)
     sampling = dict(settings.get("sampling") or {})
     sampling.setdefault("temperature", 0.0)

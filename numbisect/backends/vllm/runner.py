@@ -157,7 +157,7 @@ class VLLMBackend(VLLMModel):
 
         opts["logits_processors"] = [*(opts.get("logits_processors") or []), ForceTokens]  # decode mode
         try:
-            with quiet_stderr(), own_engine():
+            with quiet_stderr(), own_engine(opts):
                 self.llm = vllm.LLM(
                     model=path,
                     skip_tokenizer_init=True,

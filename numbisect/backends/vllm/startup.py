@@ -46,6 +46,7 @@ from contextlib import contextmanager
 import torch
 
 ENV = "NUMBISECT_EAGER_RANKS"  # "1": this process's engines are numbisect's (a TP worker reads it)
+KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 BLOCK_BYTES = 64 << 20  # at most this many comparisons (bytes of bool) at a time
 
 
@@ -67,17 +68,26 @@ def eager_ranks() -> None:
 
 
 @contextmanager
-def own_engine():
-    """Around `vllm.LLM(...)` for an engine numbisect starts in this process: token ranks
+def own_engine(opts: dict | None = None):
+    """Around `vllm.LLM(**opts)` for an engine numbisect starts in this process: token ranks
     counted eagerly, and the heap frozen for the start (unfrozen if the start fails; vLLM
-    unfreezes it at the engine's shutdown)."""
+    unfreezes it at the engine's shutdown).
+
+    Where `opts` sets `kv_cache_memory_bytes`, `KV_ENV` is out of the environment for the
+    start: vLLM-CPU lets that legacy variable (whole GiB; numbisect's default 1, from
+    runner.import_vllm) replace the option, so a `--engine-opt kv_cache_memory_bytes=N` would
+    silently get 1 GiB. vLLM-CPU reads it once, when the engine's configuration is made."""
     eager_ranks()
+    kv = os.environ.pop(KV_ENV, None) if opts and opts.get("kv_cache_memory_bytes") is not None else None
     gc.freeze()
     try:
         yield
     except BaseException:
         gc.unfreeze()
         raise
+    finally:
+        if kv is not None:
+            os.environ[KV_ENV] = kv
 
 
 @contextmanager

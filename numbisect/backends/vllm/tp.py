@@ -442,7 +442,7 @@ class VLLMTPBackend(Backend):
         eager = os.environ.get(startup.ENV)
         os.environ[startup.ENV] = "1"  # the workers count token ranks eagerly (numbisect.backends.vllm.startup)
         try:
-            with quiet_stderr(), startup.own_engine():
+            with quiet_stderr(), startup.own_engine(opts):
                 self.llm = vllm.LLM(
                     model=path, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
                     dtype=dtype, logprobs_mode="raw_logprobs", tensor_parallel_size=self.tp,

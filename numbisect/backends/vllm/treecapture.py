@@ -76,7 +76,7 @@ def capture_tree(job: dict) -> dict:
     kw.update(model_impl="transformers", enforce_eager=True, enable_prefix_caching=False, logprobs_mode="raw_logprobs")
     kw.setdefault("max_model_len", int(job.get("max_model_len", 1024)))
     kw.setdefault("seed", 0)
-    with quiet_stderr(), own_engine():
+    with quiet_stderr(), own_engine(kw):
         llm = vllm.LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, **kw)
     model = in_process_model(llm)
     paths, missing = tree_units(job["model"], model)
