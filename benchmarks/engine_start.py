@@ -1,6 +1,6 @@
-"""What starting one of numbisect's vLLM engines costs in a new Python, with and without the two
+"""What starting one of numbisect's vLLM engines costs in a new Python, with and without the
 cuts of numbisect.backends.vllm.startup (token ranks counted eagerly, the imported heap frozen
-for the start).
+for the start, vLLM's collections at shutdown deferred to one).
 
 Each run is a new Python (as each `bisect` command and each new-Python child is): torch,
 transformers and vLLM imported, then `VLLMBackend(fixture)` started (its 16-token warm-up

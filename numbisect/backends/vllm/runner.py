@@ -104,16 +104,23 @@ def in_process_model(llm) -> torch.nn.Module:
 
 
 def shutdown(backend) -> bool:
-    """Shut down `backend.llm`'s engine core (in-process or tensor-parallel) and drop it;
-    False when there was none (never started, or closed already)."""
+    """Shut down `backend.llm`'s engine core (in-process or tensor-parallel), drop it (and the
+    backend's `model`, where it has one), then collect the heap once: vLLM's own collections
+    during the shutdown are deferred (numbisect.backends.vllm.startup), since they run while
+    the engine is still referenced here. False when there was none (never started, or closed
+    already)."""
     llm = getattr(backend, "llm", None)
     if llm is None:
         return False
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # a half-started engine: nothing more to stop
-        pass
-    backend.llm = None
+    with collections_deferred():
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # a half-started engine: nothing more to stop
+            pass
+    backend.llm = llm = None
+    if hasattr(backend, "model"):
+        backend.model = None
+    gc.collect()
     return True
 
 
@@ -238,11 +245,7 @@ class VLLMBackend(VLLMModel):
         if getattr(self, "attached", False):  # the user's engine: dropped, never shut down
             self.llm = self.model = None
             return
-        with collections_deferred():  # vLLM's collections while the engine is still referenced (startup)
-            closed = shutdown(self)
-        if closed:
-            self.model = None
-            gc.collect()
+        shutdown(self)
 
     def forward(self, samples, *, full_logits=False, capture=(), capture_inputs=(), feed=None, mode="prefill") -> ForwardResult:
         self.check_mode(mode)

@@ -33,8 +33,8 @@ backend and its workers, the children) and around its own shutdowns. The rank co
 process's (vLLM's sampler module): an engine a user started in a process where numbisect
 also started one counts the same integers eagerly too; where numbisect only attaches to the
 user's engine (numbisect.live), nothing here runs. A tensor-parallel worker is a new Python
-started by vLLM; it learns that its engine is numbisect's from `ENV` (set by the backend
-that starts it), which the vLLM plugin (numbisect.backends.vllm.compat.plugin) reads.
+started by vLLM; it learns that its engine is numbisect's from `ENV` (set by `own_engine`
+while the engine starts), which the vLLM plugin (numbisect.backends.vllm.compat.plugin) reads.
 """
 
 from __future__ import annotations
@@ -73,12 +73,18 @@ def own_engine(opts: dict | None = None):
     counted eagerly, and the heap frozen for the start (unfrozen if the start fails; vLLM
     unfreezes it at the engine's shutdown).
 
-    Where `opts` sets `kv_cache_memory_bytes`, `KV_ENV` is out of the environment for the
-    start: vLLM-CPU lets that legacy variable (whole GiB; numbisect's default 1, from
-    runner.import_vllm) replace the option, so a `--engine-opt kv_cache_memory_bytes=N` would
-    silently get 1 GiB. vLLM-CPU reads it once, when the engine's configuration is made."""
+    The environment for the start only (as it was again after): `ENV` set, so that the worker
+    processes vLLM starts now (tensor parallel) count ranks eagerly too; and, where `opts` sets
+    `kv_cache_memory_bytes`, `KV_ENV` unset: vLLM-CPU lets that legacy variable (whole GiB;
+    numbisect's default 1, from runner.import_vllm) replace the option, so a `--engine-opt
+    kv_cache_memory_bytes=N` would silently get 1 GiB. vLLM-CPU reads both while the engine
+    starts."""
     eager_ranks()
-    kv = os.environ.pop(KV_ENV, None) if opts and opts.get("kv_cache_memory_bytes") is not None else None
+    env = {ENV: "1"}
+    if opts and opts.get("kv_cache_memory_bytes") is not None:
+        env[KV_ENV] = None
+    was = {k: os.environ.get(k) for k in env}
+    _set_env(env)
     gc.freeze()
     try:
         yield
@@ -86,8 +92,16 @@ def own_engine(opts: dict | None = None):
         gc.unfreeze()
         raise
     finally:
-        if kv is not None:
-            os.environ[KV_ENV] = kv
+        _set_env(was)
+
+
+def _set_env(values: dict) -> None:
+    """Each variable set to its value, or unset where the value is None."""
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @contextmanager

@@ -42,7 +42,6 @@ the module-level functions below, bound with `functools.partial`).
 from __future__ import annotations
 
 import functools
-import gc
 import os
 
 import torch
@@ -439,8 +438,6 @@ class VLLMTPBackend(Backend):
         # directory first on their import path: PYTHONSAFEPATH keeps it off.
         safe_path = os.environ.get("PYTHONSAFEPATH")
         os.environ["PYTHONSAFEPATH"] = "1"
-        eager = os.environ.get(startup.ENV)
-        os.environ[startup.ENV] = "1"  # the workers count token ranks eagerly (numbisect.backends.vllm.startup)
         try:
             with quiet_stderr(), startup.own_engine(opts):
                 self.llm = vllm.LLM(
@@ -452,11 +449,10 @@ class VLLMTPBackend(Backend):
             bad_input(e)
             raise fail(e, f"vLLM could not start on {path} with tensor_parallel_size={self.tp}") from None
         finally:  # the workers have their binding; an engine started later in this process must not inherit it
-            for name, was in (("PYTHONSAFEPATH", safe_path), (startup.ENV, eager)):
-                if was is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = was
+            if safe_path is None:
+                os.environ.pop("PYTHONSAFEPATH", None)
+            else:
+                os.environ["PYTHONSAFEPATH"] = safe_path
             if bind is None:
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
             else:
@@ -518,10 +514,7 @@ class VLLMTPBackend(Backend):
             self.forget()
             self.llm = None
             return
-        with startup.collections_deferred():  # vLLM's collections while the engine is still referenced
-            closed = shutdown(self)
-        if closed:
-            gc.collect()
+        shutdown(self)
 
     def swap(self, units, donor_path: str, donor_dtype: str) -> list[str]:
         """Swap `units` for the donor's modules in every worker (earlier swaps undone)."""
