@@ -13,15 +13,25 @@ the ratios, and whether the two gave the same log-probs bit for bit.
 
     .venv/bin/python benchmarks/engine_start.py                       # qwen3_moe, 3 repeats
     .venv/bin/python benchmarks/engine_start.py --fixture deepseek_v3 --repeats 5
+
+`--compiled`: a compiled engine (`enforce_eager=False`, prefix caching off, as `bisect conditions`
+starts the user's settings in a child: start, warm-up and the samples timed together) instead, the
+two modes vLLM's AOT compile path (`VLLM_USE_AOT_COMPILE=1`, vLLM's default with torch >=
+2.10) and numbisect's (=0, startup.py 4.). Each mode gets a copy of the fixture in a new
+directory (vLLM keys its compile cache by the checkpoint's path, as a new clone would be):
+its first start is printed apart from the repeats after it, which find that cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,15 +41,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import contextlib, json, sys, time
-mode, model, trace = sys.argv[1:4]
+mode, model, trace, opts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 from numbisect.backends.vllm import VLLMBackend, runner
 from numbisect.model.trace import load_trace
 if mode == "vllm":
     runner.own_engine = runner.collections_deferred = contextlib.nullcontext
 import torch, transformers, vllm  # noqa: F401  imported before the clock starts, in both modes
 samples = load_trace(trace).samples[:4]
+if opts:  # --compiled: the user's settings as `bisect conditions` runs them (a child's job: start, warm-up, the samples)
+    from numbisect.backends.vllm.condition_worker import logprobs_job
+    ans = logprobs_job({"job": "logprobs", "settings": opts, "model": model, "dtype": "bfloat16",
+                        "samples": [s.prompt_ids + s.completion_ids for s in samples],
+                        "prompt_lens": [len(s.prompt_ids) for s in samples], "max_model_len": 512})
+    print(json.dumps({"start": ans["seconds"], "logprobs": ans["logprobs"]}))
+    sys.exit(0)
 t0 = time.perf_counter()
-eng = VLLMBackend(model, "bfloat16")
+eng = VLLMBackend(model, "bfloat16", **opts)
 t1 = time.perf_counter()
 res = eng.forward(samples)
 t2 = time.perf_counter()
@@ -50,9 +67,12 @@ print(json.dumps({"start": t1 - t0, "forward": t2 - t1, "close": t3 - t2, "logpr
 """
 
 
-def one(mode: str, model: str, trace: str) -> dict:
-    p = subprocess.run([sys.executable, "-c", CHILD, mode, model, trace], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+COMPILED = {"enforce_eager": False, "enable_prefix_caching": False}
+
+
+def one(mode: str, model: str, trace: str, opts: dict | None = None, env: dict | None = None) -> dict:
+    p = subprocess.run([sys.executable, "-c", CHILD, mode, model, trace, json.dumps(opts or {})], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     if p.returncode != 0:
         sys.exit(f"{mode}: the child failed: {p.stderr.strip().splitlines()[-1:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -62,11 +82,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fixture", default="qwen3_moe")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compiled", action="store_true", help="a compiled engine: vLLM's AOT compile path against numbisect's")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     quiet_env()  # the children inherit it
     model = str(ROOT / "fixtures" / "models" / a.fixture)
     trace = str(ROOT / "fixtures" / "traces" / f"{a.fixture}.jsonl")
+    if a.compiled:
+        return compiled(a, model, trace)
     runs: dict = {"vllm": [], "numbisect": []}
     for _ in range(a.repeats):
         for mode in runs:
@@ -84,6 +107,32 @@ def main() -> None:
     if a.json:
         Path(a.json).write_text(json.dumps({"fixture": a.fixture, "repeats": a.repeats, "medians": med,
                                             "same_logprobs": same}, indent=1))
+
+
+def compiled(a, model: str, trace: str) -> None:
+    """--compiled: per mode, the first start in a new directory, then --repeats starts, alternated."""
+    modes = {"aot": "vLLM's AOT compile path (its default)", "numbisect": "numbisect's (VLLM_USE_AOT_COMPILE=0)"}
+    with tempfile.TemporaryDirectory(prefix="numbisect-bench-") as tmp:
+        paths = {m: shutil.copytree(model, os.path.join(tmp, m, a.fixture)) for m in modes}
+        env = {m: {"VLLM_USE_AOT_COMPILE": "1" if m == "aot" else "0"} for m in modes}
+        runs: dict = {m: [] for m in modes}
+        for i in range(a.repeats + 1):
+            for m in modes:
+                runs[m].append(one("numbisect", paths[m], trace, COMPILED, env[m]))
+    first = {m: rs[0]["start"] for m, rs in runs.items()}
+    again = {m: statistics.median(r["start"] for r in rs[1:]) for m, rs in runs.items()}
+    same = all(r["logprobs"] == runs["aot"][0]["logprobs"] for rs in runs.values() for r in rs)
+    print(f"{a.fixture}, a compiled engine, a new Python per run: the first start in a new directory, "
+          f"then {a.repeats} more per mode alternated (median, s)")
+    print(f"{'mode (start, warm-up and 4 samples)':<44}{'first':>8}{'again':>8}")
+    for m in modes:
+        print(f"{modes[m]:<44}{first[m]:>8.2f}{again[m]:>8.2f}")
+    print(f"start again, numbisect's / the AOT path's: {again['numbisect'] / again['aot']:.2f}x; "
+          f"first start: {first['numbisect'] / first['aot']:.2f}x")
+    print(f"log-probs bit for bit the same in every run: {same}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"fixture": a.fixture, "compiled": True, "repeats": a.repeats,
+                                            "first": first, "again": again, "same_logprobs": same}, indent=1))
 
 
 if __name__ == "__main__":

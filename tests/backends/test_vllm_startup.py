@@ -1,4 +1,4 @@
-"""numbisect.backends.vllm.startup: the two costs of an engine's start numbisect leaves out
+"""numbisect.backends.vllm.startup: the costs of an engine's start numbisect leaves out
 (benchmarks/engine_start.py measures them). The numbers must not change: the eager rank count
 gives vLLM's compiled count's integers, a block of rows at a time; the heap frozen for a start
 is unfrozen when the start fails."""
@@ -88,3 +88,23 @@ def test_an_engines_kv_cache_memory_bytes_is_its_own_not_the_environments():
     conftest._VLLM[f"qwen3-kv-{id(eng)}"] = eng  # closed with the shared engines (closing one alone breaks them)
     assert eng.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == 64 << 20
     assert eng.options["kv_cache_memory_bytes"] == 64 << 20 and os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_numbisect_compiles_a_compiled_engine_through_the_cache_that_loads(monkeypatch):
+    """vllm-cpu 0.32 cannot load what its AOT compile path saves (vLLM's default with torch >=
+    2.10), so a compiled engine was traced and compiled again in every new process: numbisect's
+    processes turn that path off, as vLLM's own decision reads it, and a user's setting stands."""
+    import os
+
+    from vllm import envs
+
+    from numbisect.backends.vllm import runner
+    from numbisect.backends.vllm.startup import AOT_ENV
+
+    monkeypatch.delenv(AOT_ENV, raising=False)
+    assert envs.use_aot_compile()  # vLLM's default here
+    runner.import_vllm()
+    assert os.environ[AOT_ENV] == "0" and not envs.use_aot_compile()
+    monkeypatch.setenv(AOT_ENV, "1")
+    runner.import_vllm()
+    assert envs.use_aot_compile()

@@ -30,7 +30,7 @@ from numbisect.backends.steps import Steps, decode_captures, vllm_logit_spans
 from numbisect.backends.vllm import gdn, hookpoints, moe, rope
 from numbisect.backends.vllm.compat import without_torchvision
 from numbisect.backends.vllm.model import VLLMModel
-from numbisect.backends.vllm.startup import collections_deferred, own_engine
+from numbisect.backends.vllm.startup import AOT_ENV, collections_deferred, own_engine
 from numbisect.common.errors import BackendError, InputError
 from numbisect.common.procenv import no_code_from_cwd, vllm_env_problem
 from numbisect.patching.ledger import Ledger
@@ -79,6 +79,11 @@ def import_vllm():
     no_code_from_cwd()  # inductor's `python -c` probes and vLLM's spawned processes: no module from the working directory
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # A compiled engine (enforce_eager=False) loads what an earlier start compiled instead of
+    # compiling again: vLLM's AOT path (its default with torch >= 2.10) saves an artifact that
+    # vllm-cpu 0.32 cannot load ("'function' object has no attribute 'finalize_loading'"), so
+    # every start traced and compiled the model again; its other cache loads (startup.py, 4.).
+    os.environ.setdefault(AOT_ENV, "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TQDM_DISABLE", "1")

