@@ -17,9 +17,10 @@ the ratios, and whether the two gave the same log-probs bit for bit.
 `--compiled`: a compiled engine (`enforce_eager=False`, prefix caching off, as `bisect conditions`
 starts the user's settings in a child: start, warm-up and the samples timed together) instead, the
 two modes vLLM's AOT compile path (`VLLM_USE_AOT_COMPILE=1`, vLLM's default with torch >=
-2.10) and numbisect's (=0, startup.py 4.). Each mode gets a copy of the fixture in a new
-directory (vLLM keys its compile cache by the checkpoint's path, as a new clone would be):
-its first start is printed apart from the repeats after it, which find that cache.
+2.10) and numbisect's (=0, startup.py 4.). Each mode gets compile caches of its own, empty at
+first, and a copy of the fixture: printed, its first start, the median of the starts after it,
+and a start of another copy in a new directory (vLLM keys its cache by the checkpoint's path,
+so this is what a new clone of the checkpoint costs).
 """
 
 from __future__ import annotations
@@ -110,30 +111,36 @@ def main() -> None:
 
 
 def compiled(a, model: str, trace: str) -> None:
-    """--compiled: per mode, the first start in a new directory, then --repeats starts, alternated."""
+    """--compiled: per mode, its own empty compile caches (vLLM's and inductor's) and its own copy
+    of the fixture: the first start, --repeats starts after it (alternated between the modes),
+    then one start of another copy in a new directory (as a new clone of the checkpoint)."""
     modes = {"aot": "vLLM's AOT compile path (its default)", "numbisect": "numbisect's (VLLM_USE_AOT_COMPILE=0)"}
+    runs: dict = {m: [] for m in modes}
+    moved: dict = {}
     with tempfile.TemporaryDirectory(prefix="numbisect-bench-") as tmp:
-        paths = {m: shutil.copytree(model, os.path.join(tmp, m, a.fixture)) for m in modes}
-        env = {m: {"VLLM_USE_AOT_COMPILE": "1" if m == "aot" else "0"} for m in modes}
-        runs: dict = {m: [] for m in modes}
+        env = {m: {"VLLM_USE_AOT_COMPILE": "1" if m == "aot" else "0", "VLLM_CACHE_ROOT": os.path.join(tmp, m, "vllm"),
+                   "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, m, "inductor")} for m in modes}
+        paths = {m: shutil.copytree(model, os.path.join(tmp, m, "a", a.fixture)) for m in modes}
         for i in range(a.repeats + 1):
             for m in modes:
                 runs[m].append(one("numbisect", paths[m], trace, COMPILED, env[m]))
+        for m in modes:
+            moved[m] = one("numbisect", shutil.copytree(model, os.path.join(tmp, m, "b", a.fixture)), trace, COMPILED, env[m])
     first = {m: rs[0]["start"] for m, rs in runs.items()}
     again = {m: statistics.median(r["start"] for r in rs[1:]) for m, rs in runs.items()}
-    same = all(r["logprobs"] == runs["aot"][0]["logprobs"] for rs in runs.values() for r in rs)
-    print(f"{a.fixture}, a compiled engine, a new Python per run: the first start in a new directory, "
-          f"then {a.repeats} more per mode alternated (median, s)")
-    print(f"{'mode (start, warm-up and 4 samples)':<44}{'first':>8}{'again':>8}")
+    new_dir = {m: r["start"] for m, r in moved.items()}
+    same = all(r["logprobs"] == runs["aot"][0]["logprobs"] for rs in [*runs.values(), list(moved.values())] for r in rs)
+    print(f"{a.fixture}, a compiled engine, a new Python per run: the first start with empty compile caches, "
+          f"{a.repeats} more per mode alternated (median), one of a copy in a new directory (s; start, warm-up and 4 samples)")
+    print(f"{'mode':<44}{'first':>8}{'again':>8}{'new dir':>9}")
     for m in modes:
-        print(f"{modes[m]:<44}{first[m]:>8.2f}{again[m]:>8.2f}")
-    print(f"start again, numbisect's / the AOT path's: {again['numbisect'] / again['aot']:.2f}x; "
-          f"first start: {first['numbisect'] / first['aot']:.2f}x")
+        print(f"{modes[m]:<44}{first[m]:>8.2f}{again[m]:>8.2f}{new_dir[m]:>9.2f}")
+    print(f"numbisect's / the AOT path's: first {first['numbisect'] / first['aot']:.2f}x, "
+          f"again {again['numbisect'] / again['aot']:.2f}x, new dir {new_dir['numbisect'] / new_dir['aot']:.2f}x")
     print(f"log-probs bit for bit the same in every run: {same}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"fixture": a.fixture, "compiled": True, "repeats": a.repeats,
-                                            "first": first, "again": again, "same_logprobs": same}, indent=1))
-
+        Path(a.json).write_text(json.dumps({"fixture": a.fixture, "compiled": True, "repeats": a.repeats, "first": first,
+                                            "again": again, "new_dir": new_dir, "same_logprobs": same}, indent=1))
 
 if __name__ == "__main__":
     main()

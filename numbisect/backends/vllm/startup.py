@@ -33,9 +33,11 @@ start and shutdown do nothing for the numbers it computes (and a fourth for comp
    saved ("'function' object has no attribute 'finalize_loading'", logged as a warning), so
    every new process traced and compiled the model again. numbisect's processes set
    `AOT_ENV` to 0 unless the user set it (runner.import_vllm): vLLM's other compile cache,
-   which loads. The same log-probs bit for bit; on the qwen3_moe fixture a compiled start took
-   28 s the first time and 14 s each time after with the AOT path, 7 s each time without it
-   (benchmarks/engine_start.py --compiled).
+   which loads, from any directory (the AOT path's is keyed by the checkpoint's path). The
+   same log-probs bit for bit; on the qwen3_moe fixture (benchmarks/engine_start.py
+   --compiled) a compiled start took 31-32 s with empty caches either way, then 15.5 s each
+   time with the AOT path and 7.6 s without it (a copy of the checkpoint in a new directory:
+   31.4 s against 7.6 s).
 
 numbisect does this where it starts an engine itself (`VLLMBackend`, the tensor-parallel
 backend and its workers, the children) and around its own shutdowns. The rank count is the
