@@ -121,7 +121,7 @@ def compiled(a, model: str, trace: str) -> None:
         env = {m: {"VLLM_USE_AOT_COMPILE": "1" if m == "aot" else "0", "VLLM_CACHE_ROOT": os.path.join(tmp, m, "vllm"),
                    "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, m, "inductor")} for m in modes}
         paths = {m: shutil.copytree(model, os.path.join(tmp, m, "a", a.fixture)) for m in modes}
-        for i in range(a.repeats + 1):
+        for _ in range(a.repeats + 1):
             for m in modes:
                 runs[m].append(one("numbisect", paths[m], trace, COMPILED, env[m]))
         for m in modes:
@@ -141,6 +141,7 @@ def compiled(a, model: str, trace: str) -> None:
     if a.json:
         Path(a.json).write_text(json.dumps({"fixture": a.fixture, "compiled": True, "repeats": a.repeats, "first": first,
                                             "again": again, "new_dir": new_dir, "same_logprobs": same}, indent=1))
+
 
 if __name__ == "__main__":
     main()
