@@ -12,14 +12,16 @@ working directory, and vLLM in this process.
 2. `check_vllm_in_process()`: numbisect's hooks need vLLM's model in this process, which
    `VLLM_ENABLE_V1_MULTIPROCESSING=1` moves to another (its answer would come only after the
    engine started, as an internal error): refused in one line before anything loads.
+3. `environ(values)`: variables set (or unset) for a block, as they were again after it.
 
-Only os and sys: `numbisect.__main__` calls (1) before anything else is imported.
+Only os and sys (and contextlib): `numbisect.__main__` calls (1) before anything else is imported.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 
 
 def _cwd_entries(paths: list[str]) -> list[str]:
@@ -54,3 +56,23 @@ def vllm_env_problem() -> str | None:
     return (f"{MULTIPROCESSING}={os.environ[MULTIPROCESSING]!r} runs vLLM's engine in another process, where "
             "numbisect's hooks cannot reach its model; unset it (numbisect runs its engines in-process, with "
             f"{MULTIPROCESSING}=0)")
+
+
+@contextmanager
+def environ(values: dict):
+    """(3) Each variable in `values` set to its value, or unset where the value is None, for the
+    block; each as it was again after it (also when the block raises)."""
+    was = {k: os.environ.get(k) for k in values}
+    _set(values)
+    try:
+        yield
+    finally:
+        _set(was)
+
+
+def _set(values: dict) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

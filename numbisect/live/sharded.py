@@ -114,6 +114,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from numbisect.common.errors import InputError, exception_line
+from numbisect.common.procenv import environ
 from numbisect.live import bundle as B
 from numbisect.live import cold as K
 from numbisect.live import poison as X
@@ -1344,18 +1345,12 @@ def _single_process_env():
     """The trainer's process-group variables (RANK, WORLD_SIZE, MASTER_PORT, ...) replaced,
     for the block, by a world of one on a free port: an engine started from a rank (the cold
     oracle's child) builds its own group, not one over the trainer's ranks."""
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.get(k) for k in keys}
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    try:
+    with environ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(port)}):
         yield
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def attach_sharded(model, engine=None, *, timeout: float = DEFAULT_TIMEOUT, group=None) -> ShardedProbe:

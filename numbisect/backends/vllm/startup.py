@@ -56,6 +56,8 @@ from contextlib import contextmanager
 
 import torch
 
+from numbisect.common.procenv import environ
+
 ENV = "NUMBISECT_EAGER_RANKS"  # "1": this process's engines are numbisect's (a TP worker reads it)
 KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 AOT_ENV = "VLLM_USE_AOT_COMPILE"  # "0" in numbisect's processes unless set (4. above)
@@ -95,25 +97,13 @@ def own_engine(opts: dict | None = None):
     env = {ENV: "1"}
     if opts and opts.get("kv_cache_memory_bytes") is not None:
         env[KV_ENV] = None
-    was = {k: os.environ.get(k) for k in env}
-    _set_env(env)
-    gc.freeze()
-    try:
-        yield
-    except BaseException:
-        gc.unfreeze()
-        raise
-    finally:
-        _set_env(was)
-
-
-def _set_env(values: dict) -> None:
-    """Each variable set to its value, or unset where the value is None."""
-    for k, v in values.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with environ(env):
+        gc.freeze()
+        try:
+            yield
+        except BaseException:
+            gc.unfreeze()
+            raise
 
 
 @contextmanager

@@ -70,6 +70,7 @@ from numbisect.backends.vllm.runner import (
     shutdown,
 )
 from numbisect.common.errors import BackendError, InputError
+from numbisect.common.procenv import environ
 from numbisect.patching.faults import apply_faults, parse_fault
 from numbisect.patching.ledger import Ledger
 from numbisect.patching.prefix import PrefixCache
@@ -423,40 +424,31 @@ class VLLMTPBackend(Backend):
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         if (bind or "").count("|") != self.tp - 1:  # not one CPU list per rank: one core each
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(self.tp))
-        vllm = import_vllm()
-        # An engine started earlier in this process froze vLLM's environment cache
-        # (the binding above would go unread): read the variables afresh.
-        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
-        opts = {
-            "max_model_len": int(engine_opts.pop("max_model_len", min(1024, getattr(self.config, "max_position_embeddings", 1024)))),
-            "seed": int(engine_opts.pop("seed", 0)),
-            **engine_opts,
-        }
-        self.options = {**opts, "tensor_parallel_size": self.tp}
-        # vLLM-CPU spawns its workers (`python -c ...`), which would put the working
-        # directory first on their import path: PYTHONSAFEPATH keeps it off.
-        safe_path = os.environ.get("PYTHONSAFEPATH")
-        os.environ["PYTHONSAFEPATH"] = "1"
-        try:
-            with quiet_stderr(), startup.own_engine(opts):
-                self.llm = vllm.LLM(
-                    model=path, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
-                    dtype=dtype, logprobs_mode="raw_logprobs", tensor_parallel_size=self.tp,
-                    distributed_executor_backend="mp", trust_remote_code=False, **opts,
-                )
-        except Exception as e:
-            bad_input(e)
-            raise fail(e, f"vLLM could not start on {path} with tensor_parallel_size={self.tp}") from None
-        finally:  # the workers have their binding; an engine started later in this process must not inherit it
-            if safe_path is None:
-                os.environ.pop("PYTHONSAFEPATH", None)
-            else:
-                os.environ["PYTHONSAFEPATH"] = safe_path
-            if bind is None:
-                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-            else:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+            bind = "|".join(str(i % (os.cpu_count() or 1)) for i in range(self.tp))
+        # The workers take their binding when they start; an engine started later in this process
+        # must not inherit it. They are spawned (`python -c ...`) with PYTHONSAFEPATH=1, set by
+        # import_vllm (no_code_from_cwd): no module from the working directory.
+        with environ({"VLLM_CPU_OMP_THREADS_BIND": bind}):
+            vllm = import_vllm()
+            # An engine started earlier in this process froze vLLM's environment cache
+            # (the binding above would go unread): read the variables afresh.
+            getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+            opts = {
+                "max_model_len": int(engine_opts.pop("max_model_len", min(1024, getattr(self.config, "max_position_embeddings", 1024)))),
+                "seed": int(engine_opts.pop("seed", 0)),
+                **engine_opts,
+            }
+            self.options = {**opts, "tensor_parallel_size": self.tp}
+            try:
+                with quiet_stderr(), startup.own_engine(opts):
+                    self.llm = vllm.LLM(
+                        model=path, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
+                        dtype=dtype, logprobs_mode="raw_logprobs", tensor_parallel_size=self.tp,
+                        distributed_executor_backend="mp", trust_remote_code=False, **opts,
+                    )
+            except Exception as e:
+                bad_input(e)
+                raise fail(e, f"vLLM could not start on {path} with tensor_parallel_size={self.tp}") from None
         ranks = self.llm.apply_model(worker_rank)
         if sorted(r for r, _ in ranks) != list(range(self.tp)):
             raise BackendError(f"expected {self.tp} tensor-parallel workers, got ranks {ranks}")
